@@ -1,0 +1,1 @@
+"""Subcommand groups of the aep-bridge CLI (thin: parse, then call into the package)."""

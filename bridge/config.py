@@ -1,0 +1,142 @@
+"""Settings shared by every `aep-bridge` command, from `AEP_BRIDGE_*` variables.
+
+Precedence: command-line flag > environment > the optional `KEY=VALUE` file named
+by `AEP_BRIDGE_CONFIG` (default `~/.config/aep-bridge/env`) > built-in default.
+The shim (`bridge/shim/hook.py`) reads the same names with its own stdlib-only
+parser; keep the two in step (tests/test_config.py checks the defaults agree).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
+DEFAULT_DEADLINE_MS = 250
+DEFAULT_MAX_FIELD_BYTES = 64 * 1024
+DEFAULT_SPOOL_MAX_BYTES = 64 * 1024 * 1024
+DEFAULT_PARTITIONS = 8
+DEFAULT_CAPTURE = "metadata"
+DEFAULT_CAPTURE_OVERRIDES = "attention=redacted"
+MAPPER_METRICS_PORT = 9464
+PAIRING_METRICS_PORT = 9465
+
+
+def default_config_path() -> Path:
+    return Path(os.path.expanduser("~/.config/aep-bridge/env"))
+
+
+def default_state_dir() -> Path:
+    base = os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state")
+    return Path(base) / "aep-bridge"
+
+
+def read_env_file(path: Path) -> dict[str, str]:
+    """Parse a `KEY=VALUE` file (comments with #, optional quotes); missing file -> {}."""
+    values: dict[str, str] = {}
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (FileNotFoundError, IsADirectoryError, PermissionError):
+        return values
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#") or "=" not in line:
+            continue
+        key, _, value = line.partition("=")
+        key = key.strip()
+        if key.startswith("export "):
+            key = key[len("export ") :].strip()
+        value = value.strip()
+        if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+            value = value[1:-1]
+        values[key] = value
+    return values
+
+
+def load_environ(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The effective `AEP_BRIDGE_*` view: the config file overlaid by the environment."""
+    env = dict(os.environ if environ is None else environ)
+    path = Path(env.get("AEP_BRIDGE_CONFIG") or default_config_path())
+    merged = read_env_file(path)
+    merged.update({k: v for k, v in env.items()})
+    return merged
+
+
+@dataclass
+class Settings:
+    nats_url: str = DEFAULT_NATS_URL
+    nats_user: str | None = None
+    nats_password: str | None = None
+    nats_token: str | None = None
+    nats_creds: str | None = None
+    nats_nkey_seed: str | None = None
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    instance: str = field(default_factory=socket.gethostname)
+    spool_dir: Path = field(default_factory=lambda: default_state_dir() / "spool")
+    deadline_ms: int = DEFAULT_DEADLINE_MS
+    max_field_bytes: int = DEFAULT_MAX_FIELD_BYTES
+    spool_max_bytes: int = DEFAULT_SPOOL_MAX_BYTES
+    partitions: int = DEFAULT_PARTITIONS
+    capture: str = DEFAULT_CAPTURE
+    capture_overrides: str = DEFAULT_CAPTURE_OVERRIDES
+    redact_names: tuple[str, ...] = ()
+    metrics_port: int | None = None
+    log_format: str = "json"
+    log_level: str = "info"
+
+    @property
+    def servers(self) -> list[str]:
+        return [s.strip() for s in self.nats_url.split(",") if s.strip()]
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None) -> "Settings":
+        env = load_environ(environ)
+
+        def get(name: str) -> str | None:
+            value = env.get("AEP_BRIDGE_" + name)
+            return value if value not in (None, "") else None
+
+        def get_int(name: str, default: int) -> int:
+            raw = get(name)
+            if raw is None:
+                return default
+            try:
+                return int(raw)
+            except ValueError as exc:
+                raise ValueError(f"AEP_BRIDGE_{name} must be an integer, got {raw!r}") from exc
+
+        s = cls()
+        s.nats_url = get("NATS_URL") or DEFAULT_NATS_URL
+        s.nats_user = get("NATS_USER")
+        s.nats_password = get("NATS_PASSWORD")
+        s.nats_token = get("NATS_TOKEN")
+        s.nats_creds = get("NATS_CREDS")
+        s.nats_nkey_seed = get("NATS_NKEY_SEED")
+        s.tls_ca = get("TLS_CA")
+        s.tls_cert = get("TLS_CERT")
+        s.tls_key = get("TLS_KEY")
+        s.instance = get("INSTANCE") or socket.gethostname()
+        if get("SPOOL_DIR"):
+            s.spool_dir = Path(get("SPOOL_DIR"))  # type: ignore[arg-type]
+        s.deadline_ms = get_int("DEADLINE_MS", DEFAULT_DEADLINE_MS)
+        s.max_field_bytes = get_int("MAX_FIELD_BYTES", DEFAULT_MAX_FIELD_BYTES)
+        s.spool_max_bytes = get_int("SPOOL_MAX_BYTES", DEFAULT_SPOOL_MAX_BYTES)
+        s.partitions = get_int("PARTITIONS", DEFAULT_PARTITIONS)
+        s.capture = get("CAPTURE") or DEFAULT_CAPTURE
+        s.capture_overrides = get("CAPTURE_OVERRIDES") or DEFAULT_CAPTURE_OVERRIDES
+        names = get("REDACT_NAMES")
+        s.redact_names = tuple(n.strip() for n in names.split(",") if n.strip()) if names else ()
+        port = get("METRICS_PORT")
+        s.metrics_port = int(port) if port else None
+        s.log_format = get("LOG_FORMAT") or "json"
+        s.log_level = get("LOG_LEVEL") or "info"
+        return s
+
+    def secret_values(self, environ: dict[str, str] | None = None) -> tuple[str, ...]:
+        """Values of the operator-listed names (redaction rule b), read from the environment."""
+        env = os.environ if environ is None else environ
+        return tuple(env[n] for n in self.redact_names if env.get(n))

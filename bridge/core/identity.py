@@ -1,0 +1,98 @@
+"""Deterministic identity of AEP events.
+
+At-least-once delivery is made safe by determinism: every stage may see a raw
+message twice (redelivery, a second replica, a replay), so the same input must
+give byte-identical output, and every publish carries ``Nats-Msg-Id`` = the
+event id so the stream's duplicate window absorbs the second copy.
+
+* ``id``: a ULID whose 48-bit time is the shim's receive time (ms) and whose
+  80-bit "random" part is the first 10 bytes of SHA-256(``raw id/slot``).
+* ``seq``: ``raw_seq * SLOTS + slot``. It grows with arrival order, has gaps,
+  and is the same on every replica. Slots below ``MAPPED_SLOT`` are for events
+  the pairing stage inserts before the mapped events of that raw message (a
+  session-end sweep), ``MAPPED_SLOT..AFTER_SLOT-1`` for the mapper's events, and
+  ``AFTER_SLOT..SLOTS-1`` for events inserted after them.
+* ``epoch``: supplied by the caller (the raw stream's creation time).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from urllib.parse import quote
+
+SLOTS = 1024
+BEFORE_SLOT = 0
+MAPPED_SLOT = 512
+AFTER_SLOT = 768
+MAX_MAPPED = AFTER_SLOT - MAPPED_SLOT
+
+_CROCKFORD = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
+
+
+def ulid_from(time_ms: int, entropy: bytes) -> str:
+    """Encode a ULID from a 48-bit millisecond time and 10 bytes of entropy."""
+    if len(entropy) < 10:
+        raise ValueError("a ULID needs 10 bytes of entropy")
+    value = ((time_ms & 0xFFFFFFFFFFFF) << 80) | int.from_bytes(entropy[:10], "big")
+    chars = []
+    for _ in range(26):
+        chars.append(_CROCKFORD[value & 31])
+        value >>= 5
+    return "".join(reversed(chars))
+
+
+def ulid_time_ms(ulid: str) -> int:
+    value = 0
+    for ch in ulid.upper():
+        value = value * 32 + _CROCKFORD.index(ch)
+    return value >> 80
+
+
+def event_id(raw_id: str, slot: int, time_ms: int) -> str:
+    entropy = hashlib.sha256(f"{raw_id}/{slot}".encode()).digest()
+    return ulid_from(time_ms, entropy)
+
+
+def event_seq(raw_seq: int, slot: int) -> int:
+    if not 0 <= slot < SLOTS:
+        raise ValueError(f"slot {slot} outside 0..{SLOTS - 1}")
+    return raw_seq * SLOTS + slot
+
+
+def rfc3339(ts_ns: int) -> str:
+    """Receive time as RFC 3339 UTC with millisecond precision (display only)."""
+    ms = ts_ns // 1_000_000
+    dt = datetime.fromtimestamp(ms // 1000, tz=timezone.utc)
+    return f"{dt:%Y-%m-%dT%H:%M:%S}.{ms % 1000:03d}Z"
+
+
+def source_uri(instance: str, session: str) -> str:
+    return f"aep://{_uri_part(instance)}/agent/hermes/session/{_uri_part(session)}"
+
+
+def _uri_part(value: str) -> str:
+    """Percent-encode what a URI path segment / host cannot carry (ids are untrusted)."""
+    return quote(value, safe="-._~") or "_"
+
+
+@dataclass(frozen=True)
+class Origin:
+    """Where a mapped event comes from: the raw message and its place in HERMES_RAW."""
+
+    raw_id: str
+    raw_seq: int
+    ts_ns: int
+    instance: str
+    epoch: int = 0
+
+    @property
+    def time_ms(self) -> int:
+        return self.ts_ns // 1_000_000
+
+    def id_for(self, slot: int) -> str:
+        return event_id(self.raw_id, slot, self.time_ms)
+
+    def seq_for(self, slot: int) -> int:
+        return event_seq(self.raw_seq, slot)

@@ -1,0 +1,150 @@
+"""Lanes: which AEP session an event is filed under, and how a lane names a subject.
+
+Resolution rules (AEP.md "Lanes", HERMES.md):
+1. An envelope with a non-empty ``session_id`` is its own lane.
+2. Approval hooks always carry ``session_id: ""``: the lane is ``extra.session_key``
+   when it names a KNOWN session, else the session prefix of ``extra.turn_id``
+   (``{session}:{task}:{hex8}``) when that is a known session.
+3. Other events with no session id (tools called inside ``execute_code`` carry only
+   ``task_id``) resolve through a known task alias, then the turn-id prefix.
+4. Otherwise the ``unknown`` lane. Nothing but a real ``session_id`` ever mints a
+   lane, so a gateway key (``ns:platform:chat_type:chat_id``) never becomes one.
+
+The lookup is an interface (`LaneLookup`): the `map` command backs it with a dict,
+the mapper service with a JetStream KV bucket plus a bounded cache.
+"""
+
+from __future__ import annotations
+
+import base64
+import re
+import zlib
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from bridge.core.envelope import HermesEnvelope
+
+UNKNOWN = "unknown"
+UNKNOWN_TOKEN = "_unknown"
+APPROVAL_HOOKS = frozenset({"pre_approval_request", "post_approval_response"})
+
+_PLAIN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*$")
+
+
+class LaneLookup(Protocol):
+    def is_known_session(self, session_id: str) -> bool: ...
+
+    def task_session(self, task_id: str) -> str | None: ...
+
+
+@dataclass(frozen=True)
+class Learned:
+    """What mapping one envelope teaches the lane table (applied by the caller)."""
+
+    session: str | None = None
+    task_id: str | None = None
+
+
+@dataclass
+class MemoryLanes:
+    """A bounded in-memory lane table (LRU); the `map` command's lookup and the services' cache."""
+
+    max_entries: int = 100_000
+    sessions: OrderedDict[str, None] = field(default_factory=OrderedDict)
+    tasks: OrderedDict[str, str] = field(default_factory=OrderedDict)
+
+    def is_known_session(self, session_id: str) -> bool:
+        if session_id in self.sessions:
+            self.sessions.move_to_end(session_id)
+            return True
+        return False
+
+    def task_session(self, task_id: str) -> str | None:
+        session = self.tasks.get(task_id)
+        if session is not None:
+            self.tasks.move_to_end(task_id)
+        return session
+
+    def add_session(self, session_id: str) -> None:
+        self.sessions[session_id] = None
+        self.sessions.move_to_end(session_id)
+        while len(self.sessions) > self.max_entries:
+            self.sessions.popitem(last=False)
+
+    def add_task(self, task_id: str, session_id: str) -> None:
+        self.tasks[task_id] = session_id
+        self.tasks.move_to_end(task_id)
+        while len(self.tasks) > self.max_entries:
+            self.tasks.popitem(last=False)
+
+    def learn(self, learned: Learned) -> None:
+        if learned.session:
+            self.add_session(learned.session)
+            if learned.task_id:
+                self.add_task(learned.task_id, learned.session)
+
+
+def turn_session_prefix(turn_id: str) -> str | None:
+    """``{session}:{task}:{hex8}`` -> ``session`` (a session id may itself contain ':')."""
+    parts = turn_id.rsplit(":", 2)
+    if len(parts) == 3 and parts[0]:
+        return parts[0]
+    return None
+
+
+def resolve_lane(env: HermesEnvelope, lanes: LaneLookup) -> str:
+    if env.session_id:
+        return env.session_id
+    if env.hook_event_name in APPROVAL_HOOKS:
+        key = env.xstr("session_key")
+        if key and lanes.is_known_session(key):
+            return key
+    else:
+        task = env.xstr("task_id")
+        if task:
+            session = lanes.task_session(task)
+            if session:
+                return session
+    turn = env.xstr("turn_id") or env.xstr("parent_turn_id")
+    prefix = turn_session_prefix(turn) if turn else None
+    if prefix and lanes.is_known_session(prefix):
+        return prefix
+    return UNKNOWN
+
+
+def learned_from(env: HermesEnvelope) -> Learned:
+    if not env.session_id:
+        return Learned()
+    task = env.xstr("task_id")
+    return Learned(session=env.session_id, task_id=task or None)
+
+
+# ---------------------------------------------------------------- subject-safe tokens
+
+
+def lane_token(lane: str) -> str:
+    """A reversible, subject- and KV-key-safe token for a lane.
+
+    Plain ids (``[A-Za-z0-9][A-Za-z0-9_-]*``) are their own token, the unknown lane
+    is ``_unknown``, anything else is ``=`` + unpadded base64url of its UTF-8.
+    """
+    if lane == UNKNOWN:
+        return UNKNOWN_TOKEN
+    if _PLAIN.match(lane):
+        return lane
+    return "=" + base64.urlsafe_b64encode(lane.encode("utf-8")).decode("ascii").rstrip("=")
+
+
+def lane_from_token(token: str) -> str:
+    if token == UNKNOWN_TOKEN:
+        return UNKNOWN
+    if token.startswith("="):
+        body = token[1:]
+        return base64.urlsafe_b64decode(body + "=" * (-len(body) % 4)).decode("utf-8")
+    return token
+
+
+def partition_of(token: str, partitions: int) -> int:
+    """Stable partition of a lane token (crc32, identical on every replica and release)."""
+    return zlib.crc32(token.encode("utf-8")) % partitions

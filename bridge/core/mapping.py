@@ -1,0 +1,523 @@
+"""The Hermes mapping (AEP-0002 Annex A §A.10), as a table keyed by hook name.
+
+``map_envelope`` turns ONE Hermes envelope into a list of AEP events. It is pure:
+lane knowledge comes in through a `LaneLookup`, identity through an `Origin`,
+and what the lane table should learn goes back out in the result.
+
+The table (``HOOKS``) maps a hook name to a builder that returns
+``[(type, payload, subject)]``; ``post_tool_call`` dispatches again on its
+``status`` (``POST_TOOL_STATUS``). One visible exception sits on top: the
+clarify FORM overlay (``_clarify_pre`` / ``_clarify_post``), which adds attention
+events beside the pinned tool events of the ``clarify`` tool. Hooks not in the
+table fall back to ``x.hermes.<name with _ as .>`` with an empty payload.
+
+Beyond the upstream pins, real Hermes sends (HERMES.md) and we map:
+* ``post_tool_call`` status ``cancelled`` / ``timeout`` -> ``tool.failed`` whose
+  ``error.type`` keeps the vendor ``error_type`` (``keyboard_interrupt``,
+  ``tool_timeout``), severity ``warning``; an unknown status -> ``tool.failed``
+  with ``error.type`` = ``status:<value>``.
+* approval ``choice: "deny"`` stays ``deny`` even when the CLI meant a timeout.
+* ``on_session_end`` without a ``turn_id`` -> ``run.finished``/``run.cancelled``
+  with no ``run``; the pairing stage attaches it to the session's open run.
+* ``on_session_end`` neither completed nor interrupted -> ``run.failed
+  {reason: "incomplete"}``.
+* a missing or unexpected ``telemetry_schema_version`` is mapped as usual and
+  every event of it carries the extension attribute ``drift`` (the drift sentinel).
+
+Capture: each builder receives a `Gate` for the event type it builds and adds a
+field only when the ceiling admits it (see `bridge.core.capture`).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import msgspec
+from msgspec import UNSET
+
+from bridge.core import aep
+from bridge.core.capture import FULL, NONE, REDACTED, CapturePolicy, digest
+from bridge.core.envelope import HermesEnvelope
+from bridge.core.identity import MAPPED_SLOT, MAX_MAPPED, Origin, rfc3339, source_uri
+from bridge.core.lanes import UNKNOWN, LaneLookup, Learned, learned_from, resolve_lane
+
+LEVEL_NAMES = ("none", "metadata", "redacted", "full")
+
+
+# ---------------------------------------------------------------- the gate
+
+
+@dataclass(frozen=True)
+class Gate:
+    """The ceiling of one event and the redaction that goes with it."""
+
+    level: int
+    policy: CapturePolicy
+
+    def admits(self, level: int) -> bool:
+        return self.level >= level
+
+    def text(self, value: Any, level: int = REDACTED) -> Any:
+        """Free text (or a JSON value) gated at ``level``: UNSET, redacted, or verbatim."""
+        if value is None or not self.admits(level):
+            return UNSET
+        if self.level >= FULL:
+            return value
+        return self.policy.redactor.value(value)
+
+
+Spec = tuple[str, aep._Payload, str | None]  # (type, payload, subject)
+Builder = Callable[[HermesEnvelope, "Ctx"], list[Spec]]
+
+
+@dataclass
+class Ctx:
+    policy: CapturePolicy
+
+    def gate(self, event_type: str) -> Gate:
+        return Gate(self.policy.ceiling(event_type), self.policy)
+
+
+# ---------------------------------------------------------------- small readers
+
+
+def _int(value: Any) -> int | Any:
+    if isinstance(value, bool):
+        return UNSET
+    if isinstance(value, int) and value >= 0:
+        return value
+    if isinstance(value, float) and value >= 0 and value == value:
+        return int(value)
+    return UNSET
+
+
+def _str(value: Any) -> str | Any:
+    return value if isinstance(value, str) and value else UNSET
+
+
+def _tool(env: HermesEnvelope) -> aep.ToolRef:
+    return aep.ToolRef(name=env.tool_name or "unknown", call_id=_str(env.x("tool_call_id")))
+
+
+# ---------------------------------------------------------------- session, run
+
+
+def _session_start(env: HermesEnvelope, ctx: Ctx) -> list[Spec]:
+    g = ctx.gate("session.started")
+    payload = aep.SessionStarted(client=aep.Client(name="hermes"), cwd=g.text(env.cwd or None))
+    return [("session.started", payload, None)]
+
+
+def _session_finalize(env: HermesEnvelope, ctx: Ctx) -> list[Spec]:
+    return [("session.ended", aep.SessionEnded(reason="normal"), None)]
+
+
+def _session_reset(env: HermesEnvelope, ctx: Ctx) -> list[Spec]:
+    payload = aep.HermesSessionReset(reason=_str(env.x("reason")), previous_session=_str(env.x("old_session_id")))
+    return [("x.hermes.session.reset", payload, None)]
+
+
+def _run_start(env: HermesEnvelope, ctx: Ctx) -> list[Spec]:
+    g = ctx.gate("run.started")
+    message = env.x("user_message")
+    payload = aep.RunStarted(
+        trigger="user",
+        message_digest=digest(message) if message is not None else UNSET,
+        prompt=g.text(message if isinstance(message, str) else None),
+    )
+    return [("run.started", payload, None)]
+
+
+def _run_end(env: HermesEnvelope, ctx: Ctx) -> list[Spec]:
+    if env.x("interrupted") is True:
+        return [("run.cancelled", aep.RunCancelled(by="user"), None)]
+    if env.x("completed") is False:
+        return [("run.failed", aep.RunFailed(reason="incomplete"), None)]
+    return [("run.finished", aep.RunFinished(), None)]
+
+
+# ---------------------------------------------------------------- tools
+
+
+def _tool_pre(env: HermesEnvelope, ctx: Ctx) -> list[Spec]:
+    g = ctx.gate("tool.requested")
+    args = env.tool_input if env.tool_input is not None else {}
+    payload = aep.ToolRequested(
+        tool=_tool(env),
+        args_digest=digest(args),
+        args_redacted=g.text(args) if g.level == REDACTED else UNSET,
+        args=args if g.admits(FULL) else UNSET,
+    )
+    specs: list[Spec] = [("tool.requested", payload, env.tool_name or None)]
+    if env.tool_name == "clarify":
+        specs += _clarify_pre(env, ctx)
+    return specs
+
+
+def _result_fields(env: HermesEnvelope, g: Gate) -> dict[str, Any]:
+    result = env.x("result")
+    if result is None:
+        return {}
+    return {
+        "result_digest": digest(result),
+        "result_redacted": g.text(result) if g.level == REDACTED else UNSET,
+        "result": result if g.admits(FULL) else UNSET,
+    }
+
+
+def _post_ok(env: HermesEnvelope, ctx: Ctx) -> list[Spec]:
+    g = ctx.gate("tool.completed")
+    payload = aep.ToolCompleted(tool=_tool(env), duration_ms=_int(env.x("duration_ms")), **_result_fields(env, g))
+    return [("tool.completed", payload, env.tool_name or None)]
+
+
+def _post_error(env: HermesEnvelope, ctx: Ctx, error_type: str | None = None) -> list[Spec]:
+    g = ctx.gate("tool.failed")
+    error = aep.ErrorInfo(
+        type=error_type or _str(env.x("error_type")) or "error",
+        message=g.text(_str(env.x("error_message")) or None),
+    )
+    payload = aep.ToolFailed(tool=_tool(env), error=error, duration_ms=_int(env.x("duration_ms")))
+    return [("tool.failed", payload, env.tool_name or None)]
+
+
+def _post_blocked(env: HermesEnvelope, ctx: Ctx) -> list[Spec]:
+    g = ctx.gate("tool.denied")
+    payload = aep.ToolDenied(
+        tool=_tool(env),
+        by="policy",
+        duration_ms=_int(env.x("duration_ms")),
+        rule=g.text(_str(env.x("error_message")) or None),
+    )
+    return [("tool.denied", payload, env.tool_name or None)]
+
+
+def _post_cancelled(env: HermesEnvelope, ctx: Ctx) -> list[Spec]:
+    return _post_error(env, ctx, _str(env.x("error_type")) or "cancelled")
+
+
+def _post_timeout(env: HermesEnvelope, ctx: Ctx) -> list[Spec]:
+    return _post_error(env, ctx, _str(env.x("error_type")) or "timeout")
+
+
+POST_TOOL_STATUS: dict[str, Builder] = {
+    "ok": _post_ok,
+    "error": _post_error,
+    "blocked": _post_blocked,
+    "cancelled": _post_cancelled,
+    "timeout": _post_timeout,
+}
+#: statuses real Hermes sends that the upstream pins do not cover; their events are warnings.
+WARNING_STATUSES = frozenset({"cancelled", "timeout"})
+
+
+def _tool_post(env: HermesEnvelope, ctx: Ctx) -> list[Spec]:
+    status = env.x("status")
+    builder = POST_TOOL_STATUS.get(status) if isinstance(status, str) else None
+    if builder is None:
+        specs = _post_error(env, ctx, f"status:{status}")
+    else:
+        specs = builder(env, ctx)
+    if env.tool_name == "clarify":
+        specs += _clarify_post(env, ctx, status if isinstance(status, str) else "")
+    return specs
+
+
+# ---------------------------------------------------------------- approvals
+
+APPROVAL_OPTIONS = (
+    ("once", "Allow once"),
+    ("session", "Allow for this session"),
+    ("always", "Add to permanent allowlist"),
+    ("deny", "Deny"),
+)
+
+
+def _approval_pre(env: HermesEnvelope, ctx: Ctx) -> list[Spec]:
+    g = ctx.gate("attention.requested")
+    pattern = env.xstr("pattern_key") or None
+    command = env.x("command")
+    if g.admits(REDACTED) and isinstance(command, str):
+        prompt = "Approval requested: " + g.text(command)
+    else:
+        prompt = f"hermes requests permission: {pattern}" if pattern else "hermes requests permission"
+    payload = aep.AttentionRequested(
+        kind="permission",
+        prompt=prompt,
+        options=[aep.Option(id=i, label=label) for i, label in APPROVAL_OPTIONS],
+        respond_via=["oob"],
+    )
+    return [("attention.requested", payload, pattern)]
+
+
+def _approval_post(env: HermesEnvelope, ctx: Ctx) -> list[Spec]:
+    pattern = env.xstr("pattern_key") or None
+    choice = env.x("choice")
+    if choice == "timeout":
+        return [("attention.timeout", aep.AttentionTimeout(), pattern)]
+    option = choice if isinstance(choice, str) and choice else "unknown"
+    payload = aep.AttentionAnswered(answer=aep.Answer(option=option), via="oob")
+    return [("attention.answered", payload, pattern)]
+
+
+# ---------------------------------------------------------------- clarify: the form overlay
+
+MAX_CHOICES = 4  # Hermes's tools/clarify_tool.py MAX_CHOICES
+CLI_TIMEOUT = "The user did not provide a response within the time limit. Use your best judgement to make the choice and proceed."
+CLI_CANCEL = "The user cancelled. Use your best judgement to proceed."
+GATEWAY_UNDELIVERABLE = "[clarify prompt could not be delivered]"
+GATEWAY_TIMEOUT = re.compile(r"^\[user did not respond within \d+m\]$")
+
+
+def flatten_choice(c: Any) -> str:
+    """Hermes's own ``_flatten_choice``: unwrap label/description/text/title, trim, drop junk."""
+    if c is None:
+        return ""
+    if isinstance(c, str):
+        return c.strip()
+    if isinstance(c, dict):
+        for key in ("label", "description", "text", "title"):
+            v = c.get(key)
+            if isinstance(v, str) and v.strip():
+                return v.strip()
+        return ""
+    if isinstance(c, (list, tuple)):
+        return " ".join(flatten_choice(x) for x in c).strip()
+    return str(c).strip()
+
+
+def clarify_card(args: dict[str, Any] | None) -> tuple[str, list[str] | None] | None:
+    """(question, choices or None) as Hermes would ask it, or None when no question is asked."""
+    if not args:
+        return None
+    question = args.get("question")
+    if not isinstance(question, str) or not question.strip():
+        return None
+    choices = args.get("choices")
+    if choices is None:
+        return question.strip(), None
+    if not isinstance(choices, list):
+        return None  # Hermes answers with a tool error and never asks
+    flat = [s for s in (flatten_choice(c) for c in choices) if s][:MAX_CHOICES]
+    return question.strip(), (flat or None)
+
+
+def _clarify_pre(env: HermesEnvelope, ctx: Ctx) -> list[Spec]:
+    card = clarify_card(env.tool_input)
+    if card is None:
+        return []
+    question, choices = card
+    g = ctx.gate("attention.requested")
+    real = g.admits(REDACTED)
+    label = g.text(question) if real else "question 1"
+    if choices:
+        spec = aep.FieldSpec(
+            id="1",
+            type="select",
+            label=label,
+            required=True,
+            other=True,
+            choices=[
+                aep.Choice(id=str(i), label=g.text(c) if real else str(i)) for i, c in enumerate(choices, start=1)
+            ],
+        )
+    else:
+        spec = aep.FieldSpec(id="1", type="string", label=label, required=True)
+    payload = aep.AttentionRequested(kind="form", prompt="hermes asks a question", fields=[spec], respond_via=["oob"])
+    return [("attention.requested", payload, _str(env.x("tool_call_id")) or None)]
+
+
+def _clarify_response(result: Any) -> tuple[str | None, list[str] | None]:
+    """(user_response, choices_offered) from the clarify tool's JSON result string."""
+    if isinstance(result, str):
+        try:
+            result = msgspec.json.decode(result)
+        except msgspec.DecodeError:
+            return None, None
+    if not isinstance(result, dict) or "error" in result:
+        return None, None
+    response = result.get("user_response")
+    offered = result.get("choices_offered")
+    return (response if isinstance(response, str) else None), (offered if isinstance(offered, list) else None)
+
+
+def _clarify_post(env: HermesEnvelope, ctx: Ctx, status: str) -> list[Spec]:
+    subject = _str(env.x("tool_call_id")) or None
+    if env.tool_input is not None and clarify_card(env.tool_input) is None:
+        return []  # no card was raised for this call, so there is nothing to close
+    if status == "timeout":
+        return [("attention.timeout", aep.AttentionTimeout(), subject)]
+    if status != "ok":
+        return [("attention.resolved", aep.AttentionResolved(resolution="dismissed"), subject)]
+    response, offered = _clarify_response(env.x("result"))
+    if response is None or not response.strip():
+        return [("attention.resolved", aep.AttentionResolved(resolution="dismissed"), subject)]
+    response = response.strip()
+    if response == CLI_TIMEOUT or GATEWAY_TIMEOUT.match(response):
+        return [("attention.timeout", aep.AttentionTimeout(), subject)]
+    if response in (CLI_CANCEL, GATEWAY_UNDELIVERABLE):
+        return [("attention.resolved", aep.AttentionResolved(resolution="dismissed"), subject)]
+    if offered and response in offered:
+        values = {"1": str(offered.index(response) + 1)}  # a closed choice: structural
+    else:
+        g = ctx.gate("attention.answered")
+        text = g.text(response)  # free text ("Other"): redacted-gated
+        values = {"1": text} if text is not UNSET else UNSET
+    return [("attention.answered", aep.AttentionAnswered(answer=aep.Answer(values=values), via="oob"), subject)]
+
+
+# ---------------------------------------------------------------- subagents, API errors
+
+
+def _child(env: HermesEnvelope) -> aep.SessionRef:
+    return aep.SessionRef(session=_str(env.x("child_session_id")))
+
+
+def _subagent_start(env: HermesEnvelope, ctx: Ctx) -> list[Spec]:
+    g = ctx.gate("delegation.subagent.started")
+    payload = aep.SubagentStarted(
+        child=_child(env), role=_str(env.x("child_role")), goal=g.text(_str(env.x("child_goal")) or None)
+    )
+    return [("delegation.subagent.started", payload, _str(env.x("child_session_id")) or None)]
+
+
+def _subagent_stop(env: HermesEnvelope, ctx: Ctx) -> list[Spec]:
+    g = ctx.gate("delegation.subagent.stopped")
+    payload = aep.SubagentStopped(
+        child=_child(env),
+        status=_str(env.x("child_status")),
+        duration_ms=_int(env.x("duration_ms")),
+        summary=g.text(_str(env.x("child_summary")) or None),
+    )
+    return [("delegation.subagent.stopped", payload, _str(env.x("child_session_id")) or None)]
+
+
+def _api_error(env: HermesEnvelope, ctx: Ctx) -> list[Spec]:
+    g = ctx.gate("x.hermes.api.error")
+    error = env.x("error")
+    error = error if isinstance(error, dict) else {}
+    payload = aep.HermesApiError(
+        status_code=_int(env.x("status_code")),
+        retry_count=_int(env.x("retry_count")),
+        reason=_str(env.x("reason")),
+        message=g.text(_str(error.get("message")) or None),
+    )
+    return [("x.hermes.api.error", payload, None)]
+
+
+# ---------------------------------------------------------------- the table
+
+HOOKS: dict[str, Builder] = {
+    "on_session_start": _session_start,
+    "pre_llm_call": _run_start,
+    "pre_tool_call": _tool_pre,
+    "post_tool_call": _tool_post,
+    "pre_approval_request": _approval_pre,
+    "post_approval_response": _approval_post,
+    "on_session_end": _run_end,
+    "on_session_finalize": _session_finalize,
+    "on_session_reset": _session_reset,
+    "subagent_start": _subagent_start,
+    "subagent_stop": _subagent_stop,
+    "api_request_error": _api_error,
+}
+
+ERROR_TYPES = frozenset({"x.hermes.api.error"})
+
+
+def fallback_type(hook: str) -> str:
+    """``x.hermes.<name with _ as .>``, squeezed into the AEP type grammar."""
+    cleaned = re.sub(r"[^a-z0-9_]+", "_", hook.lower()).strip("_")
+    parts = [p for p in cleaned.split("_") if p]
+    if len(parts) < 2:
+        parts = (parts or ["unnamed"]) + ["event"]
+    return "x.hermes." + ".".join(parts)
+
+
+def _fallback(env: HermesEnvelope, ctx: Ctx) -> list[Spec]:
+    return [(fallback_type(env.hook_event_name), aep.Empty(), None)]
+
+
+# ---------------------------------------------------------------- the entry point
+
+
+@dataclass
+class MapResult:
+    lane: str
+    events: list[aep.Event]
+    learned: Learned
+    drift: str | None = None
+    problems: list[str] = field(default_factory=list)
+
+
+def map_specs(env: HermesEnvelope, policy: CapturePolicy) -> list[Spec]:
+    """The projection the Annex A fixture pins: ``[(type, payload, subject)]``."""
+    builder = HOOKS.get(env.hook_event_name, _fallback)
+    return builder(env, Ctx(policy))
+
+
+def strip_to_required(payload: aep._Payload) -> aep._Payload:
+    """Capture ``none``: keep only the fields a payload schema requires (envelope-level structure)."""
+    kept = {}
+    for f in msgspec.structs.fields(payload):
+        value = getattr(payload, f.name)
+        if f.required:
+            kept[f.name] = strip_to_required(value) if isinstance(value, aep._Payload) else value
+    return type(payload)(**kept)
+
+
+def map_envelope(env: HermesEnvelope, origin: Origin, lanes: LaneLookup, policy: CapturePolicy) -> MapResult:
+    lane = resolve_lane(env, lanes)
+    specs = map_specs(env, policy)[:MAX_MAPPED]
+    drift = env.drift
+    run = env.xstr("turn_id") or (env.xstr("parent_turn_id") if env.hook_event_name.startswith("subagent_") else "")
+    status = env.x("status") if env.hook_event_name == "post_tool_call" else None
+    time = rfc3339(origin.ts_ns)
+    source = source_uri(origin.instance or "unknown", lane)
+    events = []
+    for i, (event_type, payload, subject) in enumerate(specs):
+        slot = MAPPED_SLOT + i
+        level = policy.ceiling(event_type)
+        if level == NONE:
+            payload = strip_to_required(payload)
+        severity: Any = UNSET
+        if event_type in ERROR_TYPES:
+            severity = "error"
+        elif status in WARNING_STATUSES and event_type.startswith("tool."):
+            severity = "warning"
+        events.append(
+            aep.Event(
+                aep="0.1",
+                id=origin.id_for(slot),
+                type=event_type,
+                time=time,
+                source=source,
+                agent="hermes",
+                session=lane,
+                run=run or UNSET,
+                seq=origin.seq_for(slot),
+                epoch=origin.epoch,
+                subject=subject or UNSET,
+                severity=severity,
+                capture=LEVEL_NAMES[level],  # type: ignore[arg-type]
+                data=aep.payload_to_data(payload),
+                lane="unknown" if lane == UNKNOWN else UNSET,
+                drift=drift if drift is not None else UNSET,
+            )
+        )
+    return MapResult(lane=lane, events=events, learned=learned_from(env), drift=drift, problems=list(env.problems))
+
+
+__all__ = [
+    "Gate",
+    "HOOKS",
+    "MapResult",
+    "POST_TOOL_STATUS",
+    "clarify_card",
+    "fallback_type",
+    "flatten_choice",
+    "map_envelope",
+    "map_specs",
+]
