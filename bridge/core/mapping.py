@@ -450,6 +450,21 @@ class MapResult:
     learned: Learned
     drift: str | None = None
     problems: list[str] = field(default_factory=list)
+    #: Pairing keys that the AEP events themselves do not carry (the mapper sends them to
+    #: the pairing stage in the ``Bridge-Hints`` header): hook, receive time, and whichever
+    #: of session_key / tool_call_id / task_id / args_digest the envelope has.
+    hints: dict[str, Any] = field(default_factory=dict)
+
+
+def pairing_hints(env: HermesEnvelope, ts_ns: int) -> dict[str, Any]:
+    hints: dict[str, Any] = {"hook": env.hook_event_name, "ts": ts_ns}
+    for key in ("session_key", "tool_call_id", "task_id", "pattern_key"):
+        value = env.xstr(key)
+        if value:
+            hints[key] = value
+    if env.hook_event_name in ("pre_tool_call", "post_tool_call") and env.tool_input is not None:
+        hints["args_digest"] = digest(env.tool_input)
+    return hints
 
 
 def map_specs(env: HermesEnvelope, policy: CapturePolicy) -> list[Spec]:
@@ -507,7 +522,14 @@ def map_envelope(env: HermesEnvelope, origin: Origin, lanes: LaneLookup, policy:
                 drift=drift if drift is not None else UNSET,
             )
         )
-    return MapResult(lane=lane, events=events, learned=learned_from(env), drift=drift, problems=list(env.problems))
+    return MapResult(
+        lane=lane,
+        events=events,
+        learned=learned_from(env),
+        drift=drift,
+        problems=list(env.problems),
+        hints=pairing_hints(env, origin.ts_ns),
+    )
 
 
 __all__ = [

@@ -1,0 +1,250 @@
+"""Unit and property tests of the pure core: envelopes, identity, lanes, redaction, digests."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import msgspec
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from bridge.core import aep
+from bridge.core.capture import CapturePolicy, Redactor, canonical_json, digest, parse_overrides
+from bridge.core.envelope import EnvelopeError, decode_envelope, envelope_from_obj
+from bridge.core.identity import Origin, event_id, rfc3339, ulid_from, ulid_time_ms
+from bridge.core.lanes import UNKNOWN, MemoryLanes, lane_from_token, lane_token, partition_of, resolve_lane
+from bridge.core.mapping import fallback_type, map_envelope, map_specs
+from tests.corpus import envelopes
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**53), 2**53) | st.text(max_size=20),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
+    max_leaves=20,
+)
+HOOKS = ["pre_tool_call", "post_tool_call", "pre_approval_request", "post_approval_response", "on_session_end",
+         "subagent_start", "subagent_stop", "pre_llm_call", "on_session_start", "api_request_error", "x_custom"]
+extras = st.dictionaries(
+    st.sampled_from(["status", "result", "choice", "turn_id", "tool_call_id", "session_key", "task_id", "error",
+                     "duration_ms", "interrupted", "completed", "child_session_id", "user_message", "command",
+                     "telemetry_schema_version", "pattern_key", "error_type"]),
+    json_values, max_size=8,
+)
+envelope_objs = st.fixed_dictionaries(
+    {"hook_event_name": st.sampled_from(HOOKS) | st.text(min_size=1, max_size=12)},
+    optional={"tool_name": st.none() | st.sampled_from(["clarify", "terminal"]) | json_values,
+              "tool_input": json_values, "session_id": json_values, "cwd": json_values, "extra": extras | json_values},
+)
+ORIGIN = Origin(raw_id="01JDRAW", raw_seq=7, ts_ns=1_764_543_353_000_000_000, instance="i")
+POLICIES = [CapturePolicy(default=lvl, overrides={"attention": lvl}) for lvl in ("none", "metadata", "redacted", "full")]
+
+
+# ------------------------------------------------------------------- properties
+
+@settings(max_examples=300, suppress_health_check=[HealthCheck.too_slow], deadline=None)
+@given(obj=envelope_objs, level=st.integers(0, 3))
+def test_mapping_never_raises_and_is_deterministic(obj, level):
+    try:
+        env = envelope_from_obj(obj)
+    except EnvelopeError:
+        return
+    lanes = MemoryLanes()
+    a = map_envelope(env, ORIGIN, lanes, POLICIES[level])
+    b = map_envelope(envelope_from_obj(json.loads(json.dumps(obj))), ORIGIN, lanes, POLICIES[level])
+    assert [aep.encode_event(e) for e in a.events] == [aep.encode_event(e) for e in b.events]
+    for e in a.events:
+        aep.decode_event(aep.encode_event(e))  # round-trips through the typed decoder (types, patterns)
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.binary(max_size=200) | json_values.map(lambda v: json.dumps(v).encode()))
+def test_arbitrary_bytes_give_a_clear_error_or_an_envelope(data):
+    try:
+        env = decode_envelope(data)
+    except EnvelopeError as exc:
+        assert exc.reason in {"not_json", "not_object", "no_hook"}
+        return
+    map_envelope(env, ORIGIN, MemoryLanes(), POLICIES[1])
+
+
+def test_wrong_types_are_reported_not_fatal():
+    env = envelope_from_obj({"hook_event_name": "pre_tool_call", "tool_input": [1], "session_id": 5, "extra": "x", "zzz": 1})
+    assert env.tool_input is None and env.session_id == "" and env.extra == {}
+    assert env.unknown == {"zzz": 1}
+    assert any("tool_input" in p for p in env.problems) and any("session_id" in p for p in env.problems)
+
+
+def test_drift_sentinel_marks_events():
+    base = envelopes()[0]
+    ok = map_envelope(envelope_from_obj(base), ORIGIN, MemoryLanes(), POLICIES[1])
+    assert ok.drift is None and all(e.drift is msgspec.UNSET for e in ok.events)
+    moved = json.loads(json.dumps(base))
+    moved["extra"]["telemetry_schema_version"] = "hermes.observer.v2"
+    r = map_envelope(envelope_from_obj(moved), ORIGIN, MemoryLanes(), POLICIES[1])
+    assert r.drift == "hermes.observer.v2" and all(e.drift == "hermes.observer.v2" for e in r.events)
+    del moved["extra"]["telemetry_schema_version"]
+    assert map_envelope(envelope_from_obj(moved), ORIGIN, MemoryLanes(), POLICIES[1]).events[0].drift == "missing"
+
+
+# ------------------------------------------------------------------- mapping beyond the pins
+
+def _post(status, error_type=None, tool="terminal"):
+    return envelope_from_obj({"hook_event_name": "post_tool_call", "tool_name": tool, "session_id": "s",
+                              "extra": {"status": status, "error_type": error_type, "tool_call_id": "c", "duration_ms": 3}})
+
+
+@pytest.mark.parametrize("status,error_type,want", [
+    ("cancelled", "keyboard_interrupt", "keyboard_interrupt"),
+    ("timeout", "tool_timeout", "tool_timeout"),
+    ("cancelled", None, "cancelled"),
+    ("weird", None, "status:weird"),
+])
+def test_unpinned_statuses_keep_the_vendor_fact(status, error_type, want):
+    r = map_envelope(_post(status, error_type), ORIGIN, MemoryLanes(), POLICIES[1])
+    assert [e.type for e in r.events] == ["tool.failed"]
+    assert r.events[0].data["error"]["type"] == want
+
+
+def test_cli_timeout_reported_as_deny_stays_deny():
+    env = envelope_from_obj({"hook_event_name": "post_approval_response", "session_id": "", "extra": {"choice": "deny", "pattern_key": "p"}})
+    assert map_specs(env, POLICIES[1])[0][1].answer.option == "deny"
+
+
+def test_session_end_without_turn_id_has_no_run():
+    env = envelope_from_obj({"hook_event_name": "on_session_end", "session_id": "s", "extra": {"completed": True}})
+    r = map_envelope(env, ORIGIN, MemoryLanes(), POLICIES[1])
+    assert r.events[0].type == "run.finished" and r.events[0].run is msgspec.UNSET
+
+
+def test_fallback_type_names():
+    assert fallback_type("pre_verify") == "x.hermes.pre.verify"
+    assert fallback_type("kanban_task_claimed") == "x.hermes.kanban.task.claimed"
+    assert fallback_type("Weird Name!") == "x.hermes.weird.name"
+    assert fallback_type("x") == "x.hermes.x.event"
+
+
+def test_metadata_clarify_card_has_structural_labels_only():
+    env = envelope_from_obj({"hook_event_name": "pre_tool_call", "tool_name": "clarify", "session_id": "s",
+                             "tool_input": {"question": "secret plan?", "choices": ["alpha", "beta"]}, "extra": {"tool_call_id": "c"}})
+    card = map_specs(env, CapturePolicy(overrides={}))[1][1]
+    assert card.fields[0].label == "question 1"
+    assert [c.label for c in card.fields[0].choices] == ["1", "2"]
+
+
+# ------------------------------------------------------------------- identity
+
+def test_event_ids_are_ulids_of_the_receive_time():
+    eid = event_id("raw-1", 512, 1_764_543_353_123)
+    assert len(eid) == 26 and ulid_time_ms(eid) == 1_764_543_353_123
+    assert eid == event_id("raw-1", 512, 1_764_543_353_123) != event_id("raw-1", 513, 1_764_543_353_123)
+    assert ulid_from(0, bytes(10)) == "0" * 26
+
+
+def test_seq_leaves_room_before_and_after():
+    o = Origin(raw_id="r", raw_seq=3, ts_ns=0, instance="i")
+    assert o.seq_for(0) < o.seq_for(512) < o.seq_for(768) < Origin("r", 4, 0, "i").seq_for(0)
+
+
+def test_rfc3339():
+    assert rfc3339(1_764_543_353_123_456_789) == "2025-11-30T22:55:53.123Z"
+
+
+# ------------------------------------------------------------------- lanes
+
+def _approval(session_key, turn_id="20261130_1:task:abcd1234"):
+    return envelope_from_obj({"hook_event_name": "pre_approval_request", "session_id": "",
+                              "extra": {"session_key": session_key, "turn_id": turn_id, "pattern_key": "p"}})
+
+
+def test_lane_resolution_rules():
+    lanes = MemoryLanes()
+    assert resolve_lane(_approval("20261130_1"), lanes) == UNKNOWN  # nothing known yet
+    lanes.add_session("20261130_1")
+    assert resolve_lane(_approval("20261130_1"), lanes) == "20261130_1"  # by session_key
+    assert resolve_lane(_approval("default"), lanes) == "20261130_1"  # by turn-id prefix
+    gateway = "agent:telegram:dm:42"
+    assert resolve_lane(_approval(gateway, turn_id="nope"), lanes) == UNKNOWN  # a gateway key never mints a lane
+    assert not lanes.is_known_session(gateway)
+    inner = envelope_from_obj({"hook_event_name": "pre_tool_call", "session_id": "", "extra": {"task_id": "T"}})
+    assert resolve_lane(inner, lanes) == UNKNOWN
+    lanes.add_task("T", "20261130_1")
+    assert resolve_lane(inner, lanes) == "20261130_1"  # task alias
+
+
+def test_lanes_are_bounded():
+    lanes = MemoryLanes(max_entries=3)
+    for i in range(10):
+        lanes.add_session(f"s{i}")
+    assert list(lanes.sessions) == ["s7", "s8", "s9"]
+
+
+@given(st.text(min_size=1, max_size=40))
+def test_lane_tokens_round_trip_and_are_subject_safe(lane):
+    token = lane_token(lane)
+    assert lane_from_token(token) == lane
+    assert all(c.isalnum() or c in "-_=" for c in token)
+    assert 0 <= partition_of(token, 8) < 8
+
+
+def test_unknown_lane_token():
+    assert lane_token(UNKNOWN) == "_unknown" and lane_from_token("_unknown") == UNKNOWN
+
+
+# ------------------------------------------------------------------- redaction and digests
+
+@pytest.mark.parametrize("text,gone,kept", [
+    ("-----BEGIN RSA PRIVATE KEY-----\nMIIEowIBAAK\n-----END RSA PRIVATE KEY-----", "MIIEowIBAAK", "[REDACTED:secret]"),
+    ("run with AKIAIOSFODNN7EXAMPLE please", "AKIAIOSFODNN7EXAMPLE", "run with"),
+    ("Authorization: Bearer abc123.DEF-456_ghi", "abc123.DEF-456_ghi", "[REDACTED:secret]"),
+    ("export API_KEY=sk_live_abcdef123456 && run", "sk_live_abcdef123456", "API_KEY="),
+    ('{"token": "tok_9f8e7d6c5b4a"}', "tok_9f8e7d6c5b4a", "token"),
+    ("password : hunter2sequel", "hunter2sequel", "password"),
+    ("session eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxMjM0In0.SflKxwRJSMeKKF2QT4fwpM done", "eyJhbGciOiJIUzI1NiJ9", "done"),
+    ("clone with ghp_AbCdEfGhIjKlMnOpQrStUvWxYz012345", "ghp_AbCd", "clone"),
+    ("copied to /home/alice/project/file.txt", "/home/alice", "~/project/file.txt"),
+    ("contact jane.doe+test@example.co.uk now", "jane.doe", "[REDACTED:pii]"),
+    ("call +1 (555) 123-4567 tomorrow", "123-4567", "[REDACTED:pii]"),
+])
+def test_redaction_pipeline(text, gone, kept):
+    out = Redactor().text(text)
+    assert gone not in out and kept in out
+
+
+def test_redaction_keeps_prose_and_configured_names():
+    r = Redactor(secret_values=("s3cr3t-deploy-key",), home="/srv/op")
+    assert r.text("the bearer of good news") == "the bearer of good news"
+    assert r.text("with s3cr3t-deploy-key now") == "with [REDACTED:secret] now"
+    assert r.text("in /srv/op/x") == "in ~/x"
+    assert "[REDACTED:pii]" not in Redactor(pii=False).text("a@b.example")
+
+
+def test_digest_is_canonical_json_and_passes_stubs_through():
+    assert digest({"b": 1, "a": "é"}) == digest({"a": "é", "b": 1})
+    value = {"k": ["x", 1, None, True], "é": "ü"}
+    assert canonical_json(value) == json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+    stub = {"$aep_stub": True, "digest": digest("x" * 100_000), "bytes": 100_002}
+    assert digest(stub) == digest("x" * 100_000)
+
+
+def test_overrides_parse_and_policy_categories():
+    assert parse_overrides("attention=redacted, tool=full") == {"attention": "redacted", "tool": "full"}
+    with pytest.raises(ValueError):
+        parse_overrides("attention=loud")
+    p = CapturePolicy(default="metadata", overrides={"attention": "redacted", "api": "full"})
+    assert p.ceiling("attention.answered") == 2 and p.ceiling("tool.failed") == 1 and p.ceiling("x.hermes.api.error") == 3
+
+
+# ------------------------------------------------------------------- purity
+
+def test_core_imports_no_io():
+    # (msgspec itself loads the C module _socket for its own types; `socket`, the I/O API, must stay out.)
+    code = (
+        "import sys, pkgutil, importlib, bridge.core as c\n"
+        "for m in pkgutil.iter_modules(c.__path__): importlib.import_module('bridge.core.' + m.name)\n"
+        "bad = sorted(n for n in ('asyncio', 'nats', 'socket', 'ssl', 'selectors', 'subprocess', 'http', 'urllib.request', 'structlog', 'prometheus_client') if n in sys.modules)\n"
+        "print(','.join(bad))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "", f"bridge.core imports I/O modules: {out}"
