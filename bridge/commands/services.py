@@ -1,0 +1,75 @@
+"""`aep-bridge mapper` and `aep-bridge pairing`: the long-running services."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+
+def _common(p: argparse.ArgumentParser, default_port: int) -> None:
+    p.add_argument("--nats", default=None, metavar="URL", help="NATS server URL(s), comma-separated (default: AEP_BRIDGE_NATS_URL)")
+    p.add_argument("--partitions", type=int, default=None, help="partitions of BRIDGE_MAPPED (default: AEP_BRIDGE_PARTITIONS or 8)")
+    p.add_argument("--metrics-port", type=int, default=None, help=f"HTTP port for /metrics, /healthz, /readyz (default: AEP_BRIDGE_METRICS_PORT or {default_port})")
+    p.add_argument("--log-format", choices=["json", "console"], default=None, help="log format (default: AEP_BRIDGE_LOG_FORMAT or json)")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    from bridge.commands.core import add_capture_args
+    from bridge.config import MAPPER_METRICS_PORT, PAIRING_METRICS_PORT
+
+    m = sub.add_parser("mapper", help="run the stateless mapper: HERMES_RAW -> BRIDGE_MAPPED")
+    _common(m, MAPPER_METRICS_PORT)
+    add_capture_args(m)
+    m.add_argument("--batch", type=int, default=256, help="raw messages per fetch (default 256)")
+    m.set_defaults(func=cmd_mapper)
+
+    p = sub.add_parser("pairing", help="run the pairing service: BRIDGE_MAPPED -> AEP_EVENTS")
+    _common(p, PAIRING_METRICS_PORT)
+    p.add_argument("--replica", default=None, help="this replica's name (default: host name + pid)")
+    p.set_defaults(func=cmd_pairing)
+
+
+def settings_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from bridge.config import Settings
+
+    s = Settings.from_env()
+    if getattr(args, "nats", None):
+        s.nats_url = args.nats
+    if getattr(args, "partitions", None):
+        s.partitions = args.partitions
+    if getattr(args, "metrics_port", None) is not None:
+        s.metrics_port = args.metrics_port
+    if getattr(args, "log_format", None):
+        s.log_format = args.log_format
+    return s
+
+
+def _run(coro) -> int:  # type: ignore[no-untyped-def]
+    try:
+        return asyncio.run(coro)
+    except KeyboardInterrupt:
+        return 0
+    except Exception as exc:  # a clear last line for operators; details are in the logs
+        print(f"aep-bridge: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+
+
+def cmd_mapper(args: argparse.Namespace) -> int:
+    from bridge.commands.core import policy_from_args
+    from bridge.services.mapper import Mapper
+    from bridge.services.runtime import configure_logging
+
+    settings = settings_from_args(args)
+    configure_logging(settings.log_format, settings.log_level)
+    policy = policy_from_args(args, settings)
+    return _run(Mapper(settings, policy, batch=args.batch).run())
+
+
+def cmd_pairing(args: argparse.Namespace) -> int:
+    from bridge.services.pairing import PairingService
+    from bridge.services.runtime import configure_logging
+
+    settings = settings_from_args(args)
+    configure_logging(settings.log_format, settings.log_level)
+    return _run(PairingService(settings, replica=args.replica).run())

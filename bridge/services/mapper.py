@@ -1,0 +1,315 @@
+"""The mapper service: HERMES_RAW -> BRIDGE_MAPPED, stateless and horizontally scalable.
+
+Theory of operation
+-------------------
+* Every replica binds the same durable pull consumer on HERMES_RAW, so JetStream
+  spreads the raw messages over the replicas.
+* A batch is fetched, each raw message is mapped by the pure core
+  (`bridge.core.pipeline.map_record`) with its raw stream sequence and message id
+  as identity, every resulting event is published to
+  `bridge.mapped.<partition>.<lane token>` with `Nats-Msg-Id` = the event id, and
+  the raw message is acked only after ALL of its publishes were acked. A crash
+  anywhere in between means redelivery; the redelivered message maps to the
+  byte-identical events, and BRIDGE_MAPPED's duplicate window drops them.
+* Lanes: a KV bucket (`aep_lanes`) of known sessions and task aliases, read
+  through a bounded in-process cache (`MemoryLanes`). The lookups the pure
+  mapping might need are prefetched before it runs.
+* `epoch` = the creation time of HERMES_RAW (seconds): it changes, upward, only
+  when the stream is recreated, and every replica reads the same value.
+* What cannot be decoded or mapped goes to `bridge.dlq.<reason>` with the
+  original bytes and headers naming the reason, raw sequence and error; then the
+  raw message is acked. A message that keeps failing for a reason we did not
+  foresee is retried with backoff and dead-lettered once it has been delivered
+  `max_deliver` times. Nothing a message contains can stop the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import msgspec
+import structlog
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from bridge.config import MAPPER_METRICS_PORT, Settings
+from bridge.core.aep import encode_event
+from bridge.core.capture import CapturePolicy
+from bridge.core.envelope import EnvelopeError, decode_raw
+from bridge.core.lanes import UNKNOWN, MemoryLanes, lane_token, partition_of, turn_session_prefix
+from bridge.core.mapping import MapResult
+from bridge.core.pipeline import map_record, record_from_raw
+from bridge.nats import streams as S
+from bridge.services.runtime import Health, HttpServer, Stopper
+
+log = structlog.get_logger("aep_bridge.mapper")
+
+HINTS_HEADER = "Bridge-Hints"
+RAW_SEQ_HEADER = "Bridge-Raw-Seq"
+
+
+class MapperMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        ns = "aep_bridge_mapper"
+        self.raw_in = Counter(f"{ns}_raw_messages_total", "Raw messages consumed, by hook", ["hook"], registry=registry)
+        self.events_out = Counter(f"{ns}_events_total", "AEP events published to BRIDGE_MAPPED, by type", ["type"], registry=registry)
+        self.dead_letters = Counter(f"{ns}_dead_letters_total", "Messages sent to the DLQ, by reason", ["reason"], registry=registry)
+        self.unknown_lane = Counter(f"{ns}_unknown_lane_events_total", "Events filed under the unknown lane", registry=registry)
+        self.drift = Counter(f"{ns}_drift_total", "Envelopes whose telemetry_schema_version is not the pinned one", ["seen"], registry=registry)
+        self.problems = Counter(f"{ns}_envelope_problems_total", "Envelopes decoded with wrong-typed fields", registry=registry)
+        self.latency = Histogram(
+            f"{ns}_map_seconds", "Time to map one raw message (pure core)",
+            buckets=(1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 5e-3, 0.025), registry=registry,
+        )
+        self.e2e = Histogram(
+            f"{ns}_receive_to_mapped_seconds", "Shim receive time to BRIDGE_MAPPED publish ack",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30), registry=registry,
+        )
+        self.batch = Histogram(f"{ns}_batch_size", "Raw messages per fetched batch", buckets=(1, 4, 16, 64, 128, 256, 512), registry=registry)
+        self.pending = Gauge(f"{ns}_consumer_pending", "Messages pending in the HERMES_RAW consumer", registry=registry)
+        self.ack_pending = Gauge(f"{ns}_consumer_ack_pending", "Messages delivered but not yet acked", registry=registry)
+        self.redelivered = Gauge(f"{ns}_consumer_redelivered", "Messages redelivered at least once (consumer view)", registry=registry)
+        self.retries = Counter(f"{ns}_retries_total", "Messages negatively acknowledged for retry", registry=registry)
+        self.epoch = Gauge(f"{ns}_epoch", "The AEP epoch in use (HERMES_RAW creation time)", registry=registry)
+
+
+class KvLanes:
+    """Lane lookups: a bounded cache in front of the `aep_lanes` KV bucket."""
+
+    def __init__(self, kv: Any, cache_size: int = 100_000) -> None:
+        self.kv = kv
+        self.cache = MemoryLanes(max_entries=cache_size)
+        self._missing: dict[str, float] = {}  # negative cache: key -> monotonic expiry
+
+    async def _get(self, key: str) -> bytes | None:
+        expiry = self._missing.get(key)
+        if expiry and expiry > time.monotonic():
+            return None
+        try:
+            entry = await self.kv.get(key)
+        except Exception:  # KeyNotFoundError, KeyDeletedError, timeouts: treat as unknown for now
+            if len(self._missing) > 10_000:
+                self._missing.clear()
+            self._missing[key] = time.monotonic() + 2.0
+            return None
+        return entry.value if entry is not None else None
+
+    async def prefetch(self, env: Any) -> None:
+        """Load what `resolve_lane` may ask about this envelope into the cache."""
+        if env.session_id:
+            return
+        candidates = []
+        key = env.xstr("session_key")
+        if key:
+            candidates.append(key)
+        turn = env.xstr("turn_id") or env.xstr("parent_turn_id")
+        prefix = turn_session_prefix(turn) if turn else None
+        if prefix:
+            candidates.append(prefix)
+        for session in candidates:
+            if not self.cache.is_known_session(session):
+                if await self._get("s." + lane_token(session)) is not None:
+                    self.cache.add_session(session)
+        task = env.xstr("task_id")
+        if task and self.cache.task_session(task) is None:
+            value = await self._get("t." + lane_token(task))
+            if value:
+                self.cache.add_task(task, value.decode())
+
+    async def learn(self, result: MapResult) -> None:
+        learned = result.learned
+        if learned.session and not self.cache.is_known_session(learned.session):
+            await self.kv.put("s." + lane_token(learned.session), b"1")
+            self.cache.add_session(learned.session)
+            self._missing.pop("s." + lane_token(learned.session), None)
+        if learned.session and learned.task_id and self.cache.task_session(learned.task_id) != learned.session:
+            await self.kv.put("t." + lane_token(learned.task_id), learned.session.encode())
+            self.cache.add_task(learned.task_id, learned.session)
+            self._missing.pop("t." + lane_token(learned.task_id), None)
+
+
+class Mapper:
+    def __init__(self, settings: Settings, policy: CapturePolicy, registry: CollectorRegistry | None = None,
+                 batch: int = 256, durable: str = S.MAPPER_DURABLE) -> None:
+        self.settings = settings
+        self.policy = policy
+        self.registry = registry or CollectorRegistry()
+        self.metrics = MapperMetrics(self.registry)
+        self.health = Health("mapper")
+        self.stopper = Stopper()
+        self.batch_size = batch
+        self.durable = durable
+        self.epoch = 0
+        self.nc: Any = None
+        self.js: Any = None
+        self.lanes: KvLanes | None = None
+
+    # ------------------------------------------------------------ setup
+
+    async def connect(self) -> None:
+        from bridge.nats.connection import connect
+
+        self.nc = await connect(self.settings, name=f"aep-bridge-mapper-{self.settings.instance}")
+        self.js = self.nc.jetstream(publish_async_max_pending=4096)
+
+    async def bind(self) -> Any:
+        info = await self.js.stream_info(S.HERMES_RAW)
+        created = info.created
+        self.epoch = int(created.timestamp()) if created else 0
+        self.metrics.epoch.set(self.epoch)
+        kv = await self.js.key_value(S.LANES_BUCKET)
+        self.lanes = KvLanes(kv)
+        sub = await self.js.pull_subscribe(
+            S.RAW_SUBJECTS, durable=self.durable, stream=S.HERMES_RAW, config=S.mapper_consumer_config(self.durable)
+        )
+        return sub
+
+    # ------------------------------------------------------------ one message
+
+    async def handle(self, msg: Any) -> tuple[list[asyncio.Future], int]:
+        """Map one raw message; return the publish futures its ack must wait for, and its receive time."""
+        meta = msg.metadata
+        raw_seq = meta.sequence.stream
+        try:
+            raw = decode_raw(msg.data)
+            self.metrics.raw_in.labels(hook=(raw.hook or "unknown")[:64]).inc()
+            record = record_from_raw(raw)
+            assert self.lanes is not None
+            await self.lanes.prefetch(record.envelope)
+            started = time.perf_counter()
+            result = map_record(record, raw_seq, self.epoch, self.lanes.cache, self.policy)
+            self.metrics.latency.observe(time.perf_counter() - started)
+        except EnvelopeError as exc:
+            return [await self.dead_letter(msg, exc.reason, str(exc))], 0
+        await self.lanes.learn(result)
+        if result.drift:
+            self.metrics.drift.labels(seen=result.drift[:64]).inc()
+        if result.problems:
+            self.metrics.problems.inc()
+        token = lane_token(result.lane)
+        subject = f"{S.MAPPED_PREFIX}.{partition_of(token, self.settings.partitions)}.{token}"
+        hints = msgspec.json.encode(result.hints).decode()
+        futures = []
+        for event in result.events:
+            headers = {"Nats-Msg-Id": event.id, HINTS_HEADER: hints, RAW_SEQ_HEADER: str(raw_seq)}
+            futures.append(await self.js.publish_async(subject, encode_event(event), headers=headers))
+            self.metrics.events_out.labels(type=event.type).inc()
+            if result.lane == UNKNOWN:
+                self.metrics.unknown_lane.inc()
+        return futures, record.ts_ns
+
+    async def dead_letter(self, msg: Any, reason: str, error: str) -> asyncio.Future:
+        meta = msg.metadata
+        headers = {
+            "Nats-Msg-Id": f"dlq:{S.HERMES_RAW}:{meta.sequence.stream}",
+            "Bridge-Dlq-Reason": reason,
+            "Bridge-Dlq-Error": error.replace("\r", " ").replace("\n", " ")[:1000],
+            RAW_SEQ_HEADER: str(meta.sequence.stream),
+            "Bridge-Raw-Subject": msg.subject,
+            "Bridge-Stage": "mapper",
+        }
+        for key, value in (msg.headers or {}).items():
+            if key != "Nats-Msg-Id":
+                headers.setdefault(f"Bridge-Orig-{key}", value)
+        self.metrics.dead_letters.labels(reason=reason).inc()
+        log.warning("dead_letter", reason=reason, raw_seq=meta.sequence.stream, error=error[:200])
+        return await self.js.publish_async(f"{S.DLQ_PREFIX}.{reason}", msg.data, headers=headers)
+
+    # ------------------------------------------------------------ the loop
+
+    async def process_batch(self, msgs: list[Any]) -> None:
+        self.metrics.batch.observe(len(msgs))
+        pending: list[tuple[Any, list[asyncio.Future], int]] = []
+        for msg in msgs:
+            try:
+                futures, ts_ns = await self.handle(msg)
+                pending.append((msg, futures, ts_ns))
+            except Exception as exc:  # a bug or an outage: retry, then dead-letter
+                await self.retry_or_dead_letter(msg, exc)
+        for msg, futures, ts_ns in pending:
+            try:
+                if futures:
+                    await asyncio.wait_for(asyncio.gather(*futures), timeout=10)
+                await msg.ack()
+            except Exception as exc:
+                await self.retry_or_dead_letter(msg, exc)
+                continue
+            if ts_ns > 0:
+                self.metrics.e2e.observe(max(0, time.time_ns() - ts_ns) / 1e9)
+
+    async def retry_or_dead_letter(self, msg: Any, exc: BaseException) -> None:
+        delivered = msg.metadata.num_delivered
+        if delivered >= S.MAPPER_MAX_DELIVER:
+            try:
+                fut = await self.dead_letter(msg, "max_deliver", f"{type(exc).__name__}: {exc}")
+                await asyncio.wait_for(fut, timeout=10)
+                await msg.ack()
+            except Exception as inner:
+                log.error("dead_letter_failed", error=str(inner))
+            return
+        self.metrics.retries.inc()
+        log.warning("retry", raw_seq=msg.metadata.sequence.stream, delivered=delivered, error=f"{type(exc).__name__}: {exc}")
+        try:
+            await msg.nak(delay=min(30.0, 0.5 * 2**delivered))
+        except Exception:
+            pass
+
+    async def watch_consumer(self, sub: Any) -> None:
+        while not self.stopper.stopping:
+            try:
+                info = await sub.consumer_info()
+                self.metrics.pending.set(info.num_pending or 0)
+                self.metrics.ack_pending.set(info.num_ack_pending or 0)
+                self.metrics.redelivered.set(info.num_redelivered or 0)
+            except Exception:
+                pass
+            if await self.stopper.sleep(5.0):
+                return
+
+    async def run(self, http_port: int | None = None) -> int:
+        self.stopper.install()
+        port = http_port if http_port is not None else (self.settings.metrics_port or MAPPER_METRICS_PORT)
+        http = HttpServer(self.health, self.registry, port=port).start()
+        log.info("mapper_starting", metrics_port=http.port, nats=self.settings.servers, partitions=self.settings.partitions)
+        try:
+            await self.connect()
+            sub = await self.bind()
+        except Exception as exc:
+            log.error("mapper_start_failed", error=f"{type(exc).__name__}: {exc}")
+            http.stop()
+            await self.close()
+            raise
+        self.health.set_ready(True)
+        self.health.info.update(epoch=self.epoch, durable=self.durable)
+        log.info("mapper_ready", epoch=self.epoch, durable=self.durable)
+        watcher = asyncio.create_task(self.watch_consumer(sub))
+        import nats.errors
+
+        try:
+            while not self.stopper.stopping:
+                self.health.beat()
+                try:
+                    msgs = await sub.fetch(self.batch_size, timeout=1.0)
+                except (nats.errors.TimeoutError, asyncio.TimeoutError):
+                    continue
+                except Exception as exc:  # connection trouble: stay alive, report not ready
+                    self.health.set_ready(False, f"fetch failed: {exc}")
+                    log.warning("fetch_failed", error=f"{type(exc).__name__}: {exc}")
+                    await self.stopper.sleep(1.0)
+                    continue
+                self.health.set_ready(True)
+                await self.process_batch(msgs)
+        finally:
+            log.info("mapper_stopping", signal=self.stopper.signal)
+            watcher.cancel()
+            await self.close()
+            http.stop()
+        return 0
+
+    async def close(self) -> None:
+        if self.nc is not None and not self.nc.is_closed:
+            try:
+                await self.nc.drain()
+            except Exception:
+                await self.nc.close()

@@ -1,0 +1,364 @@
+"""The pairing service: BRIDGE_MAPPED -> AEP_EVENTS, one active owner per partition.
+
+Theory of operation
+-------------------
+* Ownership: a partition is owned through a lease in the `aep_leases` KV bucket
+  (key `p.<n>`). A replica takes a free lease with KV `create` (atomic: fails
+  when the key exists) and keeps it with `update(..., last=revision)` every
+  `RENEW_S`. The bucket's max age (`LEASE_TTL_S`) removes a lease nobody renews,
+  so a standby's next `create` succeeds and it takes over. All of it is
+  JetStream's own compare-and-set and TTL: no home-made consensus. A replica
+  whose renewal fails stops that partition at once.
+* State: the pure state machine (`bridge.core.pairing.PairingState`) per
+  partition. Every `CHECKPOINT_EVERY` messages or `CHECKPOINT_S` seconds, once
+  every publish up to that point is acked, its snapshot (which records the
+  BRIDGE_MAPPED stream sequence it covers) is written to the `aep_pairing`
+  bucket (key `p.<n>`).
+* Reading: an ephemeral pull consumer (no acks: the checkpoint IS the position)
+  on `bridge.mapped.<n>.>` from the checkpoint's sequence + 1. After a crash or
+  a takeover the new owner restores the checkpoint and replays from there; the
+  replayed output is byte-identical (deterministic ids and seq) and
+  `Nats-Msg-Id` makes AEP_EVENTS drop what was already published.
+* Time: the owner publishes a tick into its own partition (`bridge.mapped.<n>.__tick__`)
+  every `TICK_S`; TTL closure runs when the state machine reads a tick, so time
+  travels through the stream and a replay sees exactly the same ticks.
+* Output: `aep.hermes.<lane token>.<type>` with `Nats-Msg-Id` = the event id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import structlog
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from bridge.config import PAIRING_METRICS_PORT, Settings
+from bridge.core.aep import decode_event, encode_event
+from bridge.core.lanes import lane_token
+from bridge.core.pairing import PairingState
+from bridge.nats import streams as S
+from bridge.services.runtime import Health, HttpServer, Stopper
+
+log = structlog.get_logger("aep_bridge.pairing")
+
+RENEW_S = 2.0
+TICK_S = 15.0
+CHECKPOINT_EVERY = 2000
+CHECKPOINT_S = 2.0
+TICK_TOKEN = "__tick__"
+
+
+class PairingMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        ns = "aep_bridge_pairing"
+        self.events_in = Counter(f"{ns}_events_in_total", "Mapped events read from BRIDGE_MAPPED", ["partition"], registry=registry)
+        self.events_out = Counter(f"{ns}_events_out_total", "Events published to AEP_EVENTS, by type", ["type"], registry=registry)
+        self.dead_letters = Counter(f"{ns}_dead_letters_total", "Mapped messages sent to the DLQ", ["reason"], registry=registry)
+        self.owned = Gauge(f"{ns}_partition_owned", "1 when this replica owns the partition", ["partition"], registry=registry)
+        self.open = Gauge(f"{ns}_open", "Open pairs, by kind", ["kind"], registry=registry)
+        self.counters = Gauge(f"{ns}_state_counter", "State machine counters (orphans closed, sweeps, suppressions, ...)", ["name"], registry=registry)
+        self.takeovers = Counter(f"{ns}_takeovers_total", "Partitions this replica took over", registry=registry)
+        self.checkpoints = Counter(f"{ns}_checkpoints_total", "Checkpoints written", registry=registry)
+        self.lag = Gauge(f"{ns}_consumer_pending", "Messages pending for this replica's partitions", ["partition"], registry=registry)
+        self.latency = Histogram(
+            f"{ns}_receive_to_publish_seconds", "Shim receive time to AEP_EVENTS publish ack",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60), registry=registry,
+        )
+
+
+@dataclass
+class Partition:
+    number: int
+    state: PairingState
+    revision: int = 0  # lease revision
+    position: int = 0  # last BRIDGE_MAPPED sequence folded into `state`
+    checkpointed: int = 0
+    since_checkpoint: int = 0
+    last_checkpoint: float = field(default_factory=time.monotonic)
+    task: asyncio.Task | None = None
+    lost: bool = False
+
+
+class PairingService:
+    def __init__(self, settings: Settings, replica: str | None = None, registry: CollectorRegistry | None = None,
+                 lease_ttl_s: float | None = None, tick_s: float = TICK_S) -> None:
+        self.settings = settings
+        self.replica = replica or f"{socket.gethostname()}-{os.getpid()}"
+        self.registry = registry or CollectorRegistry()
+        self.metrics = PairingMetrics(self.registry)
+        self.health = Health("pairing")
+        self.stopper = Stopper()
+        self.partitions: dict[int, Partition] = {}
+        self.lease_ttl_s = lease_ttl_s
+        self.tick_s = tick_s
+        self.nc: Any = None
+        self.js: Any = None
+        self.leases: Any = None
+        self.checkpoints: Any = None
+
+    # ------------------------------------------------------------ leases
+
+    async def try_acquire(self, n: int) -> int | None:
+        try:
+            return int(await self.leases.create(f"p.{n}", self.replica.encode()))
+        except Exception:  # KeyWrongLastSequenceError: someone holds it
+            return None
+
+    async def renew(self, part: Partition) -> bool:
+        try:
+            part.revision = int(await self.leases.update(f"p.{part.number}", self.replica.encode(), last=part.revision))
+            return True
+        except Exception as exc:
+            log.warning("lease_lost", partition=part.number, error=f"{type(exc).__name__}: {exc}")
+            return False
+
+    async def release(self, part: Partition) -> None:
+        try:
+            await self.leases.delete(f"p.{part.number}", last=part.revision)
+        except Exception:
+            pass
+
+    # ------------------------------------------------------------ checkpoints
+
+    async def restore(self, n: int) -> Partition:
+        state = PairingState(partition=n)
+        try:
+            entry = await self.checkpoints.get(f"p.{n}")
+            if entry is not None and entry.value:
+                state = PairingState.restore(entry.value)
+        except Exception:  # no checkpoint yet
+            pass
+        part = Partition(number=n, state=state)
+        part.position = part.checkpointed = state.position
+        return part
+
+    async def checkpoint(self, part: Partition) -> None:
+        if part.position == part.checkpointed:
+            return
+        await self.js.publish_async_completed()  # every output up to here is acked
+        await self.checkpoints.put(f"p.{part.number}", part.state.snapshot())
+        part.checkpointed = part.position
+        part.since_checkpoint = 0
+        part.last_checkpoint = time.monotonic()
+        self.metrics.checkpoints.inc()
+
+    # ------------------------------------------------------------ one partition
+
+    async def publish(self, events: list[Any], ts_ns: int | None) -> None:
+        futures = []
+        for event in events:
+            subject = f"{S.EVENTS_PREFIX}.{lane_token(event.session)}.{event.type}"
+            futures.append(await self.js.publish_async(subject, encode_event(event), headers={"Nats-Msg-Id": event.id}))
+            self.metrics.events_out.labels(type=event.type).inc()
+        if futures:
+            await asyncio.wait_for(asyncio.gather(*futures), timeout=15)
+            if ts_ns:
+                self.metrics.latency.observe(max(0, time.time_ns() - ts_ns) / 1e9)
+
+    async def handle(self, part: Partition, msg: Any) -> None:
+        """Fold one message into the state and publish what it yields.
+
+        A message the state machine cannot take is dead-lettered and skipped. A
+        failed publish raises: the partition is then dropped and re-acquired from
+        its last checkpoint, because its in-memory state is ahead of what was
+        published.
+        """
+        position = msg.metadata.sequence.stream
+        if position <= part.position:
+            return  # already folded into the restored state
+        ts_ns = None
+        try:
+            if msg.subject.rsplit(".", 1)[-1] == TICK_TOKEN:
+                now_ns = int(msgspec.json.decode(msg.data).get("now", 0))
+                out = part.state.tick(now_ns, position)
+            else:
+                event = decode_event(msg.data)
+                hints = msgspec.json.decode((msg.headers or {}).get("Bridge-Hints", "{}"))
+                if not isinstance(hints, dict):
+                    hints = {}
+                ts_ns = hints.get("ts")
+                out = part.state.process(event, hints, position)
+                self.metrics.events_in.labels(partition=str(part.number)).inc()
+        except Exception as exc:  # decode errors, or an input the state machine rejects
+            reason = "bad_mapped" if isinstance(exc, (msgspec.DecodeError, msgspec.ValidationError)) else "pairing_error"
+            log.error("pairing_dead_letter", partition=part.number, position=position, error=f"{type(exc).__name__}: {exc}")
+            await self.dead_letter(msg, reason, f"{type(exc).__name__}: {exc}")
+            part.position = position
+            return
+        await self.publish(out, ts_ns if isinstance(ts_ns, int) else None)
+        part.position = position
+        part.since_checkpoint += 1
+
+    async def dead_letter(self, msg: Any, reason: str, error: str) -> None:
+        headers = {
+            "Nats-Msg-Id": f"dlq:{S.BRIDGE_MAPPED}:{msg.metadata.sequence.stream}",
+            "Bridge-Dlq-Reason": reason,
+            "Bridge-Dlq-Error": error.replace("\n", " ")[:1000],
+            "Bridge-Stage": "pairing",
+            "Bridge-Mapped-Subject": msg.subject,
+        }
+        self.metrics.dead_letters.labels(reason=reason).inc()
+        await self.js.publish(f"{S.DLQ_PREFIX}.{reason}", msg.data, headers=headers)
+
+    async def run_partition(self, part: Partition) -> None:
+        from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+        import nats.errors
+
+        n = part.number
+        config = ConsumerConfig(
+            deliver_policy=DeliverPolicy.BY_START_SEQUENCE if part.position else DeliverPolicy.ALL,
+            opt_start_seq=part.position + 1 if part.position else None,
+            ack_policy=AckPolicy.NONE,
+            inactive_threshold=30.0,
+            filter_subject=f"{S.MAPPED_PREFIX}.{n}.>",
+            max_ack_pending=-1,
+        )
+        sub = await self.js.pull_subscribe(f"{S.MAPPED_PREFIX}.{n}.>", stream=S.BRIDGE_MAPPED, config=config)
+        log.info("partition_started", partition=n, from_position=part.position)
+        try:
+            while not self.stopper.stopping and not part.lost:
+                try:
+                    msgs = await sub.fetch(512, timeout=0.5)
+                except (nats.errors.TimeoutError, asyncio.TimeoutError):
+                    msgs = []
+                for msg in msgs:
+                    await self.handle(part, msg)
+                if part.since_checkpoint >= CHECKPOINT_EVERY or (
+                    part.since_checkpoint and time.monotonic() - part.last_checkpoint > CHECKPOINT_S
+                ):
+                    await self.checkpoint(part)
+                if msgs:
+                    try:
+                        pending = msgs[-1].metadata.num_pending
+                        self.metrics.lag.labels(partition=str(n)).set(pending)
+                    except Exception:
+                        pass
+            if not part.lost:  # a clean stop: everything handled was published
+                await self.checkpoint(part)
+        finally:
+            try:
+                await sub.unsubscribe()
+            except Exception:
+                pass
+
+    # ------------------------------------------------------------ the supervisor loop
+
+    def export_state(self) -> None:
+        totals: dict[str, int] = {}
+        opens: dict[str, int] = {}
+        for part in self.partitions.values():
+            for k, v in part.state.counters.items():
+                totals[k] = totals.get(k, 0) + int(v)
+            for k, v in part.state.open_counts().items():
+                opens[k] = opens.get(k, 0) + int(v)
+        for k, v in totals.items():
+            self.metrics.counters.labels(name=k).set(v)
+        for k, v in opens.items():
+            self.metrics.open.labels(kind=k).set(v)
+
+    async def maintain(self) -> None:
+        """Renew held leases, try to take free ones, publish ticks. Runs every RENEW_S."""
+        for n in range(self.settings.partitions):
+            part = self.partitions.get(n)
+            if part is not None:
+                if part.task is not None and part.task.done():
+                    exc = part.task.exception() if not part.task.cancelled() else None
+                    log.error("partition_task_ended", partition=n, error=str(exc))
+                    await self.release(part)
+                    del self.partitions[n]
+                    self.metrics.owned.labels(partition=str(n)).set(0)
+                    continue
+                if not await self.renew(part):
+                    part.lost = True
+                    if part.task:
+                        part.task.cancel()
+                    del self.partitions[n]
+                    self.metrics.owned.labels(partition=str(n)).set(0)
+                continue
+            revision = await self.try_acquire(n)
+            if revision is None:
+                continue
+            part = await self.restore(n)
+            part.revision = revision
+            part.task = asyncio.create_task(self.run_partition(part))
+            self.partitions[n] = part
+            self.metrics.owned.labels(partition=str(n)).set(1)
+            self.metrics.takeovers.inc()
+            log.info("partition_acquired", partition=n, replica=self.replica, position=part.position)
+        self.health.info["partitions"] = sorted(self.partitions)
+        self.export_state()
+
+    async def tick_loop(self) -> None:
+        while not self.stopper.stopping:
+            if await self.stopper.sleep(self.tick_s):
+                return
+            now = time.time_ns()
+            for n in list(self.partitions):
+                try:
+                    slot = now // int(self.tick_s * 1e9)
+                    await self.js.publish(
+                        f"{S.MAPPED_PREFIX}.{n}.{TICK_TOKEN}",
+                        msgspec.json.encode({"now": now}),
+                        headers={"Nats-Msg-Id": f"tick:{n}:{slot}"},
+                    )
+                except Exception as exc:
+                    log.warning("tick_failed", partition=n, error=str(exc))
+
+    async def connect(self) -> None:
+        from bridge.nats.connection import connect
+
+        self.nc = await connect(self.settings, name=f"aep-bridge-pairing-{self.replica}")
+        self.js = self.nc.jetstream(publish_async_max_pending=4096)
+        self.leases = await self.js.key_value(S.LEASES_BUCKET)
+        self.checkpoints = await self.js.key_value(S.PAIRING_BUCKET)
+
+    async def run(self, http_port: int | None = None) -> int:
+        self.stopper.install()
+        port = http_port if http_port is not None else (self.settings.metrics_port or PAIRING_METRICS_PORT)
+        http = HttpServer(self.health, self.registry, port=port).start()
+        log.info("pairing_starting", replica=self.replica, metrics_port=http.port, partitions=self.settings.partitions)
+        try:
+            await self.connect()
+        except Exception as exc:
+            log.error("pairing_start_failed", error=f"{type(exc).__name__}: {exc}")
+            http.stop()
+            await self.close()
+            raise
+        self.health.set_ready(True)
+        ticker = asyncio.create_task(self.tick_loop())
+        try:
+            while not self.stopper.stopping:
+                self.health.beat()
+                try:
+                    await self.maintain()
+                except Exception as exc:
+                    log.warning("maintain_failed", error=f"{type(exc).__name__}: {exc}")
+                if await self.stopper.sleep(RENEW_S):
+                    break
+        finally:
+            log.info("pairing_stopping", signal=self.stopper.signal, partitions=sorted(self.partitions))
+            ticker.cancel()
+            # Partition loops see `stopping`, finish the batch in hand, checkpoint and return.
+            tasks = [p.task for p in self.partitions.values() if p.task]
+            done, still = await asyncio.wait(tasks, timeout=20) if tasks else (set(), set())
+            for task in still:
+                task.cancel()
+            for part in list(self.partitions.values()):
+                await self.release(part)
+            await self.close()
+            http.stop()
+        return 0
+
+    async def close(self) -> None:
+        if self.nc is not None and not self.nc.is_closed:
+            try:
+                await self.nc.drain()
+            except Exception:
+                await self.nc.close()

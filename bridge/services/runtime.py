@@ -1,0 +1,142 @@
+"""What every long-running service shares: logs, metrics/health HTTP, signals, drain.
+
+* Logs: structlog, JSON lines on stderr by default (`AEP_BRIDGE_LOG_FORMAT=console`
+  for people), one processor chain visible in `configure_logging`.
+* HTTP (one port per service): `/metrics` (Prometheus text), `/healthz` (the
+  process loop is alive), `/readyz` (connected to NATS and consuming). Served by
+  the standard library's WSGI server in a daemon thread, so a busy event loop
+  cannot make a liveness probe time out, with prometheus-client's own WSGI app.
+* Signals: SIGTERM/SIGINT set `stopping`; the service stops fetching, finishes
+  and acks the batch in hand, then exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+import structlog
+from prometheus_client import CollectorRegistry, make_wsgi_app
+
+
+def configure_logging(fmt: str = "json", level: str = "info") -> None:
+    renderer: Any = structlog.processors.JSONRenderer() if fmt == "json" else structlog.dev.ConsoleRenderer()
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.StackInfoRenderer(),
+            structlog.processors.format_exc_info,
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper(), logging.INFO)),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=True,
+    )
+
+
+@dataclass
+class Health:
+    """Liveness and readiness, set by the service, read by the HTTP thread."""
+
+    name: str
+    ready: bool = False
+    reason: str = "starting"
+    heartbeat: float = field(default_factory=time.monotonic)
+    #: the loop is considered dead when its heartbeat is older than this
+    stall_after_s: float = 120.0
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def beat(self) -> None:
+        self.heartbeat = time.monotonic()
+
+    def set_ready(self, ready: bool, reason: str = "") -> None:
+        self.ready, self.reason = ready, reason or ("ready" if ready else "not ready")
+
+    def alive(self) -> bool:
+        return time.monotonic() - self.heartbeat < self.stall_after_s
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
+        pass
+
+
+class HttpServer:
+    """`/metrics`, `/healthz`, `/readyz` on one port, in a daemon thread."""
+
+    def __init__(self, health: Health, registry: CollectorRegistry, host: str = "0.0.0.0", port: int = 0) -> None:
+        self.health = health
+        metrics_app = make_wsgi_app(registry)
+
+        def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> list[bytes]:
+            path = environ.get("PATH_INFO", "")
+            if path == "/healthz":
+                ok = health.alive()
+                return self._json(start_response, ok, {"status": "ok" if ok else "stalled", "service": health.name, **health.info})
+            if path == "/readyz":
+                ok = health.ready and health.alive()
+                return self._json(start_response, ok, {"ready": ok, "reason": health.reason, "service": health.name})
+            if path in ("/metrics", "/metrics/"):
+                return metrics_app(environ, start_response)  # type: ignore[no-any-return]
+            start_response("404 Not Found", [("Content-Type", "text/plain")])
+            return [b"not found: try /metrics, /healthz, /readyz\n"]
+
+        self._server: WSGIServer = make_server(host, port, app, handler_class=_QuietHandler)
+        self.port = self._server.server_port
+        self._thread = threading.Thread(target=self._server.serve_forever, name=f"{health.name}-http", daemon=True)
+
+    @staticmethod
+    def _json(start_response: Callable[..., Any], ok: bool, body: dict[str, Any]) -> list[bytes]:
+        start_response("200 OK" if ok else "503 Service Unavailable", [("Content-Type", "application/json")])
+        return [json.dumps(body).encode() + b"\n"]
+
+    def start(self) -> "HttpServer":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+class Stopper:
+    """SIGTERM / SIGINT -> an asyncio.Event the service's loop watches."""
+
+    def __init__(self) -> None:
+        self.event = asyncio.Event()
+        self.signal: str | None = None
+
+    def install(self) -> "Stopper":
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                loop.add_signal_handler(sig, self.trigger, sig.name)
+            except (NotImplementedError, RuntimeError):  # not the main thread (tests)
+                pass
+        return self
+
+    def trigger(self, why: str = "requested") -> None:
+        self.signal = why
+        self.event.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self.event.is_set()
+
+    async def sleep(self, seconds: float) -> bool:
+        """Sleep unless asked to stop; True when stopping."""
+        try:
+            await asyncio.wait_for(self.event.wait(), timeout=seconds)
+        except asyncio.TimeoutError:
+            return False
+        return True
