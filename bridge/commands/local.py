@@ -1,0 +1,110 @@
+"""`aep-bridge up`, `aep-bridge demo`, `aep-bridge tail`: the bridge on a laptop."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+from pathlib import Path
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    u = sub.add_parser("up", help="run everything locally: embedded nats-server, bootstrap, mapper and pairing workers")
+    u.add_argument("--nats", default=None, metavar="URL", help="use this NATS server instead of starting an embedded one")
+    u.add_argument("--port", type=int, default=None, help="embedded server port (default 4222, or a free port when taken)")
+    u.add_argument("--state-dir", default=None, help="where the embedded store, logs and up.json live (default: $XDG_STATE_HOME/aep-bridge)")
+    u.add_argument("--demo", action="store_true", help="replay the demo sessions once the bridge is up, then follow the stream")
+    u.add_argument("--no-follow", action="store_true", help="with --demo: do not follow the stream after the summary")
+    u.add_argument("--mapper-port", type=int, default=None, help="mapper metrics port (default 9464, or free)")
+    u.add_argument("--pairing-port", type=int, default=None, help="pairing metrics port (default 9465, or free)")
+    u.set_defaults(func=cmd_up)
+
+    d = sub.add_parser("demo", help="replay real Hermes sessions through the shim into a running bridge and summarise")
+    d.add_argument("--nats", default=None, metavar="URL", help="the bridge's NATS (default: the running `up`, else AEP_BRIDGE_NATS_URL)")
+    d.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the events (default 60)")
+    d.add_argument("--json-summary", default=None, help="also write the summary as JSON to this file")
+    d.set_defaults(func=cmd_demo)
+
+    t = sub.add_parser("tail", help="follow AEP_EVENTS: one readable line per event, grouped by session lane")
+    t.add_argument("--nats", default=None, metavar="URL", help="NATS URL (default: the running `up`, else AEP_BRIDGE_NATS_URL)")
+    t.add_argument("--session", default=None, help="only this session (lane); `unknown` for the unknown lane")
+    t.add_argument("--type", dest="type_pattern", default=None, metavar="PATTERN", help="only types matching this glob, e.g. 'tool.*'")
+    t.add_argument("--since", default=None, help="start this far back (5m, 2h, 1d) or at an RFC 3339 time")
+    t.add_argument("--all", action="store_true", help="start at the beginning of the stream (default: new events only)")
+    t.add_argument("--json", action="store_true", help="print the raw events, one JSON object per line")
+    t.add_argument("--count", type=int, default=None, help="exit after this many events")
+    t.add_argument("--idle-exit", type=float, default=None, metavar="SECONDS", help="exit after this long without events")
+    t.add_argument("--color", choices=["auto", "always", "never"], default="auto")
+    t.set_defaults(func=cmd_tail)
+
+
+def _url(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from bridge.config import Settings
+    from bridge.local.up import read_state
+
+    settings = Settings.from_env()
+    if args.nats:
+        settings.nats_url = args.nats
+    else:
+        state = read_state()
+        if state and "AEP_BRIDGE_NATS_URL" not in os.environ:
+            settings.nats_url = state["nats_url"]
+    return settings
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from bridge.config import Settings, default_state_dir
+    from bridge.local.up import Up
+
+    settings = Settings.from_env()
+    state_dir = Path(args.state_dir) if args.state_dir else default_state_dir()
+    up = Up(settings, nats_url=args.nats, port=args.port, state_dir=state_dir,
+            mapper_port=args.mapper_port, pairing_port=args.pairing_port)
+    try:
+        return asyncio.run(up.run(demo=args.demo, follow=not args.no_follow, color=sys.stdout.isatty()))
+    except Exception as exc:
+        print(f"aep-bridge up: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from bridge.local.demo import run_demo
+
+    settings = _url(args)
+    try:
+        result = asyncio.run(run_demo(settings, timeout=args.timeout, json_summary=Path(args.json_summary) if args.json_summary else None))
+    except Exception as exc:
+        print(f"aep-bridge demo: {type(exc).__name__}: {exc} (is the bridge running? start it with `aep-bridge up`)", file=sys.stderr)
+        return 1
+    return 0 if result["shim_failures"] == 0 and result["events"] >= result["mapped_expected"] else 1
+
+
+def cmd_tail(args: argparse.Namespace) -> int:
+    from bridge.local.tail import parse_since, tail
+    from bridge.nats.connection import connect
+
+    settings = _url(args)
+    try:
+        since = parse_since(args.since)
+    except ValueError as exc:
+        print(f"aep-bridge tail: {exc}", file=sys.stderr)
+        return 2
+    color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty() and not args.json)
+
+    async def main() -> int:
+        nc = await connect(settings, name="aep-bridge-tail")
+        try:
+            await tail(nc, session=args.session, type_pattern=args.type_pattern, since=since, all_events=args.all,
+                       as_json=args.json, color=color, count=args.count, idle_exit=args.idle_exit)
+        finally:
+            await nc.close()
+        return 0
+
+    try:
+        return asyncio.run(main())
+    except KeyboardInterrupt:
+        return 0
+    except Exception as exc:
+        print(f"aep-bridge tail: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1

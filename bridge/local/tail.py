@@ -1,0 +1,193 @@
+"""`aep-bridge tail`: follow AEP_EVENTS, one readable line per event, grouped by lane.
+
+It reads with an ephemeral ordered consumer (nothing durable, nothing acked), so
+it never takes an event away from the real consumers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fnmatch
+import re
+import sys
+import time
+from datetime import datetime, timedelta, timezone
+from typing import Any, Callable, TextIO
+
+import msgspec
+
+from bridge.core.lanes import UNKNOWN, lane_token
+
+_COLORS = [32, 34, 35, 36, 33, 92, 94, 95, 96, 93]
+_RESET = "\x1b[0m"
+
+_KEY_FIELDS = (
+    ("tool", lambda d: (d.get("tool") or {}).get("name")),
+    ("call", lambda d: (d.get("tool") or {}).get("call_id")),
+    ("ms", lambda d: d.get("duration_ms")),
+    ("error", lambda d: (d.get("error") or {}).get("type")),
+    ("by", lambda d: d.get("by")),
+    ("kind", lambda d: d.get("kind")),
+    ("answer", lambda d: _answer(d.get("answer"))),
+    ("resolution", lambda d: d.get("resolution")),
+    ("latency_ms", lambda d: d.get("latency_ms")),
+    ("child", lambda d: (d.get("child") or {}).get("session")),
+    ("status", lambda d: d.get("status")),
+    ("reason", lambda d: d.get("reason")),
+    ("trigger", lambda d: d.get("trigger")),
+    ("status_code", lambda d: d.get("status_code")),
+)
+
+
+def _answer(answer: Any) -> str | None:
+    if not isinstance(answer, dict):
+        return None
+    if "option" in answer:
+        return str(answer["option"])
+    if "values" in answer:
+        return ",".join(f"{k}={v}" for k, v in answer["values"].items())
+    return None
+
+
+def parse_since(value: str | None, now: datetime | None = None) -> datetime | None:
+    """`5m`, `2h`, `30s`, `1d` ago, or an RFC 3339 time."""
+    if not value:
+        return None
+    now = now or datetime.now(timezone.utc)
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([smhd])", value.strip())
+    if m:
+        unit = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days"}[m.group(2)]
+        return now - timedelta(**{unit: float(m.group(1))})
+    try:
+        dt = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        raise ValueError(f"--since {value!r}: expected a duration like 5m/2h/1d or an RFC 3339 time") from None
+    return dt if dt.tzinfo else dt.replace(tzinfo=timezone.utc)
+
+
+class Formatter:
+    """One line per event; a header line whenever the lane changes."""
+
+    def __init__(self, color: bool, out: TextIO) -> None:
+        self.color = color
+        self.out = out
+        self.lane_colors: dict[str, int] = {}
+        self.last_lane: str | None = None
+
+    def _c(self, code: int, text: str) -> str:
+        return f"\x1b[{code}m{text}{_RESET}" if self.color else text
+
+    def lane_label(self, event: dict[str, Any]) -> str:
+        session = event.get("session", "")
+        if event.get("lane") == UNKNOWN:
+            return "unknown"
+        return session or "-"
+
+    def line(self, event: dict[str, Any]) -> str:
+        lane = self.lane_label(event)
+        if lane == "unknown":
+            color = 31
+        else:
+            color = self.lane_colors.setdefault(lane, _COLORS[len(self.lane_colors) % len(_COLORS)])
+        parts = []
+        t = str(event.get("time", ""))
+        parts.append(t[11:23] if len(t) >= 23 else t)
+        parts.append(self._c(color, f"[{lane[-22:]}]"))
+        run = str(event.get("run", ""))
+        parts.append(f"run={run.rsplit(':', 1)[-1]}" if run else "run=-")
+        etype = str(event.get("type", "?"))
+        type_color = 31 if etype.endswith((".failed", ".denied", ".error", ".timeout")) else 1
+        parts.append(self._c(type_color, f"{etype:<28}"))
+        if event.get("subject"):
+            parts.append(f"subject={str(event['subject'])[:40]}")
+        data = event.get("data") or {}
+        for name, getter in _KEY_FIELDS:
+            try:
+                value = getter(data)
+            except AttributeError:
+                value = None
+            if value is not None:
+                parts.append(f"{name}={value}")
+        if event.get("cause"):
+            parts.append(self._c(90, f"cause={str(event['cause'])[-8:]}"))
+        return "  ".join(parts)
+
+    def emit(self, event: dict[str, Any]) -> None:
+        lane = self.lane_label(event)
+        if lane != self.last_lane:
+            self.out.write(self._c(90, f"── lane {lane} ──") + "\n")
+            self.last_lane = lane
+        self.out.write(self.line(event) + "\n")
+        self.out.flush()
+
+
+async def tail(
+    nc: Any,
+    *,
+    session: str | None = None,
+    type_pattern: str | None = None,
+    since: datetime | None = None,
+    all_events: bool = False,
+    as_json: bool = False,
+    color: bool = False,
+    out: TextIO = sys.stdout,
+    count: int | None = None,
+    idle_exit: float | None = None,
+    stop: asyncio.Event | None = None,
+    on_event: Callable[[dict[str, Any]], None] | None = None,
+) -> int:
+    from nats.js.api import DeliverPolicy
+
+    from bridge.nats import streams as S
+
+    js = nc.jetstream()
+    subject = f"{S.EVENTS_PREFIX}.{lane_token(session)}.>" if session else f"{S.EVENTS_PREFIX}.>"
+    kwargs: dict[str, Any] = {"ordered_consumer": True}
+    if since is not None:
+        kwargs["config"] = _start_time_config(since)
+    elif all_events:
+        kwargs["deliver_policy"] = DeliverPolicy.ALL
+    else:
+        kwargs["deliver_policy"] = DeliverPolicy.NEW
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def cb(msg: Any) -> None:
+        await queue.put(msg.data)
+
+    sub = await js.subscribe(subject, cb=cb, stream=S.AEP_EVENTS, **kwargs)
+    fmt = Formatter(color, out)
+    seen = 0
+    last = time.monotonic()
+    try:
+        while True:
+            if stop is not None and stop.is_set():
+                break
+            try:
+                data = await asyncio.wait_for(queue.get(), timeout=0.25)
+            except asyncio.TimeoutError:
+                if idle_exit is not None and time.monotonic() - last > idle_exit:
+                    break
+                continue
+            last = time.monotonic()
+            event = msgspec.json.decode(data)
+            if type_pattern and not fnmatch.fnmatchcase(str(event.get("type", "")), type_pattern):
+                continue
+            if as_json:
+                out.write(data.decode() + "\n")
+                out.flush()
+            else:
+                fmt.emit(event)
+            if on_event:
+                on_event(event)
+            seen += 1
+            if count is not None and seen >= count:
+                break
+    finally:
+        await sub.unsubscribe()
+    return seen
+
+
+def _start_time_config(since: datetime) -> Any:
+    from nats.js.api import ConsumerConfig, DeliverPolicy
+
+    return ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_TIME, opt_start_time=since)

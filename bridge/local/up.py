@@ -1,0 +1,246 @@
+"""`aep-bridge up`: the whole bridge on one machine, with nothing installed by hand.
+
+Starts an embedded `nats-server` with JetStream (unless `--nats URL` names one),
+bootstraps the streams and buckets, and supervises one mapper and one pairing
+worker as child processes: a worker that dies is restarted (with backoff) and the
+restart is logged; one Ctrl-C (SIGINT) or SIGTERM stops the workers, then the
+server, and leaves no process behind. While it runs, `<state dir>/up.json`
+tells `demo` and `tail` where the server is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+from bridge.config import MAPPER_METRICS_PORT, PAIRING_METRICS_PORT, Settings, default_state_dir
+from bridge.local.server import EmbeddedNats, free_port, port_is_free
+
+
+def state_file(state_dir: Path) -> Path:
+    return state_dir / "up.json"
+
+
+def read_state(state_dir: Path | None = None) -> dict[str, Any] | None:
+    path = state_file(state_dir or default_state_dir())
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    pid = data.get("pid")
+    if not isinstance(pid, int):
+        return None
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        return None  # stale: that `up` is gone
+    return data
+
+
+@dataclass
+class Worker:
+    name: str
+    argv: list[str]
+    log_path: Path
+    env: dict[str, str]
+    proc: subprocess.Popen[bytes] | None = None
+    restarts: int = 0
+    next_start: float = 0.0
+    started_at: float = field(default_factory=time.monotonic)
+
+    def start(self) -> None:
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True)
+        log.close()
+        self.started_at = time.monotonic()
+
+    def stop(self, timeout: float = 25.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+class Up:
+    def __init__(self, settings: Settings, *, nats_url: str | None, port: int | None, state_dir: Path,
+                 out: TextIO = sys.stdout, mapper_port: int | None = None, pairing_port: int | None = None) -> None:
+        self.settings = settings
+        self.external_url = nats_url
+        self.port = port
+        self.state_dir = state_dir
+        self.out = out
+        self.server: EmbeddedNats | None = None
+        self.workers: list[Worker] = []
+        self.mapper_port = mapper_port or (MAPPER_METRICS_PORT if port_is_free(MAPPER_METRICS_PORT) else free_port())
+        self.pairing_port = pairing_port or (PAIRING_METRICS_PORT if port_is_free(PAIRING_METRICS_PORT) else free_port())
+        self.url = ""
+        self.stop_event: asyncio.Event | None = None
+
+    def say(self, text: str) -> None:
+        print(text, file=self.out, flush=True)
+
+    # ------------------------------------------------------------ lifecycle
+
+    def start_server(self) -> str:
+        if self.external_url:
+            self.say(f"aep-bridge up: using the NATS server at {self.external_url}")
+            return self.external_url
+        port = self.port if self.port is not None else (4222 if port_is_free(4222) else free_port())
+        (self.state_dir / "logs").mkdir(parents=True, exist_ok=True)
+        self.server = EmbeddedNats(self.state_dir / "nats", port=port, log_file=self.state_dir / "logs" / "nats-server.log")
+        started = time.monotonic()
+        self.server.start()
+        self.say(f"aep-bridge up: embedded nats-server with JetStream on {self.server.url} "
+                 f"(store {self.state_dir / 'nats'}, ready in {1000 * (time.monotonic() - started):.0f} ms)")
+        return self.server.url
+
+    async def bootstrap(self) -> None:
+        from bridge.nats.bootstrap import bootstrap
+        from bridge.nats.connection import connect
+
+        settings = self._settings()
+        nc = await connect(settings, name="aep-bridge-up")
+        try:
+            started = time.monotonic()
+            self.say("aep-bridge up: bootstrapping streams and buckets ...")
+            await bootstrap(nc.jetstream(), settings)
+            self.say(f"aep-bridge up: streams and buckets ready ({1000 * (time.monotonic() - started):.0f} ms)")
+        finally:
+            await nc.close()
+
+    def _settings(self) -> Settings:
+        s = Settings.from_env()
+        s.nats_url = self.url
+        return s
+
+    def _env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env["AEP_BRIDGE_NATS_URL"] = self.url
+        env.setdefault("AEP_BRIDGE_LOG_FORMAT", "json")
+        return env
+
+    def start_workers(self) -> None:
+        logs = self.state_dir / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        base = [sys.executable, "-m", "bridge.cli"]
+        self.workers = [
+            Worker("mapper", base + ["mapper", "--metrics-port", str(self.mapper_port)], logs / "mapper.log", self._env()),
+            Worker("pairing", base + ["pairing", "--metrics-port", str(self.pairing_port), "--replica", "up-pairing"],
+                   logs / "pairing.log", self._env()),
+        ]
+        for w in self.workers:
+            w.start()
+
+    def supervise_once(self) -> None:
+        now = time.monotonic()
+        for w in self.workers:
+            if w.proc is not None and w.proc.poll() is not None:
+                code = w.proc.returncode
+                w.restarts += 1
+                backoff = min(10.0, 0.5 * 2 ** min(w.restarts, 5)) if now - w.started_at < 30 else 0.5
+                self.say(f"aep-bridge up: {w.name} exited with code {code}; restarting in {backoff:.1f}s "
+                         f"(restart #{w.restarts}, log: {w.log_path})")
+                w.proc = None
+                w.next_start = now + backoff
+            if w.proc is None and now >= w.next_start:
+                w.start()
+                self.say(f"aep-bridge up: {w.name} restarted (pid {w.proc.pid if w.proc else '?'})")
+
+    def write_state(self) -> None:
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        state_file(self.state_dir).write_text(json.dumps({
+            "pid": os.getpid(),
+            "nats_url": self.url,
+            "embedded": self.server is not None,
+            "metrics": {"mapper": f"http://127.0.0.1:{self.mapper_port}/metrics", "pairing": f"http://127.0.0.1:{self.pairing_port}/metrics"},
+            "workers": {w.name: (w.proc.pid if w.proc else None) for w in self.workers},
+        }, indent=2))
+
+    def banner(self) -> None:
+        shim = Path(__file__).resolve().parent.parent / "shim" / "hook.py"
+        self.say("")
+        self.say("  NATS           " + self.url)
+        self.say(f"  mapper         http://127.0.0.1:{self.mapper_port}/metrics   /healthz   /readyz")
+        self.say(f"  pairing        http://127.0.0.1:{self.pairing_port}/metrics   /healthz   /readyz")
+        self.say(f"  logs           {self.state_dir / 'logs'}")
+        self.say("  watch          aep-bridge tail            (or: aep-bridge tail --json)")
+        self.say("  replay a demo  aep-bridge demo")
+        self.say("  wire Hermes    AEP_BRIDGE_NATS_URL=" + self.url + " aep-bridge hermes install")
+        self.say("                 (writes hooks like this into ~/.hermes/config.yaml and records consent:)")
+        self.say("                   hooks:")
+        self.say("                     pre_tool_call:")
+        self.say(f"                       - command: \"{sys.executable} -I -S {shim}\"")
+        self.say("                         timeout: 5")
+        self.say("  stop           Ctrl-C")
+        self.say("")
+
+    def shutdown(self) -> None:
+        for w in self.workers:
+            w.stop()
+        if self.server is not None:
+            self.server.stop()
+        try:
+            state_file(self.state_dir).unlink()
+        except OSError:
+            pass
+
+    async def run(self, demo: bool = False, follow: bool = True, color: bool = False) -> int:
+        loop = asyncio.get_running_loop()
+        self.stop_event = asyncio.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self.stop_event.set)
+        try:
+            self.url = self.start_server()
+            await self.bootstrap()
+            self.start_workers()
+            self.write_state()
+            self.banner()
+            side: asyncio.Task | None = None
+            if demo:
+                side = asyncio.create_task(self._demo_then_tail(follow, color))
+            while not self.stop_event.is_set():
+                self.supervise_once()
+                self.write_state()
+                try:
+                    await asyncio.wait_for(self.stop_event.wait(), timeout=0.5)
+                except asyncio.TimeoutError:
+                    pass
+            if side is not None:
+                side.cancel()
+                await asyncio.gather(side, return_exceptions=True)
+            self.say("\naep-bridge up: stopping workers and the server ...")
+            return 0
+        finally:
+            await asyncio.to_thread(self.shutdown)
+            self.say("aep-bridge up: stopped")
+
+    async def _demo_then_tail(self, follow: bool, color: bool) -> None:
+        from bridge.local.demo import run_demo
+        from bridge.local.tail import tail
+        from bridge.nats.connection import connect
+
+        try:
+            await run_demo(self._settings(), out=self.out, color=color)
+        except Exception as exc:  # the demo is a convenience: report, keep the bridge up
+            self.say(f"aep-bridge demo: failed: {type(exc).__name__}: {exc}")
+            return
+        if not follow:
+            return
+        self.say("aep-bridge up: following AEP_EVENTS (Ctrl-C to stop) ...")
+        nc = await connect(self._settings(), name="aep-bridge-up-tail")
+        try:
+            await tail(nc, color=color, out=self.out, stop=self.stop_event)
+        finally:
+            await nc.close()
