@@ -17,8 +17,10 @@ event id so the stream's duplicate window absorbs the second copy.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 from dataclasses import dataclass
+from functools import lru_cache
 from datetime import datetime, timezone
 from urllib.parse import quote
 
@@ -31,16 +33,25 @@ MAX_MAPPED = AFTER_SLOT - MAPPED_SLOT
 _CROCKFORD = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
 
 
+# RFC 4648 base32 -> Crockford's alphabet: 10 bytes of entropy are exactly 16 characters.
+_B32_TO_CROCKFORD = str.maketrans("ABCDEFGHIJKLMNOPQRSTUVWXYZ234567", _CROCKFORD)
+
+
+@lru_cache(maxsize=4096)
+def _ulid_time(time_ms: int) -> str:
+    value = time_ms & 0xFFFFFFFFFFFF
+    chars = []
+    for _ in range(10):
+        chars.append(_CROCKFORD[value & 31])
+        value >>= 5
+    return "".join(reversed(chars))
+
+
 def ulid_from(time_ms: int, entropy: bytes) -> str:
     """Encode a ULID from a 48-bit millisecond time and 10 bytes of entropy."""
     if len(entropy) < 10:
         raise ValueError("a ULID needs 10 bytes of entropy")
-    value = ((time_ms & 0xFFFFFFFFFFFF) << 80) | int.from_bytes(entropy[:10], "big")
-    chars = []
-    for _ in range(26):
-        chars.append(_CROCKFORD[value & 31])
-        value >>= 5
-    return "".join(reversed(chars))
+    return _ulid_time(time_ms) + base64.b32encode(entropy[:10]).decode("ascii").translate(_B32_TO_CROCKFORD)
 
 
 def ulid_time_ms(ulid: str) -> int:
@@ -63,11 +74,16 @@ def event_seq(raw_seq: int, slot: int) -> int:
 
 def rfc3339(ts_ns: int) -> str:
     """Receive time as RFC 3339 UTC with millisecond precision (display only)."""
-    ms = ts_ns // 1_000_000
+    return _rfc3339_ms(ts_ns // 1_000_000)
+
+
+@lru_cache(maxsize=4096)
+def _rfc3339_ms(ms: int) -> str:
     dt = datetime.fromtimestamp(ms // 1000, tz=timezone.utc)
     return f"{dt:%Y-%m-%dT%H:%M:%S}.{ms % 1000:03d}Z"
 
 
+@lru_cache(maxsize=65536)
 def source_uri(instance: str, session: str) -> str:
     return f"aep://{_uri_part(instance)}/agent/hermes/session/{_uri_part(session)}"
 

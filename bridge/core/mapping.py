@@ -489,6 +489,7 @@ def map_envelope(env: HermesEnvelope, origin: Origin, lanes: LaneLookup, policy:
     drift = env.drift
     run = env.xstr("turn_id") or (env.xstr("parent_turn_id") if env.hook_event_name.startswith("subagent_") else "")
     status = env.x("status") if env.hook_event_name == "post_tool_call" else None
+    status = status if isinstance(status, str) else None
     time = rfc3339(origin.ts_ns)
     source = source_uri(origin.instance or "unknown", lane)
     events = []

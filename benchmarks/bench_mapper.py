@@ -1,0 +1,131 @@
+#!/usr/bin/env python3
+"""Mapper throughput against the nats-py relay ceiling, in one run, on one server.
+
+    .venv/bin/python benchmarks/bench_mapper.py [--n 50000]
+
+1. Starts an embedded nats-server with JetStream and bootstraps the bridge's streams.
+2. Loads N realistic raw messages (copies of the real Hermes sessions shipped in
+   bridge/data, wrapped exactly as the shim wraps them) into HERMES_RAW.
+3. Ceiling: a trivial nats-py relay (pull fetch 256, publish the same bytes to another
+   stream with publish_async, ack after the publish acks) over all N messages.
+4. The mapper (`bridge.services.mapper.Mapper`, one replica, in-process) over the same N.
+Prints messages/s for both, the events/s the mapper emits, and the ratio (target >= 0.6).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from bridge.config import Settings  # noqa: E402
+from bridge.core.capture import CapturePolicy  # noqa: E402
+from bridge.core.identity import event_id  # noqa: E402
+from bridge.local.server import EmbeddedNats  # noqa: E402
+from bridge.sim.sessions import realistic_envelopes  # noqa: E402
+
+BATCH = 256
+
+
+def raw_messages(n: int) -> list[tuple[str, bytes, str]]:
+    out = []
+    base = time.time_ns()
+    for i, env in enumerate(realistic_envelopes(n, seed=1)):
+        ts = base + i * 1000
+        rid = event_id("bench", i, ts // 1_000_000)
+        hook = env.get("hook_event_name", "x")
+        body = json.dumps({"v": 1, "id": rid, "instance": "bench", "ts": ts, "hook": hook, "envelope": env}, separators=(",", ":")).encode()
+        out.append((f"hermes.raw.bench.{hook}", body, rid))
+    return out
+
+
+async def load(js, msgs) -> None:  # type: ignore[no-untyped-def]
+    futures = []
+    for subject, body, rid in msgs:
+        futures.append(await js.publish_async(subject, body, headers={"Nats-Msg-Id": rid}))
+        if len(futures) >= 2048:
+            await asyncio.gather(*futures)
+            futures = []
+    await asyncio.gather(*futures)
+
+
+async def relay(js, n: int) -> float:  # type: ignore[no-untyped-def]
+    from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig
+
+    import nats.errors
+
+    await js.add_stream(StreamConfig(name="RELAY_OUT", subjects=["relay.>"], duplicate_window=120.0))
+    sub = await js.pull_subscribe("hermes.raw.>", durable="relay", stream="HERMES_RAW",
+                                  config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, max_ack_pending=8192))
+    done = 0
+    started = time.perf_counter()
+    while done < n:
+        try:
+            msgs = await sub.fetch(BATCH, timeout=1.0)
+        except nats.errors.TimeoutError:
+            continue
+        futures = [await js.publish_async("relay." + m.subject, m.data, headers={"Nats-Msg-Id": m.headers.get("Nats-Msg-Id", "")}) for m in msgs]
+        await asyncio.gather(*futures)
+        for m in msgs:
+            await m.ack()
+        done += len(msgs)
+    return time.perf_counter() - started
+
+
+async def mapper_run(settings: Settings, n: int) -> tuple[float, int]:
+    from bridge.services.mapper import Mapper
+
+    import nats.errors
+
+    mapper = Mapper(settings, CapturePolicy(), batch=BATCH)
+    await mapper.connect()
+    sub = await mapper.bind()
+    done = 0
+    started = time.perf_counter()
+    while done < n:
+        try:
+            msgs = await sub.fetch(BATCH, timeout=1.0)
+        except nats.errors.TimeoutError:
+            continue
+        await mapper.process_batch(msgs)
+        done += len(msgs)
+    elapsed = time.perf_counter() - started
+    events = int(sum(s.value for m in mapper.metrics.events_out.collect() for s in m.samples if s.name.endswith("_total")))
+    await mapper.close()
+    return elapsed, events
+
+
+async def main(n: int) -> None:
+    import nats
+
+    from bridge.nats.bootstrap import bootstrap
+
+    with tempfile.TemporaryDirectory() as tmp, EmbeddedNats(tmp) as server:
+        settings = Settings.from_env({"AEP_BRIDGE_NATS_URL": server.url, "AEP_BRIDGE_CONFIG": os.devnull})
+        nc = await nats.connect(server.url)
+        js = nc.jetstream(publish_async_max_pending=4096)
+        await bootstrap(js, settings)
+        msgs = raw_messages(n)
+        size = sum(len(b) for _, b, _ in msgs) / len(msgs)
+        t0 = time.perf_counter()
+        await load(js, msgs)
+        print(f"loaded {n} raw messages (mean {size:.0f} B) into HERMES_RAW in {time.perf_counter() - t0:.1f}s")
+        relay_s = await relay(js, n)
+        await nc.close()
+        mapper_s, events = await mapper_run(settings, n)
+    relay_rate, mapper_rate = n / relay_s, n / mapper_s
+    print(f"relay ceiling (fetch {BATCH}, publish_async, ack): {relay_rate:,.0f} msg/s ({relay_s:.2f}s)")
+    print(f"mapper, 1 replica:                        {mapper_rate:,.0f} msg/s ({mapper_s:.2f}s), {events / mapper_s:,.0f} events/s out ({events} events)")
+    print(f"ratio mapper/ceiling: {mapper_rate / relay_rate:.2f} (target >= 0.6)")
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--n", type=int, default=50_000)
+    asyncio.run(main(p.parse_args().n))
