@@ -15,7 +15,7 @@ from functools import lru_cache
 from importlib import resources
 from typing import Any, Iterator
 
-_ID = re.compile(r"\b(20\d{6}_\d{6}_[0-9a-f]{6})\b")
+_ID = re.compile(r"\b(20\d{6}_\d{6}_[0-9a-f]{6}|[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}|sa-\d+-[0-9a-f]{8})\b")
 
 
 @lru_cache(maxsize=1)
@@ -33,7 +33,7 @@ def scenarios() -> dict[str, list[dict[str, Any]]]:
 
 
 def _rename(text: str, suffix: str) -> str:
-    """Give every session id (and the ids built on it) a copy-specific suffix."""
+    """Give every session id, task id and subagent id (and the ids built on them) a copy-specific suffix."""
     return _ID.sub(lambda m: f"{m.group(1)}{suffix}", text).replace('"call_', f'"call{suffix}_')
 
 
