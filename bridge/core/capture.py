@@ -20,11 +20,10 @@ Theory of operation
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
-
-import msgspec
 
 LEVELS = ("none", "metadata", "redacted", "full")
 NONE, METADATA, REDACTED, FULL = range(4)
@@ -42,13 +41,18 @@ def level_rank(name: str) -> int:
 
 # ---------------------------------------------------------------- digests
 
-_canonical = msgspec.json.Encoder(order="sorted")
+_dumps = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode
 
 
 def canonical_json(value: Any) -> bytes:
-    """Sorted keys, `,`/`:` separators, no spaces, UTF-8 unescaped: same bytes as
-    ``json.dumps(v, sort_keys=True, separators=(",", ":"), ensure_ascii=False)``."""
-    return _canonical.encode(value)
+    """Sorted keys, `,`/`:` separators, no spaces, UTF-8 unescaped.
+
+    The standard library's encoder, not msgspec's (6x faster here: 0.5 vs 3.1 us for a
+    1 KB value): the shim computes the digests of size stubs with exactly this call,
+    and msgspec writes some floats differently (``1e16`` vs ``1e+16``) and refuses
+    lone surrogates, so only this keeps a stub's digest equal to the core's.
+    """
+    return _dumps(value).encode("utf-8", "surrogatepass")
 
 
 def is_stub(value: Any) -> bool:

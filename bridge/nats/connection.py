@@ -1,0 +1,152 @@
+"""nats-py connection options from ``Settings``, and a ``connect`` that says what went wrong.
+
+Credentials, in order of precedence: ``AEP_BRIDGE_NATS_CREDS`` (a ``.creds``
+file: JWT + nkey), ``AEP_BRIDGE_NATS_NKEY_SEED`` (a seed file),
+``AEP_BRIDGE_NATS_USER``/``PASSWORD``, ``AEP_BRIDGE_NATS_TOKEN``, and last the
+user info of the URLs (``nats://user:pass@host``, ``nats://token@host``,
+percent-encoded as in any URL). Credentials are taken out of the URLs and passed
+as options, so they never show up in logs that print the server list. TLS is on
+when ``AEP_BRIDGE_TLS_CA`` is set or a URL is ``tls://``; ``AEP_BRIDGE_TLS_CERT``
+and ``AEP_BRIDGE_TLS_KEY`` add a client certificate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from bridge.config import Settings
+from bridge.shim.hook import parse_server_url
+
+
+class NatsConnectError(RuntimeError):
+    """No server accepted the connection; the message lists why, with a hint."""
+
+
+@dataclass
+class ServerList:
+    urls: list[str]  # without credentials
+    user: str | None = None
+    password: str | None = None
+    token: str | None = None
+    tls: bool = False
+
+
+def server_list(settings: Settings) -> ServerList:
+    """The servers of ``AEP_BRIDGE_NATS_URL`` without user info, plus the credentials to use."""
+    out = ServerList(urls=[])
+    for raw in settings.servers:
+        scheme, host, port, user, password, token = parse_server_url(raw)
+        shown = f"[{host}]" if ":" in host else host
+        out.urls.append(f"{scheme}://{shown}:{port}")
+        out.tls = out.tls or scheme == "tls"
+        if out.user is None and out.token is None:
+            if user is not None:
+                out.user, out.password = user, password
+            elif token is not None:
+                out.token = token
+    if settings.nats_user or settings.nats_password:
+        out.user, out.password, out.token = settings.nats_user, settings.nats_password, None
+    if settings.nats_token:
+        out.user, out.password, out.token = None, None, settings.nats_token
+    return out
+
+
+def tls_context(settings: Settings, force: bool = False) -> Any:
+    """An SSLContext when TLS is configured (or ``force``), else None."""
+    if not (force or settings.tls_ca or settings.tls_cert):
+        return None
+    import ssl
+
+    ctx = ssl.create_default_context(cafile=settings.tls_ca) if settings.tls_ca else ssl.create_default_context()
+    if settings.tls_cert:
+        ctx.load_cert_chain(settings.tls_cert, settings.tls_key)
+    return ctx
+
+
+def connect_options(settings: Settings, *, name: str | None = None, **overrides: Any) -> dict[str, Any]:
+    """Keyword arguments for ``nats.connect`` (``overrides`` win)."""
+    servers = server_list(settings)
+    opts: dict[str, Any] = {"servers": servers.urls, "name": name or f"aep-bridge-{settings.instance}"}
+    ctx = tls_context(settings, force=servers.tls)
+    if ctx is not None:
+        opts["tls"] = ctx
+    if settings.nats_creds:
+        opts["user_credentials"] = settings.nats_creds
+    elif settings.nats_nkey_seed:
+        opts["nkeys_seed"] = settings.nats_nkey_seed
+    elif servers.user is not None:
+        opts["user"] = servers.user
+        opts["password"] = servers.password or ""
+    elif servers.token is not None:
+        opts["token"] = servers.token
+    opts.update(overrides)
+    return opts
+
+
+def describe_auth(settings: Settings) -> str:
+    """Which kind of credentials the options carry (never the secrets)."""
+    servers = server_list(settings)
+    if settings.nats_creds:
+        return f"creds file {settings.nats_creds}"
+    if settings.nats_nkey_seed:
+        return f"nkey seed file {settings.nats_nkey_seed}"
+    if servers.user is not None:
+        return f"user {servers.user!r} with a password"
+    if servers.token is not None:
+        return "a token"
+    return "no credentials"
+
+
+async def connect(settings: Settings | None = None, *, name: str | None = None, **overrides: Any) -> Any:
+    """``nats.connect`` with the bridge's settings. Raises NatsConnectError naming the
+    servers tried, what each said and, for an authorization error, what to set."""
+    import nats
+    import nats.errors
+
+    settings = settings or Settings.from_env()
+    errors: list[BaseException] = []
+    user_cb = overrides.pop("error_cb", None)
+
+    async def error_cb(exc: BaseException) -> None:
+        errors.append(exc)
+        if user_cb is not None:
+            await user_cb(exc)
+
+    opts = connect_options(settings, name=name, error_cb=error_cb, **overrides)
+    try:
+        return await nats.connect(**opts)
+    except (nats.errors.NoServersError, nats.errors.Error, OSError, TimeoutError) as exc:
+        raise NatsConnectError(explain_failure(settings, exc, errors)) from exc
+
+
+def explain_failure(settings: Settings, exc: BaseException, errors: list[BaseException]) -> str:
+    seen: list[str] = []
+    for e in [*errors, exc]:
+        text = f"{type(e).__name__}: {e}"
+        if text not in seen:
+            seen.append(text)
+    urls = ", ".join(server_list(settings).urls)
+    message = f"cannot connect to NATS at {urls}: " + "; ".join(seen[-4:])
+    joined = " ".join(seen).lower()
+    if "authorization" in joined or "authentication" in joined or "permissions violation" in joined:
+        message += (
+            f" -- the server refused the credentials ({describe_auth(settings)}); set AEP_BRIDGE_NATS_USER and "
+            "AEP_BRIDGE_NATS_PASSWORD, AEP_BRIDGE_NATS_TOKEN, AEP_BRIDGE_NATS_CREDS or AEP_BRIDGE_NATS_NKEY_SEED, "
+            "or put them in the URL (nats://user:pass@host:port)"
+        )
+    elif "ssl" in joined or "certificate" in joined or "tls" in joined:
+        message += " -- TLS failed; check AEP_BRIDGE_TLS_CA / AEP_BRIDGE_TLS_CERT / AEP_BRIDGE_TLS_KEY and the URL scheme"
+    return message
+
+
+async def quick_connect(settings: Settings | None = None, *, name: str | None = None, timeout: float = 2.0) -> Any:
+    """For one-shot commands (bootstrap, doctor, drain): fail within seconds, not minutes."""
+    return await connect(
+        settings,
+        name=name,
+        connect_timeout=timeout,
+        max_reconnect_attempts=1,
+        reconnect_time_wait=0.2,
+        allow_reconnect=False,
+    )

@@ -1,0 +1,179 @@
+"""Every JetStream stream, KV bucket and durable consumer of the bridge, as data.
+
+One place for the names, subjects and limits of docs/ARCHITECTURE.md; services
+import the names from here, ``aep-bridge bootstrap`` (``bridge.nats.bootstrap``)
+creates or updates the streams and buckets from the specs, and tests compare
+against them. Limits are explicit on purpose (max age, max bytes, duplicate
+window, discard policy): a stream without limits is an outage scheduled for the
+day the disk fills. Replicas are a deployment choice: ``replicas=`` here,
+``--replicas`` / ``AEP_BRIDGE_STREAM_REPLICAS`` on the command line (1 for a
+single server, 3 for a cluster).
+
+Changing a spec here changes what ``bootstrap`` converges a running system to:
+limits update in place; storage type and retention cannot be changed on an
+existing stream (the server refuses, bootstrap says so).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from bridge.nats.subjects import DLQ_PREFIX, EVENTS_PREFIX, MAPPED_PREFIX, RAW_PREFIX
+
+DAY = 24 * 3600.0
+GiB = 1024**3
+MiB = 1024**2
+
+# ---------------------------------------------------------------- names (imported by the services)
+
+HERMES_RAW = "HERMES_RAW"
+BRIDGE_MAPPED = "BRIDGE_MAPPED"
+BRIDGE_DLQ = "BRIDGE_DLQ"
+AEP_EVENTS = "AEP_EVENTS"
+
+RAW_SUBJECTS = f"{RAW_PREFIX}.>"
+MAPPED_SUBJECTS = f"{MAPPED_PREFIX}.>"
+DLQ_SUBJECTS = f"{DLQ_PREFIX}.>"
+EVENTS_SUBJECTS = f"{EVENTS_PREFIX}.>"
+
+LANES_BUCKET = "aep_lanes"  # s.<token> = known session, t.<task id token> = task alias
+PAIRING_BUCKET = "aep_pairing"  # pairing checkpoints, key p.<partition>
+LEASES_BUCKET = "aep_leases"  # partition ownership leases, key p.<partition>; expire after LEASE_TTL_S
+LANES_TTL_S = 7 * DAY
+LEASE_TTL_S = 10.0  # a lease nobody renews for this long is gone (pairing renews every 2 s)
+
+MAPPER_DURABLE = "mapper"
+MAPPER_MAX_DELIVER = 5  # the mapper dead-letters a message on its 5th failed delivery
+MAPPER_ACK_WAIT_S = 30.0
+MAPPER_MAX_ACK_PENDING = 8192
+
+DUPLICATE_WINDOW_S = 120.0
+
+__all__ = [
+    "AEP_EVENTS", "BRIDGE_DLQ", "BRIDGE_MAPPED", "BUCKETS", "BucketSpec", "HERMES_RAW", "LANES_BUCKET",
+    "LEASES_BUCKET", "LEASE_TTL_S", "MAPPER_DURABLE", "MAPPER_MAX_DELIVER", "PAIRING_BUCKET", "STREAMS", "StreamSpec",
+    "all_stream_configs", "mapper_consumer_config",
+]
+
+
+@dataclass(frozen=True)
+class StreamSpec:
+    """A stream with limits retention, file storage and explicit limits."""
+
+    name: str
+    subjects: tuple[str, ...]
+    description: str
+    max_age_s: float
+    max_bytes: int
+    duplicate_window_s: float = DUPLICATE_WINDOW_S
+    max_msg_size: int = -1
+    discard: str = "old"  # limits: the oldest messages go when max_age/max_bytes is reached
+
+    def config(self, replicas: int = 1) -> Any:
+        from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
+
+        return StreamConfig(
+            name=self.name,
+            description=self.description,
+            subjects=list(self.subjects),
+            retention=RetentionPolicy.LIMITS,
+            storage=StorageType.FILE,
+            discard=DiscardPolicy(self.discard),
+            max_age=self.max_age_s,
+            max_bytes=self.max_bytes,
+            max_msgs=-1,
+            max_msg_size=self.max_msg_size,
+            max_consumers=-1,
+            duplicate_window=self.duplicate_window_s,
+            num_replicas=replicas,
+        )
+
+
+@dataclass(frozen=True)
+class BucketSpec:
+    """A KV bucket, i.e. the stream ``KV_<bucket>`` configured the way every NATS client
+    expects a KV stream (rollup headers, deny delete, discard new, history per key)."""
+
+    bucket: str
+    description: str
+    ttl_s: float = 0.0  # 0: keys never expire
+    history: int = 1
+    max_bytes: int = GiB
+    max_value_size: int = -1
+
+    @property
+    def stream_name(self) -> str:
+        return f"KV_{self.bucket}"
+
+    def config(self, replicas: int = 1) -> Any:
+        from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
+
+        return StreamConfig(
+            name=self.stream_name,
+            description=self.description,
+            subjects=[f"$KV.{self.bucket}.>"],
+            retention=RetentionPolicy.LIMITS,
+            storage=StorageType.FILE,
+            discard=DiscardPolicy.NEW,
+            allow_rollup_hdrs=True,
+            deny_delete=True,
+            allow_direct=True,
+            max_age=self.ttl_s,
+            max_bytes=self.max_bytes,
+            max_msgs=-1,
+            max_msg_size=self.max_value_size,
+            max_msgs_per_subject=self.history,
+            max_consumers=-1,
+            duplicate_window=min(DUPLICATE_WINDOW_S, self.ttl_s) if self.ttl_s else DUPLICATE_WINDOW_S,
+            num_replicas=replicas,
+        )
+
+
+RAW_STREAM = StreamSpec(
+    HERMES_RAW, (RAW_SUBJECTS,), "Hermes hook envelopes as the shim stamped them (docs/ARCHITECTURE.md)",
+    max_age_s=7 * DAY, max_bytes=10 * GiB,
+)
+MAPPED_STREAM = StreamSpec(
+    BRIDGE_MAPPED, (MAPPED_SUBJECTS,), "AEP events from the mapper, partitioned by lane, before pairing",
+    max_age_s=7 * DAY, max_bytes=10 * GiB,
+)
+DLQ_STREAM = StreamSpec(
+    BRIDGE_DLQ, (DLQ_SUBJECTS,), "dead letters: inputs the mapper or pairing could not handle, with the reason",
+    max_age_s=30 * DAY, max_bytes=1 * GiB,
+)
+EVENTS_STREAM = StreamSpec(
+    AEP_EVENTS, (EVENTS_SUBJECTS,), "the consumer-facing AEP event stream",
+    max_age_s=30 * DAY, max_bytes=20 * GiB,
+)
+STREAMS: tuple[StreamSpec, ...] = (RAW_STREAM, MAPPED_STREAM, DLQ_STREAM, EVENTS_STREAM)
+
+LANES = BucketSpec(LANES_BUCKET, "known sessions (s.<token>) and task aliases (t.<token>)", ttl_s=LANES_TTL_S, max_bytes=GiB)
+PAIRING = BucketSpec(PAIRING_BUCKET, "pairing checkpoints per partition (p.<n>)", max_bytes=GiB)
+LEASES = BucketSpec(LEASES_BUCKET, "pairing partition leases (p.<n>)", ttl_s=LEASE_TTL_S, max_bytes=16 * MiB)
+BUCKETS: tuple[BucketSpec, ...] = (LANES, PAIRING, LEASES)
+
+
+def all_stream_configs(replicas: int = 1) -> list[Any]:
+    """The StreamConfig of every stream and bucket, in bootstrap order."""
+    return [s.config(replicas) for s in STREAMS] + [b.config(replicas) for b in BUCKETS]
+
+
+def mapper_consumer_config(durable: str = MAPPER_DURABLE) -> Any:
+    """The mapper's shared durable pull consumer on HERMES_RAW.
+
+    ``max_deliver`` is above MAPPER_MAX_DELIVER: the mapper dead-letters on that
+    delivery itself; the two spare deliveries cover a crash while it does so.
+    """
+    from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+    return ConsumerConfig(
+        durable_name=durable,
+        description="aep-bridge mapper (shared by every replica)",
+        deliver_policy=DeliverPolicy.ALL,
+        ack_policy=AckPolicy.EXPLICIT,
+        ack_wait=MAPPER_ACK_WAIT_S,
+        max_deliver=MAPPER_MAX_DELIVER + 2,
+        max_ack_pending=MAPPER_MAX_ACK_PENDING,
+        filter_subject=RAW_SUBJECTS,
+    )

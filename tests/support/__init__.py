@@ -1,0 +1,1 @@
+"""Helpers shared by the tests (no fixtures here: those live in tests/conftest.py)."""

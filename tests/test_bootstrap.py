@@ -1,0 +1,154 @@
+"""`aep-bridge bootstrap`: every stream and bucket with its limits, idempotent, converging;
+connection options from the settings; clear errors."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bridge.config import Settings
+from bridge.nats import streams as S
+from bridge.nats.bootstrap import bootstrap
+from bridge.nats.connection import NatsConnectError, connect_options, quick_connect, server_list
+from tests.natsfixture import JetStreamClient
+
+ROOT = Path(__file__).resolve().parents[1]
+ALL = ["HERMES_RAW", "BRIDGE_MAPPED", "BRIDGE_DLQ", "AEP_EVENTS", "KV_aep_lanes", "KV_aep_pairing", "KV_aep_leases"]
+
+
+def cli(*args: str, url: str, **env: str) -> subprocess.CompletedProcess[str]:
+    full = {**os.environ, "AEP_BRIDGE_CONFIG": os.devnull, "AEP_BRIDGE_NATS_URL": url, **env}
+    return subprocess.run([sys.executable, "-m", "bridge.cli", *args], env=full, capture_output=True, text=True,
+                          timeout=60, cwd=ROOT)
+
+
+def test_bootstrap_creates_everything_with_explicit_limits(nats_factory) -> None:  # type: ignore[no-untyped-def]
+    server = nats_factory()
+    first = cli("bootstrap", url=server.url)
+    assert first.returncode == 0, first.stderr
+    assert [line.split()[:2] for line in first.stdout.splitlines()] == [[name, "created"] for name in ALL]
+    js = JetStreamClient(server.url)
+    try:
+        raw = js.stream_info("HERMES_RAW").config
+        assert raw.subjects == ["hermes.raw.>"]
+        assert raw.max_age == 7 * 24 * 3600 and raw.max_bytes == 10 * 1024**3 and raw.duplicate_window == 120
+        assert getattr(raw.retention, "value", raw.retention) == "limits"
+        assert getattr(raw.storage, "value", raw.storage) == "file"
+        assert js.stream_info("AEP_EVENTS").config.subjects == ["aep.hermes.>"]
+        assert js.stream_info("BRIDGE_MAPPED").config.subjects == ["bridge.mapped.>"]
+        assert js.stream_info("BRIDGE_DLQ").config.max_age == 30 * 24 * 3600
+        for spec in (*S.STREAMS, *S.BUCKETS):
+            cfg = js.stream_info(spec.config().name).config
+            assert cfg.max_age and cfg.max_age > 0 or spec in S.BUCKETS, f"{cfg.name} has no max age"
+            assert cfg.max_bytes and cfg.max_bytes > 0, f"{cfg.name} has no max bytes"
+            assert cfg.duplicate_window and cfg.duplicate_window > 0
+        # the buckets are real KV buckets for nats-py, with their TTLs
+        lanes = js.run(js.js.key_value(S.LANES_BUCKET))
+        js.run(lanes.put("s.abc", b"1"))
+        assert js.run(lanes.get("s.abc")).value == b"1"
+        assert js.stream_info("KV_aep_lanes").config.max_age == 7 * 24 * 3600
+        assert js.stream_info("KV_aep_leases").config.max_age == S.LEASE_TTL_S
+        leases = js.run(js.js.key_value(S.LEASES_BUCKET))
+        js.run(leases.create("p.0", b"me"))
+        # the mapper's consumer definition is accepted by the server
+        sub = js.run(js.js.pull_subscribe(S.RAW_SUBJECTS, durable=S.MAPPER_DURABLE, stream=S.HERMES_RAW,
+                                          config=S.mapper_consumer_config()))
+        info = js.run(sub.consumer_info())
+        assert info.config.max_deliver == S.MAPPER_MAX_DELIVER + 2 and info.config.ack_wait == S.MAPPER_ACK_WAIT_S
+    finally:
+        js.close()
+    again = cli("bootstrap", url=server.url)
+    assert again.returncode == 0
+    assert [line.split()[:2] for line in again.stdout.splitlines()] == [[name, "unchanged"] for name in ALL]
+
+
+def test_bootstrap_converges_a_drifted_stream(nats_server, jetstream: JetStreamClient) -> None:  # type: ignore[no-untyped-def]
+    from nats.js.api import StreamConfig
+
+    cfg: StreamConfig = jetstream.stream_info("BRIDGE_DLQ").config
+    cfg.max_age = 3600.0
+    cfg.max_bytes = 1024 * 1024
+    jetstream.run(jetstream.js.update_stream(cfg))
+    results = jetstream.run(bootstrap(jetstream.js, Settings.from_env({"AEP_BRIDGE_CONFIG": os.devnull})))
+    assert results["BRIDGE_DLQ"] == "updated"
+    assert all(v == "unchanged" for k, v in results.items() if k != "BRIDGE_DLQ")
+    fixed = jetstream.stream_info("BRIDGE_DLQ").config
+    assert fixed.max_age == 30 * 24 * 3600 and fixed.max_bytes == 1024**3
+
+
+def test_bootstrap_keeps_messages(nats_server, jetstream: JetStreamClient) -> None:  # type: ignore[no-untyped-def]
+    jetstream.run(jetstream.js.publish("hermes.raw.keep.pre_tool_call", b"{}", headers={"Nats-Msg-Id": "keep-1"}))
+    before = jetstream.stream_info().state.messages
+    jetstream.bootstrap()
+    assert jetstream.stream_info().state.messages == before
+
+
+def test_bootstrap_reports_auth_failure_clearly(nats_factory) -> None:  # type: ignore[no-untyped-def]
+    server = nats_factory('authorization { user: bob, password: right }')
+    out = cli("bootstrap", url=server.url_with("bob:wrong"))
+    assert out.returncode == 1
+    assert "Authorization Violation" in out.stderr and "AEP_BRIDGE_NATS_USER" in out.stderr
+    assert "wrong" not in out.stderr  # never print the secret
+    ok = cli("bootstrap", url=server.url, AEP_BRIDGE_NATS_USER="bob", AEP_BRIDGE_NATS_PASSWORD="right")
+    assert ok.returncode == 0, ok.stderr
+
+
+def test_bootstrap_unreachable_fails_fast() -> None:
+    from tests.natsfixture import free_port
+
+    out = cli("bootstrap", "--timeout", "1", url=f"nats://127.0.0.1:{free_port()}")
+    assert out.returncode == 1 and "cannot connect to NATS" in out.stderr
+
+
+def test_replicas_setting(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from bridge.nats.bootstrap import BootstrapError, default_replicas
+
+    assert all(c.num_replicas == 3 for c in S.all_stream_configs(3))
+    assert default_replicas(None, {"AEP_BRIDGE_CONFIG": os.devnull}) == 1
+    assert default_replicas(None, {"AEP_BRIDGE_CONFIG": os.devnull, "AEP_BRIDGE_STREAM_REPLICAS": "3"}) == 3
+    with pytest.raises(BootstrapError):
+        default_replicas(None, {"AEP_BRIDGE_CONFIG": os.devnull, "AEP_BRIDGE_STREAM_REPLICAS": "7"})
+
+
+# ---------------------------------------------------------------- connection options
+
+
+def settings(**env: str) -> Settings:
+    return Settings.from_env({"AEP_BRIDGE_CONFIG": os.devnull, **{"AEP_BRIDGE_" + k: v for k, v in env.items()}})
+
+
+def test_connect_options_take_credentials_out_of_urls() -> None:
+    opts = connect_options(settings(NATS_URL="nats://al%40ice:p%3Ass@h1:4222,nats://h2"))
+    assert opts["servers"] == ["nats://h1:4222", "nats://h2:4222"]
+    assert (opts["user"], opts["password"]) == ("al@ice", "p:ss")
+    opts = connect_options(settings(NATS_URL="nats://tok@h1", NATS_USER="u", NATS_PASSWORD="p"))
+    assert (opts["user"], opts["password"]) == ("u", "p") and "token" not in opts
+    opts = connect_options(settings(NATS_URL="nats://u:p@h1", NATS_TOKEN="t"))
+    assert opts["token"] == "t" and "user" not in opts
+    opts = connect_options(settings(NATS_CREDS="/x.creds", NATS_USER="u"))
+    assert opts["user_credentials"] == "/x.creds" and "user" not in opts
+    assert connect_options(settings(NATS_NKEY_SEED="/seed"))["nkeys_seed"] == "/seed"
+    tls = connect_options(settings(NATS_URL="tls://h:4443"))
+    assert tls["servers"] == ["tls://h:4443"] and tls["tls"] is not None
+    assert "tls" not in connect_options(settings())
+    assert server_list(settings(NATS_URL="nats://[::1]:5")).urls == ["nats://[::1]:5"]
+
+
+def test_connect_with_settings(nats_factory) -> None:  # type: ignore[no-untyped-def]
+    import asyncio
+
+    server = nats_factory('authorization { token: "abc" }')
+
+    async def go(s: Settings) -> bool:
+        nc = await quick_connect(s, timeout=2)
+        ok = nc.is_connected
+        await nc.close()
+        return ok
+
+    assert asyncio.run(go(settings(NATS_URL=server.url, NATS_TOKEN="abc")))
+    with pytest.raises(NatsConnectError, match="refused the credentials"):
+        asyncio.run(go(settings(NATS_URL=server.url, NATS_TOKEN="nope")))
