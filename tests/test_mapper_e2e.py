@@ -1,0 +1,131 @@
+"""The mapper service end to end on a real nats-server: shim -> HERMES_RAW -> 2 mappers -> BRIDGE_MAPPED."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+import time
+
+import pytest
+
+from bridge.core.aep import encode_event
+from tests.corpus import envelopes
+from tests.natsfixture import JetStreamClient
+from tests.support.services import Service, expected_events, publish_all, raw_records, wait_for
+from tests.support.shim import compiled_hook, run_hook, shim_env
+
+
+def mapped_count(client: JetStreamClient) -> int:
+    return client.stream_info("BRIDGE_MAPPED").state.messages
+
+
+def test_two_mappers_produce_exactly_what_map_gives(nats_server_fn, tmp_path):
+    client = JetStreamClient(nats_server_fn.url)
+    client.bootstrap()
+    mappers = [Service("mapper", nats_server_fn.url, tmp_path, env={"AEP_BRIDGE_INSTANCE": f"m{i}"}) for i in range(2)]
+    for i, m in enumerate(mappers):
+        m.log_dir = tmp_path / f"m{i}"
+        m.log_dir.mkdir()
+        m.start()
+    try:
+        env = shim_env(nats_server_fn.url, tmp_path / "spool", "gw-e2e")
+        corpus = envelopes()
+        for e in corpus:
+            assert run_hook(json.dumps(e), env, script=compiled_hook()).answered_empty_object
+        garbage = run_hook(b"\xff\xfe not json", env, script=compiled_hook())
+        assert garbage.answered_empty_object
+        # HERMES_RAW now holds the shim's records, in order: raw seq = line number.
+        raw = client.fetch("hermes.raw.>", expected=len(corpus) + 1, timeout=10)
+        assert len(raw) == len(corpus) + 1
+        epoch = int(client.stream_info("HERMES_RAW").created.timestamp())
+        want = expected_events([(m.seq, m.data) for m in raw], epoch)
+        wait_for(lambda: mapped_count(client) >= len(want), 30, what=f"{len(want)} mapped events")
+        time.sleep(0.5)  # anything extra (a duplicate) would show up now
+        got = client.fetch("bridge.mapped.>", stream="BRIDGE_MAPPED")
+        assert len(got) == len(want), "every event exactly once"
+        assert sorted(m.data for m in got) == sorted(encode_event(e) for e in want), "byte-identical to `aep-bridge map`"
+        assert all(m.headers["Nats-Msg-Id"] == json.loads(m.data)["id"] for m in got)
+
+        # The same through the command line, as a user converting a recorded log would.
+        lines = "\n".join(m.data.decode() for m in raw) + "\n"
+        proc = subprocess.run([sys.executable, "-m", "bridge.cli", "map", "--epoch", str(epoch)], input=lines.encode(), capture_output=True)
+        assert proc.returncode == 1 and b"line 170" in proc.stderr  # the garbage line is reported, the rest mapped
+        assert sorted(proc.stdout.splitlines()) == sorted(m.data for m in got)
+
+        # Approvals (session_id "") land on their session's lane.
+        by_type = [json.loads(m.data) for m in got]
+        approvals = [e for e in by_type if e["type"] == "attention.requested" and "20261130_224954_177c7f" in e.get("run", "")]
+        assert approvals and all(e["session"] == "20261130_224954_177c7f" for e in approvals)
+
+        # The garbage landed in the DLQ with its reason, original bytes kept.
+        dlq = client.fetch("bridge.dlq.>", stream="BRIDGE_DLQ", expected=1, timeout=10)
+        assert len(dlq) == 1
+        assert dlq[0].subject == "bridge.dlq.shim_not_utf8"
+        assert dlq[0].headers["Bridge-Dlq-Reason"] == "shim_not_utf8"
+        assert int(dlq[0].headers["Bridge-Raw-Seq"]) == raw[-1].seq
+        assert dlq[0].data == raw[-1].data
+        assert all(m.alive() for m in mappers), "no consumer loop died"
+    finally:
+        for m in mappers:
+            m.terminate()
+        client.close()
+
+
+def test_a_raw_message_that_is_not_a_raw_message_is_dead_lettered(nats_server_fn, tmp_path):
+    client = JetStreamClient(nats_server_fn.url)
+    client.bootstrap()
+    mapper = Service("mapper", nats_server_fn.url, tmp_path).start()
+    try:
+        client.run(client.js.publish("hermes.raw.x.pre_tool_call", b'{"v":1,"no":"id"}'))
+        client.run(client.js.publish("hermes.raw.x.pre_tool_call", b"[1,2]"))
+        records = raw_records(envelopes()[:3], instance="ok")
+        client.run(publish_all(client.js, records))
+        dlq = client.fetch("bridge.dlq.>", stream="BRIDGE_DLQ", expected=2, timeout=15)
+        assert sorted(m.headers["Bridge-Dlq-Reason"] for m in dlq) == ["bad_raw", "bad_raw"]
+        wait_for(lambda: mapped_count(client) >= 3, 15, what="the good messages after the bad ones")
+        assert mapper.alive()
+    finally:
+        assert mapper.terminate() == 0, mapper.log()
+        client.close()
+
+
+@pytest.mark.slow
+def test_kill_9_replicas_repeatedly_loses_and_duplicates_nothing(nats_server_fn, tmp_path):
+    from bridge.sim.sessions import realistic_envelopes
+
+    client = JetStreamClient(nats_server_fn.url)
+    client.bootstrap()
+    records = raw_records(realistic_envelopes(20_000, seed=7), instance="crash")
+    client.run(publish_all(client.js, records))
+    epoch = int(client.stream_info("HERMES_RAW").created.timestamp())
+    raw = client.fetch("hermes.raw.>", expected=len(records), timeout=30)
+    want = {e.id for e in expected_events([(m.seq, m.data) for m in raw], epoch)}
+
+    mappers = []
+    for i in range(2):
+        d = tmp_path / f"m{i}"
+        d.mkdir()
+        mappers.append(Service("mapper", nats_server_fn.url, d, "--batch", "64").start())
+    rng = random.Random(3)
+    kills = 0
+    try:
+        deadline = time.monotonic() + 120
+        while mapped_count(client) < len(want) and time.monotonic() < deadline:
+            time.sleep(rng.uniform(0.2, 0.6))
+            victim = rng.choice(mappers)
+            victim.kill()
+            kills += 1
+            victim.start()
+        wait_for(lambda: mapped_count(client) >= len(want), 60, what="all events after the kills")
+        time.sleep(1.0)
+        got = client.fetch("bridge.mapped.>", stream="BRIDGE_MAPPED")
+        ids = [json.loads(m.data)["id"] for m in got]
+        assert kills >= 3, "the test must actually kill replicas mid-run"
+        assert len(ids) == len(set(ids)), "no duplicates"
+        assert set(ids) == want, "every expected event, nothing else"
+    finally:
+        for m in mappers:
+            m.terminate()
+        client.close()
