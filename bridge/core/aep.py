@@ -226,17 +226,25 @@ class HermesSessionFinalized(_Payload):
 
 
 class HermesRunClosed(_Payload):
-    """An `on_session_end` without a turn id that found no open run to close."""
+    """A run end that is not the run's AEP terminal: no open run to close, or the run already ended.
+
+    Pairing emits it for an `on_session_end` without a turn id while no run is open, and for a
+    second terminal of a run that already has one (then `cause` names the run's start).
+    """
 
     completed: Annotated[bool, _M] | UnsetType = UNSET
     interrupted: Annotated[bool, _M] | UnsetType = UNSET
 
 
 class HermesOrphaned(_Payload):
-    """Pairing closed an open start that never got its terminal (TTL or session end): no invented outcome."""
+    """Pairing closed an open start that never got its terminal (TTL, session end, cap): no invented outcome.
+
+    `reason`: `ttl` (open past its kind's TTL), `session_end` (open when its session ended),
+    `overflow` (the oldest start of a session that reached the bridge's per-session cap).
+    """
 
     kind: Annotated[Literal["run", "tool", "subagent"], _M]
-    reason: Annotated[Literal["ttl", "session_end"], _M]
+    reason: Annotated[Literal["ttl", "session_end", "overflow"], _M]
     start: Annotated[str, _M]
     age_ms: Annotated[int, _M, Meta(ge=0)] | UnsetType = UNSET
 
@@ -266,7 +274,7 @@ PAYLOAD_TYPES: dict[str, type[_Payload]] = {
     "x.hermes.api.error": HermesApiError,
     "x.hermes.session.finalized": HermesSessionFinalized,
     "x.hermes.run.closed": HermesRunClosed,
-    "x.hermes.orphaned": HermesOrphaned,
+    "x.hermes.pairing.orphaned": HermesOrphaned,
 }
 
 

@@ -1,0 +1,1247 @@
+"""The pairing state machine: mapped events in, final AEP events out (pure, deterministic).
+
+One `PairingState` owns one partition of lanes. It is fed, in stream order, every
+message of its partition of ``BRIDGE_MAPPED`` (``process``) and the tick messages
+the service writes into the same stream (``tick``), and it returns the events to
+publish to ``AEP_EVENTS``, in order. Every transition lives in this file: the rule
+tables (``ROLES``, ``RULES``, ``LINKS``, ``INSERT_AFTER``, the slot table below), the
+few rules that are code next to them, and the invariants here.
+
+Theory of operation
+-------------------
+A *pair* is a start waiting for its terminal, of one of four kinds. ``ROLES`` says
+which event type starts or ends which kind, ``RULES`` how each kind behaves:
+
+==========  ===========================================  =========  ==========  =====  ===========
+kind        key (within the lane = the AEP session)      closes     stray term  swept  bridge ends
+==========  ===========================================  =========  ==========  =====  ===========
+run         ``run`` (Hermes turn_id)                     oldest     link        yes    orphaned
+tool        (run, tool_call_id); no tool_call_id         oldest     hold first  yes    orphaned
+            (``execute_code``): (run, task_id, tool
+            name, args_digest), FIFO
+card        approvals: (session_key, pattern_key),       nearest    link if     yes    dismissed
+            tool_call_id breaks ties; clarify:           earlier    bridge
+            (run, tool_call_id)                                     closed
+subagent    child_session_id (``subject``)               oldest     link        no     orphaned
+==========  ===========================================  =========  ==========  =====  ===========
+
+1. A terminal closes an OPEN start of its key whose seq is lower than its own
+   (within an epoch): a matching tool_call_id first, then the oldest (FIFO) or, for
+   cards, the nearest earlier request (approval prompts are sequential, so a reused
+   key's answer belongs to the last request before it, also under reordering). It
+   is *linked* (``LINKS``): ``cause`` = the start's id; attention follow-ups also get
+   ``subject`` = the request's id, ``attention.timeout`` gets ``after_ms`` and
+   ``attention.resolved`` ``latency_ms``; ``attention.answered`` is followed by an
+   inserted ``attention.resolved {answered, latency_ms}`` (cause = the answer).
+2. A terminal with no open start may be a late terminal of a start that was just
+   closed: runs and subagents link to it at once (their keys are never reused;
+   a run that already has its terminal gets ``x.hermes.run.closed``); cards only
+   if the bridge closed the card (swept or TTL): an answered card's key being
+   reused means the follow-up's own request is still on its way.
+3. Otherwise the terminal is *held* for ``hold_ns`` of stream time: the mapper runs
+   as replicas, so a start can reach us after its terminal (one ``ack_wait`` late
+   after a mapper crash). When a start of its key arrives, the held terminals are
+   tried in seq order; those it does not take go back, keeping their deadline.
+   When the hold expires the terminal is linked to a recently closed start of its
+   key (a tool's repeated terminal: Hermes reported it) or released unchanged
+   (no cause, no subject rewrite; counted ``unmatched.<kind>``). That covers an
+   approval answered in the ``unknown`` lane while its request sits in the
+   session's lane (the request is dismissed at session end). A start arriving after
+   its terminal was released passes through without opening a pair; a request
+   then gets an inserted ``attention.resolved`` (answered or dismissed) after it.
+4. ``session.ended`` first sweeps (slots BEFORE it) the session's open cards
+   (``attention.resolved {dismissed}``), runs and tools (``x.hermes.pairing.orphaned
+   {reason: session_end}``) whose seq is below its own. Subagents stay open (a
+   ``subagent_stop`` may come after the parent ended); held terminals stay held (their
+   start may be behind the finalize); a start arriving after the end with a lower
+   seq (overtaken by the finalize) opens *late*: its TTL is ``hold_ns`` and its
+   closure says ``session_end``.
+5. A ``run.*`` terminal without ``run`` (``on_session_end`` without turn_id) closes
+   the session's most recently started open run (``run`` and ``cause`` are set); with
+   no open run it becomes ``x.hermes.run.closed {completed, interrupted}``.
+6. ``tick`` does everything time does: held terminals past their deadline are
+   released (3), starts past their kind's TTL are closed (``dismissed`` /
+   ``x.hermes.pairing.orphaned {reason: ttl}``), closed pairs older than
+   ``recent_ns`` are forgotten, sessions idle past ``idle_ttl_ns`` (ended ones: past
+   ``recent_ns``) are evicted.
+
+Invariants (tests/test_pairing*.py check them with `check_invariants`)
+---------------------------------------------------------------------
+* At most one AEP terminal per run: a later one becomes ``x.hermes.run.closed``
+  (same id and seq; cause = the run's start when known), counted ``suppressed.run``.
+* At most one ``session.ended`` per session across epochs and resumes: a later
+  finalize (another event id) becomes ``x.hermes.session.finalized {reason}`` (same
+  id and seq; cause = the first session.ended while the session is remembered),
+  counted ``suppressed.session``; it sweeps like a session.ended.
+* Every ``attention.requested`` ends in ``attention.resolved`` or ``attention.timeout``
+  with ``subject`` = its id, before its session's next end in (epoch, seq) order
+  (and in stream order when the input is in order).
+* A linked terminal's ``cause`` is its start's id. Nothing is invented: what the
+  bridge closes is ``dismissed`` or ``x.hermes.pairing.orphaned``, never a success.
+* Every input event is published once (possibly rewritten, keeping id and seq);
+  the same event again (by id) is dropped.
+* Determinism: the output is a pure function of the input messages (events, hints,
+  positions, tick times). Inserted events get ``id = event_id(<trigger id>/<suffix>,
+  slot, <ms>)`` and ``seq = (trigger seq // 1024) * 1024 + slot``:
+
+  ===============================  =======================  ==========  ===========  ==========
+  inserted event                   trigger                  slot        id suffix    ms / time
+  ===============================  =======================  ==========  ===========  ==========
+  session-end sweep                the session.ended        0, 1, ...   ``/sweep``   trigger's
+  resolved after an answer         the attention.answered   768         ``/resolved``  trigger's
+  resolved after a late request    the attention.requested  768         ``/resolved``  trigger's
+  TTL / overflow / late closure    the start itself         776 + i     ``/close``   the tick's
+  ===============================  =======================  ==========  ===========  ==========
+
+  (``i`` = the start's index among its raw message's events). A TTL closure sorts
+  right after its start: a backfill in AEP ordering, with the tick's ``time``.
+* Bounded memory: ``max_open`` open starts per session (the oldest is closed with
+  reason ``overflow``), ``max_held`` held terminals, closed pairs kept ``recent_ns``,
+  idle sessions evicted; ended sessions are remembered as 8-byte digests
+  (``max_ended``, FIFO) and a session's last ``run_memory`` ended runs as 8-byte
+  digests. Exclusivity holds within these bounds (a session evicted and seen again
+  keeps session exclusivity, not its runs'). ``idle_session_footprint`` measures
+  an idle open session (about 0.5 KB).
+
+The clock
+---------
+Time is *stream time*, never the wall clock: ``clock`` = the maximum of the
+``ts`` hints (shim receive time, ns) of the processed events and of the ``now_ns``
+of the tick messages. Ages are measured from a start's own ``ts``. Only ``tick``
+acts on time; ``process`` never does. The service publishes ticks INTO the
+partition's stream, so a replay meets the same ticks at the same positions and
+produces the same output. A host whose clock runs ahead pushes the partition
+clock forward (NTP is assumed); ``latency_ms`` / ``after_ms`` are differences of
+two ``ts`` of the same host.
+
+Driving it from a service
+-------------------------
+``process(event, hints, position)`` / ``tick(now_ns, position)``; ``position`` is
+the ``BRIDGE_MAPPED`` stream sequence of the message and must grow. A position at
+or below ``state.position`` returns ``[]`` (counted ``replayed``): publish
+everything a call returned before acking its message; after a publish failure,
+restore the last checkpoint and replay instead of feeding the message again.
+Checkpoint: ``snapshot()`` (msgpack; covers ``state.position``); restart:
+``PairingState.restore(data, config, partition=n)`` (alias ``from_snapshot``), then
+replay from ``position + 1``. ``PairingState(config, partition=n)`` starts empty.
+Publish each event with ``Nats-Msg-Id`` = its id: replayed output is byte-identical.
+``metrics()`` gives the counters (``orphaned.<reason>.<kind>``,
+``dismissed.<reason>``, ``sweeps``, ``swept.<kind>``, ``suppressed.run|session``,
+``unmatched.<kind>``, ``held``, ``late_starts``, ``late_terminals.<kind>``,
+``run_closed``, ``duplicates``, ``replayed``, ``evicted``, ``events_in|out``,
+``ticks``) and gauges (``open.<kind>``, ``sessions``, ``held_now``,
+``ended_remembered``).
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import heapq
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, NamedTuple
+
+import msgspec
+from msgspec import UNSET
+
+from bridge.core.aep import Event
+from bridge.core.identity import AFTER_SLOT, MAPPED_SLOT, SLOTS, event_id, rfc3339, ulid_time_ms
+from bridge.core.lanes import UNKNOWN
+
+SECOND = 1_000_000_000
+MINUTE = 60 * SECOND
+HOUR = 60 * MINUTE
+
+# ---------------------------------------------------------------- the rule tables
+
+RUN, TOOL, CARD, SUBAGENT = 0, 1, 2, 3
+START, END = 0, 1
+
+#: event type -> (kind, role). session.ended is the one rule that is code (`_session_end`).
+ROLES: dict[str, tuple[int, int]] = {
+    "run.started": (RUN, START),
+    "run.finished": (RUN, END),
+    "run.failed": (RUN, END),
+    "run.cancelled": (RUN, END),
+    "tool.requested": (TOOL, START),
+    "tool.completed": (TOOL, END),
+    "tool.failed": (TOOL, END),
+    "tool.denied": (TOOL, END),
+    "attention.requested": (CARD, START),
+    "attention.answered": (CARD, END),
+    "attention.timeout": (CARD, END),
+    "attention.resolved": (CARD, END),
+    "delegation.subagent.started": (SUBAGENT, START),
+    "delegation.subagent.stopped": (SUBAGENT, END),
+}
+
+#: how a linked terminal is rewritten: (set subject = start id, data field filled with ms since start).
+#: Every linked terminal gets cause = start id.
+LINKS: dict[str, tuple[bool, str | None]] = {
+    "attention.answered": (True, None),
+    "attention.timeout": (True, "after_ms"),
+    "attention.resolved": (True, "latency_ms"),
+}
+
+#: terminals that are followed by an inserted event (after-slot) when they close their pair.
+INSERT_AFTER: dict[str, str] = {"attention.answered": "answered"}
+
+APPROVAL_HOOKS = frozenset({"pre_approval_request", "post_approval_response"})
+
+
+def _run_key(ev: Event, h: dict[str, Any]) -> str:
+    return ev.run or ""  # type: ignore[return-value]
+
+
+def _tool_key(ev: Event, h: dict[str, Any]) -> str:
+    tool = (ev.data or {}).get("tool") or {}
+    call_id = h.get("tool_call_id") or tool.get("call_id") or ""
+    run = ev.run or ""
+    if call_id:
+        return f"{run}\x1f{call_id}"
+    # execute_code calls: no tool_call_id, no turn id; same task, tool and arguments = same call (FIFO)
+    return f"{run}\x1e{h.get('task_id', '')}\x1f{tool.get('name', '')}\x1f{h.get('args_digest', '')}"
+
+
+def _card_key(ev: Event, h: dict[str, Any]) -> str:
+    if h.get("hook") in APPROVAL_HOOKS:
+        return f"a\x1f{h.get('session_key', '')}\x1f{h.get('pattern_key') or ev.subject or ''}"
+    return f"c\x1f{ev.run or ''}\x1f{h.get('tool_call_id') or ev.subject or ''}"
+
+
+def _subagent_key(ev: Event, h: dict[str, Any]) -> str:
+    if ev.subject:
+        return ev.subject  # type: ignore[return-value]
+    child = (ev.data or {}).get("child") or {}
+    return child.get("session") or ""
+
+
+class KindRule(NamedTuple):
+    """How one kind of pair behaves (the table in the module docstring)."""
+
+    name: str  # in metrics and in x.hermes.pairing.orphaned.kind
+    key: Callable[[Event, dict[str, Any]], str]
+    nearest: bool  # a terminal closes the nearest earlier open start (else the oldest: FIFO)
+    tie: bool  # the tool_call_id hint breaks ties between open starts of one key
+    hold_first: bool  # a stray terminal waits for a late start before linking to a closed one
+    relink_ended: bool  # a stray terminal may link to a start closed by its own terminal
+    swept: bool  # closed at session end
+    dismissed: bool  # the bridge closes it with attention.resolved {dismissed} (else orphaned)
+
+
+RULES: tuple[KindRule, ...] = (
+    KindRule("run", _run_key, nearest=False, tie=False, hold_first=False, relink_ended=True, swept=True, dismissed=False),
+    KindRule("tool", _tool_key, nearest=False, tie=False, hold_first=True, relink_ended=True, swept=True, dismissed=False),
+    KindRule("card", _card_key, nearest=True, tie=True, hold_first=False, relink_ended=False, swept=True, dismissed=True),
+    KindRule("subagent", _subagent_key, nearest=False, tie=False, hold_first=False, relink_ended=True, swept=False, dismissed=False),
+)
+KINDS = tuple(rule.name for rule in RULES)
+
+# pair states
+OPEN, ENDED, CLOSED, UNLINKED, UNLINKED_ANSWER = 0, 1, 2, 3, 4
+# ENDED: closed by its own terminal; CLOSED: closed by the bridge (orphaned / dismissed);
+# UNLINKED(_ANSWER): a follow-up released without a start (remembered for a late start).
+
+SWEEP_SLOT = 0  # 0..511: before the session.ended
+AFTER_INSERT_SLOT = AFTER_SLOT  # 768: resolved after answered / after a late request
+CLOSE_SLOT = AFTER_SLOT + 8  # 776 + index: TTL / overflow closure of a start
+
+
+# ---------------------------------------------------------------- configuration
+
+
+@dataclass(frozen=True)
+class PairingConfig:
+    """Knobs of the state machine (all times are stream time in ns)."""
+
+    run_ttl_ns: int = 2 * HOUR
+    tool_ttl_ns: int = 1 * HOUR
+    card_ttl_ns: int = 1 * HOUR
+    subagent_ttl_ns: int = 6 * HOUR
+    #: how long a terminal waits for a start that has not arrived: replicas reorder, and a start
+    #: redelivered after a mapper crash comes one ack_wait late; keep it above the mapper's ack_wait
+    hold_ns: int = 45 * SECOND
+    #: how long closed pairs (and ended sessions' structs) are remembered: repeats, late terminals
+    recent_ns: int = 2 * MINUTE
+    #: a session with nothing open and no event for this long is evicted (>= every TTL)
+    idle_ttl_ns: int = 6 * HOUR
+    max_open: int = 128  # open pairs per session
+    max_held: int = 64  # held follow-ups per session
+    dedupe_ids: int = 4096  # recent input event ids remembered per partition
+    max_ended: int = 100_000  # ended sessions remembered (8-byte digests) per partition
+    run_memory: int = 4  # runs per session remembered as terminated (8-byte digests)
+
+    def __post_init__(self) -> None:
+        if self.idle_ttl_ns < max(self.ttls()):
+            raise ValueError("idle_ttl_ns must be >= every TTL (evicting a session must never drop open starts)")
+        if self.max_open > SLOTS - CLOSE_SLOT or self.max_open > AFTER_SLOT - MAPPED_SLOT:
+            raise ValueError("max_open must fit the seq slots of a session-end sweep")
+        if min(self.ttls()) <= 0 or self.hold_ns < 0 or self.recent_ns < self.hold_ns:
+            raise ValueError("TTLs must be positive, hold_ns >= 0 and recent_ns >= hold_ns")
+
+    def ttls(self) -> tuple[int, int, int, int]:
+        """TTL by kind, in the order of `RULES`."""
+        return (self.run_ttl_ns, self.tool_ttl_ns, self.card_ttl_ns, self.subagent_ttl_ns)
+
+
+# ---------------------------------------------------------------- state (msgspec structs: compact, and the snapshot format)
+
+
+class _Pair(msgspec.Struct, array_like=True, gc=False):
+    kind: int
+    key: str
+    start: str  # the start's event id; "" for an UNLINKED pair (its start never seen)
+    seq: int  # the start's seq (UNLINKED: the follow-up's)
+    ts: int  # the start's receive time, ns (UNLINKED: the follow-up's)
+    epoch: int
+    run: str = ""
+    tie: str = ""  # approvals: tool_call_id
+    src: str = ""  # the start's source when it differs from the session's (the unknown lane)
+    state: int = OPEN
+    end: str = ""  # id of the event that closed it
+    closed: int = 0  # stream time it closed
+    lo: bool = False  # the start had capture "none": inserted events carry required fields only
+    late: bool = False  # opened after its session ended (seq below the session.ended): TTL = hold_ns
+
+
+class _Held(msgspec.Struct, array_like=True, gc=False):
+    deadline: int
+    kind: int
+    key: str
+    event: Event
+    hints: dict[str, Any]
+
+
+class _Session(msgspec.Struct, array_like=True, gc=False):
+    source: str  # the source of its first event
+    last: int  # stream time of its last event
+    ended: str = ""  # id of its session.ended ("" = not ended, as far as this struct knows)
+    fin: int = 0  # seq of that session.ended
+    runs: bytes = b""  # 8-byte digests of the last runs that got an AEP terminal
+    pairs: list[_Pair] | None = None
+    held: list[_Held] | None = None
+
+
+class _Snapshot(msgspec.Struct, array_like=True):
+    version: int
+    position: int
+    clock: int
+    counters: dict[str, int]
+    seen: list[str]
+    ended: list[int]
+    sessions: dict[str, _Session]
+
+
+SNAPSHOT_VERSION = 1
+_snapshot_encoder = msgspec.msgpack.Encoder()
+_snapshot_decoder = msgspec.msgpack.Decoder(_Snapshot)
+
+
+def _digest8(value: str) -> bytes:
+    return hashlib.blake2b(value.encode("utf-8", "surrogatepass"), digest_size=8).digest()
+
+
+def _seq(ev: Event) -> int:
+    return ev.seq if isinstance(ev.seq, int) else 0
+
+
+def _before(p: _Pair, seq: int, epoch: int) -> bool:
+    """Can pair ``p`` be the start of a terminal at (epoch, seq)? (seq order holds within an epoch.)"""
+    return p.seq < seq or p.epoch != epoch
+
+
+def _ms(later_ns: int, earlier_ns: int) -> int:
+    return max(0, (later_ns - earlier_ns) // 1_000_000)
+
+
+# ---------------------------------------------------------------- the state machine
+
+
+class PairingState:
+    """The pairing state of one partition. See the module docstring for the rules."""
+
+    def __init__(self, config: PairingConfig | None = None, *, partition: int | None = None) -> None:
+        self.config = config or PairingConfig()
+        #: which partition this state owns (a label for the service; not part of the state)
+        self.partition = partition
+        #: the last BRIDGE_MAPPED position (stream sequence) this state covers
+        self.position = 0
+        #: stream time, ns (max of event ts hints and tick times)
+        self.clock = 0
+        #: monotonic counters (part of the snapshot, so they continue across takeovers)
+        self.counters: dict[str, int] = {}
+        self._sessions: dict[str, _Session] = {}
+        self._seen: set[str] = set()
+        self._seen_order: deque[str] = deque()
+        self._ended: set[int] = set()
+        self._ended_order: deque[int] = deque()
+        # not snapshotted (rebuilt on restore): open pairs by kind, and the wake-up heap
+        self._open = [0, 0, 0, 0]
+        self._heap: list[tuple[int, str]] = []
+        self._wake: dict[str, int] = {}
+
+    # ------------------------------------------------------------ public API
+
+    def process(self, event: Event, hints: dict[str, Any] | None, position: int) -> list[Event]:
+        """Feed one mapped event; return the events to publish, in order."""
+        if position <= self.position:
+            self._count("replayed")
+            return []
+        self.position = position
+        self._count("events_in")
+        if event.id in self._seen:
+            self._count("duplicates")
+            return []
+        self._remember_id(event.id)
+        h = hints or {}
+        ts = h.get("ts")
+        if not isinstance(ts, int) or isinstance(ts, bool) or ts <= 0:
+            ts = ulid_time_ms(event.id) * 1_000_000
+        if ts > self.clock:
+            self.clock = ts
+        lane = event.session
+        if lane is UNSET:  # agent.* events: nothing to pair
+            return self._emit([event])
+        s = self._sessions.get(lane)  # type: ignore[arg-type]
+        if s is None:
+            s = self._sessions[lane] = _Session(source=event.source, last=ts)  # type: ignore[index]
+        elif ts > s.last:
+            s.last = ts
+        if event.type == "session.ended":
+            out = self._session_end(lane, s, event, h, ts)  # type: ignore[arg-type]
+        else:
+            role = ROLES.get(event.type)
+            if role is None:
+                out = [event]
+            elif role[1] == START:
+                out = self._start(role[0], lane, s, event, h, ts)  # type: ignore[arg-type]
+            else:
+                out = self._end(role[0], lane, s, event, h, ts)  # type: ignore[arg-type]
+        self._schedule(lane, s)  # type: ignore[arg-type]
+        return self._emit(out)
+
+    def tick(self, now_ns: int, position: int) -> list[Event]:
+        """Advance stream time to ``now_ns`` and close what waited too long."""
+        if position <= self.position:
+            self._count("replayed")
+            return []
+        self.position = position
+        self._count("ticks")
+        if now_ns > self.clock:
+            self.clock = now_ns
+        due: set[str] = set()
+        heap = self._heap
+        while heap and heap[0][0] <= self.clock:
+            deadline, lane = heapq.heappop(heap)
+            if self._wake.get(lane) == deadline:
+                del self._wake[lane]
+                due.add(lane)
+        out: list[Event] = []
+        for lane in sorted(due):
+            s = self._sessions.get(lane)
+            if s is not None:
+                out += self._expire(lane, s)
+                if lane in self._sessions:
+                    self._schedule(lane, s)
+        return self._emit(out)
+
+    @property
+    def next_deadline(self) -> int | None:
+        """The earliest stream time at which a tick may have work (a hint for tick pacing)."""
+        return self._heap[0][0] if self._heap else None
+
+    def open_pairs(self) -> dict[str, int]:
+        """Open starts by kind (``run``, ``tool``, ``card``, ``subagent``): a gauge."""
+        return {name: self._open[i] for i, name in enumerate(KINDS)}
+
+    open_counts = open_pairs
+
+    def metrics(self) -> dict[str, int]:
+        """Counters plus gauges, flat (``open.<kind>``, ``sessions``, ``held_now``, ``ended_remembered``)."""
+        out = dict(self.counters)
+        for name, n in self.open_pairs().items():
+            out[f"open.{name}"] = n
+        out["sessions"] = len(self._sessions)
+        out["held_now"] = sum(len(s.held) for s in self._sessions.values() if s.held)
+        out["ended_remembered"] = len(self._ended)
+        return out
+
+    def snapshot(self) -> bytes:
+        """The whole state as msgpack bytes; it covers `position`."""
+        return _snapshot_encoder.encode(
+            _Snapshot(
+                version=SNAPSHOT_VERSION,
+                position=self.position,
+                clock=self.clock,
+                counters=self.counters,
+                seen=list(self._seen_order),
+                ended=list(self._ended_order),
+                sessions=self._sessions,
+            )
+        )
+
+    @classmethod
+    def restore(
+        cls, data: bytes, config: PairingConfig | None = None, *, partition: int | None = None
+    ) -> PairingState:
+        """A state from a snapshot; replay the stream from ``state.position + 1``.
+
+        Raises ``ValueError`` for a snapshot of another version (or ``msgspec.DecodeError``
+        for garbage): never start over silently from an unreadable checkpoint.
+        """
+        state = cls(config, partition=partition)
+        state._load(data)
+        return state
+
+    from_snapshot = restore
+
+    def _load(self, data: bytes) -> None:
+        snap = _snapshot_decoder.decode(data)
+        if snap.version != SNAPSHOT_VERSION:
+            raise ValueError(f"unsupported pairing snapshot version {snap.version}")
+        self.position = snap.position
+        self.clock = snap.clock
+        self.counters = snap.counters
+        self._seen_order = deque(snap.seen)
+        self._seen = set(snap.seen)
+        self._ended_order = deque(snap.ended)
+        self._ended = set(snap.ended)
+        self._sessions = snap.sessions
+        self._open = [0, 0, 0, 0]
+        self._heap = []
+        self._wake = {}
+        for lane, s in self._sessions.items():
+            for p in s.pairs or ():
+                if p.state == OPEN:
+                    self._open[p.kind] += 1
+            self._schedule(lane, s)
+
+    # ------------------------------------------------------------ starts
+
+    def _start(self, kind: int, lane: str, s: _Session, ev: Event, h: dict[str, Any], ts: int) -> list[Event]:
+        rule = RULES[kind]
+        key = rule.key(ev, h)
+        pairs = s.pairs
+        if pairs:
+            for p in pairs:
+                if p.start == ev.id:  # the same start again (beyond the id ring)
+                    self._count("duplicates")
+                    return []
+            for p in pairs:  # a start arriving after its follow-up was released unlinked
+                if p.kind == kind and p.key == key and not p.start and p.state >= UNLINKED and _seq(ev) < p.seq:
+                    return self._late_start(lane, p, ev, ts)
+        if kind == RUN and ev.run and self._run_ended(s, ev.run):  # type: ignore[arg-type]
+            self._count("late_starts")
+            return [ev]
+        out: list[Event] = []
+        if self._open_count(s) >= self.config.max_open:
+            oldest = min((p for p in s.pairs or () if p.state == OPEN), key=lambda p: p.seq)
+            out += self._bridge_close(lane, s, oldest, "overflow")
+        pair = _Pair(
+            kind=kind,
+            key=key,
+            start=ev.id,
+            seq=_seq(ev),
+            ts=ts,
+            epoch=ev.epoch or 0,  # type: ignore[arg-type]
+            run=ev.run or "",  # type: ignore[arg-type]
+            tie=h.get("tool_call_id", "") if rule.tie else "",
+            src="" if ev.source == s.source else ev.source,
+            lo=ev.capture == "none",
+            late=rule.swept and bool(s.ended) and _seq(ev) < s.fin,
+        )
+        if s.pairs is None:
+            s.pairs = []
+        s.pairs.append(pair)
+        self._open[kind] += 1
+        self._trim(s)
+        out.append(ev)
+        if s.held:  # follow-ups that arrived before this start, in seq order; the unpaired go back
+            waiting = sorted((x for x in s.held if x.kind == kind and x.key == key), key=lambda x: _seq(x.event))
+            for x in waiting:
+                s.held.remove(x)
+            for x in waiting:
+                x_ts = x.hints.get("ts") or ulid_time_ms(x.event.id) * 1_000_000
+                out += self._end(kind, lane, s, x.event, x.hints, x_ts, held=x)
+            if not s.held:
+                s.held = None
+        return out
+
+    def _late_start(self, lane: str, p: _Pair, ev: Event, ts: int) -> list[Event]:
+        """The start of a pair whose follow-up went out unlinked: pass it through, keep cards ending."""
+        self._count("late_starts")
+        p.start = ev.id
+        out = [ev]
+        if p.kind == CARD:
+            resolution = "answered" if p.state == UNLINKED_ANSWER else "dismissed"
+            data: dict[str, Any] = {"resolution": resolution}
+            if ev.capture != "none":
+                data["latency_ms"] = _ms(p.ts, ts)
+            out.append(
+                self._insert(
+                    lane,
+                    source=ev.source,
+                    epoch=ev.epoch or 0,  # type: ignore[arg-type]
+                    anchor=_seq(ev),
+                    slot=AFTER_INSERT_SLOT,
+                    seed=ev.id + "/resolved",
+                    id_ms=ulid_time_ms(ev.id),
+                    time=ev.time,
+                    etype="attention.resolved",
+                    data=data,
+                    run=ev.run or "",  # type: ignore[arg-type]
+                    subject=ev.id,
+                    cause=p.end,
+                    lo=ev.capture == "none",
+                )
+            )
+        return out
+
+    # ------------------------------------------------------------ terminals
+
+    def _end(
+        self, kind: int, lane: str, s: _Session, ev: Event, h: dict[str, Any], ts: int, held: _Held | None = None
+    ) -> list[Event]:
+        """A terminal: link it to its open start, or to a recently closed one, or hold it.
+
+        ``held``: the terminal comes back from the held list (a start of its key arrived);
+        when it still finds nothing it goes back there with its original deadline.
+        """
+        pairs = s.pairs or ()
+        for p in pairs:
+            if p.end == ev.id:  # the same terminal again (beyond the id ring)
+                self._count("duplicates")
+                return []
+        if kind == RUN and not ev.run:
+            return self._runless_end(s, ev, ts)
+        rule = RULES[kind]
+        key = rule.key(ev, h)
+        seq, epoch = _seq(ev), ev.epoch or 0
+        match = self._find_open(pairs, kind, key, h.get("tool_call_id", "") if rule.tie else "", seq, epoch)
+        if match is not None:
+            return self._link(lane, s, match, ev, ts, first=True)
+        if not rule.hold_first:  # tool keys get reused: a tool terminal first waits for a late request
+            recent = self._find_recent(pairs, kind, key, seq, epoch)
+            if recent is not None:
+                return self._link(lane, s, recent, ev, ts, first=False)
+        if kind == RUN and self._run_ended(s, ev.run):  # type: ignore[arg-type]
+            self._count("suppressed.run")
+            return [self._as_run_closed(ev, None)]
+        if held is not None:
+            if s.held is None:
+                s.held = []
+            s.held.append(held)
+            return []
+        if self.config.hold_ns > 0:
+            return self._hold(lane, s, kind, key, ev, h, ts)
+        return self._release(lane, s, kind, key, ev, ts)
+
+    @staticmethod
+    def _find_recent(pairs: Any, kind: int, key: str, seq: int, epoch: int) -> _Pair | None:
+        """The most recently closed pair of this key with a known, earlier start."""
+        recent = None
+        for p in pairs:
+            if p.kind == kind and p.key == key and p.start and p.state != OPEN and _before(p, seq, epoch):
+                if p.state != CLOSED and not RULES[kind].relink_ended:
+                    continue  # a card ends once: an answered card's key reused = an early follow-up
+                if recent is None or p.closed >= recent.closed:
+                    recent = p
+        return recent
+
+    @staticmethod
+    def _find_open(pairs: Any, kind: int, key: str, tie: str, seq: int, epoch: int) -> _Pair | None:
+        """The open start of this key that this terminal closes (only starts with a lower seq qualify).
+
+        A matching tool_call_id (approvals) wins; then FIFO (the lowest seq) for runs, tools and
+        subagents, the NEAREST earlier request for cards (approval prompts are sequential, so a
+        reused key's answer belongs to the last request before it, also when replicas reorder).
+        """
+        best = best_tie = None
+        nearest = RULES[kind].nearest
+        for p in pairs:
+            if p.state == OPEN and p.kind == kind and p.key == key and _before(p, seq, epoch):
+                if best is None or (p.seq > best.seq if nearest else p.seq < best.seq):
+                    best = p
+                if tie and p.tie == tie and (best_tie is None or (p.seq > best_tie.seq if nearest else p.seq < best_tie.seq)):
+                    best_tie = p
+        return best_tie or best
+
+    def _link(self, lane: str, s: _Session, p: _Pair, ev: Event, ts: int, *, first: bool) -> list[Event]:
+        """Rewrite a terminal of pair ``p`` (open when ``first``, else already closed)."""
+        if p.kind == RUN:
+            if not first and p.state != CLOSED:  # invariant 1: one terminal per run
+                self._count("suppressed.run")
+                return [self._as_run_closed(ev, p.start)]
+            self._remember_run(s, p.key)
+        if first or p.kind == RUN:  # a run the bridge orphaned still takes its first real terminal
+            self._close(p, ev.id, ENDED)
+        else:
+            self._count(f"late_terminals.{KINDS[p.kind]}")
+        subject, field = LINKS.get(ev.type, (False, None))
+        changes: dict[str, Any] = {"cause": p.start}
+        if subject:
+            changes["subject"] = p.start
+        if field and ev.capture != "none" and field not in (ev.data or {}):
+            changes["data"] = {**(ev.data or {}), field: _ms(ts, p.ts)}
+        out = [msgspec.structs.replace(ev, **changes)]
+        resolution = INSERT_AFTER.get(ev.type)
+        if resolution and first:
+            data: dict[str, Any] = {"resolution": resolution}
+            if ev.capture != "none":
+                data["latency_ms"] = _ms(ts, p.ts)
+            out.append(
+                self._insert(
+                    lane,
+                    source=ev.source,
+                    epoch=ev.epoch or 0,  # type: ignore[arg-type]
+                    anchor=_seq(ev),
+                    slot=AFTER_INSERT_SLOT,
+                    seed=ev.id + "/resolved",
+                    id_ms=ulid_time_ms(ev.id),
+                    time=ev.time,
+                    etype="attention.resolved",
+                    data=data,
+                    run=ev.run or "",  # type: ignore[arg-type]
+                    subject=p.start,
+                    cause=ev.id,
+                    lo=ev.capture == "none",
+                )
+            )
+        return out
+
+    def _runless_end(self, s: _Session, ev: Event, ts: int) -> list[Event]:
+        """``on_session_end`` without a turn id: close the session's latest open run, if any."""
+        latest = None
+        seq, epoch = _seq(ev), ev.epoch or 0
+        for p in s.pairs or ():
+            if p.kind == RUN and p.state == OPEN and _before(p, seq, epoch) and (latest is None or p.seq > latest.seq):
+                latest = p
+        if latest is None:
+            self._count("run_closed")
+            return [self._as_run_closed(ev, None)]
+        self._remember_run(s, latest.key)
+        self._close(latest, ev.id, ENDED)
+        return [msgspec.structs.replace(ev, run=latest.key or UNSET, cause=latest.start)]
+
+    @staticmethod
+    def _as_run_closed(ev: Event, cause: str | None) -> Event:
+        data = {} if ev.capture == "none" else {
+            "completed": ev.type == "run.finished",
+            "interrupted": ev.type == "run.cancelled",
+        }
+        return msgspec.structs.replace(ev, type="x.hermes.run.closed", data=data, cause=cause or UNSET)
+
+    # ------------------------------------------------------------ holding follow-ups without a start
+
+    def _hold(self, lane: str, s: _Session, kind: int, key: str, ev: Event, h: dict[str, Any], ts: int) -> list[Event]:
+        out: list[Event] = []
+        if s.held is None:
+            s.held = []
+        elif len(s.held) >= self.config.max_held:
+            oldest = s.held.pop(0)
+            out += self._release(lane, s, oldest.kind, oldest.key, oldest.event, oldest.hints.get("ts") or 0)
+        self._count("held")
+        s.held.append(_Held(deadline=ts + self.config.hold_ns, kind=kind, key=key, event=ev, hints=dict(h)))
+        return out
+
+    def _release(self, lane: str, s: _Session, kind: int, key: str, ev: Event, ts: int) -> list[Event]:
+        """A follow-up whose start never came: a repeat of a recently closed pair is linked to it,
+        anything else goes out unchanged (remembered for a late start)."""
+        if not ts:
+            ts = ulid_time_ms(ev.id) * 1_000_000
+        recent = self._find_recent(s.pairs or (), kind, key, _seq(ev), ev.epoch or 0)  # type: ignore[arg-type]
+        if recent is not None:
+            return self._link(lane, s, recent, ev, ts, first=False)
+        if kind == RUN:
+            if self._run_ended(s, ev.run):  # type: ignore[arg-type]
+                self._count("suppressed.run")
+                return [self._as_run_closed(ev, None)]
+            self._remember_run(s, ev.run)  # type: ignore[arg-type]
+        self._count(f"unmatched.{KINDS[kind]}")
+        pair = _Pair(
+            kind=kind,
+            key=key,
+            start="",
+            seq=_seq(ev),
+            ts=ts,
+            epoch=ev.epoch or 0,  # type: ignore[arg-type]
+            run=ev.run or "",  # type: ignore[arg-type]
+            state=UNLINKED_ANSWER if ev.type == "attention.answered" else UNLINKED,
+            end=ev.id,
+            closed=self.clock,
+        )
+        if s.pairs is None:
+            s.pairs = []
+        s.pairs.append(pair)
+        self._trim(s)
+        return [ev]
+
+    # ------------------------------------------------------------ session end
+
+    def _session_end(self, lane: str, s: _Session, ev: Event, h: dict[str, Any], ts: int) -> list[Event]:
+        if s.ended == ev.id:
+            self._count("duplicates")
+            return []
+        digest = int.from_bytes(_digest8(lane), "big")
+        already = bool(s.ended) or digest in self._ended
+        out = self._sweep(lane, s, ev)
+        if already:  # invariant 2: one session.ended per session
+            self._count("suppressed.session")
+            data = {} if ev.capture == "none" or "reason" not in (ev.data or {}) else {"reason": ev.data["reason"]}  # type: ignore[index]
+            out.append(
+                msgspec.structs.replace(ev, type="x.hermes.session.finalized", data=data, cause=s.ended or UNSET)
+            )
+        else:
+            s.ended = ev.id
+            s.fin = _seq(ev)
+            self._ended.add(digest)
+            self._ended_order.append(digest)
+            while len(self._ended_order) > self.config.max_ended:
+                self._ended.discard(self._ended_order.popleft())
+            out.append(ev)
+        return out
+
+    def _sweep(self, lane: str, s: _Session, ev: Event) -> list[Event]:
+        """Before a session ends: close its open cards, runs and tools (subagents stay open).
+
+        Held follow-ups stay held: their start may still arrive (reordered behind the finalize).
+        """
+        self._count("sweeps")
+        out: list[Event] = []
+        end_seq = _seq(ev)
+        victims = sorted(
+            (p for p in s.pairs or () if p.state == OPEN and RULES[p.kind].swept and p.seq < end_seq and not p.late),
+            key=lambda p: p.seq,
+        )
+        id_ms = ulid_time_ms(ev.id)
+        for slot, p in enumerate(victims, start=SWEEP_SLOT):
+            self._count(f"swept.{KINDS[p.kind]}")
+            out.append(
+                self._closure(
+                    lane,
+                    s,
+                    p,
+                    "session_end",
+                    source=ev.source,
+                    epoch=ev.epoch or 0,  # type: ignore[arg-type]
+                    anchor=_seq(ev),
+                    slot=slot,
+                    seed=ev.id + "/sweep",
+                    id_ms=id_ms,
+                    time=ev.time,
+                )
+            )
+        return out
+
+    # ------------------------------------------------------------ time: ticks
+
+    def _expire(self, lane: str, s: _Session) -> list[Event]:
+        now = self.clock
+        out: list[Event] = []
+        if s.held:
+            due = sorted((x for x in s.held if x.deadline <= now), key=lambda x: (x.deadline, _seq(x.event)))
+            for x in due:
+                s.held.remove(x)
+            if not s.held:
+                s.held = None
+            for x in due:
+                out += self._release(lane, s, x.kind, x.key, x.event, x.hints.get("ts") or 0)
+        if s.pairs:
+            for p in sorted((p for p in s.pairs if p.state == OPEN), key=lambda p: p.seq):
+                if p.ts + self._ttl(p) <= now:
+                    out += self._bridge_close(lane, s, p, "session_end" if p.late else "ttl")
+            recent = self.config.recent_ns
+            s.pairs = [p for p in s.pairs if p.state == OPEN or p.closed + recent > now] or None
+        if s.pairs is None and s.held is None:
+            idle = self.config.recent_ns if s.ended else self.config.idle_ttl_ns
+            if s.last + idle <= now:
+                del self._sessions[lane]
+                self._count("evicted")
+        return out
+
+    def _deadline(self, s: _Session) -> int | None:
+        cfg = self.config
+        best = s.last + (cfg.recent_ns if s.ended else cfg.idle_ttl_ns)
+        if s.pairs:
+            for p in s.pairs:
+                d = p.ts + self._ttl(p) if p.state == OPEN else p.closed + cfg.recent_ns
+                if d < best:
+                    best = d
+        if s.held:
+            for x in s.held:
+                if x.deadline < best:
+                    best = x.deadline
+        return best
+
+    def _ttl(self, p: _Pair) -> int:
+        return self.config.hold_ns if p.late else self.config.ttls()[p.kind]
+
+    def _schedule(self, lane: str, s: _Session) -> None:
+        """Keep a heap entry at or before the session's next deadline (stale entries are skipped)."""
+        if lane not in self._sessions:
+            return
+        deadline = self._deadline(s)
+        if deadline is None:
+            return
+        current = self._wake.get(lane)
+        if current is None or deadline < current:
+            self._wake[lane] = deadline
+            heapq.heappush(self._heap, (deadline, lane))
+            if len(self._heap) > 2 * len(self._wake) + 1024:  # drop stale entries
+                self._heap = [(d, name) for name, d in self._wake.items()]
+                heapq.heapify(self._heap)
+
+    # ------------------------------------------------------------ closing by the bridge
+
+    def _bridge_close(self, lane: str, s: _Session, p: _Pair, reason: str) -> list[Event]:
+        """A TTL or overflow closure: the inserted event sits right after the start."""
+        index = min(max(p.seq % SLOTS - MAPPED_SLOT, 0), SLOTS - 1 - CLOSE_SLOT)
+        clock_ms = self.clock // 1_000_000
+        return [
+            self._closure(
+                lane,
+                s,
+                p,
+                reason,
+                source=p.src or s.source,
+                epoch=p.epoch,
+                anchor=p.seq,
+                slot=CLOSE_SLOT + index,
+                seed=p.start + "/close",
+                id_ms=clock_ms,
+                time=rfc3339(self.clock),
+            )
+        ]
+
+    def _closure(
+        self,
+        lane: str,
+        s: _Session,
+        p: _Pair,
+        reason: str,
+        *,
+        source: str,
+        epoch: int,
+        anchor: int,
+        slot: int,
+        seed: str,
+        id_ms: int,
+        time: str,
+    ) -> Event:
+        """The honest end of an open start: cards are dismissed, the rest orphaned."""
+        age = _ms(id_ms * 1_000_000 if reason == "session_end" else self.clock, p.ts)
+        if RULES[p.kind].dismissed:
+            self._count(f"dismissed.{reason}")
+            etype = "attention.resolved"
+            data: dict[str, Any] = {"resolution": "dismissed", "latency_ms": age}
+            subject = p.start
+            severity = None
+        else:
+            self._count(f"orphaned.{reason}.{KINDS[p.kind]}")
+            etype = "x.hermes.pairing.orphaned"
+            data = {"kind": KINDS[p.kind], "reason": reason, "start": p.start, "age_ms": age}
+            subject = ""
+            severity = "warning"
+        if p.lo:
+            data = {k: v for k, v in data.items() if k not in ("latency_ms", "age_ms")}
+        event = self._insert(
+            lane,
+            source=source,
+            epoch=epoch,
+            anchor=anchor,
+            slot=slot,
+            seed=seed,
+            id_ms=id_ms,
+            time=time,
+            etype=etype,
+            data=data,
+            run=p.run,
+            subject=subject,
+            cause=p.start,
+            lo=p.lo,
+            severity=severity,
+        )
+        self._close(p, event.id, CLOSED)
+        return event
+
+    @staticmethod
+    def _insert(
+        lane: str,
+        *,
+        source: str,
+        epoch: int,
+        anchor: int,
+        slot: int,
+        seed: str,
+        id_ms: int,
+        time: str,
+        etype: str,
+        data: dict[str, Any],
+        run: str,
+        subject: str,
+        cause: str,
+        lo: bool,
+        severity: str | None = None,
+    ) -> Event:
+        return Event(
+            aep="0.1",
+            id=event_id(seed, slot, id_ms),
+            type=etype,
+            time=time,
+            source=source,
+            agent="hermes",
+            session=lane,
+            run=run or UNSET,
+            seq=(anchor // SLOTS) * SLOTS + slot,
+            epoch=epoch,
+            subject=subject or UNSET,
+            cause=cause or UNSET,
+            severity=severity or UNSET,  # type: ignore[arg-type]
+            capture="none" if lo else "metadata",
+            data=data,
+            lane="unknown" if lane == UNKNOWN else UNSET,
+        )
+
+    # ------------------------------------------------------------ small helpers
+
+    def _close(self, p: _Pair, end_id: str, state: int) -> None:
+        if p.state == OPEN:
+            self._open[p.kind] -= 1
+        p.state = state
+        p.end = end_id
+        p.closed = self.clock
+
+    def _trim(self, s: _Session) -> None:
+        """Keep at most 2 * max_open pairs: forget the oldest closed ones first."""
+        pairs = s.pairs
+        if pairs and len(pairs) > 2 * self.config.max_open:
+            closed = sorted((p for p in pairs if p.state != OPEN), key=lambda p: p.closed)
+            drop = {id(p) for p in closed[: len(pairs) - 2 * self.config.max_open]}
+            s.pairs = [p for p in pairs if id(p) not in drop]
+
+    @staticmethod
+    def _open_count(s: _Session) -> int:
+        return sum(1 for p in s.pairs or () if p.state == OPEN)
+
+    def _remember_run(self, s: _Session, run: str) -> None:
+        if not run:
+            return
+        ring = s.runs + _digest8(run)
+        s.runs = ring[-8 * self.config.run_memory :]
+
+    @staticmethod
+    def _run_ended(s: _Session, run: str) -> bool:
+        if not run or not s.runs:
+            return False
+        d = _digest8(run)
+        ring = s.runs
+        return any(ring[i : i + 8] == d for i in range(0, len(ring), 8))
+
+    def _remember_id(self, event_id_: str) -> None:
+        self._seen.add(event_id_)
+        self._seen_order.append(event_id_)
+        if len(self._seen_order) > self.config.dedupe_ids:
+            self._seen.discard(self._seen_order.popleft())
+
+    def _count(self, name: str, n: int = 1) -> None:
+        self.counters[name] = self.counters.get(name, 0) + n
+
+    def _emit(self, out: list[Event]) -> list[Event]:
+        if out:
+            self._count("events_out", len(out))
+        return out
+
+
+# ---------------------------------------------------------------- checking an output stream
+
+#: terminal type -> the start type its cause must name
+START_OF: dict[str, str] = {
+    "run.finished": "run.started",
+    "run.failed": "run.started",
+    "run.cancelled": "run.started",
+    "tool.completed": "tool.requested",
+    "tool.failed": "tool.requested",
+    "tool.denied": "tool.requested",
+    "delegation.subagent.stopped": "delegation.subagent.started",
+}
+RUN_TERMINALS = frozenset({"run.finished", "run.failed", "run.cancelled"})
+SESSION_ENDS = frozenset({"session.ended", "x.hermes.session.finalized"})
+CARD_ENDINGS = frozenset({"attention.resolved", "attention.timeout"})
+CARD_FOLLOW_UPS = CARD_ENDINGS | {"attention.answered"}
+
+
+def check_invariants(
+    events: list[Event], *, complete: bool = True, linked: bool = False, stream_order: bool = True
+) -> list[str]:
+    """The pairing invariants over an output stream, as a list of problems (empty = all hold).
+
+    * every event id appears once; (session, epoch, seq) is unique;
+    * at most one run terminal per (session, run), and it carries ``run``;
+      at most one ``session.ended`` per session;
+    * a terminal's ``cause``, when set, names an event of its start type (same run for runs);
+      with ``linked`` every terminal and attention follow-up must be linked;
+    * every ``attention.requested`` ends (``complete``) in ``attention.resolved`` or
+      ``attention.timeout`` with ``subject`` = its id, and before the next session end
+      (``session.ended`` / ``x.hermes.session.finalized``) of its session in (epoch, seq)
+      order, and with ``stream_order`` also in stream order;
+    * ``x.hermes.pairing.orphaned`` names an existing start.
+    """
+    problems: list[str] = []
+    by_id: dict[str, Event] = {}
+    seqs: set[tuple[Any, Any, Any]] = set()
+    for i, e in enumerate(events):
+        if e.id in by_id:
+            problems.append(f"{e.id} ({e.type}): appears twice")
+        by_id[e.id] = e
+        if e.session is not UNSET and e.seq is not UNSET:
+            k = (e.session, e.epoch, e.seq)
+            if k in seqs:
+                problems.append(f"{e.id} ({e.type}): seq {e.seq} reused in session {e.session}")
+            seqs.add(k)
+    run_terms: dict[tuple[Any, Any], int] = {}
+    ended: dict[Any, int] = {}
+    for e in events:
+        if e.type in RUN_TERMINALS:
+            if e.run is UNSET:
+                problems.append(f"{e.id} ({e.type}): run terminal without run")
+            k = (e.session, e.run)
+            run_terms[k] = run_terms.get(k, 0) + 1
+            if run_terms[k] == 2:
+                problems.append(f"run {e.run} of {e.session}: two terminals")
+        elif e.type == "session.ended":
+            ended[e.session] = ended.get(e.session, 0) + 1
+            if ended[e.session] == 2:
+                problems.append(f"session {e.session}: two session.ended")
+        start_type = START_OF.get(e.type)
+        if start_type is not None:
+            if e.cause is UNSET:
+                if linked:
+                    problems.append(f"{e.id} ({e.type}): no cause")
+            else:
+                start = by_id.get(e.cause)  # type: ignore[arg-type]
+                if start is None or start.type != start_type:
+                    problems.append(f"{e.id} ({e.type}): cause {e.cause} is not a {start_type}")
+                elif e.type in RUN_TERMINALS and start.run != e.run:
+                    problems.append(f"{e.id} ({e.type}): cause is the start of another run")
+        if e.type == "x.hermes.pairing.orphaned":
+            start = by_id.get((e.data or {}).get("start", ""))
+            if start is None or start.type not in ("run.started", "tool.requested", "delegation.subagent.started"):
+                problems.append(f"{e.id}: orphaned names no start")
+    requests = {e.id: i for i, e in enumerate(events) if e.type == "attention.requested"}
+    first_end: dict[str, int] = {}
+    for i, e in enumerate(events):
+        if e.type in CARD_FOLLOW_UPS:
+            if e.subject not in requests:
+                if linked:
+                    problems.append(f"{e.id} ({e.type}): subject is not a request")
+                continue
+            if e.type in CARD_ENDINGS and e.subject not in first_end:
+                first_end[e.subject] = i  # type: ignore[index]
+    ends_by_session: dict[Any, list[int]] = {}
+    for i, e in enumerate(events):
+        if e.type in SESSION_ENDS:
+            ends_by_session.setdefault(e.session, []).append(i)
+    for rid, i in requests.items():
+        r = events[i]
+        j = first_end.get(rid)
+        if j is None:
+            if complete:
+                problems.append(f"request {rid} never ends")
+            continue
+        session_ends = ends_by_session.get(r.session, [])
+        if stream_order:
+            nxt = next((k for k in session_ends if k > i), None)
+            if nxt is not None and j > nxt:
+                problems.append(f"request {rid} ends after its session.ended (stream order)")
+        later = [events[k] for k in session_ends if events[k].epoch == r.epoch and events[k].seq > r.seq]  # type: ignore[operator]
+        if later:
+            end_seq = min(x.seq for x in later)  # type: ignore[type-var]
+            if events[j].seq >= end_seq:  # type: ignore[operator]
+                problems.append(f"request {rid} ends after its session.ended (seq order)")
+    return problems
+
+
+# ---------------------------------------------------------------- a footprint probe for the benchmark
+
+
+def _idle_session_inputs(n: int, base_ns: int = 1_764_500_000 * SECOND) -> Iterator[tuple[Event, dict[str, Any]]]:
+    """n sessions that each ran one turn with one tool call and then went quiet (realistic id sizes)."""
+    for i in range(n):
+        lane = f"20261130_{i // 1_000_000:06d}_{i % 1_000_000:06x}"
+        run = f"{lane}:1d62455f-df2f-4c95-934a-{i:012x}:9f0ce0fb"
+        source = f"aep://gateway-{i % 7}.example/agent/hermes/session/{lane}"
+        steps = (
+            ("session.started", None, {"client": {"name": "hermes"}}, {}),
+            ("run.started", run, {"trigger": "user"}, {}),
+            ("tool.requested", run, {"tool": {"name": "terminal", "call_id": "call_0001"}}, {"tool_call_id": "call_0001"}),
+            ("tool.completed", run, {"tool": {"name": "terminal", "call_id": "call_0001"}}, {"tool_call_id": "call_0001"}),
+            ("run.finished", run, {}, {}),
+        )
+        for j, (etype, r, data, extra) in enumerate(steps):
+            raw_seq = i * 8 + j + 1
+            ts = base_ns + raw_seq * 1_000_000
+            ev = Event(
+                aep="0.1",
+                id=event_id(f"probe-{raw_seq}", MAPPED_SLOT, ts // 1_000_000),
+                type=etype,
+                time=rfc3339(ts),
+                source=source,
+                agent="hermes",
+                session=lane,
+                run=r or UNSET,
+                seq=raw_seq * SLOTS + MAPPED_SLOT,
+                epoch=0,
+                capture="metadata",
+                data=data,
+            )
+            yield ev, {"ts": ts, **extra}
+
+
+def idle_session_footprint(n: int = 10_000, config: PairingConfig | None = None) -> dict[str, float]:
+    """Resident bytes per idle open session (tracemalloc) and snapshot bytes per session.
+
+    Builds ``n`` sessions that each ran a turn with a tool call and are still open
+    (no session.ended), ticks past ``recent_ns`` so that only what an idle session
+    keeps remains, and measures what the state retains. Partition-wide overhead
+    (the id ring of ``dedupe_ids``) is included and amortised over ``n``.
+    """
+    import tracemalloc
+
+    cfg = config or PairingConfig()
+    # Encode the input first (outside the traced region), decode it inside, as the service would.
+    encoder = msgspec.msgpack.Encoder()
+    messages = [(encoder.encode(ev), h) for ev, h in _idle_session_inputs(n)]
+    decoder = msgspec.msgpack.Decoder(Event)
+    last_ts = messages[-1][1]["ts"] if messages else 0
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        state = PairingState(cfg)
+        position = 0
+        for body, h in messages:
+            position += 1
+            state.process(decoder.decode(body), dict(h), position)
+        state.tick(last_ts + cfg.recent_ns + 1, position + 1)
+        gc.collect()
+        retained = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    open_sessions = state.metrics()["sessions"]
+    return {
+        "sessions": float(open_sessions),
+        "bytes_per_session": retained / max(open_sessions, 1),
+        "snapshot_bytes_per_session": len(state.snapshot()) / max(open_sessions, 1),
+    }
+
+
+__all__ = [
+    "KINDS",
+    "check_invariants",
+    "LINKS",
+    "ROLES",
+    "PairingConfig",
+    "PairingState",
+    "idle_session_footprint",
+]

@@ -1,0 +1,927 @@
+"""Table tests of the pairing state machine (bridge/core/pairing.py), one rule at a time.
+
+Events are built the way the mapper builds them (`Mk`): one raw message per call,
+id = event_id(raw id, slot, receive ms), seq = raw * 1024 + 512 + index, and the
+hints the mapper sends in the Bridge-Hints header.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import pytest
+from msgspec import UNSET
+
+from bridge.core import aep
+from bridge.core.aep import Event, encode_event
+from bridge.core.identity import MAPPED_SLOT, SLOTS, event_id, rfc3339, source_uri, ulid_time_ms
+from bridge.core.pairing import (
+    HOUR,
+    MINUTE,
+    SECOND,
+    PairingConfig,
+    PairingState,
+    check_invariants,
+    idle_session_footprint,
+)
+
+BASE_NS = 1_764_500_000 * SECOND
+MS = 1_000_000
+
+Msg = tuple[Event, dict[str, Any]]
+
+DEFAULT_DATA: dict[str, Any] = {
+    "session.started": {"client": {"name": "hermes"}},
+    "session.ended": {"reason": "normal"},
+    "run.started": {"trigger": "user"},
+    "run.finished": {},
+    "run.failed": {"reason": "incomplete"},
+    "run.cancelled": {"by": "user"},
+    "attention.requested": {"kind": "permission", "prompt": "hermes requests permission", "respond_via": ["oob"]},
+    "attention.answered": {"answer": {"option": "once"}, "via": "oob"},
+    "attention.timeout": {},
+    "attention.resolved": {"resolution": "dismissed"},
+}
+
+TOOL_END_DATA: dict[str, dict[str, Any]] = {
+    "tool.completed": {"duration_ms": 5},
+    "tool.failed": {"error": {"type": "tool_error"}, "duration_ms": 5},
+    "tool.denied": {"by": "policy", "duration_ms": 0},
+}
+
+
+class Mk:
+    """Builds mapped events (and their hints) as the mapper would, one raw message per call."""
+
+    def __init__(self, instance: str = "dev", epoch: int = 0) -> None:
+        self.raw = 0
+        self.instance = instance
+        self.epoch = epoch
+
+    def next_raw(self) -> int:
+        self.raw += 1
+        return self.raw
+
+    def ev(
+        self,
+        etype: str,
+        session: str | None = "S",
+        *,
+        run: str | None = None,
+        subject: str | None = None,
+        data: dict[str, Any] | None = None,
+        raw: int | None = None,
+        slot: int = 0,
+        ts: int | None = None,
+        capture: str = "metadata",
+        **hints: Any,
+    ) -> Msg:
+        if raw is None:
+            raw = self.next_raw()
+        ts = ts if ts is not None else BASE_NS + raw * MS
+        lane = session or "unknown"
+        ev = Event(
+            aep="0.1",
+            id=event_id(f"raw-{self.instance}-{raw}", MAPPED_SLOT + slot, ts // MS),
+            type=etype,
+            time=rfc3339(ts),
+            source=source_uri(self.instance, lane),
+            agent="hermes",
+            session=lane if session is not None or not etype.startswith("agent.") else UNSET,
+            run=run or UNSET,
+            seq=raw * SLOTS + MAPPED_SLOT + slot,
+            epoch=self.epoch,
+            subject=subject or UNSET,
+            capture=capture,  # type: ignore[arg-type]
+            data=dict(DEFAULT_DATA.get(etype, {})) if data is None else data,
+            lane="unknown" if lane == "unknown" else UNSET,
+        )
+        return ev, {"ts": ts, **{k: v for k, v in hints.items() if v}}
+
+    # -------------------------------------------------------- per hook
+
+    def started(self, s: str = "S") -> Msg:
+        return self.ev("session.started", s, hook="on_session_start")
+
+    def ended(self, s: str = "S", **kw: Any) -> Msg:
+        return self.ev("session.ended", s, hook="on_session_finalize", **kw)
+
+    def run_start(self, s: str = "S", run: str = "S:t:r1", **kw: Any) -> Msg:
+        return self.ev("run.started", s, run=run, hook="pre_llm_call", **kw)
+
+    def run_end(self, s: str = "S", run: str | None = "S:t:r1", etype: str = "run.finished", **kw: Any) -> Msg:
+        return self.ev(etype, s, run=run, hook="on_session_end", **kw)
+
+    def tool_req(
+        self, s: str = "S", run: str | None = "S:t:r1", cid: str = "call_1", name: str = "terminal",
+        args: str = "d1", task: str = "t", **kw: Any,
+    ) -> Msg:
+        tool = {"name": name, **({"call_id": cid} if cid else {})}
+        return self.ev(
+            "tool.requested", s, run=run, subject=name, data={"tool": tool, "args_digest": args},
+            hook="pre_tool_call", tool_call_id=cid, task_id=task, args_digest=args, **kw,
+        )
+
+    def tool_end(
+        self, s: str = "S", run: str | None = "S:t:r1", cid: str = "call_1", etype: str = "tool.completed",
+        name: str = "terminal", args: str = "d1", task: str = "t", **kw: Any,
+    ) -> Msg:
+        tool = {"name": name, **({"call_id": cid} if cid else {})}
+        return self.ev(
+            etype, s, run=run, subject=name, data={"tool": tool, **TOOL_END_DATA[etype]},
+            hook="post_tool_call", tool_call_id=cid, task_id=task, args_digest=args, **kw,
+        )
+
+    def appr_req(self, s: str = "S", sk: str = "S", pk: str = "rm", cid: str = "call_1", run: str = "S:t:r1", **kw: Any) -> Msg:
+        return self.ev(
+            "attention.requested", s, run=run, subject=pk, hook="pre_approval_request",
+            session_key=sk, pattern_key=pk, tool_call_id=cid, **kw,
+        )
+
+    def appr_ans(
+        self, s: str = "S", sk: str = "S", pk: str = "rm", cid: str = "call_1", run: str = "S:t:r1",
+        choice: str = "once", **kw: Any,
+    ) -> Msg:
+        if choice == "timeout":
+            etype, data = "attention.timeout", {}
+        else:
+            etype, data = "attention.answered", {"answer": {"option": choice}, "via": "oob"}
+        return self.ev(
+            etype, s, run=run, subject=pk, data=data, hook="post_approval_response",
+            session_key=sk, pattern_key=pk, tool_call_id=cid, **kw,
+        )
+
+    def clar_req(self, s: str = "S", run: str = "S:t:r1", cid: str = "call_c") -> list[Msg]:
+        raw = self.next_raw()
+        h = {"hook": "pre_tool_call", "tool_call_id": cid, "task_id": "t", "args_digest": "q"}
+        form = {"kind": "form", "prompt": "hermes asks a question", "fields": [{"id": "1", "type": "string", "label": "question 1"}]}
+        return [
+            self.ev("tool.requested", s, run=run, subject="clarify", raw=raw, slot=0,
+                    data={"tool": {"name": "clarify", "call_id": cid}}, **h),
+            self.ev("attention.requested", s, run=run, subject=cid, raw=raw, slot=1, data=form, **h),
+        ]
+
+    def clar_post(self, s: str = "S", run: str = "S:t:r1", cid: str = "call_c", outcome: str = "answered") -> list[Msg]:
+        raw = self.next_raw()
+        h = {"hook": "post_tool_call", "tool_call_id": cid, "task_id": "t", "args_digest": "q"}
+        follow = {
+            "answered": ("attention.answered", {"answer": {"values": {"1": "2"}}, "via": "oob"}),
+            "timeout": ("attention.timeout", {}),
+            "dismissed": ("attention.resolved", {"resolution": "dismissed"}),
+        }[outcome]
+        return [
+            self.ev("tool.completed", s, run=run, subject="clarify", raw=raw, slot=0,
+                    data={"tool": {"name": "clarify", "call_id": cid}}, **h),
+            self.ev(follow[0], s, run=run, subject=cid, raw=raw, slot=1, data=follow[1], **h),
+        ]
+
+    def sub_start(self, s: str = "S", child: str = "C", run: str = "S:t:r1") -> Msg:
+        return self.ev("delegation.subagent.started", s, run=run, subject=child,
+                       data={"child": {"session": child}, "role": "leaf"}, hook="subagent_start")
+
+    def sub_stop(self, s: str = "S", child: str = "C", run: str = "S:t:r1") -> Msg:
+        return self.ev("delegation.subagent.stopped", s, run=run, subject=child,
+                       data={"child": {"session": child}, "status": "completed"}, hook="subagent_stop")
+
+
+def assert_valid(event: Event) -> None:
+    """Every output event re-decodes as an AEP Event and its data as its payload type."""
+    again = aep.decode_event(encode_event(event))
+    assert again == event
+    payload = aep.PAYLOAD_TYPES.get(event.type)
+    if payload is not None:
+        msgspec.convert(event.data, payload)
+
+
+class Run:
+    """Feeds a PairingState with increasing positions and keeps everything it emitted."""
+
+    def __init__(self, config: PairingConfig | None = None) -> None:
+        self.state = PairingState(config)
+        self.pos = 0
+        self.out: list[Event] = []
+
+    def feed(self, *items: Msg | list[Msg]) -> list[Event]:
+        got: list[Event] = []
+        for item in items:
+            for ev, h in item if isinstance(item, list) else [item]:
+                self.pos += 1
+                got += self.state.process(ev, h, self.pos)
+        for e in got:
+            assert_valid(e)
+        self.out += got
+        return got
+
+    def tick(self, now_ns: int) -> list[Event]:
+        self.pos += 1
+        got = self.state.tick(now_ns, self.pos)
+        for e in got:
+            assert_valid(e)
+        self.out += got
+        return got
+
+
+def types(events: list[Event]) -> list[str]:
+    return [e.type for e in events]
+
+
+@pytest.fixture
+def m() -> Mk:
+    return Mk()
+
+
+@pytest.fixture
+def r() -> Run:
+    return Run()
+
+
+# ---------------------------------------------------------------- tools
+
+
+@pytest.mark.parametrize("etype", ["tool.completed", "tool.failed", "tool.denied"])
+def test_tool_terminal_gets_cause_of_its_request(m: Mk, r: Run, etype: str) -> None:
+    req = m.tool_req()
+    end = m.tool_end(etype=etype)
+    out = r.feed(req, end)
+    assert types(out) == ["tool.requested", etype]
+    assert out[0] == req[0]
+    assert out[1].cause == req[0].id
+    assert msgspec.structs.replace(out[1], cause=UNSET) == end[0]
+    assert r.state.open_pairs()["tool"] == 0
+
+
+def test_tool_without_call_id_pairs_by_task_name_and_args_fifo(m: Mk, r: Run) -> None:
+    a1 = m.tool_req(run=None, cid="", args="same")
+    a2 = m.tool_req(run=None, cid="", args="same")
+    b = m.tool_req(run=None, cid="", args="other")
+    other_task = m.tool_req(run=None, cid="", args="same", task="t2")
+    r.feed(a1, a2, b, other_task)
+    out = r.feed(
+        m.tool_end(run=None, cid="", args="other"),
+        m.tool_end(run=None, cid="", args="same"),
+        m.tool_end(run=None, cid="", args="same", task="t2"),
+        m.tool_end(run=None, cid="", args="same"),
+    )
+    assert [e.cause for e in out] == [b[0].id, a1[0].id, other_task[0].id, a2[0].id]
+
+
+def test_tool_call_ids_are_scoped_by_run(m: Mk, r: Run) -> None:
+    t1 = m.tool_req(run="S:t:r1", cid="call_0")
+    r.feed(t1, m.tool_end(run="S:t:r1", cid="call_0"))
+    t2 = m.tool_req(run="S:t:r2", cid="call_0")
+    out = r.feed(t2, m.tool_end(run="S:t:r2", cid="call_0"))
+    assert out[1].cause == t2[0].id
+
+
+def test_tool_terminal_before_its_request_is_held_then_linked(m: Mk, r: Run) -> None:
+    req = m.tool_req()
+    end = m.tool_end()
+    assert r.feed(end) == []
+    assert r.state.metrics()["held_now"] == 1
+    out = r.feed(req)
+    assert types(out) == ["tool.requested", "tool.completed"]
+    assert out[1].cause == req[0].id and out[1].id == end[0].id and out[1].seq == end[0].seq
+    assert r.state.metrics()["held_now"] == 0
+
+
+def test_tool_terminal_without_request_is_released_unchanged_after_the_hold(m: Mk, r: Run) -> None:
+    cfg = r.state.config
+    req = m.tool_req()
+    end = m.tool_end()
+    ts = BASE_NS + 2 * MS
+    r.feed(end)
+    assert r.tick(ts + cfg.hold_ns - 1) == []
+    out = r.tick(ts + cfg.hold_ns)
+    assert out == [end[0]]
+    assert r.state.counters["unmatched.tool"] == 1
+    # the request shows up after all (seq below the terminal's): passed through, never opened
+    assert r.feed(req) == [req[0]]
+    assert r.state.open_pairs()["tool"] == 0
+    assert types(r.feed(m.ended())) == ["session.ended"]
+
+
+def test_repeated_terminal_of_one_call_links_to_the_same_request_after_the_hold(m: Mk, r: Run) -> None:
+    req = m.tool_req()
+    out = r.feed(req, m.tool_end(), m.tool_end(etype="tool.failed"), m.tool_end(etype="tool.denied"))
+    assert types(out) == ["tool.requested", "tool.completed"]  # the repeats may belong to a late reuse
+    out = r.tick(BASE_NS + 4 * MS + r.state.config.hold_ns)
+    assert types(out) == ["tool.failed", "tool.denied"]
+    assert [e.cause for e in out] == [req[0].id] * 2
+    assert r.state.counters["late_terminals.tool"] == 2
+
+
+def test_reused_tool_call_id_terminal_waits_for_its_late_request(m: Mk, r: Run) -> None:
+    first = m.tool_req()
+    r.feed(first, m.tool_end())
+    again, end = m.tool_req(), m.tool_end(etype="tool.failed")
+    assert r.feed(end) == []
+    out = r.feed(again)
+    assert out[1].cause == again[0].id
+
+
+# ---------------------------------------------------------------- duplicates and replays
+
+
+def _dup_scenarios(m: Mk) -> list[Msg]:
+    return [
+        m.started(),
+        m.run_start(),
+        m.tool_req(),
+        m.ev("x.hermes.pre.api.request", run="S:t:r1"),
+        m.tool_end(),
+        m.appr_req(),
+        m.appr_ans(),
+        m.run_end(),
+        m.ended(),
+    ]
+
+
+PAIRED = {2, 4, 5, 6, 7, 8}  # indexes of _dup_scenarios whose duplicates the pair state itself recognises
+
+
+@pytest.mark.parametrize(
+    "dedupe_ids, index", [(4096, i) for i in range(9)] + [(0, i) for i in sorted(PAIRED)]
+)
+def test_the_same_event_twice_is_emitted_once(dedupe_ids: int, index: int) -> None:
+    """With the id ring, and for paired events also without it (dedupe_ids=0)."""
+    msgs = _dup_scenarios(Mk())
+    clean = Run(PairingConfig(dedupe_ids=dedupe_ids))
+    clean.feed(*msgs)
+    twice = Run(PairingConfig(dedupe_ids=dedupe_ids))
+    twice.feed(*msgs[: index + 1], msgs[index], *msgs[index + 1 :])
+    assert [encode_event(e) for e in twice.out] == [encode_event(e) for e in clean.out]
+    assert twice.state.open_pairs() == clean.state.open_pairs()
+
+
+def test_an_unpaired_duplicate_beyond_the_id_ring_is_byte_identical(m: Mk) -> None:
+    r = Run(PairingConfig(dedupe_ids=0))
+    e = m.ev("x.hermes.pre.api.request")
+    first, second = r.feed(e), r.feed(e)
+    assert [encode_event(x) for x in first] == [encode_event(x) for x in second]  # Nats-Msg-Id absorbs it
+
+
+def test_a_position_already_covered_is_ignored(m: Mk, r: Run) -> None:
+    req = m.tool_req()
+    assert r.state.process(req[0], req[1], 5) == [req[0]]
+    assert r.state.process(m.tool_end()[0], {}, 5) == []
+    assert r.state.tick(BASE_NS * 2, 4) == []
+    assert r.state.position == 5 and r.state.counters["replayed"] == 2
+
+
+def test_duplicate_terminal_while_held_is_dropped(m: Mk, r: Run) -> None:
+    req = m.tool_req()
+    end = m.tool_end()
+    r.feed(end, end)
+    assert types(r.feed(req)) == ["tool.requested", "tool.completed"]
+
+
+# ---------------------------------------------------------------- approvals
+
+
+def test_approval_answer_links_to_request_and_inserts_resolved(m: Mk, r: Run) -> None:
+    req = m.appr_req()
+    ans = m.appr_ans()
+    out = r.feed(req, ans)
+    assert types(out) == ["attention.requested", "attention.answered", "attention.resolved"]
+    answered, resolved = out[1], out[2]
+    assert answered.subject == req[0].id and answered.cause == req[0].id
+    assert answered.data == ans[0].data and answered.id == ans[0].id and answered.seq == ans[0].seq
+    assert resolved.subject == req[0].id and resolved.cause == answered.id
+    assert resolved.data == {"resolution": "answered", "latency_ms": 1}
+    assert resolved.seq == (ans[0].seq // SLOTS) * SLOTS + 768
+    assert resolved.id == event_id(ans[0].id + "/resolved", 768, ulid_time_ms(ans[0].id))
+    assert resolved.time == ans[0].time and resolved.session == "S" and resolved.run == "S:t:r1"
+
+
+def test_approval_timeout_gets_subject_cause_and_after_ms(m: Mk, r: Run) -> None:
+    req = m.appr_req()
+    r.feed(req)
+    m.raw += 30_000  # 30 s later
+    out = r.feed(m.appr_ans(choice="timeout"))
+    assert types(out) == ["attention.timeout"]
+    assert out[0].subject == req[0].id and out[0].cause == req[0].id
+    assert out[0].data == {"after_ms": 30_001}
+
+
+def test_approvals_with_one_key_break_ties_by_tool_call_id(m: Mk, r: Run) -> None:
+    q1 = m.appr_req(cid="call_1")
+    q2 = m.appr_req(cid="call_2")
+    r.feed(q1, q2)
+    out = r.feed(m.appr_ans(cid="call_2", choice="deny"), m.appr_ans(cid="call_1"))
+    assert [e.subject for e in out] == [q2[0].id] * 2 + [q1[0].id] * 2
+
+
+def test_approval_answer_without_tiebreak_goes_to_the_nearest_earlier_request(m: Mk, r: Run) -> None:
+    q1, a1 = m.appr_req(cid=""), m.appr_ans(cid="")
+    q2, a2 = m.appr_req(cid=""), m.appr_ans(cid="")
+    out = r.feed(q1, q2, a2, a1)  # two replicas: q2 and a2 overtook a1
+    assert [(e.id, e.subject) for e in out if e.type == "attention.answered"] == [
+        (a2[0].id, q2[0].id), (a1[0].id, q1[0].id),
+    ]
+
+
+def test_a_terminal_never_closes_a_later_start(m: Mk, r: Run) -> None:
+    q1, a1, q2 = m.appr_req(), m.appr_ans(), m.appr_req()
+    out = r.feed(q2, a1)
+    assert types(out) == ["attention.requested"]  # a1 waits for q1
+    out = r.feed(q1)
+    assert [e.subject for e in out[1:]] == [q1[0].id, q1[0].id]
+    assert r.state.open_pairs()["card"] == 1
+
+
+def test_tools_without_call_id_are_fifo(m: Mk, r: Run) -> None:
+    t1, t2 = m.tool_req(cid=""), m.tool_req(cid="")
+    out = r.feed(t1, t2, m.tool_end(cid=""), m.tool_end(cid=""))
+    assert [e.cause for e in out[2:]] == [t1[0].id, t2[0].id]
+
+
+def test_approvals_of_different_session_keys_do_not_pair(m: Mk, r: Run) -> None:
+    q = m.appr_req(s="unknown", sk="default", pk="rm")
+    r.feed(q)
+    assert r.feed(m.appr_ans(s="unknown", sk="telegram:dm:1", pk="rm")) == []  # held: no request of that key
+
+
+def test_approval_answer_before_its_request_is_held_then_linked(m: Mk, r: Run) -> None:
+    req = m.appr_req()
+    ans = m.appr_ans()
+    assert r.feed(ans) == []
+    out = r.feed(req)
+    assert types(out) == ["attention.requested", "attention.answered", "attention.resolved"]
+    assert out[1].subject == req[0].id
+    assert out[2].seq == (ans[0].seq // SLOTS) * SLOTS + 768  # still sorts right after the answer
+
+
+def test_reused_approval_key_answer_ahead_of_its_request_waits_for_it(m: Mk, r: Run) -> None:
+    q1, a1 = m.appr_req(), m.appr_ans()
+    q2, a2 = m.appr_req(), m.appr_ans(choice="deny")
+    r.feed(q1, a1)
+    assert r.feed(a2) == []  # q1 already ended: a2 belongs to a request still on its way
+    out = r.feed(q2)
+    assert [e.subject for e in out[1:]] == [q2[0].id, q2[0].id]
+
+
+def test_approval_answered_in_the_unknown_lane_passes_unlinked(m: Mk, r: Run) -> None:
+    cfg = r.state.config
+    req = m.appr_req(s="S", sk="S")
+    r.feed(m.started(), req)
+    ans = m.appr_ans(s="unknown", sk="S")  # lane lookup failed for the answer
+    assert r.feed(ans) == []
+    out = r.tick(BASE_NS + 3 * MS + cfg.hold_ns)
+    assert out == [ans[0]]  # unchanged: no request in its lane to name
+    assert r.state.counters["unmatched.card"] == 1
+    end = m.ended()
+    out = r.feed(end)
+    assert types(out) == ["attention.resolved", "session.ended"]
+    assert out[0].subject == req[0].id and out[0].data["resolution"] == "dismissed"
+
+
+def test_request_arriving_after_its_answer_was_released_still_ends(m: Mk, r: Run) -> None:
+    cfg = r.state.config
+    req = m.appr_req()
+    ans = m.appr_ans()
+    r.feed(ans)
+    assert r.tick(BASE_NS + 2 * MS + cfg.hold_ns) == [ans[0]]
+    out = r.feed(req)
+    assert types(out) == ["attention.requested", "attention.resolved"]
+    assert out[1].subject == req[0].id and out[1].cause == ans[0].id
+    assert out[1].data["resolution"] == "answered"
+    assert out[1].seq == (req[0].seq // SLOTS) * SLOTS + 768
+    assert r.state.open_pairs()["card"] == 0
+
+
+# ---------------------------------------------------------------- clarify forms
+
+
+@pytest.mark.parametrize(
+    "outcome, follow, extra",
+    [
+        ("answered", ["attention.answered", "attention.resolved"], {}),
+        ("timeout", ["attention.timeout"], {"after_ms": 1}),
+        ("dismissed", ["attention.resolved"], {"resolution": "dismissed", "latency_ms": 1}),
+    ],
+)
+def test_clarify_card_follow_ups(m: Mk, r: Run, outcome: str, follow: list[str], extra: dict[str, Any]) -> None:
+    tool_req, card = m.clar_req()
+    out = r.feed([tool_req, card], m.clar_post(outcome=outcome))
+    assert types(out) == ["tool.requested", "attention.requested", "tool.completed", *follow]
+    assert out[2].cause == tool_req[0].id
+    assert all(e.subject == card[0].id for e in out[3:])
+    assert out[3].cause == card[0].id
+    for k, v in extra.items():
+        assert out[3].data[k] == v
+    assert r.state.open_pairs() == {"run": 0, "tool": 0, "card": 0, "subagent": 0}
+
+
+# ---------------------------------------------------------------- subagents
+
+
+def test_subagent_stop_after_the_parent_ended_is_linked(m: Mk, r: Run) -> None:
+    start = m.sub_start()
+    r.feed(m.started(), m.run_start(), start, m.run_end())
+    out = r.feed(m.ended())
+    assert types(out) == ["session.ended"]  # subagents are not swept
+    assert r.state.open_pairs()["subagent"] == 1
+    out = r.feed(m.sub_stop())
+    assert out[0].cause == start[0].id
+    assert r.state.open_pairs()["subagent"] == 0
+
+
+def test_subagent_stop_before_its_start_is_held(m: Mk, r: Run) -> None:
+    start, stop = m.sub_start(), m.sub_stop()
+    assert r.feed(stop) == []
+    assert [e.cause for e in r.feed(start)] == [UNSET, start[0].id]
+
+
+# ---------------------------------------------------------------- runs
+
+
+@pytest.mark.parametrize("etype", ["run.finished", "run.failed", "run.cancelled"])
+def test_run_terminal_gets_cause_of_run_started(m: Mk, r: Run, etype: str) -> None:
+    start = m.run_start()
+    out = r.feed(start, m.run_end(etype=etype))
+    assert out[1].type == etype and out[1].cause == start[0].id
+
+
+def test_run_end_without_run_closes_the_open_run(m: Mk, r: Run) -> None:
+    start = m.run_start(run="S:t:r1")
+    out = r.feed(start, m.run_end(run=None, etype="run.cancelled"))
+    assert out[1].type == "run.cancelled" and out[1].run == "S:t:r1" and out[1].cause == start[0].id
+
+
+def test_run_end_without_run_closes_the_latest_of_two_open_runs(m: Mk, r: Run) -> None:
+    r.feed(m.run_start(run="S:t:r1"))
+    r2 = m.run_start(run="S:t:r2")
+    out = r.feed(r2, m.run_end(run=None))
+    assert out[1].run == "S:t:r2" and out[1].cause == r2[0].id
+
+
+def test_run_end_without_run_and_no_open_run_becomes_run_closed(m: Mk, r: Run) -> None:
+    r.feed(m.run_start(), m.run_end())
+    end = m.run_end(run=None, etype="run.cancelled")
+    out = r.feed(end)
+    assert types(out) == ["x.hermes.run.closed"]
+    assert out[0].id == end[0].id and out[0].seq == end[0].seq and out[0].run is UNSET
+    assert out[0].data == {"completed": False, "interrupted": True}
+    assert r.state.counters["run_closed"] == 1
+
+
+@pytest.mark.parametrize("later_ns", [0, 10 * MINUTE])
+def test_second_terminal_of_a_run_becomes_run_closed(m: Mk, r: Run, later_ns: int) -> None:
+    start = m.run_start()
+    r.feed(start, m.run_end())
+    if later_ns:  # also after the closed pair is forgotten (the per-session run digests remember)
+        r.tick(BASE_NS + later_ns)
+    out = r.feed(m.run_end(etype="run.cancelled"))
+    assert types(out) == ["x.hermes.run.closed"]
+    assert out[0].cause == (UNSET if later_ns else start[0].id)
+    assert r.state.counters["suppressed.run"] == 1
+
+
+def test_run_started_after_its_terminal_was_released_is_passed_through(m: Mk, r: Run) -> None:
+    start, end = m.run_start(), m.run_end()
+    r.feed(end)
+    assert r.tick(BASE_NS + 2 * MS + r.state.config.hold_ns) == [end[0]]
+    assert r.feed(start) == [start[0]]
+    assert r.state.open_pairs()["run"] == 0
+    assert types(r.feed(m.run_end())) == ["x.hermes.run.closed"]
+
+
+# ---------------------------------------------------------------- session end
+
+
+def test_session_end_sweeps_cards_runs_and_tools_but_not_subagents(m: Mk, r: Run) -> None:
+    started = m.started()
+    run = m.run_start()
+    tool = m.tool_req()
+    card = m.appr_req()
+    sub = m.sub_start()
+    r.feed(started, run, tool, card, sub)
+    end = m.ended()
+    out = r.feed(end)
+    assert types(out) == ["x.hermes.pairing.orphaned", "x.hermes.pairing.orphaned", "attention.resolved", "session.ended"]
+    base = (end[0].seq // SLOTS) * SLOTS
+    assert [e.seq for e in out[:3]] == [base, base + 1, base + 2]
+    ms = ulid_time_ms(end[0].id)
+    assert [e.id for e in out[:3]] == [event_id(end[0].id + "/sweep", i, ms) for i in range(3)]
+    assert out[0].data == {"kind": "run", "reason": "session_end", "start": run[0].id, "age_ms": 4}
+    assert out[0].cause == run[0].id and out[0].run == "S:t:r1" and out[0].severity == "warning"
+    assert out[1].data["kind"] == "tool" and out[1].data["start"] == tool[0].id
+    assert out[2].data == {"resolution": "dismissed", "latency_ms": 2}  # raw 4 -> raw 6
+    assert out[2].subject == card[0].id and out[2].cause == card[0].id
+    assert all(e.time == end[0].time and e.source == end[0].source for e in out[:3])
+    assert out[3] == end[0]
+    assert r.state.open_pairs() == {"run": 0, "tool": 0, "card": 0, "subagent": 1}
+    assert r.state.counters["sweeps"] == 1 and r.state.counters["swept.card"] == 1
+    assert r.state.counters["orphaned.session_end.run"] == 1
+
+
+def test_second_finalize_becomes_session_finalized_and_sweeps_again(m: Mk, r: Run) -> None:
+    started = m.started()
+    first = m.ended()
+    r.feed(started, first)
+    resumed, run = m.started(), m.run_start(run="S:t:r2")
+    card = m.appr_req()  # the session was resumed
+    r.feed(resumed, run, card)
+    second = m.ended()
+    out = r.feed(second)
+    assert types(out) == ["x.hermes.pairing.orphaned", "attention.resolved", "x.hermes.session.finalized"]
+    assert out[1].subject == card[0].id
+    fin = out[2]
+    assert fin.id == second[0].id and fin.seq == second[0].seq and fin.cause == first[0].id
+    assert fin.data == {"reason": "normal"}
+    assert r.state.counters["suppressed.session"] == 1
+    assert types(r.feed(m.ended())) == ["x.hermes.session.finalized"]
+
+
+def test_session_exclusivity_survives_eviction(m: Mk, r: Run) -> None:
+    started = m.started()
+    r.feed(started, m.ended())
+    r.tick(BASE_NS + HOUR)
+    assert r.state.metrics()["sessions"] == 0
+    started = m.started()
+    out = r.feed(started, m.ended())
+    assert types(out) == ["session.started", "x.hermes.session.finalized"]
+    assert out[1].cause is UNSET  # the ended id went with the session; the 8-byte digest stayed
+
+
+def test_run_terminal_overtaken_by_the_finalize_is_still_linked(m: Mk, r: Run) -> None:
+    run = m.run_start()
+    r.feed(m.started(), run)
+    fin = m.run_end()  # on_session_end ...
+    end = m.ended()  # ... and on_session_finalize, swapped by two mapper replicas
+    out = r.feed(end)
+    assert types(out) == ["x.hermes.pairing.orphaned", "session.ended"]
+    out = r.feed(fin)
+    assert types(out) == ["run.finished"] and out[0].cause == run[0].id  # the run's one real terminal
+    assert types(r.feed(m.run_end(etype="run.cancelled"))) == ["x.hermes.run.closed"]
+
+
+def test_answer_overtaken_by_the_finalize_links_without_a_second_resolution(m: Mk, r: Run) -> None:
+    req = m.appr_req()
+    r.feed(m.started(), req)
+    ans = m.appr_ans()
+    out = r.feed(m.ended())
+    assert types(out) == ["attention.resolved", "session.ended"]
+    out = r.feed(ans)
+    assert types(out) == ["attention.answered"]
+    assert out[0].subject == req[0].id and out[0].cause == req[0].id
+
+
+def test_held_follow_up_outlives_the_sweep(m: Mk, r: Run) -> None:
+    r.feed(m.started())
+    req = m.appr_req()
+    ans = m.appr_ans()
+    end = m.ended()
+    assert r.feed(ans) == []
+    assert types(r.feed(end)) == ["session.ended"]
+    out = r.feed(req)  # the request was the slowest of the three
+    assert types(out) == ["attention.requested", "attention.answered", "attention.resolved"]
+    assert out[2].seq < end[0].seq
+    assert check_invariants(r.out, stream_order=False) == []
+
+
+def test_start_arriving_after_its_session_ended_closes_after_the_hold(m: Mk, r: Run) -> None:
+    r.feed(m.started())
+    tool = m.tool_req()
+    end = m.ended()
+    r.feed(end)
+    assert r.feed(tool) == [tool[0]]
+    out = r.tick(BASE_NS + 3 * MS + r.state.config.hold_ns)
+    assert types(out) == ["x.hermes.pairing.orphaned"]
+    assert out[0].data["reason"] == "session_end" and out[0].seq < end[0].seq
+    assert out[0].seq == (tool[0].seq // SLOTS) * SLOTS + 776
+
+
+def test_resumed_session_start_overtaking_the_finalize_is_not_swept(m: Mk, r: Run) -> None:
+    r.feed(m.started())
+    end = m.ended()
+    card = m.appr_req()  # after the finalize in Hermes, first at the pairing stage
+    out = r.feed(card, end)
+    assert types(out) == ["attention.requested", "session.ended"]
+    assert r.state.open_pairs()["card"] == 1
+
+
+# ---------------------------------------------------------------- time: TTLs and eviction
+
+
+@pytest.mark.parametrize(
+    "kind, build, ttl",
+    [
+        ("tool", lambda m: m.tool_req(), PairingConfig().tool_ttl_ns),
+        ("run", lambda m: m.run_start(), PairingConfig().run_ttl_ns),
+        ("subagent", lambda m: m.sub_start(), PairingConfig().subagent_ttl_ns),
+        ("card", lambda m: m.appr_req(), PairingConfig().card_ttl_ns),
+    ],
+)
+def test_starts_open_past_their_ttl_are_closed_honestly(m: Mk, r: Run, kind: str, build: Any, ttl: int) -> None:
+    start = build(m)
+    r.feed(start)
+    ts = BASE_NS + MS
+    assert r.tick(ts + ttl - 1) == []
+    out = r.tick(ts + ttl)
+    assert len(out) == 1
+    e = out[0]
+    if kind == "card":
+        assert e.type == "attention.resolved" and e.data["resolution"] == "dismissed"
+        assert e.subject == start[0].id and e.data["latency_ms"] == ttl // MS
+    else:
+        assert e.type == "x.hermes.pairing.orphaned"
+        assert e.data == {"kind": kind, "reason": "ttl", "start": start[0].id, "age_ms": ttl // MS}
+    assert e.cause == start[0].id
+    assert e.seq == (start[0].seq // SLOTS) * SLOTS + 776  # right after its start
+    assert e.id == event_id(start[0].id + "/close", 776, (ts + ttl) // MS)
+    assert e.time == rfc3339(ts + ttl)
+    assert r.state.open_pairs()[kind] == 0
+    key = "dismissed.ttl" if kind == "card" else f"orphaned.ttl.{kind}"
+    assert r.state.counters[key] == 1
+
+
+def test_idle_sessions_are_evicted(m: Mk, r: Run) -> None:
+    cfg = r.state.config
+    r.feed(m.started("A"), m.run_start("A", run="A:t:1"), m.run_end("A", run="A:t:1"))
+    r.feed(m.started("B"), m.ended("B"))
+    r.tick(BASE_NS + cfg.recent_ns + SECOND)
+    assert r.state.metrics()["sessions"] == 1  # B ended: gone after recent_ns
+    r.tick(BASE_NS + cfg.idle_ttl_ns - SECOND)
+    assert r.state.metrics()["sessions"] == 1
+    r.tick(BASE_NS + cfg.idle_ttl_ns + SECOND)
+    assert r.state.metrics()["sessions"] == 0
+    assert r.state.counters["evicted"] == 2
+
+
+def test_ticks_are_the_only_clock(m: Mk, r: Run) -> None:
+    r.feed(m.tool_req())
+    # an event far in the future moves the clock but acts on nothing until a tick
+    later = m.ev("session.started", "other", ts=BASE_NS + 2 * HOUR)
+    assert types(r.feed(later)) == ["session.started"]
+    assert r.state.open_pairs()["tool"] == 1
+    assert types(r.tick(0)) == ["x.hermes.pairing.orphaned"]  # the clock is max(ts, ticks)
+
+
+def test_per_session_cap_closes_the_oldest_start(m: Mk) -> None:
+    r = Run(PairingConfig(max_open=2))
+    t1, t2, t3 = m.tool_req(cid="a"), m.tool_req(cid="b"), m.tool_req(cid="c")
+    out = r.feed(t1, t2, t3)
+    assert types(out) == ["tool.requested", "tool.requested", "x.hermes.pairing.orphaned", "tool.requested"]
+    assert out[2].data["reason"] == "overflow" and out[2].cause == t1[0].id
+    assert r.state.open_pairs()["tool"] == 2
+
+
+def test_inserted_events_honour_capture_none(m: Mk, r: Run) -> None:
+    req = m.appr_req(capture="none")
+    out = r.feed(req, m.appr_ans(capture="none"))
+    assert out[2].capture == "none" and out[2].data == {"resolution": "answered"}
+    t = m.tool_req(capture="none")
+    r.feed(t)
+    out = r.feed(m.ended())
+    assert out[0].capture == "none" and set(out[0].data) == {"kind", "reason", "start"}
+    assert out[0].data["start"] == t[0].id
+
+
+def test_inserted_events_are_metadata_otherwise(m: Mk, r: Run) -> None:
+    out = r.feed(m.appr_req(capture="redacted"), m.appr_ans(capture="redacted"))
+    assert out[2].capture == "metadata"
+
+
+def test_events_of_the_unknown_lane_keep_their_lane_mark(m: Mk, r: Run) -> None:
+    r.feed(m.appr_req(s="unknown", sk="default"))
+    out = r.tick(BASE_NS + HOUR + SECOND)
+    assert out[0].session == "unknown" and out[0].lane == "unknown"
+
+
+def test_unpaired_events_pass_through_unchanged(m: Mk, r: Run) -> None:
+    msgs = [m.ev("x.hermes.api.error", run="S:t:r1"), m.ev("x.hermes.session.reset"), m.ev("agent.started", None)]
+    out = r.feed(*msgs)
+    assert out == [e for e, _ in msgs]
+
+
+def test_missing_hints_fall_back_to_the_event(m: Mk, r: Run) -> None:
+    req, _ = m.tool_req()
+    end, _ = m.tool_end()
+    r.pos += 1
+    r.state.process(req, None, r.pos)
+    r.pos += 1
+    out = r.state.process(end, {}, r.pos)
+    assert out[0].cause == req.id
+
+
+def test_held_terminals_are_capped_per_session(m: Mk) -> None:
+    r = Run(PairingConfig(max_held=2))
+    ends = [m.tool_end(cid=f"c{i}") for i in range(3)]
+    assert r.feed(ends[0], ends[1]) == []
+    assert r.feed(ends[2]) == [ends[0][0]]  # the oldest goes out unlinked to make room
+    assert r.state.metrics()["held_now"] == 2
+
+
+def test_closed_pairs_are_trimmed_to_twice_max_open(m: Mk) -> None:
+    r = Run(PairingConfig(max_open=2))
+    for i in range(10):
+        r.feed(m.tool_req(cid=f"c{i}"), m.tool_end(cid=f"c{i}"))
+    pairs = r.state._sessions["S"].pairs
+    assert pairs is not None and len(pairs) <= 4
+
+
+def test_ended_sessions_are_remembered_fifo_up_to_max_ended(m: Mk) -> None:
+    r = Run(PairingConfig(max_ended=2))
+    for s in ("A", "B", "C"):
+        r.feed(m.ended(s))
+    r.tick(BASE_NS + HOUR)
+    assert r.state.metrics()["ended_remembered"] == 2
+    assert types(r.feed(m.ended("A"))) == ["session.ended"]  # forgotten: the bound is documented
+    assert types(r.feed(m.ended("C"))) == ["x.hermes.session.finalized"]
+
+
+def test_a_terminal_of_another_epoch_may_have_a_lower_seq() -> None:
+    old, new = Mk(epoch=100), Mk(epoch=200)
+    old.raw = 50
+    r = Run()
+    req = old.tool_req()
+    out = r.feed(req, new.tool_end())  # the raw stream was recreated: seq restarted
+    assert out[1].cause == req[0].id
+
+
+def test_closures_in_the_unknown_lane_keep_the_source_of_their_start() -> None:
+    a, b = Mk(instance="host-a"), Mk(instance="host-b")
+    b.raw = 10
+    r = Run()
+    r.feed(a.ev("x.hermes.kanban.task.claimed", "unknown"))
+    req = b.appr_req(s="unknown", sk="default")
+    r.feed(req)
+    out = r.tick(BASE_NS + 2 * HOUR)
+    assert out[0].source == req[0].source == "aep://host-b/agent/hermes/session/unknown"
+
+
+# ---------------------------------------------------------------- checkpoints, metrics, config
+
+
+def test_snapshot_restore_continues_exactly(m: Mk) -> None:
+    msgs = [m.started(), m.run_start(), m.tool_req(), m.appr_req(), m.tool_end(), m.appr_ans(), m.run_end(), m.ended()]
+    clean = Run()
+    clean.feed(*msgs)
+    for cut in range(len(msgs) + 1):
+        a = Run()
+        a.feed(*msgs[:cut])
+        b = Run()
+        b.state = PairingState.from_snapshot(a.state.snapshot())
+        assert b.state.position == cut
+        b.pos = cut
+        b.feed(*msgs[cut:])
+        assert a.out + b.out == clean.out
+        assert b.state.counters == clean.state.counters
+        assert b.state.open_pairs() == clean.state.open_pairs()
+
+
+def test_snapshot_rejects_another_version() -> None:
+    data = msgspec.msgpack.encode([99, 0, 0, {}, [], [], {}])
+    with pytest.raises(ValueError):
+        PairingState.restore(data)
+    with pytest.raises(msgspec.DecodeError):
+        PairingState.restore(b"not a snapshot")
+
+
+def test_the_service_facing_api() -> None:
+    """What bridge/services/pairing.py calls."""
+    state = PairingState(partition=3)
+    assert state.partition == 3 and state.position == 0
+    again = PairingState.restore(state.snapshot(), partition=3)
+    assert again.partition == 3 and again.open_counts() == state.open_pairs()
+    assert PairingState.from_snapshot(state.snapshot()).position == 0
+
+
+def test_metrics_expose_open_pairs_and_counters(m: Mk, r: Run) -> None:
+    r.feed(m.started(), m.run_start(), m.tool_req(), m.appr_req(), m.sub_start())
+    got = r.state.metrics()
+    assert {k: got[k] for k in ("open.run", "open.tool", "open.card", "open.subagent")} == {
+        "open.run": 1, "open.tool": 1, "open.card": 1, "open.subagent": 1,
+    }
+    assert got["sessions"] == 1 and got["events_in"] == 5 and got["events_out"] == 5
+    assert r.state.next_deadline is not None
+
+
+def test_config_is_validated() -> None:
+    with pytest.raises(ValueError):
+        PairingConfig(idle_ttl_ns=HOUR, subagent_ttl_ns=2 * HOUR)
+    with pytest.raises(ValueError):
+        PairingConfig(max_open=300)
+    with pytest.raises(ValueError):
+        PairingConfig(tool_ttl_ns=0)
+
+
+def test_idle_session_footprint_probe_runs() -> None:
+    got = idle_session_footprint(300)
+    assert got["sessions"] == 300
+    assert 0 < got["snapshot_bytes_per_session"] < 1024
+    assert got["bytes_per_session"] > 0
+
+
+def test_core_pairing_imports_no_io() -> None:
+    import ast
+    import inspect
+
+    import bridge.core.pairing as mod
+
+    tree = ast.parse(inspect.getsource(mod))
+    names = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    names |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    assert not names & {"asyncio", "nats", "socket", "time", "os", "io", "threading", "random", "uuid"}

@@ -1,0 +1,290 @@
+"""Property tests of the pairing state machine (hypothesis).
+
+Scenarios are Hermes-like sessions (runs, tool calls with and without a tool_call_id,
+approvals, clarify forms, subagents that may stop after the parent ended, run ends
+with and without a turn id, finalizes, resumes), interleaved, then perturbed the way
+the pipeline perturbs them: replica reordering, redelivered duplicates, lost
+messages, and ticks at arbitrary stream times. Properties:
+
+* the same input fed twice (each message redelivered, or the whole stream again)
+  yields the output of one clean run;
+* any prefix -> snapshot -> restore into a fresh state -> the rest yields the
+  output of one clean run (byte for byte), also with several restarts;
+* the output keeps every invariant (`check_invariants`).
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+from typing import Any
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from bridge.core.aep import Event, encode_event
+from bridge.core.pairing import HOUR, MINUTE, SECOND, PairingState, check_invariants
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_pairing import BASE_NS, Mk, assert_valid  # noqa: E402
+
+# a message of the partition stream: an event with its hints, or a tick
+Message = tuple[str, Any, Any]
+
+TICK_STEPS = (0, SECOND, 11 * SECOND, 2 * MINUTE, 90 * MINUTE, 7 * HOUR)
+SETTINGS = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+# ---------------------------------------------------------------- scenario generation
+
+Step = tuple[str, ...]
+
+
+@st.composite
+def session_script(draw: Any, s: str) -> list[Step]:
+    steps: list[Step] = [("started", s)]
+    late: list[Step] = []
+
+    def runs(prefix: str, n: int) -> None:
+        for r in range(n):
+            run = f"{s}:t:{prefix}{r}"
+            steps.append(("run_start", s, run))
+            for k in range(draw(st.integers(0, 3))):
+                what = draw(st.sampled_from(["tool", "tool_noid", "approval", "clarify", "subagent"]))
+                ident = f"{prefix}{r}{k}"
+                if what in ("tool", "tool_noid"):
+                    cid = "" if what == "tool_noid" else draw(st.sampled_from([f"call_{ident}", "call_0"]))
+                    args = draw(st.sampled_from(["a", "b"]))
+                    steps.append(("tool_req", s, run, cid, args))
+                    for _ in range(draw(st.sampled_from([1, 1, 1, 0, 2]))):
+                        etype = draw(st.sampled_from(["tool.completed", "tool.failed", "tool.denied"]))
+                        steps.append(("tool_end", s, run, cid, args, etype))
+                elif what == "approval":
+                    cid = draw(st.sampled_from([f"call_{ident}", "call_0", ""]))
+                    steps.append(("appr_req", s, run, cid))
+                    choice = draw(st.sampled_from(["once", "deny", "timeout", None]))
+                    if choice:
+                        steps.append(("appr_ans", s, run, cid, choice))
+                elif what == "clarify":
+                    cid = f"call_q{ident}"
+                    steps.append(("clar_req", s, run, cid))
+                    outcome = draw(st.sampled_from(["answered", "timeout", "dismissed", None]))
+                    if outcome:
+                        steps.append(("clar_post", s, run, cid, outcome))
+                else:
+                    child = f"{s}-child{ident}"
+                    steps.append(("sub_start", s, run, child))
+                    stop = draw(st.sampled_from(["now", "late", None]))
+                    if stop == "now":
+                        steps.append(("sub_stop", s, run, child))
+                    elif stop == "late":
+                        late.append(("sub_stop", s, run, child))
+            end = draw(st.sampled_from(["run", "run", "runless", "missing", "twice"]))
+            etype = draw(st.sampled_from(["run.finished", "run.failed", "run.cancelled"]))
+            if end in ("run", "twice"):
+                steps.append(("run_end", s, run, etype))
+            if end in ("runless", "twice"):
+                steps.append(("run_end", s, "", draw(st.sampled_from(["run.finished", "run.cancelled"]))))
+
+    runs("r", draw(st.integers(0, 2)))
+    finalizes = draw(st.sampled_from([0, 1, 1, 2]))
+    if finalizes:
+        steps.append(("ended", s))
+    if finalizes == 2:  # resumed, then finalized again
+        steps.append(("started", s))
+        runs("x", 1)
+        steps.append(("ended", s))
+    return steps + late
+
+
+def materialize(m: Mk, step: Step) -> list[tuple[Event, dict[str, Any]]]:
+    kind, s, *rest = step
+    if kind == "started":
+        return [m.started(s)]
+    if kind == "ended":
+        return [m.ended(s)]
+    run = rest[0] or None
+    if kind == "run_start":
+        return [m.run_start(s, run=run)]  # type: ignore[arg-type]
+    if kind == "run_end":
+        return [m.run_end(s, run=run, etype=rest[1])]
+    if kind == "tool_req":
+        cid, args = rest[1], rest[2]
+        return [m.tool_req(s, run=None if not cid else run, cid=cid, args=args)]
+    if kind == "tool_end":
+        cid, args, etype = rest[1], rest[2], rest[3]
+        return [m.tool_end(s, run=None if not cid else run, cid=cid, args=args, etype=etype)]
+    if kind == "appr_req":
+        return [m.appr_req(s, sk=s, cid=rest[1], run=run)]  # type: ignore[arg-type]
+    if kind == "appr_ans":
+        return [m.appr_ans(s, sk=s, cid=rest[1], run=run, choice=rest[2])]  # type: ignore[arg-type]
+    if kind == "clar_req":
+        return m.clar_req(s, run=run, cid=rest[1])  # type: ignore[arg-type]
+    if kind == "clar_post":
+        return m.clar_post(s, run=run, cid=rest[1], outcome=rest[2])  # type: ignore[arg-type]
+    if kind == "sub_start":
+        return [m.sub_start(s, child=rest[1], run=run)]  # type: ignore[arg-type]
+    if kind == "sub_stop":
+        return [m.sub_stop(s, child=rest[1], run=run)]  # type: ignore[arg-type]
+    raise AssertionError(step)
+
+
+@st.composite
+def streams(draw: Any, *, reorder: bool = True, drops: bool = True, ticks: bool = True) -> tuple[list[Message], dict[str, bool]]:
+    n = draw(st.integers(1, 3))
+    scripts = [draw(session_script(f"S{i}")) for i in range(n)]
+    order = draw(st.permutations([i for i, sc in enumerate(scripts) for _ in sc]))
+    m = Mk()
+    cursor = [0] * n
+    msgs: list[Message] = []
+    for i in order:
+        step = scripts[i][cursor[i]]
+        cursor[i] += 1
+        for ev, h in materialize(m, step):
+            msgs.append(("ev", ev, h))
+    flags = {"reorder": False, "drops": False, "ticks": False}
+    if reorder and draw(st.booleans()):
+        window = draw(st.sampled_from([1, 2, 4]))
+        rng = random.Random(draw(st.integers(0, 2**16)))
+        keyed = sorted((i + rng.uniform(0, window), i, msg) for i, msg in enumerate(msgs))
+        msgs = [msg for _, _, msg in keyed]
+        flags["reorder"] = True
+    if drops and msgs and draw(st.booleans()):
+        gone = set(draw(st.lists(st.integers(0, len(msgs) - 1), max_size=3)))
+        msgs = [msg for i, msg in enumerate(msgs) if i not in gone]
+        flags["drops"] = bool(gone)
+    if ticks and draw(st.booleans()):
+        points = draw(st.lists(st.tuples(st.integers(0, len(msgs)), st.sampled_from(TICK_STEPS)), max_size=4))
+        for at, step in sorted(points, reverse=True):
+            msgs.insert(at, ("tick", step, None))  # the step is resolved against the stream time below
+        flags["ticks"] = bool(points)
+    # ticks carry absolute times: the latest event time seen so far plus their step
+    out: list[Message] = []
+    now = BASE_NS
+    for kind, a, b in msgs:
+        if kind == "ev":
+            now = max(now, b["ts"])
+            out.append((kind, a, b))
+        else:
+            out.append(("tick", now + a, None))
+    out.append(("tick", now + 30 * HOUR, None))  # the end: everything closes
+    return out, flags
+
+
+# ---------------------------------------------------------------- feeding
+
+
+class Feeder:
+    def __init__(self, state: PairingState | None = None, position: int = 0) -> None:
+        self.state = state or PairingState()
+        self.position = position
+
+    def feed(self, msg: Message, *, position: int | None = None) -> list[Event]:
+        if position is None:
+            self.position += 1
+            position = self.position
+        kind, a, b = msg
+        if kind == "ev":
+            return self.state.process(a, b, position)
+        return self.state.tick(a, position)
+
+    def feed_all(self, msgs: list[Message]) -> list[Event]:
+        out: list[Event] = []
+        for msg in msgs:
+            out += self.feed(msg)
+        return out
+
+
+def clean_run(msgs: list[Message]) -> list[Event]:
+    return Feeder().feed_all(msgs)
+
+
+def wire(events: list[Event]) -> list[bytes]:
+    return [encode_event(e) for e in events]
+
+
+# ---------------------------------------------------------------- properties
+
+
+@SETTINGS
+@given(streams(), st.data())
+def test_redelivered_messages_change_nothing(stream: tuple[list[Message], dict[str, bool]], data: Any) -> None:
+    msgs, _ = stream
+    clean = clean_run(msgs)
+    f = Feeder()
+    got: list[Event] = []
+    modes = data.draw(st.lists(st.sampled_from(["once", "replay", "again", "later"]), min_size=len(msgs), max_size=len(msgs)))
+    later: list[Message] = []
+    for msg, mode in zip(msgs, modes):
+        got += f.feed(msg)
+        if mode == "replay":  # redelivered before the ack: same stream position
+            assert f.feed(msg, position=f.position) == []
+        elif mode == "again" and msg[0] == "ev":  # republished: a new position, same event
+            got += f.feed(msg)
+        elif mode == "later" and msg[0] == "ev":
+            later.append(msg)
+    for msg in later[:-1]:  # duplicates arriving late (the last message is the closing tick)
+        got += f.feed(msg)
+    assert wire(got) == wire(clean)
+
+
+@SETTINGS
+@given(streams())
+def test_the_whole_stream_twice_is_one_run(stream: tuple[list[Message], dict[str, bool]]) -> None:
+    msgs, _ = stream
+    clean = clean_run(msgs)
+    f = Feeder()
+    first = f.feed_all(msgs)
+    second = f.feed_all(msgs)
+    assert wire(first) == wire(clean)
+    assert second == []
+
+
+@SETTINGS
+@given(streams(), st.data())
+def test_restart_from_a_checkpoint_anywhere_is_invisible(stream: tuple[list[Message], dict[str, bool]], data: Any) -> None:
+    msgs, _ = stream
+    clean_feeder = Feeder()
+    clean = clean_feeder.feed_all(msgs)
+    cuts = sorted(set(data.draw(st.lists(st.integers(0, len(msgs)), min_size=1, max_size=3))))
+    f = Feeder()
+    got: list[Event] = []
+    done = 0
+    for cut in cuts + [len(msgs)]:
+        got += f.feed_all(msgs[done:cut])
+        done = cut
+        snap = f.state.snapshot()
+        restored = PairingState.from_snapshot(snap)
+        assert restored.snapshot() == snap
+        assert restored.position == f.position
+        f = Feeder(restored, f.position)
+    assert wire(got) == wire(clean)
+    assert f.state.counters == clean_feeder.state.counters
+    assert f.state.open_pairs() == clean_feeder.state.open_pairs()
+
+
+@SETTINGS
+@given(streams())
+def test_output_keeps_every_invariant(stream: tuple[list[Message], dict[str, bool]]) -> None:
+    msgs, flags = stream
+    out = clean_run(msgs)
+    for e in out:
+        assert_valid(e)
+    perturbed = flags["reorder"] or flags["drops"] or flags["ticks"]
+    problems = check_invariants(out, complete=True, linked=not perturbed, stream_order=not flags["reorder"])
+    assert problems == []
+    state = Feeder()
+    state.feed_all(msgs)
+    assert state.state.open_pairs() == {"run": 0, "tool": 0, "card": 0, "subagent": 0}
+    assert state.state.metrics()["held_now"] == 0
+
+
+@SETTINGS
+@given(streams(reorder=False, drops=False, ticks=False))
+def test_every_input_event_is_published_once(stream: tuple[list[Message], dict[str, bool]]) -> None:
+    msgs, _ = stream
+    out = clean_run(msgs)
+    ids = [e.id for e in out]
+    assert len(ids) == len(set(ids))
+    assert {msg[1].id for msg in msgs if msg[0] == "ev"} <= set(ids)
