@@ -54,12 +54,16 @@ class MapperMetrics:
         ns = "aep_bridge_mapper"
         self.raw_in = Counter(f"{ns}_raw_messages_total", "Raw messages consumed, by hook", ["hook"], registry=registry)
         self.events_out = Counter(f"{ns}_events_total", "AEP events published to BRIDGE_MAPPED, by type", ["type"], registry=registry)
-        self.dead_letters = Counter(f"{ns}_dead_letters_total", "Messages sent to the DLQ, by reason", ["reason"], registry=registry)
-        self.unknown_lane = Counter(f"{ns}_unknown_lane_events_total", "Events filed under the unknown lane", registry=registry)
+        self.dead_letters = Counter("aep_bridge_dead_letters_total", "Messages sent to bridge.dlq.<reason>", ["reason"], registry=registry)
+        self.unknown_lane = Counter(f"{ns}_unknown_lane_total", "Events filed under the unknown lane", registry=registry)
+        self.last_seen = Gauge(
+            f"{ns}_hermes_instance_last_seen_timestamp_seconds", "Unix time of the last raw message per Hermes instance",
+            ["hermes_instance"], registry=registry,
+        )
         self.drift = Counter(f"{ns}_drift_total", "Envelopes whose telemetry_schema_version is not the pinned one", ["seen"], registry=registry)
         self.problems = Counter(f"{ns}_envelope_problems_total", "Envelopes decoded with wrong-typed fields", registry=registry)
         self.latency = Histogram(
-            f"{ns}_map_seconds", "Time to map one raw message (pure core)",
+            f"{ns}_latency_seconds", "Time to map one raw message (pure core)",
             buckets=(1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 5e-3, 0.025), registry=registry,
         )
         self.e2e = Histogram(
@@ -67,9 +71,9 @@ class MapperMetrics:
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30), registry=registry,
         )
         self.batch = Histogram(f"{ns}_batch_size", "Raw messages per fetched batch", buckets=(1, 4, 16, 64, 128, 256, 512), registry=registry)
-        self.pending = Gauge(f"{ns}_consumer_pending", "Messages pending in the HERMES_RAW consumer", registry=registry)
-        self.ack_pending = Gauge(f"{ns}_consumer_ack_pending", "Messages delivered but not yet acked", registry=registry)
-        self.redelivered = Gauge(f"{ns}_consumer_redelivered", "Messages redelivered at least once (consumer view)", registry=registry)
+        self.pending = Gauge("aep_bridge_consumer_pending_messages", "JetStream num_pending of the consumers read", ["stream", "consumer"], registry=registry)
+        self.ack_pending = Gauge("aep_bridge_consumer_ack_pending_messages", "Delivered but not yet acked", ["stream", "consumer"], registry=registry)
+        self.redelivered = Gauge("aep_bridge_consumer_redelivered_messages", "JetStream num_redelivered", ["stream", "consumer"], registry=registry)
         self.retries = Counter(f"{ns}_retries_total", "Messages negatively acknowledged for retry", registry=registry)
         self.epoch = Gauge(f"{ns}_epoch", "The AEP epoch in use (HERMES_RAW creation time)", registry=registry)
         self._hooks: dict[str, Any] = {}
@@ -252,6 +256,13 @@ class Mapper:
                 pending.append((msg, futures, ts_ns))
             except Exception as exc:  # a bug or an outage: retry, then dead-letter
                 await self.retry_or_dead_letter(msg, exc)
+        seen: dict[str, int] = {}
+        for msg, _fs, ts_ns in pending:
+            instance = msg.subject.split(".", 3)[2] if msg.subject.count(".") >= 3 else "unknown"
+            seen[instance] = max(seen.get(instance, 0), ts_ns)
+        for instance, ts_ns in seen.items():
+            if ts_ns:
+                self.metrics.last_seen.labels(hermes_instance=instance).set(ts_ns / 1e9)
         futures = [f for _, fs, _ in pending for f in fs]
         if futures:
             await asyncio.wait(futures, timeout=10)
@@ -291,9 +302,10 @@ class Mapper:
         while not self.stopper.stopping:
             try:
                 info = await sub.consumer_info()
-                self.metrics.pending.set(info.num_pending or 0)
-                self.metrics.ack_pending.set(info.num_ack_pending or 0)
-                self.metrics.redelivered.set(info.num_redelivered or 0)
+                labels = {"stream": S.HERMES_RAW, "consumer": self.durable}
+                self.metrics.pending.labels(**labels).set(info.num_pending or 0)
+                self.metrics.ack_pending.labels(**labels).set(info.num_ack_pending or 0)
+                self.metrics.redelivered.labels(**labels).set(info.num_redelivered or 0)
             except Exception:
                 pass
             if await self.stopper.sleep(5.0):

@@ -12,8 +12,8 @@ Theory of operation
 * State: the pure state machine (`bridge.core.pairing.PairingState`) per
   partition. Every `CHECKPOINT_EVERY` messages or `CHECKPOINT_S` seconds, once
   every publish up to that point is acked, its snapshot (which records the
-  BRIDGE_MAPPED stream sequence it covers) is written to the `aep_pairing`
-  bucket (key `p.<n>`).
+  BRIDGE_MAPPED stream sequence it covers), zlib-compressed, is written to the
+  `aep_pairing` bucket (key `p.<n>`).
 * Reading: an ephemeral pull consumer (no acks: the checkpoint IS the position)
   on `bridge.mapped.<n>.>` from the checkpoint's sequence + 1. After a crash or
   a takeover the new owner restores the checkpoint and replays from there; the
@@ -31,6 +31,7 @@ import asyncio
 import os
 import socket
 import time
+import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,21 +56,37 @@ TICK_TOKEN = "__tick__"
 
 
 class PairingMetrics:
-    def __init__(self, registry: CollectorRegistry) -> None:
+    """Names follow the metrics contract in deploy/README.md (dashboard and alerts read them)."""
+
+    def __init__(self, registry: CollectorRegistry, partitions: int) -> None:
         ns = "aep_bridge_pairing"
         self.events_in = Counter(f"{ns}_events_in_total", "Mapped events read from BRIDGE_MAPPED", ["partition"], registry=registry)
-        self.events_out = Counter(f"{ns}_events_out_total", "Events published to AEP_EVENTS, by type", ["type"], registry=registry)
-        self.dead_letters = Counter(f"{ns}_dead_letters_total", "Mapped messages sent to the DLQ", ["reason"], registry=registry)
-        self.owned = Gauge(f"{ns}_partition_owned", "1 when this replica owns the partition", ["partition"], registry=registry)
+        self.events_out = Counter(f"{ns}_events_total", "Events published to AEP_EVENTS, by type", ["type"], registry=registry)
+        self.dead_letters = Counter("aep_bridge_dead_letters_total", "Messages sent to bridge.dlq.<reason>", ["reason"], registry=registry)
+        self.owned = Gauge(f"{ns}_partitions_owned", "Partitions this replica owns now", registry=registry)
+        self.owned_by_partition = Gauge(f"{ns}_partition_owned", "1 when this replica owns the partition", ["partition"], registry=registry)
+        self.configured = Gauge(f"{ns}_partitions", "Configured partition count", registry=registry)
+        self.configured.set(partitions)
         self.open = Gauge(f"{ns}_open", "Open pairs, by kind", ["kind"], registry=registry)
-        self.counters = Gauge(f"{ns}_state_counter", "State machine counters (orphans closed, sweeps, suppressions, ...)", ["name"], registry=registry)
+        self.orphans = Gauge(f"{ns}_orphans_closed_total", "Open starts closed by the orphan TTL, a sweep or overflow (state counter)", ["kind"], registry=registry)
+        self.counters = Gauge(f"{ns}_state_counter", "State machine counters (sweeps, suppressions, duplicates, ...)", ["name"], registry=registry)
         self.takeovers = Counter(f"{ns}_takeovers_total", "Partitions this replica took over", registry=registry)
         self.checkpoints = Counter(f"{ns}_checkpoints_total", "Checkpoints written", registry=registry)
-        self.lag = Gauge(f"{ns}_consumer_pending", "Messages pending for this replica's partitions", ["partition"], registry=registry)
+        self.checkpoint_errors = Counter(f"{ns}_checkpoint_errors_total", "Checkpoints that could not be written or read", ["what"], registry=registry)
+        self.checkpoint_bytes = Gauge(f"{ns}_checkpoint_bytes", "Size of the last checkpoint written (compressed)", ["partition"], registry=registry)
+        self.pending = Gauge("aep_bridge_consumer_pending_messages", "JetStream num_pending of the consumers read", ["stream", "consumer"], registry=registry)
+        self.redelivered = Gauge("aep_bridge_consumer_redelivered_messages", "JetStream num_redelivered", ["stream", "consumer"], registry=registry)
         self.latency = Histogram(
-            f"{ns}_receive_to_publish_seconds", "Shim receive time to AEP_EVENTS publish ack",
+            f"{ns}_end_to_end_latency_seconds", "Shim receive time to AEP_EVENTS publish ack",
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60), registry=registry,
         )
+        self._types: dict[str, Any] = {}
+
+    def event_out(self, event_type: str) -> Any:
+        child = self._types.get(event_type)
+        if child is None:
+            child = self._types[event_type] = self.events_out.labels(type=event_type)
+        return child
 
 
 @dataclass
@@ -91,7 +108,7 @@ class PairingService:
         self.settings = settings
         self.replica = replica or f"{socket.gethostname()}-{os.getpid()}"
         self.registry = registry or CollectorRegistry()
-        self.metrics = PairingMetrics(self.registry)
+        self.metrics = PairingMetrics(self.registry, settings.partitions)
         self.health = Health("pairing")
         self.stopper = Stopper()
         self.partitions: dict[int, Partition] = {}
@@ -127,26 +144,50 @@ class PairingService:
     # ------------------------------------------------------------ checkpoints
 
     async def restore(self, n: int) -> Partition:
-        state = PairingState(partition=n)
+        """The partition's state from its checkpoint; a fresh state only when there is none.
+
+        An unreadable checkpoint raises: the partition then stays unowned (and the
+        "partitions unowned" alert fires) rather than silently replaying seven days.
+        """
+        from nats.js.errors import KeyNotFoundError
+
         try:
             entry = await self.checkpoints.get(f"p.{n}")
-            if entry is not None and entry.value:
-                state = PairingState.restore(entry.value)
-        except Exception:  # no checkpoint yet
-            pass
+        except KeyNotFoundError:
+            entry = None
+        if entry is None or not entry.value:
+            state = PairingState(partition=n)
+        else:
+            try:
+                state = PairingState.restore(zlib.decompress(entry.value), partition=n)
+            except Exception:
+                self.metrics.checkpoint_errors.labels(what="read").inc()
+                raise
         part = Partition(number=n, state=state)
         part.position = part.checkpointed = state.position
         return part
 
     async def checkpoint(self, part: Partition) -> None:
+        """Write the state once every output up to its position is acked (zlib: ~5x smaller).
+
+        A checkpoint larger than the server's max_payload cannot be written as one KV
+        value: it is skipped and counted; nothing is lost, the replay after a takeover
+        is just longer.
+        """
         if part.position == part.checkpointed:
             return
-        await self.js.publish_async_completed()  # every output up to here is acked
-        await self.checkpoints.put(f"p.{part.number}", part.state.snapshot())
+        await self.js.publish_async_completed()
+        blob = zlib.compress(part.state.snapshot(), 1)
+        if len(blob) > self.nc.max_payload - 1024:
+            self.metrics.checkpoint_errors.labels(what="too_large").inc()
+            log.error("checkpoint_too_large", partition=part.number, bytes=len(blob), max_payload=self.nc.max_payload)
+        else:
+            await self.checkpoints.put(f"p.{part.number}", blob)
+            self.metrics.checkpoints.inc()
+            self.metrics.checkpoint_bytes.labels(partition=str(part.number)).set(len(blob))
         part.checkpointed = part.position
         part.since_checkpoint = 0
         part.last_checkpoint = time.monotonic()
-        self.metrics.checkpoints.inc()
 
     # ------------------------------------------------------------ one partition
 
@@ -155,7 +196,7 @@ class PairingService:
         for event in events:
             subject = f"{S.EVENTS_PREFIX}.{lane_token(event.session)}.{event.type}"
             futures.append(await self.js.publish_async(subject, encode_event(event), headers={"Nats-Msg-Id": event.id}))
-            self.metrics.events_out.labels(type=event.type).inc()
+            self.metrics.event_out(event.type).inc()
         if futures:
             await asyncio.wait_for(asyncio.gather(*futures), timeout=15)
             if ts_ns:
@@ -236,8 +277,7 @@ class PairingService:
                     await self.checkpoint(part)
                 if msgs:
                     try:
-                        pending = msgs[-1].metadata.num_pending
-                        self.metrics.lag.labels(partition=str(n)).set(pending)
+                        self.metrics.pending.labels(stream=S.BRIDGE_MAPPED, consumer=f"pairing-p{n}").set(msgs[-1].metadata.num_pending)
                     except Exception:
                         pass
             if not part.lost:  # a clean stop: everything handled was published
@@ -258,10 +298,18 @@ class PairingService:
                 totals[k] = totals.get(k, 0) + int(v)
             for k, v in part.state.open_counts().items():
                 opens[k] = opens.get(k, 0) + int(v)
+        orphans: dict[str, int] = {}
         for k, v in totals.items():
-            self.metrics.counters.labels(name=k).set(v)
+            if k.startswith("orphaned."):
+                kind = k.rsplit(".", 1)[-1]
+                orphans[kind] = orphans.get(kind, 0) + v
+            else:
+                self.metrics.counters.labels(name=k).set(v)
+        for kind, v in orphans.items():
+            self.metrics.orphans.labels(kind=kind).set(v)
         for k, v in opens.items():
             self.metrics.open.labels(kind=k).set(v)
+        self.metrics.owned.set(len(self.partitions))
 
     async def maintain(self) -> None:
         """Renew held leases, try to take free ones, publish ticks. Runs every RENEW_S."""
@@ -273,14 +321,14 @@ class PairingService:
                     log.error("partition_task_ended", partition=n, error=str(exc))
                     await self.release(part)
                     del self.partitions[n]
-                    self.metrics.owned.labels(partition=str(n)).set(0)
+                    self.metrics.owned_by_partition.labels(partition=str(n)).set(0)
                     continue
                 if not await self.renew(part):
                     part.lost = True
                     if part.task:
                         part.task.cancel()
                     del self.partitions[n]
-                    self.metrics.owned.labels(partition=str(n)).set(0)
+                    self.metrics.owned_by_partition.labels(partition=str(n)).set(0)
                 continue
             revision = await self.try_acquire(n)
             if revision is None:
@@ -289,7 +337,7 @@ class PairingService:
             part.revision = revision
             part.task = asyncio.create_task(self.run_partition(part))
             self.partitions[n] = part
-            self.metrics.owned.labels(partition=str(n)).set(1)
+            self.metrics.owned_by_partition.labels(partition=str(n)).set(1)
             self.metrics.takeovers.inc()
             log.info("partition_acquired", partition=n, replica=self.replica, position=part.position)
         self.health.info["partitions"] = sorted(self.partitions)

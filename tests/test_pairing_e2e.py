@@ -1,0 +1,153 @@
+"""The whole pipeline on a real nats-server: shim -> mapper -> pairing -> AEP_EVENTS, and a takeover."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import defaultdict
+from functools import lru_cache
+
+import jsonschema
+import msgspec
+import pytest
+
+from bridge.core.aep import decode_event, encode_event
+from bridge.core.pairing import PairingState, check_invariants
+from bridge.core.schemas import generate
+from tests.corpus import envelopes
+from tests.natsfixture import JetStreamClient
+from tests.support.services import Service, publish_all, raw_records, wait_for
+from tests.support.shim import compiled_hook, run_hook, shim_env
+
+
+def count(client: JetStreamClient, stream: str) -> int:
+    return client.stream_info(stream).state.messages
+
+
+def quiet(client: JetStreamClient, stream: str, settle: float = 1.5, timeout: float = 60) -> int:
+    """Wait until the stream stops growing; return its message count."""
+    deadline = time.monotonic() + timeout
+    last, since = -1, time.monotonic()
+    while time.monotonic() < deadline:
+        n = count(client, stream)
+        if n != last:
+            last, since = n, time.monotonic()
+        elif time.monotonic() - since > settle and n > 0:
+            return n
+        time.sleep(0.2)
+    raise AssertionError(f"{stream} did not settle within {timeout}s")
+
+
+@lru_cache(maxsize=1)
+def validators():
+    docs = generate()
+    env = jsonschema.Draft202012Validator(docs["aep-event.schema.json"])
+    types = {n[6:-12]: jsonschema.Draft202012Validator(d) for n, d in docs.items() if n.startswith("types/")}
+    return env, types
+
+
+def replay_clean(mapped) -> list[bytes]:  # type: ignore[no-untyped-def]
+    """What one clean pairing run makes of BRIDGE_MAPPED: the pure state machine, per partition, in stream order."""
+    states: dict[int, PairingState] = {}
+    out: list[bytes] = []
+    for m in mapped:
+        n = int(m.subject.split(".")[2])
+        state = states.setdefault(n, PairingState(partition=n))
+        if m.subject.endswith(".__tick__"):
+            events = state.tick(int(msgspec.json.decode(m.data)["now"]), m.seq)
+        else:
+            events = state.process(decode_event(m.data), msgspec.json.decode(m.headers.get("Bridge-Hints", "{}")), m.seq)
+        out.extend(encode_event(e) for e in events)
+    return out
+
+
+def test_real_sessions_through_the_whole_pipeline(nats_server_fn, tmp_path):
+    client = JetStreamClient(nats_server_fn.url)
+    client.bootstrap()
+    mapper = Service("mapper", nats_server_fn.url, tmp_path).start()
+    pairing_dir = tmp_path / "p"
+    pairing_dir.mkdir()
+    pairing = Service("pairing", nats_server_fn.url, pairing_dir, "--replica", "solo").start()
+    try:
+        env = shim_env(nats_server_fn.url, tmp_path / "spool", "gw-pipe")
+        for e in envelopes():
+            assert run_hook(json.dumps(e), env, script=compiled_hook()).answered_empty_object
+        n_mapped = quiet(client, "BRIDGE_MAPPED")
+        quiet(client, "AEP_EVENTS")
+        out = client.fetch("aep.hermes.>", stream="AEP_EVENTS")
+        events = [decode_event(m.data) for m in out]
+        assert len(events) >= n_mapped - 5  # pairing may suppress a few (exclusivity), never many
+
+        env_v, type_v = validators()
+        for m in out:
+            doc = json.loads(m.data)
+            assert not list(env_v.iter_errors(doc)), doc
+            if doc["type"] in type_v:
+                assert not list(type_v[doc["type"]].iter_errors(doc.get("data", {}))), doc
+            assert m.headers["Nats-Msg-Id"] == doc["id"]
+            token = m.subject.split(".")[2]
+            assert m.subject == f"aep.hermes.{token}.{doc['type']}"
+
+        problems = check_invariants(events, complete=True)
+        assert not problems, problems[:10]
+        ids = [e.id for e in events]
+        assert len(ids) == len(set(ids)), "every event appears once"
+
+        # The interesting pairings really happened on real sessions.
+        by_id = {e.id: e for e in events}
+        finished = [e for e in events if e.type == "run.finished" and e.cause is not msgspec.UNSET]
+        assert finished and all(by_id[e.cause].type == "run.started" for e in finished)
+        completed = [e for e in events if e.type in ("tool.completed", "tool.failed", "tool.denied")]
+        assert completed and all(e.cause is not msgspec.UNSET and by_id[e.cause].type == "tool.requested" for e in completed)
+        resolved = [e for e in events if e.type == "attention.resolved" and e.data.get("resolution") == "answered"]
+        assert resolved and all(by_id[e.subject].type == "attention.requested" for e in resolved)
+        stops = [e for e in events if e.type == "delegation.subagent.stopped"]
+        assert stops and all(by_id[e.cause].type == "delegation.subagent.started" for e in stops if e.cause is not msgspec.UNSET)
+    finally:
+        assert pairing.terminate() == 0, pairing.log()
+        mapper.terminate()
+        client.close()
+
+
+@pytest.mark.slow
+def test_kill_9_the_owner_and_a_standby_takes_over(nats_server_fn, tmp_path):
+    from bridge.sim.sessions import realistic_envelopes
+
+    client = JetStreamClient(nats_server_fn.url)
+    client.bootstrap()
+    client.run(publish_all(client.js, raw_records(realistic_envelopes(6000, seed=11), instance="takeover")))
+    mapper = Service("mapper", nats_server_fn.url, tmp_path).start()
+    quiet(client, "BRIDGE_MAPPED")
+    mapper.terminate()
+
+    dirs = [tmp_path / "a", tmp_path / "b"]
+    for d in dirs:
+        d.mkdir()
+    owner = Service("pairing", nats_server_fn.url, dirs[0], "--replica", "owner").start()
+    wait_for(lambda: count(client, "AEP_EVENTS") > 0, 30, what="the owner to start publishing")
+    standby = Service("pairing", nats_server_fn.url, dirs[1], "--replica", "standby").start()
+    try:
+        time.sleep(0.3)
+        owner.kill()  # kill -9 mid-run: no final checkpoint, no lease release
+        before = count(client, "AEP_EVENTS")
+        # The dead owner's leases expire (LEASE_TTL_S) and the standby takes them.
+        wait_for(lambda: "partition_acquired" in standby.log(), 40, what="the standby to take over")
+        quiet(client, "AEP_EVENTS", settle=3.0, timeout=90)
+        assert count(client, "AEP_EVENTS") > before, "the standby took over and went on"
+
+        mapped = client.fetch("bridge.mapped.>", stream="BRIDGE_MAPPED")
+        want = replay_clean(mapped)
+        got = [m.data for m in client.fetch("aep.hermes.>", stream="AEP_EVENTS")]
+        assert len(got) == len(set(got)), "no duplicates"
+        assert sorted(got) == sorted(want), "the final stream equals a clean run's"
+        # and in each lane the order is the clean run's order
+        lanes_got, lanes_want = defaultdict(list), defaultdict(list)
+        for blob in got:
+            lanes_got[json.loads(blob)["session"]].append(blob)
+        for blob in want:
+            lanes_want[json.loads(blob)["session"]].append(blob)
+        assert lanes_got == lanes_want
+    finally:
+        standby.terminate()
+        owner.terminate()
+        client.close()
