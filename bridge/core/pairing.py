@@ -34,7 +34,8 @@ subagent    child_session_id (``subject``)               oldest     link        
    ``attention.resolved`` ``latency_ms``; ``attention.answered`` is followed by an
    inserted ``attention.resolved {answered, latency_ms}`` (cause = the answer).
 2. A terminal with no open start may be a late terminal of a start that was just
-   closed: runs and subagents link to it at once (their keys are never reused;
+   closed: runs, subagents and tools with a real ``tool_call_id`` link to it at once
+   (their keys are never reused;
    a run that already has its terminal gets ``x.hermes.run.closed``); cards only
    if the bridge closed the card (swept or TTL): an answered card's key being
    reused means the follow-up's own request is still on its way.
@@ -621,7 +622,11 @@ class PairingState:
         match = self._find_open(pairs, kind, key, h.get("tool_call_id", "") if rule.tie else "", seq, epoch)
         if match is not None:
             return self._link(lane, s, match, ev, ts, first=True)
-        if not rule.hold_first:  # tool keys get reused: a tool terminal first waits for a late request
+        # A composite tool key (no tool_call_id: calls from inside execute_code) is reused by
+        # every identical call, so such a terminal first waits for a late request of its own.
+        # A real tool_call_id is unique within its run: a terminal whose call already closed is
+        # a repeat Hermes reported, linked at once instead of being delayed by the hold.
+        if not rule.hold_first or h.get("tool_call_id"):
             recent = self._find_recent(pairs, kind, key, seq, epoch)
             if recent is not None:
                 return self._link(lane, s, recent, ev, ts, first=False)

@@ -169,7 +169,12 @@ class Up:
         }, indent=2))
 
     def banner(self) -> None:
-        shim = Path(__file__).resolve().parent.parent / "shim" / "hook.py"
+        import importlib.util
+
+        from bridge.shim.install import HOOK_SOURCE, build_command
+
+        compiled = Path(importlib.util.cache_from_source(str(HOOK_SOURCE)))
+        command = build_command(sys.executable, compiled, Path("~/.hermes/aep-bridge.env"))
         self.say("")
         self.say("  NATS           " + self.url)
         self.say(f"  mapper         http://127.0.0.1:{self.mapper_port}/metrics   /healthz   /readyz")
@@ -181,7 +186,7 @@ class Up:
         self.say("                 (writes hooks like this into ~/.hermes/config.yaml and records consent:)")
         self.say("                   hooks:")
         self.say("                     pre_tool_call:")
-        self.say(f"                       - command: \"{sys.executable} -I -S {shim}\"")
+        self.say(f"                       - command: \"{command}\"")
         self.say("                         timeout: 5")
         self.say("  stop           Ctrl-C")
         self.say("")
