@@ -100,6 +100,7 @@ class Partition:
     last_checkpoint: float = field(default_factory=time.monotonic)
     task: asyncio.Task | None = None
     lost: bool = False
+    events_in: Any = None  # this partition's labelled counter
 
 
 class PairingService:
@@ -163,7 +164,7 @@ class PairingService:
             except Exception:
                 self.metrics.checkpoint_errors.labels(what="read").inc()
                 raise
-        part = Partition(number=n, state=state)
+        part = Partition(number=n, state=state, events_in=self.metrics.events_in.labels(partition=str(n)))
         part.position = part.checkpointed = state.position
         return part
 
@@ -191,28 +192,27 @@ class PairingService:
 
     # ------------------------------------------------------------ one partition
 
-    async def publish(self, events: list[Any], ts_ns: int | None) -> None:
+    async def publish(self, events: list[Any]) -> list[asyncio.Future]:
         futures = []
         for event in events:
             subject = f"{S.EVENTS_PREFIX}.{lane_token(event.session)}.{event.type}"
             futures.append(await self.js.publish_async(subject, encode_event(event), headers={"Nats-Msg-Id": event.id}))
             self.metrics.event_out(event.type).inc()
-        if futures:
-            await asyncio.wait_for(asyncio.gather(*futures), timeout=15)
-            if ts_ns:
-                self.metrics.latency.observe(max(0, time.time_ns() - ts_ns) / 1e9)
+        return futures
 
-    async def handle(self, part: Partition, msg: Any) -> None:
-        """Fold one message into the state and publish what it yields.
+    async def handle(self, part: Partition, msg: Any) -> tuple[list[asyncio.Future], int | None]:
+        """Fold one message into the state and start publishing what it yields.
 
-        A message the state machine cannot take is dead-lettered and skipped. A
-        failed publish raises: the partition is then dropped and re-acquired from
-        its last checkpoint, because its in-memory state is ahead of what was
-        published.
+        Returns the publish futures (the caller awaits a whole batch at once) and the
+        shim receive time. A message the state machine cannot take is dead-lettered and
+        skipped. The caller moves the partition's position only once the batch's
+        publishes are acked; a failed publish raises, and the partition is then dropped
+        and re-acquired from its last checkpoint, because its in-memory state is ahead
+        of what was published.
         """
         position = msg.metadata.sequence.stream
         if position <= part.position:
-            return  # already folded into the restored state
+            return [], None  # already folded into the restored state
         ts_ns = None
         try:
             if msg.subject.rsplit(".", 1)[-1] == TICK_TOKEN:
@@ -225,16 +225,31 @@ class PairingService:
                     hints = {}
                 ts_ns = hints.get("ts")
                 out = part.state.process(event, hints, position)
-                self.metrics.events_in.labels(partition=str(part.number)).inc()
+                part.events_in.inc()
         except Exception as exc:  # decode errors, or an input the state machine rejects
             reason = "bad_mapped" if isinstance(exc, (msgspec.DecodeError, msgspec.ValidationError)) else "pairing_error"
             log.error("pairing_dead_letter", partition=part.number, position=position, error=f"{type(exc).__name__}: {exc}")
             await self.dead_letter(msg, reason, f"{type(exc).__name__}: {exc}")
-            part.position = position
-            return
-        await self.publish(out, ts_ns if isinstance(ts_ns, int) else None)
-        part.position = position
-        part.since_checkpoint += 1
+            return [], None
+        return await self.publish(out), ts_ns if isinstance(ts_ns, int) else None
+
+    async def handle_batch(self, part: Partition, msgs: list[Any]) -> None:
+        futures: list[asyncio.Future] = []
+        receive_times: list[int] = []
+        for msg in msgs:
+            fs, ts_ns = await self.handle(part, msg)
+            futures.extend(fs)
+            if ts_ns:
+                receive_times.append(ts_ns)
+        if futures:
+            await asyncio.wait_for(asyncio.gather(*futures), timeout=15)
+        now = time.time_ns()
+        for ts_ns in receive_times:
+            self.metrics.latency.observe(max(0, now - ts_ns) / 1e9)
+        last = msgs[-1].metadata.sequence.stream
+        if last > part.position:
+            part.since_checkpoint += sum(1 for m in msgs if m.metadata.sequence.stream > part.position)
+            part.position = last
 
     async def dead_letter(self, msg: Any, reason: str, error: str) -> None:
         headers = {
@@ -269,8 +284,8 @@ class PairingService:
                     msgs = await sub.fetch(512, timeout=0.5)
                 except (nats.errors.TimeoutError, asyncio.TimeoutError):
                     msgs = []
-                for msg in msgs:
-                    await self.handle(part, msg)
+                if msgs:
+                    await self.handle_batch(part, msgs)
                 if part.since_checkpoint >= CHECKPOINT_EVERY or (
                     part.since_checkpoint and time.monotonic() - part.last_checkpoint > CHECKPOINT_S
                 ):

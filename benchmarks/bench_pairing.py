@@ -1,0 +1,153 @@
+#!/usr/bin/env python3
+"""Pairing throughput against the nats-py relay ceiling, and memory per idle open session.
+
+    .venv/bin/python benchmarks/bench_pairing.py [--n 50000]
+
+1. Embedded nats-server; bootstrap; N realistic raw messages into HERMES_RAW; the
+   mapper (in-process, untimed) fills BRIDGE_MAPPED.
+2. Ceiling: the same trivial nats-py relay as benchmarks/bench_mapper.py (pull fetch
+   256, publish the same bytes to another stream with publish_async, ack), over
+   BRIDGE_MAPPED.
+3. The pairing service (`bridge.services.pairing.PairingService`, one replica owning
+   all partitions, in-process) over the same BRIDGE_MAPPED, timed until its last
+   event reached AEP_EVENTS.
+4. Memory: bytes per idle open session (tracemalloc, 10,000 sessions; also as RSS).
+Targets: pairing >= 0.6 of the ceiling; <= 2 KB per idle open session.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import os
+import resource
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from bench_mapper import BATCH, load, raw_messages  # noqa: E402
+
+from bridge.config import Settings  # noqa: E402
+from bridge.core.capture import CapturePolicy  # noqa: E402
+from bridge.local.server import EmbeddedNats  # noqa: E402
+
+
+async def fill_mapped(settings: Settings, n: int) -> int:
+    from bridge.services.mapper import Mapper
+
+    import nats.errors
+
+    mapper = Mapper(settings, CapturePolicy(), batch=BATCH)
+    await mapper.connect()
+    sub = await mapper.bind()
+    done = 0
+    while done < n:
+        try:
+            msgs = await sub.fetch(BATCH, timeout=1.0)
+        except nats.errors.TimeoutError:
+            continue
+        await mapper.process_batch(msgs)
+        done += len(msgs)
+    info = await mapper.js.stream_info("BRIDGE_MAPPED")
+    await mapper.close()
+    return int(info.state.messages)
+
+
+async def relay(js, n: int) -> float:  # type: ignore[no-untyped-def]
+    from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig
+
+    import nats.errors
+
+    await js.add_stream(StreamConfig(name="RELAY_OUT", subjects=["relay.>"], duplicate_window=120.0))
+    sub = await js.pull_subscribe("bridge.mapped.>", durable="relay", stream="BRIDGE_MAPPED",
+                                  config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, max_ack_pending=8192))
+    done = 0
+    started = time.perf_counter()
+    while done < n:
+        try:
+            msgs = await sub.fetch(BATCH, timeout=1.0)
+        except nats.errors.TimeoutError:
+            continue
+        futures = [await js.publish_async("relay." + m.subject, m.data, headers={"Nats-Msg-Id": m.headers.get("Nats-Msg-Id", "")}) for m in msgs]
+        await asyncio.gather(*futures)
+        for m in msgs:
+            await m.ack()
+        done += len(msgs)
+    return time.perf_counter() - started
+
+
+async def pairing_run(settings: Settings, js) -> tuple[float, int, int]:  # type: ignore[no-untyped-def]
+    from bridge.services.pairing import PairingService
+
+    service = PairingService(settings, replica="bench", tick_s=3600)
+    started = time.perf_counter()
+    task = asyncio.create_task(service.run(http_port=0))
+    last_count, last_change = -1, time.perf_counter()
+    while True:
+        await asyncio.sleep(0.05)
+        count = (await js.stream_info("AEP_EVENTS")).state.messages
+        if count != last_count:
+            last_count, last_change = count, time.perf_counter()
+        elif count > 0 and time.perf_counter() - last_change > 2.0:
+            break
+    elapsed = last_change - started
+    service.stopper.trigger("bench done")
+    await task
+    consumed = int(sum(s.value for m in service.metrics.events_in.collect() for s in m.samples if s.name.endswith("_total")))
+    return elapsed, last_count, consumed
+
+
+def memory() -> None:
+    from bridge.core.pairing import PairingState, _idle_session_inputs, idle_session_footprint
+
+    fp = idle_session_footprint(10_000)
+    print(f"memory per idle open session (tracemalloc, {int(fp['sessions']):,} sessions): {fp['bytes_per_session']:.0f} B "
+          f"(target <= 2048); snapshot {fp['snapshot_bytes_per_session']:.0f} B/session")
+    inputs = list(_idle_session_inputs(10_000))
+    gc.collect()
+    rss0 = rss_bytes()
+    state = PairingState()
+    for i, (event, hints) in enumerate(inputs, start=1):
+        state.process(event, dict(hints), i)
+    del inputs
+    gc.collect()
+    rss1 = rss_bytes()
+    print(f"RSS growth holding 10,000 open sessions: {(rss1 - rss0) / 10_000:.0f} B/session "
+          f"(an upper bound: allocator arenas; {state.metrics()['sessions']} sessions held)")
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * resource.getpagesize()
+
+
+async def main(n: int) -> None:
+    import nats
+
+    from bridge.nats.bootstrap import bootstrap
+
+    with tempfile.TemporaryDirectory() as tmp, EmbeddedNats(tmp) as server:
+        settings = Settings.from_env({"AEP_BRIDGE_NATS_URL": server.url, "AEP_BRIDGE_CONFIG": os.devnull})
+        nc = await nats.connect(server.url)
+        js = nc.jetstream(publish_async_max_pending=4096)
+        await bootstrap(js, settings)
+        await load(js, raw_messages(n))
+        mapped = await fill_mapped(settings, n)
+        print(f"BRIDGE_MAPPED holds {mapped} events from {n} raw messages")
+        relay_s = await relay(js, mapped)
+        pairing_s, out, consumed = await pairing_run(settings, js)
+        await nc.close()
+    relay_rate, pairing_rate = mapped / relay_s, consumed / pairing_s
+    print(f"relay ceiling (fetch {BATCH}, publish_async, ack): {relay_rate:,.0f} msg/s ({relay_s:.2f}s)")
+    print(f"pairing, 1 replica, all partitions:       {pairing_rate:,.0f} msg/s in ({pairing_s:.2f}s), {out / pairing_s:,.0f} events/s out ({out} events)")
+    print(f"ratio pairing/ceiling: {pairing_rate / relay_rate:.2f} (target >= 0.6)")
+    memory()
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--n", type=int, default=50_000)
+    asyncio.run(main(p.parse_args().n))
