@@ -462,7 +462,8 @@ def pairing_hints(env: HermesEnvelope, ts_ns: int) -> dict[str, Any]:
         value = env.xstr(key)
         if value:
             hints[key] = value
-    if env.hook_event_name in ("pre_tool_call", "post_tool_call") and env.tool_input is not None:
+    if env.hook_event_name in ("pre_tool_call", "post_tool_call") and env.tool_input is not None and "tool_call_id" not in hints:
+        # Only a call without a tool_call_id (inside execute_code) is paired by its arguments.
         hints["args_digest"] = digest(env.tool_input)
     return hints
 

@@ -136,6 +136,15 @@ class KvLanes:
             if value:
                 self.cache.add_task(task, value.decode())
 
+    def needs_learning(self, result: MapResult) -> bool:
+        """Cheap check on the hot path: does this envelope teach the lane table anything new?"""
+        learned = result.learned
+        if not learned.session:
+            return False
+        if learned.session not in self.cache.sessions:
+            return True
+        return bool(learned.task_id) and self.cache.tasks.get(learned.task_id) != learned.session
+
     async def learn(self, result: MapResult, js: Any) -> list[asyncio.Future]:
         """Record what this envelope taught us, pipelined: a KV put is a JetStream publish to
         `$KV.<bucket>.<key>`, so it is sent with publish_async and its ack awaited with the batch."""
@@ -201,13 +210,14 @@ class Mapper:
             self.metrics.hook_in(raw.hook or "unknown").inc()
             record = record_from_raw(raw)
             assert self.lanes is not None
-            await self.lanes.prefetch(record.envelope)
+            if not record.envelope.session_id:  # only session-less envelopes need the KV
+                await self.lanes.prefetch(record.envelope)
             started = time.perf_counter()
             result = map_record(record, raw_seq, self.epoch, self.lanes.cache, self.policy)
             self.metrics.latency.observe(time.perf_counter() - started)
         except EnvelopeError as exc:
             return [await self.dead_letter(msg, exc.reason, str(exc))], 0
-        futures = await self.lanes.learn(result, self.js)
+        futures = await self.lanes.learn(result, self.js) if self.lanes.needs_learning(result) else []
         if result.drift:
             self.metrics.drift.labels(seen=result.drift[:64]).inc()
         if result.problems:
@@ -215,12 +225,12 @@ class Mapper:
         token = lane_token(result.lane)
         subject = f"{S.MAPPED_PREFIX}.{partition_of(token, self.settings.partitions)}.{token}"
         hints = msgspec.json.encode(result.hints).decode()
+        publish = self.js.publish_async
         for event in result.events:
-            headers = {"Nats-Msg-Id": event.id, HINTS_HEADER: hints}
-            futures.append(await self.js.publish_async(subject, encode_event(event), headers=headers))
+            futures.append(await publish(subject, encode_event(event), headers={"Nats-Msg-Id": event.id, HINTS_HEADER: hints}))
             self.metrics.event_out(event.type).inc()
-            if result.lane == UNKNOWN:
-                self.metrics.unknown_lane.inc()
+        if result.lane == UNKNOWN:
+            self.metrics.unknown_lane.inc(len(result.events))
         return futures, record.ts_ns
 
     async def dead_letter(self, msg: Any, reason: str, error: str) -> asyncio.Future:
