@@ -67,7 +67,8 @@ def tls_context(settings: Settings, force: bool = False) -> Any:
 def connect_options(settings: Settings, *, name: str | None = None, **overrides: Any) -> dict[str, Any]:
     """Keyword arguments for ``nats.connect`` (``overrides`` win)."""
     servers = server_list(settings)
-    opts: dict[str, Any] = {"servers": servers.urls, "name": name or f"aep-bridge-{settings.instance}"}
+    # Servers are tried in the order given (as the shim does), not shuffled.
+    opts: dict[str, Any] = {"servers": servers.urls, "name": name or f"aep-bridge-{settings.instance}", "dont_randomize": True}
     ctx = tls_context(settings, force=servers.tls)
     if ctx is not None:
         opts["tls"] = ctx
@@ -150,3 +151,33 @@ async def quick_connect(settings: Settings | None = None, *, name: str | None = 
         reconnect_time_wait=0.2,
         allow_reconnect=False,
     )
+
+
+def is_auth_failure(exc: BaseException) -> bool:
+    text = str(exc).lower()
+    return "authorization" in text or "authentication" in text or "refused the credentials" in text
+
+
+async def connect_service(settings: Settings | None = None, *, name: str | None = None, wait_s: float = 60.0,
+                          **overrides: Any) -> Any:
+    """For the long-running services: refused credentials fail at once (a clear error, exit
+    non-zero: Kubernetes shows it instead of a pod that hangs); an unreachable server is
+    retried with backoff for ``wait_s`` (NATS may start after us). Once connected, the
+    connection reconnects forever."""
+    import asyncio
+    import time
+
+    deadline = time.monotonic() + wait_s
+    delay = 0.5
+    while True:
+        try:
+            nc = await connect(settings, name=name, allow_reconnect=False, connect_timeout=3, **overrides)
+        except NatsConnectError as exc:
+            if is_auth_failure(exc) or time.monotonic() + delay > deadline:
+                raise
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 5.0)
+            continue
+        nc.options["allow_reconnect"] = True
+        nc.options["max_reconnect_attempts"] = -1
+        return nc

@@ -182,9 +182,9 @@ class Mapper:
     # ------------------------------------------------------------ setup
 
     async def connect(self) -> None:
-        from bridge.nats.connection import connect
+        from bridge.nats.connection import connect_service
 
-        self.nc = await connect(self.settings, name=f"aep-bridge-mapper-{self.settings.instance}")
+        self.nc = await connect_service(self.settings, name=f"aep-bridge-mapper-{self.settings.instance}")
         self.js = self.nc.jetstream(publish_async_max_pending=4096)
 
     async def bind(self) -> Any:

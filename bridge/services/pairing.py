@@ -375,9 +375,9 @@ class PairingService:
                     log.warning("tick_failed", partition=n, error=str(exc))
 
     async def connect(self) -> None:
-        from bridge.nats.connection import connect
+        from bridge.nats.connection import connect_service
 
-        self.nc = await connect(self.settings, name=f"aep-bridge-pairing-{self.replica}")
+        self.nc = await connect_service(self.settings, name=f"aep-bridge-pairing-{self.replica}")
         self.js = self.nc.jetstream(publish_async_max_pending=4096)
         self.leases = await self.js.key_value(S.LEASES_BUCKET)
         self.checkpoints = await self.js.key_value(S.PAIRING_BUCKET)
