@@ -11,7 +11,8 @@ ROOT = Path(__file__).resolve().parent.parent
 CANDIDATES = [
     Path(os.environ["AEP_OBSERVED_ENVELOPES"]) if os.environ.get("AEP_OBSERVED_ENVELOPES") else None,
     ROOT.parent / "shared" / "hermes" / "observed_envelopes.jsonl",
-    ROOT / "bridge" / "data" / "observed_envelopes.jsonl",
+    # The same real envelopes as shipped in the package (API bodies and conversation history dropped).
+    ROOT / "bridge" / "data" / "observed_sessions.jsonl",
 ]
 
 
