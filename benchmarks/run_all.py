@@ -1,0 +1,31 @@
+#!/usr/bin/env python3
+"""Run every benchmark in turn and print its figures (`make bench`).
+
+Each script prints ratios against a baseline measured in the same run, so the
+figures mean something on a shared, noisy machine. None of them asserts.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+BENCHES = [
+    ("shim start-up vs a bare Python hook", ["bench_shim.py", "-n", "300"]),
+    ("mapper vs the nats-py relay ceiling", ["bench_mapper.py", "--n", "50000"]),
+    ("pairing vs the relay ceiling, memory per idle session", ["bench_pairing.py", "--n", "50000"]),
+]
+
+
+def main() -> int:
+    worst = 0
+    for title, argv in BENCHES:
+        print(f"\n=== {title}: {' '.join(argv)}", flush=True)
+        worst = max(worst, subprocess.call([sys.executable, str(HERE / argv[0]), *argv[1:]]))
+    return worst
+
+
+if __name__ == "__main__":
+    sys.exit(main())
