@@ -55,13 +55,14 @@ async def load(js, msgs) -> None:  # type: ignore[no-untyped-def]
     await asyncio.gather(*futures)
 
 
-async def relay(js, n: int) -> float:  # type: ignore[no-untyped-def]
+async def relay(js, n: int, stream: str = "HERMES_RAW", subjects: str = "hermes.raw.>") -> float:  # type: ignore[no-untyped-def]
+    """The ceiling: fetch a batch, publish the same bytes to another stream, ack after the acks."""
     from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig
 
     import nats.errors
 
     await js.add_stream(StreamConfig(name="RELAY_OUT", subjects=["relay.>"], duplicate_window=120.0))
-    sub = await js.pull_subscribe("hermes.raw.>", durable="relay", stream="HERMES_RAW",
+    sub = await js.pull_subscribe(subjects, durable="relay", stream=stream,
                                   config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, max_ack_pending=8192))
     done = 0
     started = time.perf_counter()

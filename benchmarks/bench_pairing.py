@@ -28,7 +28,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from bench_mapper import BATCH, load, raw_messages  # noqa: E402
+from bench_mapper import BATCH, load, raw_messages, relay  # noqa: E402
 
 from bridge.config import Settings  # noqa: E402
 from bridge.core.capture import CapturePolicy  # noqa: E402
@@ -54,29 +54,6 @@ async def fill_mapped(settings: Settings, n: int) -> int:
     info = await mapper.js.stream_info("BRIDGE_MAPPED")
     await mapper.close()
     return int(info.state.messages)
-
-
-async def relay(js, n: int) -> float:  # type: ignore[no-untyped-def]
-    from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig
-
-    import nats.errors
-
-    await js.add_stream(StreamConfig(name="RELAY_OUT", subjects=["relay.>"], duplicate_window=120.0))
-    sub = await js.pull_subscribe("bridge.mapped.>", durable="relay", stream="BRIDGE_MAPPED",
-                                  config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, max_ack_pending=8192))
-    done = 0
-    started = time.perf_counter()
-    while done < n:
-        try:
-            msgs = await sub.fetch(BATCH, timeout=1.0)
-        except nats.errors.TimeoutError:
-            continue
-        futures = [await js.publish_async("relay." + m.subject, m.data, headers={"Nats-Msg-Id": m.headers.get("Nats-Msg-Id", "")}) for m in msgs]
-        await asyncio.gather(*futures)
-        for m in msgs:
-            await m.ack()
-        done += len(msgs)
-    return time.perf_counter() - started
 
 
 async def pairing_run(settings: Settings, js) -> tuple[float, int, int]:  # type: ignore[no-untyped-def]
@@ -137,7 +114,7 @@ async def main(n: int) -> None:
         await load(js, raw_messages(n))
         mapped = await fill_mapped(settings, n)
         print(f"BRIDGE_MAPPED holds {mapped} events from {n} raw messages")
-        relay_s = await relay(js, mapped)
+        relay_s = await relay(js, mapped, stream="BRIDGE_MAPPED", subjects="bridge.mapped.>")
         pairing_s, out, consumed = await pairing_run(settings, js)
         await nc.close()
     relay_rate, pairing_rate = mapped / relay_s, consumed / pairing_s
