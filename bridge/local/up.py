@@ -160,13 +160,16 @@ class Up:
 
     def write_state(self) -> None:
         self.state_dir.mkdir(parents=True, exist_ok=True)
-        state_file(self.state_dir).write_text(json.dumps({
+        path = state_file(self.state_dir)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({
             "pid": os.getpid(),
             "nats_url": self.url,
             "embedded": self.server is not None,
             "metrics": {"mapper": f"http://127.0.0.1:{self.mapper_port}/metrics", "pairing": f"http://127.0.0.1:{self.pairing_port}/metrics"},
             "workers": {w.name: (w.proc.pid if w.proc else None) for w in self.workers},
         }, indent=2))
+        os.replace(tmp, path)  # readers (demo, tail, tests) never see a half-written file
 
     def banner(self) -> None:
         import importlib.util
