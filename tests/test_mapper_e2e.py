@@ -11,6 +11,7 @@ import time
 import pytest
 
 from bridge.core.aep import encode_event
+from bridge.services.mapper import epoch_of
 from tests.corpus import envelopes
 from tests.natsfixture import JetStreamClient
 from tests.support.services import Service, expected_events, publish_all, raw_records, wait_for
@@ -39,7 +40,7 @@ def test_two_mappers_produce_exactly_what_map_gives(nats_server_fn, tmp_path):
         # HERMES_RAW now holds the shim's records, in order: raw seq = line number.
         raw = client.fetch("hermes.raw.>", expected=len(corpus) + 1, timeout=10)
         assert len(raw) == len(corpus) + 1
-        epoch = int(client.stream_info("HERMES_RAW").created.timestamp())
+        epoch = epoch_of(client.stream_info("HERMES_RAW").created)
         want = expected_events([(m.seq, m.data) for m in raw], epoch)
         wait_for(lambda: mapped_count(client) >= len(want), 30, what=f"{len(want)} mapped events")
         time.sleep(0.5)  # anything extra (a duplicate) would show up now
@@ -99,7 +100,7 @@ def test_kill_9_replicas_repeatedly_loses_and_duplicates_nothing(nats_server_fn,
     client.bootstrap()
     records = raw_records(realistic_envelopes(20_000, seed=7), instance="crash")
     client.run(publish_all(client.js, records))
-    epoch = int(client.stream_info("HERMES_RAW").created.timestamp())
+    epoch = epoch_of(client.stream_info("HERMES_RAW").created)
     raw = client.fetch("hermes.raw.>", expected=len(records), timeout=30)
     want = {e.id for e in expected_events([(m.seq, m.data) for m in raw], epoch)}
 
@@ -128,4 +129,26 @@ def test_kill_9_replicas_repeatedly_loses_and_duplicates_nothing(nats_server_fn,
     finally:
         for m in mappers:
             m.terminate()
+        client.close()
+
+
+def test_recreating_the_raw_stream_raises_the_epoch(nats_server_fn, tmp_path):
+    client = JetStreamClient(nats_server_fn.url)
+    client.bootstrap()
+    mapper = Service("mapper", nats_server_fn.url, tmp_path).start()
+    try:
+        client.run(publish_all(client.js, raw_records(envelopes()[:5], instance="e1")))
+        wait_for(lambda: mapped_count(client) >= 5, 20, what="the first events")
+        first = {json.loads(m.data)["epoch"] for m in client.fetch("bridge.mapped.>", stream="BRIDGE_MAPPED")}
+        client.run(client.js.delete_stream("HERMES_RAW"))
+        client.bootstrap()  # a new HERMES_RAW: its sequence starts again at 1
+        client.run(publish_all(client.js, raw_records(envelopes()[5:10], instance="e2")))
+        wait_for(lambda: mapped_count(client) >= 10, 30, what="events after the recreation")
+        events = [json.loads(m.data) for m in client.fetch("bridge.mapped.>", stream="BRIDGE_MAPPED")]
+        second = {e["epoch"] for e in events if "/e2/" in e["source"] or e["source"].startswith("aep://e2/")}
+        assert len(first) == 1 and len(second) == 1
+        assert min(second) > max(first), "a new epoch, never a reused one: (epoch, seq) stays unique"
+        assert "mapper_rebound" in mapper.log()
+    finally:
+        mapper.terminate()
         client.close()

@@ -14,7 +14,7 @@ Theory of operation
 * Lanes: a KV bucket (`aep_lanes`) of known sessions and task aliases, read
   through a bounded in-process cache (`MemoryLanes`). The lookups the pure
   mapping might need are prefetched before it runs.
-* `epoch` = the creation time of HERMES_RAW (seconds): it changes, upward, only
+* `epoch` = the creation time of HERMES_RAW (milliseconds): it changes, upward, only
   when the stream is recreated, and every replica reads the same value.
 * What cannot be decoded or mapped goes to `bridge.dlq.<reason>` with the
   original bytes and headers naming the reason, raw sequence and error; then the
@@ -91,6 +91,13 @@ class MapperMetrics:
         if child is None:
             child = self._types[event_type] = self.events_out.labels(type=event_type)
         return child
+
+
+def epoch_of(created: Any) -> int:
+    """The AEP epoch: HERMES_RAW's creation time in whole milliseconds. It changes (upward)
+    only when the stream is recreated, every replica reads the same value, and milliseconds
+    make a reuse after a quick delete-and-recreate practically impossible."""
+    return int(created.timestamp() * 1000) if created else 0
 
 
 class KvLanes:
@@ -190,7 +197,7 @@ class Mapper:
     async def bind(self) -> Any:
         info = await self.js.stream_info(S.HERMES_RAW)
         created = info.created
-        self.epoch = int(created.timestamp()) if created else 0
+        self.epoch = epoch_of(created)
         self.metrics.epoch.set(self.epoch)
         kv = await self.js.key_value(S.LANES_BUCKET)
         self.lanes = KvLanes(kv)
@@ -351,6 +358,13 @@ class Mapper:
                     self.health.set_ready(False, f"fetch failed: {exc}")
                     log.warning("fetch_failed", error=f"{type(exc).__name__}: {exc}")
                     await self.stopper.sleep(1.0)
+                    # The consumer or the stream may be gone (HERMES_RAW recreated, a server that
+                    # lost its store): bind again, which also re-reads the epoch.
+                    try:
+                        sub = await self.bind()
+                        log.info("mapper_rebound", epoch=self.epoch)
+                    except Exception as bind_exc:
+                        log.warning("rebind_failed", error=f"{type(bind_exc).__name__}: {bind_exc}")
                     continue
                 self.health.set_ready(True)
                 await self.process_batch(msgs)
