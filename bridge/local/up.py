@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from bridge.config import MAPPER_METRICS_PORT, PAIRING_METRICS_PORT, Settings, default_state_dir
-from bridge.local.server import EmbeddedNats, free_port, port_is_free
+from bridge.local.server import EmbeddedNats, free_port, port_is_free, terminate
 
 
 def state_file(state_dir: Path) -> Path:
@@ -63,14 +63,7 @@ class Worker:
         self.started_at = time.monotonic()
 
     def stop(self, timeout: float = 25.0) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        terminate(self.proc, timeout)
 
 
 class Up:

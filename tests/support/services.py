@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from bridge.core.capture import CapturePolicy
+from bridge.local.server import terminate
 from bridge.core.identity import event_id
 from bridge.core.lanes import MemoryLanes
 from bridge.core.pipeline import map_record, record_from_line
@@ -49,16 +50,7 @@ class Service:
             self.proc.wait()
 
     def terminate(self, timeout: float = 30.0) -> int | None:
-        if self.proc is None:
-            return None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+        return terminate(self.proc, timeout)
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
