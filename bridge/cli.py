@@ -21,6 +21,8 @@ COMMAND_MODULES = (
     "bridge.commands.nats",  # bootstrap
     "bridge.commands.services",  # mapper, pairing
     "bridge.commands.local",  # up, demo, tail
+    "bridge.commands.sim",  # simulate, verify
+    "bridge.commands.control",  # gate, control respond|instruct|hello|pending
 )
 
 

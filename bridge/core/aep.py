@@ -253,6 +253,54 @@ class Empty(_Payload):
     """Payload of fallback `x.hermes.*` events: structure travels in the envelope (run, subject)."""
 
 
+# ---------------------------------------------------------------- control (AEP-0004), the opt-in control plane
+
+RejectReason = Literal["unsupported", "unauthorized", "busy", "refused", "invalid"]
+
+
+class ControlAccepted(_Payload):
+    """The target will attempt the command (AEP-0004 §3); `cause` = the command's id."""
+
+
+class ControlRejected(_Payload):
+    """The target will not attempt the command (AEP-0004 §3); `cause` = the command's id."""
+
+    reason: Annotated[RejectReason, _M]
+    detail: Annotated[str, _R] | UnsetType = UNSET
+
+
+class CommandAnswer(_Payload):
+    option: Annotated[str, _M] | UnsetType = UNSET
+    text: Annotated[str, _R] | UnsetType = UNSET
+    # Answers a kind=form request (AEP-0006); the gate's permission cards reject it (`invalid`).
+    values: Annotated[dict[str, Any], _M] | UnsetType = UNSET
+
+
+class ControlAttentionRespond(_Payload):
+    """A command answering an `attention.requested` (AEP-0004 §5); `subject` = the request's id."""
+
+    answer: Annotated[CommandAnswer, _M]
+
+
+class HermesControlInstruct(_Payload):
+    """A steering command: text delivered into the session's next turn (the `pre_llm_call` answer)."""
+
+    text: Annotated[str, _R, Meta(min_length=1, max_length=4000)]
+
+
+class HermesInstructionDelivered(_Payload):
+    """A queued instruction reached the agent (the `pre_llm_call` answer carried it); `cause` = the command."""
+
+    queued_ms: Annotated[int, _M, Meta(ge=0)]
+
+
+class HermesInstructionDropped(_Payload):
+    """A queued instruction that was never delivered; `cause` = the command. `reason`: `session_ended`."""
+
+    reason: Annotated[str, _M]
+    queued_ms: Annotated[int, _M, Meta(ge=0)] | UnsetType = UNSET
+
+
 PAYLOAD_TYPES: dict[str, type[_Payload]] = {
     "session.started": SessionStarted,
     "session.ended": SessionEnded,
@@ -275,6 +323,12 @@ PAYLOAD_TYPES: dict[str, type[_Payload]] = {
     "x.hermes.session.finalized": HermesSessionFinalized,
     "x.hermes.run.closed": HermesRunClosed,
     "x.hermes.pairing.orphaned": HermesOrphaned,
+    "control.accepted": ControlAccepted,
+    "control.rejected": ControlRejected,
+    "control.attention.respond": ControlAttentionRespond,
+    "x.hermes.control.instruct": HermesControlInstruct,
+    "x.hermes.instruction.delivered": HermesInstructionDelivered,
+    "x.hermes.instruction.dropped": HermesInstructionDropped,
 }
 
 

@@ -49,8 +49,8 @@ from bridge.config import Settings, load_environ
 from bridge.core import control as C
 from bridge.core.aep import Event, decode_event, encode_event
 from bridge.core.capture import CapturePolicy
-from bridge.core.envelope import decode_raw
-from bridge.core.identity import rfc3339, source_uri
+from bridge.core.envelope import EnvelopeError, decode_raw
+from bridge.core.identity import source_uri
 from bridge.core.lanes import UNKNOWN, lane_token
 from bridge.core.pipeline import map_record, record_from_raw
 from bridge.nats import streams as S
@@ -68,6 +68,7 @@ COMMAND_DURABLE = "gate-commands"
 RAW_HOOKS = ("pre_tool_call", "pre_llm_call", "on_session_start", "on_session_finalize")
 QUEUE_GROUP = "aep-gate"
 SWEEP_S = 0.1
+MAX_DELIVER = 4  # a raw message or command whose handling keeps failing is given up (logged) on this delivery
 MAX_HOLD_MS = 300_000  # Hermes clamps a hook timeout to 300 s
 
 
@@ -173,6 +174,8 @@ class Gate:
     async def alloc(self, token: str, n: int, anchor: int | None = None, slot: int = C.GATE_SLOT) -> list[int]:
         """``n`` consecutive seqs of the session (caller holds the lane lock). ``anchor``: the raw
         stream position to sort after (default: the raw stream's last sequence now)."""
+        if n <= 0:
+            return []
         if anchor is None:
             anchor = await self.raw_last_seq()
         last, _ = await self.kv_get(self.kv, f"seq.{token}", C.Position)
@@ -192,16 +195,19 @@ class Gate:
             await self.js.publish(subject, data, headers={"Nats-Msg-Id": ev.id})
 
     async def session_info(self, token: str, lane: str) -> C.SessionInfo | None:
-        """What the gate knows of a session; else the source of its latest event on AEP_EVENTS."""
+        """What the gate knows of a session (it saw its raw events); else the source of the
+        session's last turn or start on AEP_EVENTS (the gate started after the session did).
+        A command on the stream proves nothing: anyone can address any session."""
         info, _ = await self.kv_get(self.kv, f"sess.{token}", C.SessionInfo)
         if info is not None:
             return info
-        try:
-            msg = await self.js.get_last_msg(S.AEP_EVENTS, f"{S.EVENTS_PREFIX}.{token}.>")
-            ev = decode_event(msg.data)
-        except Exception:
-            return None
-        return C.SessionInfo(source=ev.source)
+        for etype in ("run.started", "session.started"):
+            try:
+                msg = await self.js.get_last_msg(S.AEP_EVENTS, f"{S.EVENTS_PREFIX}.{token}.{etype}")
+                return C.SessionInfo(source=decode_event(msg.data).source)
+            except Exception:
+                continue
+        return None
 
     async def learn(self, token: str, source: str, instance: str, ended: bool = False) -> None:
         info, _ = await self.kv_get(self.kv, f"sess.{token}", C.SessionInfo)
@@ -213,8 +219,12 @@ class Gate:
 
     async def handle_raw(self, msg: Any) -> None:
         hook = msg.subject.rsplit(".", 1)[-1]
-        raw = decode_raw(msg.data)
-        record = record_from_raw(raw)
+        try:
+            raw = decode_raw(msg.data)
+            record = record_from_raw(raw)
+        except EnvelopeError as exc:  # the mapper dead-letters it; nothing to hold or learn
+            log.warning("raw_skipped", subject=msg.subject, reason=exc.reason)
+            return
         await self.lanes.prefetch(record.envelope)
         raw_seq = msg.metadata.sequence.stream
         result = map_record(record, raw_seq, self.epoch, self.lanes.cache, self.config.policy)
@@ -270,7 +280,7 @@ class Gate:
                 events += self.card_events(card, ("timeout",), seqs[1:], now, "")
                 self.metrics.cards.labels(state=C.TIMEOUT).inc()
             await self.publish(events)
-            await self.kv_put(self.kv, f"card.{card.id}", card)
+            await self.kv_put(self.kv, f"card.{card.id}", card, revision=0)
             if card.state == C.OPEN:
                 self.cards[card.id] = (token, card.expires)
                 self.metrics.open.set(len(self.cards))
@@ -324,7 +334,7 @@ class Gate:
             else:  # refused: the card event says why, the ack follows
                 ack = self.ack_event(where, cmd, seqs[-1], now, C.Reject("refused", C.CLOSED_DETAIL[t.state]))
                 events = [*card_events, ack]
-        await self.kv_put(self.kv, f"card.{card.id}", card)
+        await self.kv_put(self.kv, f"card.{card.id}", card, revision=revision)  # compare-and-set: one decision
         if cmd is not None and ack is not None:
             await self.record(cmd, token, card.id, ack, events, stream_seq=None)
         await self.publish(events)
@@ -500,6 +510,8 @@ class Gate:
         """The shim's pre_llm_call: deliver the session's queue, or answer {}."""
         import nats.errors
 
+        if not msg.reply:
+            return
         try:
             body = json.loads(msg.data)
             session = body["session"]
@@ -545,7 +557,7 @@ class Gate:
                 return
             now = time.time_ns()
             where = C.Where(session=lane, source=source, epoch=self.epoch)
-            seqs = await self.alloc(token, len(queue), anchor=raw_seq, slot=C.DROP_SLOT)
+            seqs = C.drop_seqs(raw_seq, len(queue))
             events = [
                 C.build_event(self.config.policy, "x.hermes.instruction.dropped",
                               C.aep.HermesInstructionDropped(reason=C.DROP_REASON, queued_ms=max(0, (now - i.queued) // 1_000_000)),
@@ -561,7 +573,8 @@ class Gate:
     # ------------------------------------------------------------ loops
 
     async def handle_hello(self, msg: Any) -> None:
-        await msg.respond(json.dumps(self.hello).encode())
+        if msg.reply:
+            await msg.respond(json.dumps(self.hello).encode())
 
     async def consume(self, sub: Any, handler: Any, what: str) -> None:
         import nats.errors
@@ -581,8 +594,14 @@ class Gate:
             for msg in msgs:
                 try:
                     await handler(msg)
-                except Exception as exc:  # one bad message never stops the loop; it is acked and logged
-                    log.error("handle_failed", what=what, subject=msg.subject, error=f"{type(exc).__name__}: {exc}")
+                except Exception as exc:  # retried (handling is idempotent), then given up: never stops the loop
+                    delivered = msg.metadata.num_delivered or 1
+                    log.error("handle_failed", what=what, subject=msg.subject, delivered=delivered,
+                              error=f"{type(exc).__name__}: {exc}")
+                    if delivered < MAX_DELIVER:
+                        with contextlib.suppress(Exception):
+                            await msg.nak(delay=0.5 * delivered)
+                        continue
                 with contextlib.suppress(Exception):
                     await msg.ack()
 
@@ -599,10 +618,10 @@ class Gate:
         from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
         from bridge.nats.bootstrap import ensure_stream
-        from bridge.nats.connection import connect
-        from bridge.services.mapper import KvLanes
+        from bridge.nats.connection import connect_service
+        from bridge.services.mapper import KvLanes, epoch_of
 
-        self.nc = await connect(self.settings, name=f"aep-bridge-gate-{self.settings.instance}")
+        self.nc = await connect_service(self.settings, name=f"aep-bridge-gate-{self.settings.instance}")
         self.js = self.nc.jetstream()
         for spec in (CONTROL_BUCKET, INSTRUCT_BUCKET):
             await ensure_stream(self.js, spec.config())
@@ -610,7 +629,7 @@ class Gate:
         self.queues = await self.js.key_value(INSTRUCT_BUCKET.bucket)
         self.lanes = KvLanes(await self.js.key_value(S.LANES_BUCKET))
         info = await self.js.stream_info(S.HERMES_RAW)
-        self.epoch = int(info.created.timestamp()) if info.created else 0
+        self.epoch = epoch_of(info.created)  # the mapper's rule: the session's events share one epoch
         raw = await self.js.pull_subscribe("", durable=RAW_DURABLE, stream=S.HERMES_RAW, config=ConsumerConfig(
             durable_name=RAW_DURABLE, description="aep-bridge gate: held calls and session boundaries",
             deliver_policy=DeliverPolicy.NEW, ack_policy=AckPolicy.EXPLICIT, ack_wait=30.0,
@@ -679,4 +698,4 @@ class Gate:
             await self.nc.close()
 
 
-__all__ = ["CONTROL_BUCKET", "GATE_METRICS_PORT", "Gate", "GateConfig", "INSTRUCT_BUCKET", "rfc3339"]
+__all__ = ["CONTROL_BUCKET", "GATE_METRICS_PORT", "Gate", "GateConfig", "INSTRUCT_BUCKET"]

@@ -83,6 +83,24 @@ JetStream ack included): compiled shim median 9.9 ms vs 9.7 ms for a ``-I -S`` p
 that only answers ``{}`` (ratio 1.02; 1.00-1.06 over three runs), p99 1.5-1.7x its median;
 run from source the ratio is 2.15.
 
+Control plane (opt-in; docs/ARCHITECTURE.md "Control plane")
+--------------------------------------------------------------
+Off unless ``AEP_HERMES_CONTROL`` or ``AEP_INSTRUCT`` is ``1`` (environment or config
+file): then ``main`` checks two booleans and nothing else changes, not a byte of the
+output nor an import. On, exactly two moments change, both after the usual publish:
+
+* ``AEP_HERMES_CONTROL=1``, a ``pre_tool_call`` whose tool name fullmatches
+  ``AEP_HERMES_GATE_TOOLS`` (default: every tool): the raw message carries two more
+  headers, ``Aep-Gate-Reply: <inbox>.g`` and ``Aep-Gate-Hold-Ms: <hold>``, on the inbox
+  the connection already subscribes to; the hook then waits up to ``AEP_HERMES_HOLD_MS``
+  (default 55000, below the Hermes ``timeout:`` the installer writes) for the gate's
+  ``release`` (confirmed to its reply subject, then printed: ``{}`` or
+  ``{"action":"block","message":...}``), answering its ``ping`` probes meanwhile.
+  Expiry, a broken connection or an unpublished event: ``{}`` (Hermes's own fail-open).
+* ``AEP_INSTRUCT=1``, a ``pre_llm_call`` with a session id: after the ack, a request on
+  ``aep.gate.instruct.<session token>`` within the same deadline; a ``{"context": ...}``
+  asked back by the gate is confirmed and printed; anything else, or no gate: ``{}``.
+
 The module is also imported by the ``aep-bridge`` CLI (``spool drain|status``,
 tests); it must stay standard-library-only and import nothing at module level
 beyond the built-ins above.
@@ -132,6 +150,14 @@ _TOKEN_OK = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz01234
 _B32 = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"  # Crockford base32 (ULID)
 
 _O_CLOEXEC = getattr(posix, "O_CLOEXEC", 0)
+
+# The opt-in control plane (keep in step with bridge/core/control.py; a test compares them).
+_ON = ("1", "true", "yes", "on")
+DEFAULT_HOLD_MS = 55000
+DEFAULT_DENY_MESSAGE = "Blocked by an operator through the aep-bridge control gate."
+GATE_REPLY_HEADER = "Aep-Gate-Reply"
+GATE_HOLD_HEADER = "Aep-Gate-Hold-Ms"
+INSTRUCT_PULL_PREFIX = "aep.gate.instruct"
 
 
 # ---------------------------------------------------------------- JSON through the C accelerator
@@ -303,6 +329,7 @@ class Config:
     __slots__ = (
         "servers", "user", "password", "token", "tls_ca", "tls_cert", "tls_key", "instance",
         "spool_dir", "deadline_ms", "max_field_bytes", "spool_max_bytes",
+        "control", "instruct", "gate_tools", "hold_ms",
     )
 
     def __init__(self, environ=None, config_path=None):
@@ -339,6 +366,16 @@ class Config:
         self.deadline_ms = max(1, get_int("DEADLINE_MS", DEFAULT_DEADLINE_MS))
         self.max_field_bytes = max(MIN_FIT_LIMIT, get_int("MAX_FIELD_BYTES", DEFAULT_MAX_FIELD_BYTES))
         self.spool_max_bytes = get_int("SPOOL_MAX_BYTES", DEFAULT_SPOOL_MAX_BYTES)
+        # The opt-in control plane (off unless set): see "Control plane" below.
+        self.control = merged.get("AEP_HERMES_CONTROL", "").strip().lower() in _ON
+        self.instruct = merged.get("AEP_INSTRUCT", "").strip().lower() in _ON
+        self.gate_tools = merged.get("AEP_HERMES_GATE_TOOLS") or None
+        self.hold_ms = DEFAULT_HOLD_MS
+        if self.control:
+            try:
+                self.hold_ms = max(1, int(merged.get("AEP_HERMES_HOLD_MS") or DEFAULT_HOLD_MS))
+            except ValueError:
+                _warn("AEP_HERMES_HOLD_MS is not an integer; using %d" % DEFAULT_HOLD_MS)
 
 
 def _warn(message):
@@ -355,7 +392,7 @@ def _warn(message):
 class Record:
     """One stamped raw message: ``id`` (also Nats-Msg-Id), ``subject``, ``body`` (bytes)."""
 
-    __slots__ = ("id", "subject", "body", "message", "original")
+    __slots__ = ("id", "subject", "body", "message", "original", "extra")
 
     def __init__(self, id, subject, body, message=None, original=None):
         self.id = id
@@ -363,6 +400,7 @@ class Record:
         self.body = body
         self.message = message  # the dict behind body (None for records read back from the spool)
         self.original = original  # the untrimmed envelope, kept to re-fit under a smaller max_payload
+        self.extra = b""  # more header lines (the control plane's, only when it is switched on)
 
 
 def _canon_size_over(s, limit):
@@ -537,14 +575,14 @@ def _envelope_message(rid, instance, ts, hook, env, limit, input_bytes=None):
     return msg
 
 
-def _headers(rid):
-    return b"NATS/1.0\r\nNats-Msg-Id: " + rid.encode("ascii", "replace") + b"\r\n\r\n"
+def _headers(rid, extra=b""):
+    return b"NATS/1.0\r\nNats-Msg-Id: " + rid.encode("ascii", "replace") + b"\r\n" + extra + b"\r\n"
 
 
 def fit(record, max_payload, limit):
     """Make ``record`` (headers + body) fit in ``max_payload``: re-trim the original envelope
     with a halving field limit, then stub ``extra``, then the whole envelope. Returns the record."""
-    room = max_payload - len(_headers(record.id))
+    room = max_payload - len(_headers(record.id, record.extra))
     if len(record.body) <= room:
         return record
     msg = record.message
@@ -775,7 +813,7 @@ class NatsConnection:
         self.pending = b""
         base = self.next
         for i, r in enumerate(records):
-            hdr = _headers(r.id)
+            hdr = _headers(r.id, r.extra)
             out += b"HPUB %s %s.%d %d %d\r\n" % (
                 r.subject.encode("utf-8"), self.inbox.encode(), base + i, len(hdr), len(hdr) + len(r.body)
             )
@@ -1262,24 +1300,33 @@ def run(data, cfg, started=None):
     Returns a short outcome for tests: "published", "spooled", "dropped", "lost" or "rejected"."""
     if started is None:
         started = time.monotonic()
+    return deliver(build_record(data, cfg), cfg, started)
+
+
+def deliver(record, cfg, started, ctl=None):
+    """Publish one stamped record (spool replay first, the spool on failure); with ``ctl``
+    (the control plane, switched on) run its moment on the live connection once acked."""
     deadline = started + cfg.deadline_ms / 1000.0
-    record = build_record(data, cfg)
     spool = Spool(cfg.spool_dir, cfg.instance, cfg.spool_max_bytes)
     errors = []
     outcome = False
-    if spool.size() == 0:
+    if ctl is None and spool.size() == 0:
         outcome = publish_one(cfg, record, deadline, errors)
     else:
         conn = connect_any(cfg, deadline, errors)
         if conn is not None:
             try:
+                if ctl is not None:
+                    ctl.prepare(record, conn)
                 fit(record, conn.max_payload, cfg.max_field_bytes)
-                replay_deadline = started + cfg.deadline_ms * REPLAY_SHARE / 1000.0
-                try:
-                    _, empty, _ = spool.replay(conn, replay_deadline)
-                except OSError as exc:
-                    errors.append("spool replay: %s" % exc)
-                    empty = False
+                empty = True
+                if ctl is None or spool.size():
+                    replay_deadline = started + cfg.deadline_ms * REPLAY_SHARE / 1000.0
+                    try:
+                        _, empty, _ = spool.replay(conn, replay_deadline)
+                    except OSError as exc:
+                        errors.append("spool replay: %s" % exc)
+                        empty = False
                 if conn.error is not None:
                     errors.append(str(conn.error))
                 elif empty:
@@ -1287,6 +1334,8 @@ def run(data, cfg, started=None):
                     outcome = got[0] if got else False
                     if not got:
                         errors.append(str(conn.error or "no ack before the deadline"))
+                if outcome is True and ctl is not None:
+                    ctl.run(conn, cfg, started)
             finally:
                 conn.close()
     if outcome is True:
@@ -1315,6 +1364,185 @@ def run(data, cfg, started=None):
     return "dropped" if dropped else "spooled"
 
 
+# ---------------------------------------------------------------- the control plane (opt-in)
+# Nothing below runs unless AEP_HERMES_CONTROL or AEP_INSTRUCT is set (main() checks two
+# booleans). See "Control plane" in the module docstring and docs/ARCHITECTURE.md.
+
+
+def run_control(data, cfg, started):
+    """One invocation with the control plane on. Returns the answer for Hermes (a dict),
+    or None for ``{}``. Only a held ``pre_tool_call`` or a ``pre_llm_call`` can get one."""
+    record = build_record(data, cfg)
+    msg = record.message or {}
+    env = msg.get("envelope")
+    ctl = None
+    if isinstance(env, dict):
+        hook = msg.get("hook")
+        if cfg.control and hook == "pre_tool_call" and _gated(env.get("tool_name"), cfg.gate_tools):
+            ctl = _Control("gate", cfg.hold_ms)
+        elif cfg.instruct and hook == "pre_llm_call":
+            session = env.get("session_id")
+            if isinstance(session, str) and session:
+                ctl = _Control("instruct", 0, session)
+    outcome = deliver(record, cfg, started, ctl)
+    if ctl is not None and outcome != "published" and ctl.mode == "gate":
+        _warn("call %s not held: the event was not published (%s); released with {}" % (record.id, outcome))
+    return ctl.answer if ctl is not None else None
+
+
+def _gated(tool, pattern):
+    """AEP_HERMES_GATE_TOOLS: a regex the tool name must fullmatch (default: every tool). An
+    invalid regex gates every tool: an operator-deny gate errs toward holding."""
+    if not pattern:
+        return True
+    import re  # ~8 ms, only for a pre_tool_call with the gate on and a pattern set
+
+    try:
+        return re.fullmatch(pattern, tool if isinstance(tool, str) else "") is not None
+    except re.error as exc:
+        _warn("AEP_HERMES_GATE_TOOLS is not a valid regex (%s); gating every tool" % exc)
+        return True
+
+
+class _Control:
+    """The one moment the control plane changes: a held pre_tool_call (``gate``) or the
+    pre_llm_call instruction pull (``instruct``), run on the live connection."""
+
+    __slots__ = ("mode", "hold_ms", "session", "answer")
+
+    def __init__(self, mode, hold_ms, session=None):
+        self.mode = mode
+        self.hold_ms = hold_ms
+        self.session = session
+        self.answer = None
+
+    def prepare(self, record, conn):
+        if self.mode == "gate":  # where the decision goes, and how long we wait for it
+            record.extra = (
+                "%s: %s.g\r\n%s: %d\r\n" % (GATE_REPLY_HEADER, conn.inbox, GATE_HOLD_HEADER, self.hold_ms)
+            ).encode("ascii")
+
+    def run(self, conn, cfg, started):
+        try:
+            if self.mode == "gate":
+                self.answer = _hold(conn, started + self.hold_ms / 1000.0)
+            else:
+                self.answer = _pull(conn, self.session, started + cfg.deadline_ms / 1000.0)
+        except (OSError, NatsError, ValueError) as exc:  # a broken connection releases with {}
+            _warn("control: %s" % exc)
+
+
+def _next_msg(conn, deadline):
+    """The next MSG/HMSG as (subject, reply, header bytes, payload); None at the deadline or
+    when the connection fails. Answers PINGs meanwhile."""
+    try:
+        while True:
+            line = conn._read_line(deadline)
+            if line.startswith(b"MSG ") or line.startswith(b"HMSG "):
+                parts = line.split()
+                n = int(parts[-1])
+                if line[0:1] == b"H":
+                    hlen, reply = int(parts[-2]), (parts[3] if len(parts) == 6 else None)
+                else:
+                    hlen, reply = 0, (parts[3] if len(parts) == 5 else None)
+                data = conn._read_exact(n + 2, deadline)[:n]
+                return parts[1], reply, data[:hlen], data[hlen:]
+            if line == b"PING":
+                conn.sock.sendall(b"PONG\r\n")
+            elif line.startswith(b"-ERR"):
+                return None
+    except (OSError, NatsError, ValueError):  # TimeoutError is an OSError
+        return None
+
+
+def _reply(conn, reply, data, deadline):
+    """Publish ``data`` to ``reply`` and make sure the server has it (PING/PONG) before we
+    exit. False when it could not be sent; then nothing may be applied."""
+    try:
+        conn.sock.settimeout(max(deadline - time.monotonic(), 0.05))
+        conn.sock.sendall(b"PUB %s %d\r\n%s\r\nPING\r\n" % (reply, len(data), data))
+    except OSError:
+        return False
+    flush_by = max(deadline, time.monotonic() + 0.5)
+    while True:  # sent: the decision applies whatever happens to the PONG
+        try:
+            line = conn._read_line(flush_by)
+        except (OSError, NatsError, ValueError):
+            return True
+        if line == b"PONG" or line.startswith(b"-ERR"):
+            return True
+        if line.startswith(b"MSG ") or line.startswith(b"HMSG "):
+            try:
+                conn._read_exact(int(line.split()[-1]) + 2, flush_by)
+            except (OSError, NatsError, ValueError):
+                return True
+
+
+def _hold(conn, until):
+    """Wait for the gate's decision on ``<inbox>.g`` until ``until`` (the hold window).
+    ``{"op": "ping"}`` is answered (the gate's is-the-hook-still-there probe);
+    ``{"op": "release", "decision": "allow"|"deny", "message": ...}`` is confirmed to its
+    reply subject, then applied. Expiry or a broken connection: None (Hermes proceeds)."""
+    gate = (conn.inbox + ".g").encode("ascii")
+    while True:
+        m = _next_msg(conn, until)
+        if m is None:
+            return None
+        subject, reply, _, body = m
+        if subject != gate:
+            continue
+        try:
+            msg = loads(body.decode("utf-8"))
+        except Exception:
+            continue
+        op = msg.get("op") if isinstance(msg, dict) else None
+        if op == "ping":
+            if reply:
+                try:
+                    conn.sock.sendall(b"PUB %s 4\r\npong\r\n" % reply)
+                except OSError:
+                    return None
+        elif op == "release" and msg.get("decision") in ("allow", "deny") and reply:
+            if not _reply(conn, reply, b"ok", until):
+                return None
+            if msg["decision"] == "allow":
+                return None
+            text = msg.get("message")
+            return {"action": "block", "message": text if isinstance(text, str) and text else DEFAULT_DENY_MESSAGE}
+
+
+def _pull(conn, session, deadline):
+    """Ask the gate for the session's queued instructions (a request on
+    ``aep.gate.instruct.<token>``) within the hook's deadline. The gate answers ``{}`` or
+    asks back with ``{"context": ...}``; we confirm, then answer Hermes with the context.
+    No gate (503), no answer in time, anything odd: None."""
+    inbox = (conn.inbox + ".i").encode("ascii")
+    body = encode({"session": session})
+    subject = (INSTRUCT_PULL_PREFIX + "." + token(session)).encode("utf-8")
+    conn.sock.settimeout(max(deadline - time.monotonic(), 0.001))
+    conn.sock.sendall(b"PUB %s %s %d\r\n%s\r\n" % (subject, inbox, len(body), body))
+    while True:
+        m = _next_msg(conn, deadline)
+        if m is None:
+            return None
+        subj, reply, hdrs, data = m
+        if subj != inbox:
+            continue
+        status = hdrs.split(b"\r\n", 1)[0].split()[1:2] if hdrs else None
+        if status and status != [b"200"]:
+            return None  # 503: no gate listens
+        try:
+            msg = loads(data.decode("utf-8"))
+        except Exception:
+            return None
+        text = msg.get("context") if isinstance(msg, dict) else None
+        if not isinstance(text, str) or not text.strip() or not reply:
+            return None
+        if not _reply(conn, reply, b"ok", deadline):
+            return None
+        return {"context": text}
+
+
 def read_stdin():
     chunks = []
     try:
@@ -1331,17 +1559,29 @@ def read_stdin():
 def main(argv=None):
     """``hook.py [--config FILE]``: FILE replaces AEP_BRIDGE_CONFIG (the installer passes it)."""
     started = time.monotonic()
+    answer = None
     try:
         argv = sys.argv[1:] if argv is None else argv
         config_path = argv[1] if len(argv) >= 2 and argv[0] == "--config" else None
-        run(read_stdin(), Config(config_path=config_path), started)
+        data = read_stdin()
+        cfg = Config(config_path=config_path)
+        if cfg.control or cfg.instruct:
+            answer = run_control(data, cfg, started)
+        else:
+            run(data, cfg, started)
     except BaseException as exc:  # never fail Hermes; say why on stderr
         try:
             _warn("internal error: %s: %s" % (exc.__class__.__name__, exc))
         except BaseException:
             pass
+    out = b"{}\n"
+    if answer:
+        try:
+            out = encode(answer) + b"\n"
+        except Exception:
+            pass
     try:
-        posix.write(1, b"{}\n")
+        posix.write(1, out)
     except OSError:
         pass
 

@@ -12,7 +12,11 @@ What ``install`` writes (and ``uninstall`` takes back, exactly):
   script_mtime_at_approval}]}``, sorted-keys JSON, ``flock`` on the sibling
   ``.lock`` file, atomic replace). Without it a non-interactive Hermes skips
   the hook silently.
-* ``$HERMES_HOME/aep-bridge.env``: the ``AEP_BRIDGE_*`` settings for the shim
+* ``$HERMES_HOME/aep-bridge.env``: the ``AEP_BRIDGE_*`` settings for the shim (and the
+  control plane's ``AEP_HERMES_CONTROL``, ``AEP_HERMES_GATE_TOOLS``, ``AEP_HERMES_HOLD_MS``,
+  ``AEP_INSTRUCT`` when set; with the gate on, the ``pre_tool_call`` entry gets a timeout
+  of hold + deadline + 5 s, checked against Hermes's 300 s clamp, and an explicit
+  ``--timeout`` must be above hold + deadline)
   (``KEY=VALUE``, mode 0600: it may hold NATS credentials). The command passes
   it with ``--config``, so every Hermes home (profile) can have its own
   instance name and servers; variables in Hermes's environment still win.
@@ -67,7 +71,11 @@ SHIM_SETTINGS = (
     "AEP_BRIDGE_NATS_URL", "AEP_BRIDGE_NATS_USER", "AEP_BRIDGE_NATS_PASSWORD", "AEP_BRIDGE_NATS_TOKEN",
     "AEP_BRIDGE_TLS_CA", "AEP_BRIDGE_TLS_CERT", "AEP_BRIDGE_TLS_KEY", "AEP_BRIDGE_INSTANCE",
     "AEP_BRIDGE_SPOOL_DIR", "AEP_BRIDGE_DEADLINE_MS", "AEP_BRIDGE_MAX_FIELD_BYTES", "AEP_BRIDGE_SPOOL_MAX_BYTES",
+    # the opt-in control plane (docs/ARCHITECTURE.md "Control plane")
+    "AEP_HERMES_CONTROL", "AEP_HERMES_GATE_TOOLS", "AEP_HERMES_HOLD_MS", "AEP_INSTRUCT",
 )
+HERMES_MAX_TIMEOUT_S = 300  # Hermes clamps a hook's timeout to 1..300 s
+HOLD_MARGIN_S = 5  # above hold + deadline: process start, the release round trip, a loaded host
 
 
 class InstallError(RuntimeError):
@@ -85,6 +93,46 @@ def hermes_home(explicit: str | os.PathLike[str] | None = None) -> Path:
 def default_timeout_s(deadline_ms: int) -> int:
     """Hermes's per-hook timeout: whole seconds, comfortably above the shim's own deadline."""
     return max(2, math.ceil(deadline_ms / 1000) + 2)
+
+
+def _on(value: str | None) -> bool:
+    return (value or "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def hold_ms_of(values: dict[str, str]) -> int | None:
+    """The gate's hold window when AEP_HERMES_CONTROL is on in ``values`` (the shim's settings), else None."""
+    if not _on(values.get("AEP_HERMES_CONTROL")):
+        return None
+    from bridge.core.control import DEFAULT_HOLD_MS
+
+    raw = values.get("AEP_HERMES_HOLD_MS") or str(DEFAULT_HOLD_MS)
+    try:
+        hold = int(raw)
+    except ValueError:
+        raise InstallError(f"AEP_HERMES_HOLD_MS must be an integer (milliseconds), got {raw!r}") from None
+    if hold < 1:
+        raise InstallError(f"AEP_HERMES_HOLD_MS must be positive, got {hold}")
+    return hold
+
+
+def gate_timeout_s(hold_ms: int, deadline_ms: int) -> int:
+    """The pre_tool_call timeout with the gate on: the hold window, the publish deadline and a margin."""
+    return math.ceil((hold_ms + deadline_ms) / 1000) + HOLD_MARGIN_S
+
+
+def check_gate_timeout(timeout_s: int, hold_ms: int, deadline_ms: int) -> None:
+    """The invariant of the gate: Hermes must never kill a hook that is still holding (it would
+    proceed without a word, and the gate would record a dismissal)."""
+    if timeout_s > HERMES_MAX_TIMEOUT_S:
+        raise InstallError(
+            f"AEP_HERMES_HOLD_MS={hold_ms} needs a pre_tool_call timeout of {timeout_s} s, above the {HERMES_MAX_TIMEOUT_S} s "
+            "Hermes clamps hook timeouts to: shorten the hold window"
+        )
+    if timeout_s * 1000 <= hold_ms + deadline_ms:
+        raise InstallError(
+            f"the pre_tool_call timeout ({timeout_s} s) must be above the hold window AEP_HERMES_HOLD_MS ({hold_ms} ms) "
+            f"plus AEP_BRIDGE_DEADLINE_MS ({deadline_ms} ms): Hermes would kill a hook still waiting for the operator"
+        )
 
 
 # ---------------------------------------------------------------- the command
@@ -391,9 +439,15 @@ def install(
     values = {k: effective[k] for k in SHIM_SETTINGS if effective.get(k)}
     values.setdefault("AEP_BRIDGE_NATS_URL", "nats://127.0.0.1:4222")
     deadline_ms = int(values.get("AEP_BRIDGE_DEADLINE_MS") or DEFAULT_DEADLINE_MS)
+    explicit = timeout
     timeout = timeout or default_timeout_s(deadline_ms)
     if timeout * 1000 <= deadline_ms:
         raise InstallError(f"the hook timeout ({timeout} s) must be above AEP_BRIDGE_DEADLINE_MS ({deadline_ms} ms)")
+    timeouts = {event: timeout for event in events}
+    hold_ms = hold_ms_of(values)
+    if hold_ms is not None and "pre_tool_call" in timeouts:  # the gate holds pre_tool_call: a longer leash
+        timeouts["pre_tool_call"] = explicit or max(timeout, gate_timeout_s(hold_ms, deadline_ms))
+        check_gate_timeout(timeouts["pre_tool_call"], hold_ms, deadline_ms)
 
     if mode not in ("compiled", "source"):
         raise InstallError(f"unknown mode {mode!r} (compiled or source)")
@@ -435,12 +489,16 @@ def install(
                 manifest.created_events.append(event)
         if not isinstance(entries, list):
             raise InstallError(f"{config_path}: hooks.{event} is not a list; fix it by hand first")
-        if any(isinstance(e, dict) and e.get("command") == command for e in entries):
+        ours = [e for e in entries if isinstance(e, dict) and e.get("command") == command]
+        if ours:
+            for e in ours:  # ours: keep the timeout in step with the settings (the gate needs a longer one)
+                if e.get("timeout") != timeouts[event]:
+                    e["timeout"] = timeouts[event]
             already.append(event)
             continue
         entry = CommentedMap()
         entry["command"] = command
-        entry["timeout"] = timeout
+        entry["timeout"] = timeouts[event]
         entries.append(entry)
         added.append(event)
         if event not in manifest.events:
@@ -570,8 +628,38 @@ def doctor(home: Path, nats_timeout: float = 2.0) -> list[Check]:
         ok, why = pyc_is_current(script)
         checks.append(Check(ok, f"compiled shim {script}: {why}" + ("" if ok else " (run `aep-bridge hermes install`)")))
 
+    checks.extend(_gate_checks(home, plain, command))
     checks.extend(_nats_checks(home, nats_timeout))
     return checks
+
+
+def _gate_checks(home: Path, cfg: dict[str, Any], command: str) -> list[Check]:
+    """With the gate on (in the shim's env file, overlaid by this environment, as the shim reads
+    them): is every pre_tool_call timeout of ours above the hold window plus the deadline?"""
+    from bridge.config import read_env_file
+
+    values = read_env_file(home / ENV_FILENAME)
+    values.update({k: v for k, v in os.environ.items() if k in SHIM_SETTINGS})
+    try:
+        hold = hold_ms_of(values)
+    except InstallError as exc:
+        return [Check(False, str(exc))]
+    if hold is None:
+        return []
+    deadline = int(values.get("AEP_BRIDGE_DEADLINE_MS") or DEFAULT_DEADLINE_MS)
+    entries = ((cfg.get("hooks") or {}).get("pre_tool_call") or [])
+    ours = [e for e in entries if isinstance(e, dict) and e.get("command") == command]
+    if not ours:
+        return [Check(False, "AEP_HERMES_CONTROL is on but the shim is not hooked to pre_tool_call", warning=True)]
+    out = []
+    for e in ours:
+        t = e.get("timeout", 60)
+        try:
+            check_gate_timeout(int(t), hold, deadline)
+            out.append(Check(True, f"gate: pre_tool_call timeout {t} s > hold {hold} ms + deadline {deadline} ms"))
+        except (InstallError, TypeError, ValueError) as exc:
+            out.append(Check(False, f"gate: {exc} (run `aep-bridge hermes install` again)"))
+    return out
 
 
 def _hermes_note() -> str:

@@ -1,0 +1,520 @@
+"""`aep-bridge gate` end to end, as processes: a real nats-server, the real shim held the way
+Hermes runs it, the gate, the mapper and pairing, commands sent the way any sender sends them.
+
+Every outcome of the spec (allow, deny, text answers, expiry, the hook gone, steering delivered
+and dropped), every rejection reason, the dedupe rule (one decision, a byte-identical re-ack,
+also across a gate restart), and the capabilities document. Hold windows are short."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+from bridge.commands.control import build_command, send_command
+from bridge.config import Settings
+from bridge.core import control as C
+from bridge.core.identity import SLOTS
+from bridge.core.lanes import lane_token
+from tests.natsfixture import JetStreamClient, NatsServer, make_server
+from tests.support.services import Service, wait_for
+from tests.support.shim import compiled_hook, dumps, envelope, run_hook, shim_env
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# ---------------------------------------------------------------- the plane under test
+
+
+@dataclass
+class Plane:
+    server: NatsServer
+    client: JetStreamClient
+    gate: Service
+    tmp: Path
+    instance: str
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    # -- commands
+
+    def send(self, event: Any, timeout: float = C.ACK_WINDOW_MS / 1000) -> tuple[str, dict[str, Any] | None, bytes | None]:
+        """Publish a command; its ack within the declared ack window (else "timeout")."""
+        settings = Settings()
+        settings.nats_url = self.url
+        kind, data = self.client.run(send_command(settings, event, timeout))
+        return kind, (json.loads(data) if data else None), data
+
+    def respond(self, session: str, request: str, answer: dict[str, Any], **kw: Any) -> tuple[str, dict[str, Any] | None, bytes | None]:
+        return self.send(build_command(C.RESPOND, session, {"answer": answer}, sender=kw.pop("sender", "test-console"),
+                                       subject=request, **kw))
+
+    def instruct(self, session: str, text: Any, **kw: Any) -> tuple[str, dict[str, Any] | None, bytes | None]:
+        return self.send(build_command(C.INSTRUCT, session, {"text": text}, sender=kw.pop("sender", "test-console"), **kw))
+
+    # -- the shim
+
+    def env(self, **extra: str) -> dict[str, str]:
+        env = shim_env(self.url, self.tmp / "spool", self.instance, DEADLINE_MS="2000")
+        env.update(extra)
+        return env
+
+    def hook(self, data: dict[str, Any], **extra: str) -> bytes:
+        r = run_hook(dumps(data), self.env(**extra))
+        assert r.returncode == 0, r.stderr
+        return r.stdout
+
+    def held(self, session: str, call: str, hold_ms: int = 10_000, tool: str = "terminal") -> subprocess.Popen[bytes]:
+        env = envelope("pre_tool_call", session=session, turn_id=f"{session}:t:1", tool_call_id=call)
+        env["tool_name"] = tool
+        proc = subprocess.Popen([sys.executable, "-I", "-S", str(compiled_hook())], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                env=self.env(AEP_HERMES_CONTROL="1", AEP_HERMES_HOLD_MS=str(hold_ms)))
+        assert proc.stdin is not None
+        proc.stdin.write(dumps(env))
+        proc.stdin.close()
+        proc.stdin = None  # communicate() must not flush it again
+        return proc
+
+    # -- the stream
+
+    def events(self, session: str) -> list[dict[str, Any]]:
+        return [m.json() for m in self.client.fetch(f"aep.hermes.{lane_token(session)}.>", stream="AEP_EVENTS")]
+
+    def wait(self, session: str, predicate: Any, what: str, timeout: float = 10.0) -> list[dict[str, Any]]:
+        found: list[list[dict[str, Any]]] = []
+
+        def check() -> bool:
+            evs = self.events(session)
+            if predicate(evs):
+                found.append(evs)
+                return True
+            return False
+
+        wait_for(check, timeout, interval=0.05, what=what)
+        return found[0]
+
+    def request_of(self, session: str, call: str) -> dict[str, Any]:
+        evs = self.wait(session, lambda e: any(x["type"] == "attention.requested" and x["subject"] == "terminal"
+                                               and _call(e, x) == call for x in e), f"attention.requested for {call}")
+        return next(x for x in evs if x["type"] == "attention.requested" and _call(evs, x) == call)
+
+
+def _call(evs: list[dict[str, Any]], request: dict[str, Any]) -> str:
+    """The tool_call_id of the tool.requested a gate request is caused by (the mapper may lag)."""
+    cause = next((x for x in evs if x["id"] == request["cause"]), None)
+    return ((cause or {}).get("data") or {}).get("tool", {}).get("call_id", "") if cause else request.get("_call", "?")
+
+
+def types(evs: list[dict[str, Any]]) -> list[str]:
+    return [e["type"] for e in evs]
+
+
+def ready(url: str) -> bool:
+    import asyncio
+
+    import nats
+
+    async def ask() -> bool:
+        nc = await nats.connect(url)
+        try:
+            await nc.request(C.HELLO_SUBJECT, b"", timeout=0.5)
+            return True
+        except Exception:
+            return False
+        finally:
+            await nc.close()
+
+    return asyncio.run(ask())
+
+
+def start_plane(backend: str, tmp: Path, gate_env: dict[str, str], with_pipeline: bool = True) -> tuple[Plane, list[Service]]:
+    server = make_server(backend=backend)
+    client = JetStreamClient(server.url)
+    client.bootstrap()
+    services = [Service("gate", server.url, tmp, "--probe-ms", "300", env=gate_env).start()]
+    if with_pipeline:
+        services += [Service("mapper", server.url, tmp).start(), Service("pairing", server.url, tmp).start()]
+    wait_for(lambda: ready(server.url), 20, interval=0.1, what="the gate's hello")
+    return Plane(server, client, services[0], tmp, f"ctl-{uuid.uuid4().hex[:6]}"), services
+
+
+def stop_plane(plane: Plane, services: list[Service]) -> None:
+    import signal
+
+    for s in services:  # all at once: each drains for a moment
+        if s.alive():
+            s.proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
+    for s in services:
+        s.terminate()
+    plane.client.close()
+    plane.server.close()
+
+
+@pytest.fixture(scope="module")
+def plane(nats_backend: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Plane]:
+    if nats_backend == "external":
+        pytest.skip("the control-plane tests start servers of their own")
+    p, services = start_plane(nats_backend, tmp_path_factory.mktemp("control"),
+                              {"AEP_HERMES_CONTROL": "1", "AEP_INSTRUCT": "1"})
+    try:
+        yield p
+    finally:
+        logs = {s.name: s.log() for s in services}
+        stop_plane(p, services)
+        for name, text in logs.items():
+            assert "Traceback" not in text and "handle_failed" not in text, f"{name}:\n{text}"
+
+
+def new_session() -> str:
+    return f"s-{uuid.uuid4().hex[:10]}"
+
+
+def start_session(plane: Plane, session: str) -> None:
+    """What a Hermes session's first turn sends before any tool call."""
+    plane.hook(envelope("on_session_start", session=session))
+    plane.hook(envelope("pre_llm_call", session=session, turn_id=f"{session}:t:1"))
+
+
+# ---------------------------------------------------------------- capabilities
+
+
+def test_hello_on_nats_and_in_healthz(plane: Plane) -> None:
+    import asyncio
+
+    import nats
+
+    async def ask() -> dict[str, Any]:
+        nc = await nats.connect(plane.url)
+        try:
+            return json.loads((await nc.request(C.HELLO_SUBJECT, b"", timeout=2)).data)
+        finally:
+            await nc.close()
+
+    doc = asyncio.run(ask())
+    assert doc["capabilities"]["control"] == {"accepts": [C.RESPOND, C.INSTRUCT], "ack_window_ms": C.ACK_WINDOW_MS}
+    port = next(json.loads(line)["metrics_port"] for line in plane.gate.log_path.read_text().splitlines()
+                if '"gate_starting"' in line)
+    health = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5).read())
+    assert health["control"] == doc["capabilities"]["control"] and health["hello"] == doc
+    cli = subprocess.run([sys.executable, "-m", "bridge.cli", "control", "hello", "--nats", plane.url],
+                         capture_output=True, text=True, cwd=ROOT, timeout=30)
+    assert cli.returncode == 0 and json.loads(cli.stdout) == doc
+
+
+# ---------------------------------------------------------------- the gate's outcomes
+
+
+@pytest.mark.parametrize(("answer", "printed", "recorded"), [
+    ({"option": "allow"}, {}, {"option": "allow"}),
+    ({"option": "deny", "text": "not on a Friday"}, {"action": "block", "message": "not on a Friday"},
+     {"option": "deny", "text": "not on a Friday"}),
+    ({"text": "  DENY "}, {"action": "block", "message": C.DEFAULT_DENY_MESSAGE}, {"option": "deny"}),
+    ({"text": "Allow"}, {}, {"option": "allow"}),
+    ({"text": "use the staging registry"}, {"action": "block", "message": "use the staging registry"},
+     {"option": "deny", "text": "use the staging registry"}),
+])
+def test_an_answer_releases_the_held_call(plane: Plane, answer: dict[str, str], printed: dict[str, str],
+                                          recorded: dict[str, str]) -> None:
+    session = new_session()
+    start_session(plane, session)
+    shim = plane.held(session, "call-1")
+    req = plane.request_of(session, "call-1")
+    kind, ack, _ = plane.respond(session, req["id"], answer)
+    out, err = shim.communicate(timeout=10)
+    assert kind == "accepted", ack
+    assert json.loads(out) == printed and err == b""
+    # the observed post_tool_call, as Hermes sends it after a block or after the tool ran
+    blocked = printed.get("action") == "block"
+    extra = {"status": "blocked", "error_type": "plugin_block", "error_message": printed["message"],
+             "result": json.dumps({"error": printed["message"]})} if blocked else {"status": "ok", "result": "done"}
+    plane.hook(envelope("post_tool_call", session=session, turn_id=f"{session}:t:1", tool_call_id="call-1", **extra))
+    terminal = "tool.denied" if blocked else "tool.completed"
+    evs = plane.wait(session, lambda e: terminal in types(e), terminal)
+    by = {e["type"]: e for e in evs}
+    cmd = next(e for e in evs if e["type"] == C.RESPOND)  # the command is in the session's history
+    tool_req = by["tool.requested"]
+    assert req["cause"] == tool_req["id"] and req["run"] == tool_req["run"] == f"{session}:t:1"
+    assert req["data"] == {
+        "kind": "permission", "prompt": "Allow the terminal tool call?",
+        "options": [{"id": "allow", "label": "Allow"}, {"id": "deny", "label": "Deny"}],
+        "expires_at": req["data"]["expires_at"], "respond_via": ["control"],
+    }
+    assert by["control.accepted"]["cause"] == cmd["id"] and by["control.accepted"]["data"] == {}
+    assert by["attention.answered"]["data"] == {"answer": recorded, "via": "control"}
+    assert by["attention.answered"]["cause"] == cmd["id"] and by["attention.answered"]["subject"] == req["id"]
+    resolved = by["attention.resolved"]
+    assert resolved["data"]["resolution"] == "answered" and resolved["subject"] == req["id"]
+    assert resolved["cause"] == by["attention.answered"]["id"]
+    if blocked:  # the pinned mapping, linked to its request by pairing
+        assert by["tool.denied"]["data"]["by"] == "policy" and by["tool.denied"]["cause"] == tool_req["id"]
+    else:
+        assert by["tool.completed"]["cause"] == tool_req["id"]
+    seqs = [by[t]["seq"] for t in ("tool.requested", "attention.requested", "control.accepted", "attention.answered",
+                                   "attention.resolved", terminal)]
+    assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
+    assert req["seq"] % SLOTS >= C.GATE_SLOT and {e["epoch"] for e in evs if "seq" in e} == {tool_req["epoch"]}
+    assert types(evs).count("control.accepted") == 1 and "control.rejected" not in types(evs)
+    # a second, different answer to the closed card: refused
+    kind, ack, _ = plane.respond(session, req["id"], {"option": "allow"})
+    assert kind == "rejected" and ack["data"] == {"reason": "refused"}
+
+
+def test_expiry_proceeds_and_a_late_answer_is_refused(plane: Plane) -> None:
+    session = new_session()
+    start_session(plane, session)
+    t0 = time.monotonic()
+    shim = plane.held(session, "call-x", hold_ms=1200)
+    out, err = shim.communicate(timeout=10)
+    assert out == b"{}\n" and err == b"" and time.monotonic() - t0 >= 1.2
+    evs = plane.wait(session, lambda e: "attention.timeout" in types(e), "attention.timeout")
+    req = next(e for e in evs if e["type"] == "attention.requested")
+    timeout = next(e for e in evs if e["type"] == "attention.timeout")
+    assert timeout["subject"] == req["id"] and timeout["cause"] == req["id"] and timeout["data"] == {"after_ms": 1200}
+    assert "attention.resolved" not in types(evs)
+    kind, ack, _ = plane.respond(session, req["id"], {"option": "deny"})
+    assert kind == "rejected" and ack["data"]["reason"] == "refused"
+
+
+def test_a_hook_gone_before_the_release_is_dismissed_and_answers_are_refused(plane: Plane) -> None:
+    session = new_session()
+    start_session(plane, session)
+    shim = plane.held(session, "call-k", hold_ms=30_000)
+    req = plane.request_of(session, "call-k")
+    shim.kill()  # Hermes interrupted: the hook process is gone
+    shim.wait()
+    kind, ack, _ = plane.respond(session, req["id"], {"option": "allow"})
+    assert kind == "rejected" and ack["data"]["reason"] == "refused"
+    evs = plane.wait(session, lambda e: "attention.resolved" in types(e), "attention.resolved")
+    resolved = next(e for e in evs if e["type"] == "attention.resolved")
+    assert resolved["data"]["resolution"] == "dismissed" and resolved["subject"] == req["id"]
+    assert "attention.answered" not in types(evs) and "control.accepted" not in types(evs)
+    assert types(evs).index("attention.resolved") < types(evs).index("control.rejected")
+
+
+def test_the_probe_dismisses_a_vanished_hook_without_any_answer(plane: Plane) -> None:
+    session = new_session()
+    start_session(plane, session)
+    shim = plane.held(session, "call-p", hold_ms=30_000)
+    req = plane.request_of(session, "call-p")
+    shim.kill()
+    shim.wait()
+    evs = plane.wait(session, lambda e: "attention.resolved" in types(e), "the probe's dismissal", timeout=5)
+    resolved = next(e for e in evs if e["type"] == "attention.resolved")
+    assert resolved["data"]["resolution"] == "dismissed" and resolved["cause"] == req["id"]
+
+
+# ---------------------------------------------------------------- dedupe
+
+
+def test_a_command_sent_twice_gets_one_decision_and_a_byte_identical_ack(plane: Plane) -> None:
+    session = new_session()
+    start_session(plane, session)
+    shim = plane.held(session, "call-d")
+    req = plane.request_of(session, "call-d")
+    cmd = build_command(C.RESPOND, session, {"answer": {"option": "deny", "text": "twice"}}, sender="test-console",
+                        subject=req["id"])
+    first = plane.send(cmd)
+    second = plane.send(cmd)  # a retry under the same id (e.g. the sender lost the first ack)
+    assert json.loads(shim.communicate(timeout=10)[0]) == {"action": "block", "message": "twice"}
+    assert first[0] == second[0] == "accepted" and first[2] == second[2]  # byte-identical
+    # a restart keeps the dedupe state (KV): a third copy still gets the recorded ack
+    plane.gate.kill()
+    plane.gate.start()
+    wait_for(lambda: ready(plane.url), 20, interval=0.1, what="the gate after a restart")
+    third = plane.send(cmd)
+    assert third[2] == first[2]
+    evs = plane.wait(session, lambda e: types(e).count(C.RESPOND) == 3, "three copies of the command")
+    assert types(evs).count("attention.answered") == 1 and types(evs).count("attention.resolved") == 1
+    acks = [e for e in evs if e["type"] in C.ACK_TYPES]
+    assert len(acks) == 1 and acks[0]["cause"] == cmd.id  # the stream kept one copy (same Nats-Msg-Id)
+
+
+def test_the_same_id_from_another_source_is_another_command(plane: Plane) -> None:
+    session = new_session()
+    start_session(plane, session)
+    a = build_command(C.INSTRUCT, session, {"text": "one"}, sender="console-a", command_id="01SAMEIDSAMEIDSAMEIDSAMEID")
+    b = build_command(C.INSTRUCT, session, {"text": "two"}, sender="console-b", command_id="01SAMEIDSAMEIDSAMEIDSAMEID")
+    ra, rb = plane.send(a), plane.send(b)
+    assert ra[0] == rb[0] == "accepted" and ra[2] != rb[2]
+
+
+# ---------------------------------------------------------------- every rejection reason
+
+
+def test_rejected_unsupported(plane: Plane) -> None:
+    session = new_session()
+    start_session(plane, session)
+    kind, ack, _ = plane.send(build_command("control.cancel", session, {"scope": "run"}, sender="test-console"))
+    assert kind == "rejected" and ack["data"] == {"reason": "unsupported"} and ack["session"] == session
+
+
+@pytest.mark.parametrize(("verb", "data", "extra"), [
+    (C.RESPOND, {"answer": {"text": ""}}, {}),
+    (C.RESPOND, {"answer": {"values": {"1": "1"}}}, {}),
+    (C.RESPOND, {"answer": {"option": "once"}}, {}),
+    (C.RESPOND, {}, {}),
+    (C.INSTRUCT, {"text": "   "}, {}),
+    (C.INSTRUCT, {"text": "x" * (C.MAX_TEXT + 1)}, {}),
+    (C.INSTRUCT, {"text": "fine"}, {"seq": 5}),  # commands carry no seq
+])
+def test_rejected_invalid(plane: Plane, verb: str, data: dict[str, Any], extra: dict[str, Any]) -> None:
+    session = new_session()
+    start_session(plane, session)
+    request = ""
+    shim = None
+    if verb == C.RESPOND:
+        shim = plane.held(session, "call-i")
+        request = plane.request_of(session, "call-i")["id"]
+    cmd = build_command(verb, session, data, sender="test-console", subject=request or None)
+    for k, v in extra.items():
+        setattr(cmd, k, v)
+    kind, ack, _ = plane.send(cmd)
+    assert kind == "rejected" and ack["data"] == {"reason": "invalid"} and ack["cause"] == cmd.id
+    if shim is not None:  # an invalid answer decides nothing: the call is still held, and can be answered
+        assert shim.poll() is None
+        assert plane.respond(session, request, {"option": "allow"})[0] == "accepted"
+        assert shim.communicate(timeout=10)[0] == b"{}\n"
+
+
+def test_rejected_refused(plane: Plane) -> None:
+    session = new_session()
+    start_session(plane, session)
+    assert plane.respond(session, "01M8QEAP49VX5GSEQW6F06NS1N", {"option": "allow"})[1]["data"]["reason"] == "refused"
+    assert plane.instruct(new_session(), "nobody is there")[1]["data"]["reason"] == "refused"  # unknown session
+
+
+def test_rejected_busy(plane: Plane) -> None:
+    session = new_session()
+    start_session(plane, session)
+    for i in range(C.MAX_QUEUE):
+        assert plane.instruct(session, f"step {i}")[0] == "accepted"
+    kind, ack, _ = plane.instruct(session, "one too many")
+    assert kind == "rejected" and ack["data"]["reason"] == "busy"
+    out = json.loads(plane.hook(envelope("pre_llm_call", session=session, turn_id=f"{session}:t:2"), AEP_INSTRUCT="1"))
+    assert out == {"context": "\n\n".join(f"step {i}" for i in range(C.MAX_QUEUE))}
+    assert plane.instruct(session, "room again")[0] == "accepted"
+
+
+@pytest.fixture(scope="module")
+def off_plane(nats_backend: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Plane]:
+    """A gate with both opt-ins off and a sender allowlist, on a server of its own."""
+    if nats_backend == "external":
+        pytest.skip("the control-plane tests start servers of their own")
+    p, services = start_plane(nats_backend, tmp_path_factory.mktemp("control-off"), {"AEP_CONTROL_SENDERS": "ops-console"},
+                              with_pipeline=False)
+    try:
+        yield p
+    finally:
+        stop_plane(p, services)
+
+
+def test_rejected_unauthorized(off_plane: Plane) -> None:
+    """A sender allowlist is checked first: a sender not on it learns nothing else."""
+    session = new_session()
+    start_session(off_plane, session)
+    for verb, data in ((C.RESPOND, {"answer": {"option": "allow"}}), (C.INSTRUCT, {"text": "hello"}), ("control.cancel", {})):
+        cmd = build_command(verb, session, data, sender="mallory", subject="01M8QEAP49VX5GSEQW6F06NS1N")
+        kind, ack, _ = off_plane.send(cmd)
+        assert kind == "rejected" and ack["data"] == {"reason": "unauthorized"} and ack["cause"] == cmd.id
+
+
+def test_gated_off_nothing_is_accepted_and_a_held_call_is_let_go(off_plane: Plane) -> None:
+    """Both opt-ins off: control.accepts is empty, every command is unsupported, and a shim that
+    holds anyway (configured on) is released at once instead of waiting out its window."""
+    session = new_session()
+    start_session(off_plane, session)
+    for verb, data in ((C.RESPOND, {"answer": {"option": "allow"}}), (C.INSTRUCT, {"text": "hello"})):
+        kind, ack, _ = off_plane.send(build_command(verb, session, data, sender="ops-console", subject="01M8QEAP49VX5GSEQW6F06NS1N"))
+        assert kind == "rejected" and ack["data"] == {"reason": "unsupported"}
+    t0 = time.monotonic()
+    out, _ = off_plane.held(session, "call-off", hold_ms=20_000).communicate(timeout=30)
+    assert out == b"{}\n" and time.monotonic() - t0 < 5  # released by the gate, not by the 20 s window
+    assert "attention.requested" not in types(off_plane.events(session))
+    hello = subprocess.run([sys.executable, "-m", "bridge.cli", "control", "hello", "--nats", off_plane.url],
+                           capture_output=True, text=True, cwd=ROOT, timeout=30)
+    assert json.loads(hello.stdout)["capabilities"]["control"] == {"accepts": [], "ack_window_ms": C.ACK_WINDOW_MS}
+
+
+# ---------------------------------------------------------------- steering
+
+
+def test_instructions_are_delivered_once_in_order(plane: Plane) -> None:
+    session = new_session()
+    start_session(plane, session)
+    a = plane.instruct(session, "first: use the staging registry")
+    b = plane.instruct(session, "second: keep answers short")
+    assert a[0] == b[0] == "accepted"
+    out = json.loads(plane.hook(envelope("pre_llm_call", session=session, turn_id=f"{session}:t:2"), AEP_INSTRUCT="1"))
+    assert out == {"context": "first: use the staging registry\n\nsecond: keep answers short"}
+    again = plane.hook(envelope("pre_llm_call", session=session, turn_id=f"{session}:t:3"), AEP_INSTRUCT="1")
+    assert again == b"{}\n"  # delivered once
+    evs = plane.wait(session, lambda e: types(e).count("x.hermes.instruction.delivered") == 2, "two deliveries")
+    delivered = [e for e in evs if e["type"] == "x.hermes.instruction.delivered"]
+    assert [d["cause"] for d in delivered] == [a[1]["cause"], b[1]["cause"]]
+    assert all(d["data"]["queued_ms"] >= 0 for d in delivered)
+    started = [e for e in evs if e["type"] == "run.started" and e["run"] == f"{session}:t:2"]
+    assert started and all(d["seq"] > started[0]["seq"] for d in delivered)
+
+
+def test_the_queue_survives_a_gate_restart(plane: Plane) -> None:
+    session = new_session()
+    start_session(plane, session)
+    assert plane.instruct(session, "after the restart")[0] == "accepted"
+    plane.gate.kill()
+    plane.gate.start()
+    wait_for(lambda: ready(plane.url), 20, interval=0.1, what="the gate after a restart")
+    out = json.loads(plane.hook(envelope("pre_llm_call", session=session, turn_id=f"{session}:t:2"), AEP_INSTRUCT="1"))
+    assert out == {"context": "after the restart"}
+
+
+def test_queued_instructions_are_dropped_before_the_session_ends(plane: Plane) -> None:
+    session = new_session()
+    start_session(plane, session)
+    ids = [plane.instruct(session, t)[1]["cause"] for t in ("never delivered", "nor this")]
+    plane.hook(envelope("on_session_end", session=session, turn_id=f"{session}:t:1", completed=True, interrupted=False))
+    plane.hook(envelope("on_session_finalize", session=session, reason="shutdown"))
+    evs = plane.wait(session, lambda e: "session.ended" in types(e) and types(e).count("x.hermes.instruction.dropped") == 2,
+                     "the drops and session.ended")
+    ended = next(e for e in evs if e["type"] == "session.ended")
+    dropped = [e for e in evs if e["type"] == "x.hermes.instruction.dropped"]
+    assert [d["cause"] for d in dropped] == ids
+    assert all(d["data"]["reason"] == C.DROP_REASON and d["seq"] < ended["seq"] for d in dropped)
+    kind, ack, _ = plane.instruct(session, "too late")
+    assert kind == "rejected" and ack["data"]["reason"] == "refused"
+    assert plane.hook(envelope("pre_llm_call", session=new_session()), AEP_INSTRUCT="1") == b"{}\n"
+
+
+# ---------------------------------------------------------------- the operator's terminal
+
+
+def test_the_cli_lists_and_answers_held_calls(plane: Plane) -> None:
+    session = new_session()
+    start_session(plane, session)
+    shim = plane.held(session, "call-cli")
+    req = plane.request_of(session, "call-cli")
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "bridge.cli", "control", *args, "--nats", plane.url],
+                              capture_output=True, text=True, cwd=ROOT, timeout=30)
+
+    pending = cli("pending")
+    assert pending.returncode == 0 and req["id"] in pending.stdout and session in pending.stdout
+    denied = cli("respond", req["id"], "deny", "--reason", "ask me tomorrow")  # the session is looked up
+    assert denied.returncode == 0 and denied.stdout.startswith("accepted"), denied.stderr
+    assert json.loads(shim.communicate(timeout=10)[0]) == {"action": "block", "message": "ask me tomorrow"}
+    again = cli("respond", req["id"], "allow", "--session", session)
+    assert again.returncode == 1 and "rejected (refused)" in again.stdout
+    steer = cli("instruct", "--session", session, "--json", "mind the budget")
+    assert steer.returncode == 0 and json.loads(steer.stdout)["type"] == C.ACCEPTED
+    assert cli("instruct", "--session", session, "").returncode == 1  # invalid

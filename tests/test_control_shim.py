@@ -1,0 +1,219 @@
+"""The shim's control moments against a real nats-server, with a scripted gate in the test:
+the held pre_tool_call (headers, ping probes, confirmed release, expiry, fail-open), the
+pre_llm_call instruction pull, and that gated off nothing changes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bridge.core import control as C
+from bridge.shim import hook
+from tests.natsfixture import JetStreamClient, NatsServer
+from tests.support.shim import compiled_hook, dumps, envelope, run_hook, shim_env
+
+
+def instance() -> str:
+    return f"ctl-{uuid.uuid4().hex[:8]}"
+
+
+async def run_shim(data: bytes, env: dict[str, str]) -> tuple[bytes, bytes, float]:
+    t0 = time.perf_counter()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-I", "-S", str(compiled_hook()), stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(data), timeout=30)
+    assert proc.returncode == 0
+    return out, err, time.perf_counter() - t0
+
+
+def held_env(url: str, tmp_path: Path, inst: str, **extra: str) -> dict[str, str]:
+    env = shim_env(url, tmp_path / "spool", inst)
+    env.update({"AEP_HERMES_CONTROL": "1", **extra})
+    return env
+
+
+# ---------------------------------------------------------------- gated off: nothing changes
+
+
+def test_gated_off_the_message_and_the_answer_are_unchanged(nats_server: NatsServer, jetstream: JetStreamClient, tmp_path: Path) -> None:
+    inst = instance()
+    for hook_name in ("pre_tool_call", "pre_llm_call"):
+        r = run_hook(dumps(envelope(hook_name)), shim_env(nats_server.url, tmp_path / "spool", inst))
+        assert r.stdout == b"{}\n" and r.stderr == b""
+    # control on, but a moment it does not change: byte-identical behaviour too
+    env = held_env(nats_server.url, tmp_path, inst, AEP_INSTRUCT="1")
+    r = run_hook(dumps(envelope("post_tool_call")), env)
+    assert r.stdout == b"{}\n" and r.stderr == b""
+    msgs = jetstream.fetch(f"hermes.raw.{inst}.>", expected=3)
+    assert [m.subject.rsplit(".", 1)[1] for m in msgs] == ["pre_tool_call", "pre_llm_call", "post_tool_call"]
+    for m in msgs:
+        assert m.headers == {"Nats-Msg-Id": m.json()["id"]}  # no control headers
+
+
+def test_gated_off_the_shim_imports_nothing_new(tmp_path: Path) -> None:
+    """main() with the opt-ins unset loads no module the control plane could need (re, json, ...)."""
+    probe = (
+        "import sys, posix\n"
+        f"sys.path.insert(0, {str(Path(hook.__file__).parent)!r})\n"
+        "import hook\n"
+        "before = set(sys.modules)\n"
+        "r, w = posix.pipe(); posix.write(w, b'{\"hook_event_name\": \"pre_tool_call\", \"tool_name\": \"t\", \"extra\": {}}'); posix.close(w)\n"
+        "posix.dup2(r, 0)\n"
+        "out = posix.open('/dev/null', posix.O_WRONLY); posix.dup2(out, 1)\n"
+        "hook.main([])\n"
+        "new = sorted(set(sys.modules) - before - {'zlib', 'fcntl'})\n"  # the spool's (NATS is unreachable here)
+        "posix.write(2, b'\\nMODULES:' + ','.join(new).encode())\n"
+    )
+    env = {"AEP_BRIDGE_CONFIG": "/nonexistent", "AEP_BRIDGE_NATS_URL": "nats://127.0.0.1:1",
+           "AEP_BRIDGE_SPOOL_DIR": str(tmp_path), "AEP_BRIDGE_INSTANCE": "probe", "HOME": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-I", "-S", "-c", probe], env=env, capture_output=True, text=True, check=True)
+    assert out.stderr.rsplit("MODULES:", 1)[1] == ""
+
+
+# ---------------------------------------------------------------- the held pre_tool_call
+
+
+async def scripted_gate(client: JetStreamClient, inst: str, answer: dict[str, Any] | None, seen: dict[str, Any]) -> Any:
+    """Subscribe to the instance's raw pre_tool_call; probe the hook, then release it with ``answer``."""
+    nc = client.nc
+
+    async def on_raw(msg: Any) -> None:
+        seen["headers"] = dict(msg.headers or {})
+        inbox = seen["headers"].get(C.GATE_REPLY_HEADER)
+        if not inbox or answer is None:
+            return
+        seen["pong"] = (await nc.request(inbox, b'{"op":"ping"}', timeout=2)).data
+        seen["confirm"] = (await nc.request(inbox, json.dumps(answer).encode(), timeout=2)).data
+
+    return await nc.subscribe(f"hermes.raw.{inst}.pre_tool_call", cb=on_raw)
+
+
+@pytest.mark.parametrize(("answer", "printed"), [
+    ({"op": "release", "decision": "allow"}, {}),
+    ({"op": "release", "decision": "deny", "message": "not on a Friday"}, {"action": "block", "message": "not on a Friday"}),
+    ({"op": "release", "decision": "deny"}, {"action": "block", "message": C.DEFAULT_DENY_MESSAGE}),
+])
+def test_held_call_waits_for_the_release(nats_server: NatsServer, jetstream: JetStreamClient, tmp_path: Path,
+                                         answer: dict[str, Any], printed: dict[str, str]) -> None:
+    inst = instance()
+    seen: dict[str, Any] = {}
+    env = held_env(nats_server.url, tmp_path, inst, AEP_HERMES_HOLD_MS="10000")
+
+    async def scenario() -> tuple[bytes, bytes, float]:
+        sub = await scripted_gate(jetstream, inst, answer, seen)
+        try:
+            return await run_shim(dumps(envelope("pre_tool_call")), env)
+        finally:
+            await sub.unsubscribe()
+
+    out, err, elapsed = jetstream.run(scenario())
+    assert json.loads(out) == printed and err == b""
+    assert elapsed < 5  # released long before the 10 s window
+    assert seen["headers"][C.GATE_HOLD_HEADER] == "10000"
+    assert seen["headers"][C.GATE_REPLY_HEADER].startswith("_INBOX.") and seen["headers"][C.GATE_REPLY_HEADER].endswith(".g")
+    assert seen["pong"] == b"pong" and seen["confirm"] == b"ok"
+    (msg,) = jetstream.fetch(f"hermes.raw.{inst}.>", expected=1)
+    assert msg.headers == {"Nats-Msg-Id": msg.json()["id"], **{k: seen["headers"][k] for k in (C.GATE_REPLY_HEADER, C.GATE_HOLD_HEADER)}}
+    assert msg.json()["envelope"]["tool_name"] == "terminal"  # the body is the usual raw message
+
+
+def test_held_call_expires_into_an_empty_answer(nats_server: NatsServer, jetstream: JetStreamClient, tmp_path: Path) -> None:
+    r = run_hook(dumps(envelope("pre_tool_call")), held_env(nats_server.url, tmp_path, instance(), AEP_HERMES_HOLD_MS="600"))
+    assert r.stdout == b"{}\n" and r.stderr == b""
+    assert 0.6 <= r.elapsed < 3
+
+
+def test_a_tool_outside_the_gate_is_not_held(nats_server: NatsServer, jetstream: JetStreamClient, tmp_path: Path) -> None:
+    inst = instance()
+    env = held_env(nats_server.url, tmp_path, inst, AEP_HERMES_HOLD_MS="20000", AEP_HERMES_GATE_TOOLS="write_.*|patch")
+    r = run_hook(dumps(envelope("pre_tool_call")), env)  # tool "terminal"
+    assert r.stdout == b"{}\n" and r.elapsed < 5
+    (msg,) = jetstream.fetch(f"hermes.raw.{inst}.>", expected=1)
+    assert C.GATE_REPLY_HEADER not in msg.headers
+
+
+def test_an_unpublished_call_is_released_at_once(tmp_path: Path) -> None:
+    env = held_env("nats://127.0.0.1:1", tmp_path, instance(), AEP_HERMES_HOLD_MS="20000")
+    r = run_hook(dumps(envelope("pre_tool_call")), env)
+    assert r.stdout == b"{}\n" and r.elapsed < 5
+    assert b"not held" in r.stderr  # and the event is in the spool, as always
+    assert any(p.suffix == ".spool" and p.stat().st_size for p in (tmp_path / "spool").iterdir())
+
+
+def test_a_stray_message_is_ignored_and_a_release_without_reply_is_not_applied(nats_server: NatsServer, jetstream: JetStreamClient,
+                                                                              tmp_path: Path) -> None:
+    """Only a confirmable release counts: garbage and an unconfirmable release leave the hold to expire."""
+    inst = instance()
+    env = held_env(nats_server.url, tmp_path, inst, AEP_HERMES_HOLD_MS="1500")
+
+    async def scenario() -> tuple[bytes, bytes, float]:
+        nc = jetstream.nc
+
+        async def on_raw(msg: Any) -> None:
+            inbox = msg.headers[C.GATE_REPLY_HEADER]
+            await nc.publish(inbox, b"not json")
+            await nc.publish(inbox, b'{"op":"release","decision":"maybe"}', reply="_INBOX.x")
+            await nc.publish(inbox, b'{"op":"release","decision":"deny","message":"x"}')  # no reply subject
+
+        sub = await nc.subscribe(f"hermes.raw.{inst}.pre_tool_call", cb=on_raw)
+        try:
+            return await run_shim(dumps(envelope("pre_tool_call")), env)
+        finally:
+            await sub.unsubscribe()
+
+    out, _, elapsed = jetstream.run(scenario())
+    assert out == b"{}\n" and elapsed >= 1.5
+
+
+# ---------------------------------------------------------------- the pre_llm_call pull
+
+
+def instruct_env(url: str, tmp_path: Path, inst: str) -> dict[str, str]:
+    env = shim_env(url, tmp_path / "spool", inst, DEADLINE_MS="2000")
+    env["AEP_INSTRUCT"] = "1"
+    return env
+
+
+def test_pull_without_a_gate_answers_empty_at_once(nats_server: NatsServer, jetstream: JetStreamClient, tmp_path: Path) -> None:
+    r = run_hook(dumps(envelope("pre_llm_call")), instruct_env(nats_server.url, tmp_path, instance()))
+    assert r.stdout == b"{}\n" and r.stderr == b""
+    assert r.elapsed < 1.0  # "no responders", not the 2 s deadline
+
+
+@pytest.mark.parametrize(("queue", "printed"), [("", {}), ("use the staging registry\n\nbe brief", None)])
+def test_pull_delivers_the_context_once_confirmed(nats_server: NatsServer, jetstream: JetStreamClient, tmp_path: Path,
+                                                  queue: str, printed: dict[str, str] | None) -> None:
+    session = f"sess-{uuid.uuid4().hex[:6]}"
+    seen: dict[str, Any] = {}
+
+    async def scenario() -> tuple[bytes, bytes, float]:
+        nc = jetstream.nc
+
+        async def on_pull(msg: Any) -> None:
+            seen["subject"], seen["body"] = msg.subject, json.loads(msg.data)
+            if not queue:
+                await msg.respond(b"{}")
+            else:
+                seen["confirm"] = (await nc.request(msg.reply, json.dumps({"context": queue}).encode(), timeout=2)).data
+
+        sub = await nc.subscribe(f"{C.INSTRUCT_PULL_PREFIX}.{session}", cb=on_pull)
+        try:
+            return await run_shim(dumps(envelope("pre_llm_call", session=session)), instruct_env(nats_server.url, tmp_path, instance()))
+        finally:
+            await sub.unsubscribe()
+
+    out, err, _ = jetstream.run(scenario())
+    assert json.loads(out) == (printed if printed is not None else {"context": queue}) and err == b""
+    assert seen["body"] == {"session": session}
+    if queue:
+        assert seen["confirm"] == b"ok"
