@@ -102,12 +102,17 @@ async def bootstrap(
     *,
     replicas: int | None = None,
     report: Callable[[str, str, dict[str, tuple[Any, Any]]], None] | None = None,
+    duplicate_window_s: float | None = None,
 ) -> dict[str, str]:
     """Create or update HERMES_RAW, BRIDGE_MAPPED, BRIDGE_DLQ, AEP_EVENTS and the KV buckets
-    (aep_lanes, aep_pairing, aep_leases). Returns {stream name: outcome}."""
+    (aep_lanes, aep_pairing, aep_leases). Returns {stream name: outcome}.
+
+    ``duplicate_window_s`` replaces the streams' duplicate window (default 120 s; see
+    ``bridge.nats.streams.all_stream_configs``); running bootstrap again without it
+    restores the default."""
     n = replicas if replicas is not None else default_replicas(settings)
     results: dict[str, str] = {}
-    for config in S.all_stream_configs(n):
+    for config in S.all_stream_configs(n, duplicate_window_s):
         outcome, diff = await ensure_stream(js, config)
         results[config.name] = outcome
         if report is not None:

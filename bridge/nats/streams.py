@@ -70,7 +70,7 @@ class StreamSpec:
     max_msg_size: int = -1
     discard: str = "old"  # limits: the oldest messages go when max_age/max_bytes is reached
 
-    def config(self, replicas: int = 1) -> Any:
+    def config(self, replicas: int = 1, duplicate_window_s: float | None = None) -> Any:
         from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
 
         return StreamConfig(
@@ -85,7 +85,7 @@ class StreamSpec:
             max_msgs=-1,
             max_msg_size=self.max_msg_size,
             max_consumers=-1,
-            duplicate_window=self.duplicate_window_s,
+            duplicate_window=self.duplicate_window_s if duplicate_window_s is None else duplicate_window_s,
             num_replicas=replicas,
         )
 
@@ -154,9 +154,15 @@ LEASES = BucketSpec(LEASES_BUCKET, "pairing partition leases (p.<n>)", ttl_s=LEA
 BUCKETS: tuple[BucketSpec, ...] = (LANES, PAIRING, LEASES)
 
 
-def all_stream_configs(replicas: int = 1) -> list[Any]:
-    """The StreamConfig of every stream and bucket, in bootstrap order."""
-    return [s.config(replicas) for s in STREAMS] + [b.config(replicas) for b in BUCKETS]
+def all_stream_configs(replicas: int = 1, duplicate_window_s: float | None = None) -> list[Any]:
+    """The StreamConfig of every stream and bucket, in bootstrap order.
+
+    ``duplicate_window_s`` overrides the streams' duplicate window (default
+    DUPLICATE_WINDOW_S). The fault tests shorten it so that "an outage longer than the
+    window" fits in a short test; an operator whose shims may spool for longer than two
+    minutes can lengthen it (at the cost of server memory: one entry per message id
+    within the window)."""
+    return [s.config(replicas, duplicate_window_s) for s in STREAMS] + [b.config(replicas) for b in BUCKETS]
 
 
 def mapper_consumer_config(durable: str = MAPPER_DURABLE) -> Any:

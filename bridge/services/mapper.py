@@ -16,16 +16,34 @@ Theory of operation
   mapping might need are prefetched before it runs.
 * `epoch` = the creation time of HERMES_RAW (milliseconds): it changes, upward, only
   when the stream is recreated, and every replica reads the same value.
-* What cannot be decoded or mapped goes to `bridge.dlq.<reason>` with the
-  original bytes and headers naming the reason, raw sequence and error; then the
-  raw message is acked. A message that keeps failing for a reason we did not
+* What cannot be decoded or mapped goes to `bridge.dlq.<reason>` with headers
+  naming the reason, raw sequence and error; then the raw message is acked. The
+  dead letter's body is the raw message with every string passed through the
+  redaction pipeline (secrets, listed values, home prefixes, PII; header
+  `Bridge-Dlq-Body: redacted`), or the original bytes when nothing needed redacting
+  or every capture ceiling is `full` (`original`): the DLQ is kept for 30 days and
+  browsed by operators, so it holds no more than the capture policy lets through.
+  The exact original stays in HERMES_RAW at `Bridge-Raw-Seq` for its retention. A message that keeps failing for a reason we did not
   foresee is retried with backoff and dead-lettered once it has been delivered
   `max_deliver` times. Nothing a message contains can stop the loop.
+* Resends past the duplicate window (`bridge.nats.lookup`). A shim that sent a
+  message but never saw its ack spools it and sends it again later with the same
+  id; within HERMES_RAW's duplicate window JetStream drops the copy, after a longer
+  outage it is stored twice. So a raw message stored more than half the window
+  after its receive time (only spool replays are that late) is looked up in
+  HERMES_RAW: an earlier copy with the same `Nats-Msg-Id` on its subject means its
+  events were made from that copy; it is acked and counted
+  (`aep_bridge_mapper_resends_dropped_total`). Likewise a redelivered raw message
+  stored longer ago than half of BRIDGE_MAPPED's window (an earlier attempt may have
+  stored some events before its ack was lost) publishes only the events its lane
+  subject does not hold yet. Lookups cost nothing on the normal
+  path; one that fails lets the copy through (a duplicate at worst, never a loss).
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from typing import Any
 
@@ -75,6 +93,8 @@ class MapperMetrics:
         self.ack_pending = Gauge("aep_bridge_consumer_ack_pending_messages", "Delivered but not yet acked", ["stream", "consumer"], registry=registry)
         self.redelivered = Gauge("aep_bridge_consumer_redelivered_messages", "JetStream num_redelivered", ["stream", "consumer"], registry=registry)
         self.retries = Counter(f"{ns}_retries_total", "Messages negatively acknowledged for retry", registry=registry)
+        self.resends = Counter(f"{ns}_resends_dropped_total", "Copies recognised as resends past the duplicate window (shim resends on HERMES_RAW, events of a late redelivery)", registry=registry)
+        self.resend_checks = Counter(f"{ns}_resend_checks_total", "Late raw messages looked up in HERMES_RAW for an earlier copy", registry=registry)
         self.epoch = Gauge(f"{ns}_epoch", "The AEP epoch in use (HERMES_RAW creation time)", registry=registry)
         self._hooks: dict[str, Any] = {}
         self._types: dict[str, Any] = {}
@@ -185,6 +205,16 @@ class Mapper:
         self.nc: Any = None
         self.js: Any = None
         self.lanes: KvLanes | None = None
+        # TEST HOOK (tests/test_faults.py): a raw message containing this byte string makes
+        # `handle` fail every time, to prove a poisoned message ends in the DLQ after
+        # max_deliver while the rest flows. Unset in any real deployment.
+        poison = os.environ.get("AEP_BRIDGE_TEST_POISON", "")
+        self._test_poison = poison.encode() if poison else None
+        levels = {policy.default, *policy.overrides.values()}
+        # Half of HERMES_RAW's / BRIDGE_MAPPED's duplicate windows (read at bind): older copies are looked up.
+        self.late_after_ns = int(S.DUPLICATE_WINDOW_S * 1e9) // 2
+        self.mapped_late_after_ns = int(S.DUPLICATE_WINDOW_S * 1e9) // 2
+        self._dlq_verbatim = levels == {"full"}  # every ceiling is `full`: dead letters keep the raw bytes
 
     # ------------------------------------------------------------ setup
 
@@ -198,6 +228,15 @@ class Mapper:
         info = await self.js.stream_info(S.HERMES_RAW)
         created = info.created
         self.epoch = epoch_of(created)
+        window = getattr(info.config, "duplicate_window", None)
+        if window:
+            self.late_after_ns = int(float(window) * 1e9) // 2
+        try:
+            window = getattr((await self.js.stream_info(S.BRIDGE_MAPPED)).config, "duplicate_window", None)
+        except Exception:  # not allowed to ask: assume the default window
+            window = None
+        if window:
+            self.mapped_late_after_ns = int(float(window) * 1e9) // 2
         self.metrics.epoch.set(self.epoch)
         kv = await self.js.key_value(S.LANES_BUCKET)
         self.lanes = KvLanes(kv)
@@ -212,8 +251,14 @@ class Mapper:
         """Map one raw message; return the publish futures its ack must wait for, and its receive time."""
         meta = msg.metadata
         raw_seq = meta.sequence.stream
+        if self._test_poison is not None and self._test_poison in msg.data:  # TEST HOOK, see __init__
+            raise RuntimeError("AEP_BRIDGE_TEST_POISON matched this message (test hook)")
         try:
             raw = decode_raw(msg.data)
+            if raw.ts and self.is_late(msg, raw.ts) and await self.stored_before(msg, raw.id, raw.ts):
+                self.metrics.resends.inc()
+                log.info("resend_dropped", raw_seq=raw_seq, raw_id=raw.id)
+                return [], 0
             self.metrics.hook_in(raw.hook or "unknown").inc()
             record = record_from_raw(raw)
             assert self.lanes is not None
@@ -233,19 +278,107 @@ class Mapper:
         subject = f"{S.MAPPED_PREFIX}.{partition_of(token, self.settings.partitions)}.{token}"
         hints = msgspec.json.encode(result.hints).decode()
         publish = self.js.publish_async
-        for event in result.events:
+        events = await self.already_mapped(msg, subject, result.events)
+        for event in events:
             futures.append(await publish(subject, encode_event(event), headers={"Nats-Msg-Id": event.id, HINTS_HEADER: hints}))
             self.metrics.event_out(event.type).inc()
         if result.lane == UNKNOWN:
             self.metrics.unknown_lane.inc(len(result.events))
         return futures, record.ts_ns
 
+    def is_late(self, msg: Any, ts_ns: int) -> bool:
+        """Stored so long after its receive time that the duplicate window may not cover a first copy."""
+        from bridge.nats.lookup import stored_ns
+
+        stored = stored_ns(msg)
+        return stored is not None and stored - ts_ns > self.late_after_ns
+
+    async def stored_before(self, msg: Any, raw_id: str, ts_ns: int) -> bool:
+        """Is an earlier copy of this raw message (same Nats-Msg-Id, same subject) in HERMES_RAW?
+        A first attempt is stored around the shim's receive time, so the search starts there."""
+        from bridge.nats.lookup import DEFAULT_MARGIN_NS, find_msg_id
+
+        self.metrics.resend_checks.inc()
+        seq = msg.metadata.sequence.stream
+        try:
+            found = await find_msg_id(self.nc, S.HERMES_RAW, msg.subject, raw_id, ts_ns - DEFAULT_MARGIN_NS,
+                                      before_seq=seq, until_ns=ts_ns + DEFAULT_MARGIN_NS,
+                                      api_prefix=getattr(self.js, "_prefix", "$JS.API"))
+        except Exception as exc:  # no permission, a timeout: let the copy through (a duplicate at worst)
+            log.warning("resend_check_failed", raw_seq=seq, error=f"{type(exc).__name__}: {exc}")
+            return False
+        return found is not None
+
+    async def already_mapped(self, msg: Any, subject: str, events: list[Any]) -> list[Any]:
+        """For a redelivered raw message stored longer ago than half of BRIDGE_MAPPED's duplicate
+        window: the events an earlier attempt did not store yet. An attempt publishes in order on
+        one connection, so what it stored is a prefix. First deliveries are not looked up (a
+        mapper catching up on a backlog would pay for every message); a server that lost the
+        consumer's delivery counts in a crash redelivers as a first delivery at once, and those
+        copies, close together, are dropped by pairing's dedupe of recent ids."""
+        from bridge.nats.lookup import SERVER_MARGIN_NS, find_msg_id, stored_ns
+
+        stored = stored_ns(msg)
+        if not events or getattr(msg.metadata, "num_delivered", 1) <= 1 or stored is None \
+                or time.time_ns() - stored <= self.mapped_late_after_ns:
+            return events  # a first delivery, or any earlier attempt is inside the window
+        self.metrics.resend_checks.inc()
+
+        async def stored_already(event: Any) -> bool:
+            try:
+                return await find_msg_id(self.nc, S.BRIDGE_MAPPED, subject, event.id, stored - SERVER_MARGIN_NS,
+                                         api_prefix=getattr(self.js, "_prefix", "$JS.API")) is not None
+            except Exception as exc:  # let it through: a duplicate at worst, never a loss
+                log.warning("resend_check_failed", raw_seq=msg.metadata.sequence.stream, error=f"{type(exc).__name__}: {exc}")
+                return False
+
+        if await stored_already(events[-1]):
+            done = len(events)
+        else:
+            done = 0
+            while done < len(events) - 1 and await stored_already(events[done]):
+                done += 1
+        if done:
+            self.metrics.resends.inc(done)
+        return events[done:]
+
+    def dlq_body(self, data: bytes) -> tuple[bytes, bool]:
+        """What a dead letter may keep of a raw message: (body, redacted?). Every string of a
+        JSON body (keys are structure) or the text of a non-JSON one goes through the
+        redaction pipeline; bytes that need no redaction are kept as they are."""
+        if self._dlq_verbatim:
+            return data, False
+        redactor = self.policy.redactor
+        try:
+            obj = msgspec.json.decode(data)
+        except (msgspec.DecodeError, UnicodeDecodeError):
+            text = data.decode("utf-8", "replace")
+            red = redactor.text(text)
+            return (data, False) if red == text and text.encode() == data else (red.encode(), True)
+        red_obj = redactor.value(obj)
+        if isinstance(obj, dict) and obj.get("raw_encoding") == "base64" and isinstance(obj.get("raw"), str):
+            # Input that was not UTF-8 travels as base64: look inside it too.
+            import binascii
+
+            try:
+                text = binascii.a2b_base64(obj["raw"]).decode("utf-8", "replace")
+            except (binascii.Error, ValueError):
+                text = ""
+            red = redactor.text(text)
+            if red != text:
+                red_obj["raw"], red_obj["raw_encoding"] = red, "utf-8-replaced"
+        return (data, False) if red_obj == obj else (msgspec.json.encode(red_obj), True)
+
     async def dead_letter(self, msg: Any, reason: str, error: str) -> asyncio.Future:
         meta = msg.metadata
+        body, redacted = self.dlq_body(msg.data)
+        if not self._dlq_verbatim:
+            error = self.policy.redactor.text(error)
         headers = {
             "Nats-Msg-Id": f"dlq:{S.HERMES_RAW}:{meta.sequence.stream}",
             "Bridge-Dlq-Reason": reason,
             "Bridge-Dlq-Error": error.replace("\r", " ").replace("\n", " ")[:1000],
+            "Bridge-Dlq-Body": "redacted" if redacted else "original",
             RAW_SEQ_HEADER: str(meta.sequence.stream),
             "Bridge-Raw-Subject": msg.subject,
             "Bridge-Stage": "mapper",
@@ -255,7 +388,7 @@ class Mapper:
                 headers.setdefault(f"Bridge-Orig-{key}", value)
         self.metrics.dead_letters.labels(reason=reason).inc()
         log.warning("dead_letter", reason=reason, raw_seq=meta.sequence.stream, error=error[:200])
-        return await self.js.publish_async(f"{S.DLQ_PREFIX}.{reason}", msg.data, headers=headers)
+        return await self.js.publish_async(f"{S.DLQ_PREFIX}.{reason}", body, headers=headers)
 
     # ------------------------------------------------------------ the loop
 
@@ -283,6 +416,11 @@ class Mapper:
         futures = [f for _, fs, _ in pending for f in fs]
         if futures:
             await asyncio.wait(futures, timeout=10)
+            # nats-py never times these out: an ack lost with a dying server would keep its slot of
+            # publish_async_max_pending forever (after enough outages every publish would block).
+            for f in futures:
+                if not f.done():
+                    f.cancel()
         now = time.time_ns()
         for msg, fs, ts_ns in pending:
             failed = next((f for f in fs if not f.done() or f.cancelled() or f.exception() is not None), None)

@@ -1,0 +1,267 @@
+"""Run the bridge's services as real processes around a NATS server, for fault tests and the soak.
+
+``Pipeline(url, workdir)`` bootstraps the streams (optionally with a shorter duplicate
+window) and starts ``aep-bridge mapper`` / ``aep-bridge pairing`` workers as child
+processes with their own metrics ports. A ``Worker`` can be killed (SIGKILL), paused
+(SIGSTOP) and resumed, restarted, scraped (``/metrics``) and measured (RSS from
+``/proc``). ``Pipeline.lag()`` reads the consumers' backlog from the server, and
+``Pipeline.settle()`` waits until the mapper and pairing consumers have nothing pending.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def rss_kb(pid: int) -> int:
+    """Resident set size of a process in KiB (0 when it is gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+_SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([-+0-9.eE]+|NaN|[+-]Inf)\s*$')
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text -> {'name{labels}': value}."""
+    out = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        m = _SAMPLE.match(line)
+        if m:
+            out[m.group(1) + (m.group(2) or "")] = float(m.group(3))
+    return out
+
+
+class Worker:
+    """``aep-bridge <kind> --nats URL`` as a child process with a known metrics port."""
+
+    def __init__(self, kind: str, url: str, log_dir: Path, name: str, args: list[str] | None = None,
+                 env: dict[str, str] | None = None, python_args: list[str] | None = None) -> None:
+        self.kind = kind
+        self.python_args = list(python_args or [])  # e.g. ["-m", "cProfile", "-o", FILE]
+        self.url = url
+        self.name = name
+        self.args = list(args or [])
+        self.log_path = Path(log_dir) / f"{name}.log"
+        self.env = {**os.environ, "AEP_BRIDGE_CONFIG": os.devnull, "AEP_BRIDGE_LOG_FORMAT": "json", **(env or {})}
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.port = 0
+        self.starts = 0
+        self.kills = 0
+
+    def start(self) -> "Worker":
+        self.port = free_port()
+        self.starts += 1
+        extra = ["--replica", self.name] if self.kind == "pairing" else []
+        cmd = [sys.executable, *self.python_args, "-m", "bridge.cli", self.kind, "--nats", self.url, "--metrics-port", str(self.port),
+               *extra, *self.args]
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=ROOT)
+        return self
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid if self.proc else 0
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self) -> None:
+        if self.alive():
+            assert self.proc is not None
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait()
+            self.kills += 1
+
+    def restart(self) -> "Worker":
+        self.kill()
+        return self.start()
+
+    def pause(self) -> None:
+        if self.alive():
+            assert self.proc is not None
+            self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self.alive():
+            assert self.proc is not None
+            self.proc.send_signal(signal.SIGCONT)
+
+    def terminate(self, timeout: float = 30.0) -> int | None:
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+    def rss_kb(self) -> int:
+        return rss_kb(self.pid) if self.alive() else 0
+
+    def metrics(self, timeout: float = 2.0) -> dict[str, float]:
+        """The worker's /metrics, parsed ({} when it does not answer)."""
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=timeout) as r:
+                return parse_metrics(r.read().decode())
+        except OSError:
+            return {}
+
+    def ready(self, timeout: float = 2.0) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/readyz", timeout=timeout) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    def log(self, tail: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-tail:]
+        except OSError:
+            return ""
+
+
+class Pipeline:
+    """Workers around one NATS server, plus the server-side views tests and the soak need."""
+
+    def __init__(self, url: str, workdir: str | Path, env: dict[str, str] | None = None) -> None:
+        self.url = url
+        self.dir = Path(workdir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.env = env or {}
+        self.workers: list[Worker] = []
+
+    # ------------------------------------------------------------ server side
+
+    def run(self, coro_fn: Any, timeout: float = 30.0) -> Any:
+        """Run ``coro_fn(js)`` on a fresh connection (synchronous helper)."""
+        import nats
+
+        async def main() -> Any:
+            nc = await nats.connect(self.url, connect_timeout=3, max_reconnect_attempts=2, reconnect_time_wait=0.2)
+            try:
+                return await asyncio.wait_for(coro_fn(nc.jetstream()), timeout)
+            finally:
+                await nc.close()
+
+        return asyncio.run(main())
+
+    def bootstrap(self, duplicate_window_s: float | None = None) -> dict[str, str]:
+        from bridge.nats.bootstrap import bootstrap
+
+        return self.run(lambda js: bootstrap(js, None, replicas=1, duplicate_window_s=duplicate_window_s))
+
+    def counts(self) -> dict[str, int]:
+        async def f(js: Any) -> dict[str, int]:
+            out = {}
+            for name in ("HERMES_RAW", "BRIDGE_MAPPED", "BRIDGE_DLQ", "AEP_EVENTS"):
+                out[name] = (await js.stream_info(name)).state.messages
+            return out
+
+        return self.run(f)
+
+    def lag(self) -> dict[str, int]:
+        """Backlog as the server sees it: the mapper durable's pending + unacked, and the sum of
+        num_pending over the pairing partitions' consumers on BRIDGE_MAPPED."""
+        from bridge.nats import streams as S
+
+        async def f(js: Any) -> dict[str, int]:
+            out = {"mapper_pending": 0, "mapper_ack_pending": 0, "pairing_pending": 0, "pairing_consumers": 0}
+            try:
+                info = await js.consumer_info(S.HERMES_RAW, S.MAPPER_DURABLE)
+                out["mapper_pending"] = info.num_pending or 0
+                out["mapper_ack_pending"] = info.num_ack_pending or 0
+            except Exception:
+                out["mapper_pending"] = -1
+            # Per partition the consumer that got furthest: a killed owner's consumer lingers
+            # (inactive_threshold) with a growing backlog nobody reads.
+            best: dict[str, tuple[int, int]] = {}
+            for c in await js.consumers_info(S.BRIDGE_MAPPED):
+                subject = c.config.filter_subject or ""
+                if subject.startswith(f"{S.MAPPED_PREFIX}."):
+                    delivered = (c.delivered.stream_seq or 0) if c.delivered else 0
+                    if subject not in best or delivered > best[subject][0]:
+                        best[subject] = (delivered, c.num_pending or 0)
+            out["pairing_pending"] = sum(p for _, p in best.values())
+            out["pairing_consumers"] = len(best)
+            return out
+
+        return self.run(f)
+
+    def settle(self, timeout: float = 90.0, quiet_s: float = 2.0, partitions: int = 8) -> dict[str, int]:
+        """Wait until nothing is pending for the mapper or the pairing partitions and AEP_EVENTS
+        stopped growing for ``quiet_s``. Raises TimeoutError with the last view."""
+        deadline = time.monotonic() + timeout
+        last_count, since = -1, time.monotonic()
+        view: dict[str, int] = {}
+        while time.monotonic() < deadline:
+            try:
+                view = {**self.lag(), **self.counts()}
+            except Exception as exc:  # the server may be coming back
+                view = {"error": str(exc)}  # type: ignore[dict-item]
+                time.sleep(0.5)
+                continue
+            idle = (view["mapper_pending"] == 0 and view["mapper_ack_pending"] == 0
+                    and view["pairing_pending"] == 0 and view["pairing_consumers"] >= partitions)
+            if view["AEP_EVENTS"] != last_count:
+                last_count, since = view["AEP_EVENTS"], time.monotonic()
+            if idle and time.monotonic() - since >= quiet_s:
+                return view
+            time.sleep(0.25)
+        raise TimeoutError(f"the pipeline did not settle within {timeout}s: {view}")
+
+    # ------------------------------------------------------------ workers
+
+    def add(self, kind: str, name: str | None = None, args: list[str] | None = None,
+            env: dict[str, str] | None = None, python_args: list[str] | None = None) -> Worker:
+        name = name or f"{kind}-{sum(1 for w in self.workers if w.kind == kind)}"
+        w = Worker(kind, self.url, self.dir, name, args, {**self.env, **(env or {})}, python_args)
+        self.workers.append(w)
+        return w.start()
+
+    def of(self, kind: str) -> list[Worker]:
+        return [w for w in self.workers if w.kind == kind]
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if all(w.ready() for w in self.workers if w.alive()):
+                return
+            time.sleep(0.1)
+        raise TimeoutError("workers not ready: " + "; ".join(f"{w.name}: {w.log(600)}" for w in self.workers))
+
+    def stop(self) -> dict[str, int | None]:
+        return {w.name: w.terminate() for w in self.workers}
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {w.name} (starts {w.starts}, kills {w.kills}) ---\n{w.log(3000)}" for w in self.workers)

@@ -1,0 +1,308 @@
+"""Fault scenarios over the whole pipeline (issue 8), each on its own real nats-server.
+
+Every scenario runs the fleet simulator (`bridge.sim.fleet`: in-process shims plus real
+shim processes) against real `aep-bridge mapper` / `aep-bridge pairing` processes,
+injects one kind of fault mid-run, lets every session finish, drains the spools, and
+then runs the verifier (`bridge.sim.verify`) against the simulator's manifest: zero
+loss, zero duplicates, no reused (epoch, seq), the pairing invariants, schema validity,
+no canary secret anywhere. Each also asserts that its fault really happened (kills
+counted, events spooled, copies stored twice, lag observed, ...), so a scenario that
+silently did nothing fails.
+
+Time is bounded by the pipeline's own timers, not by assertions on durations: a
+mapper killed mid-batch leaves messages that JetStream redelivers after the consumer's
+ack_wait (30 s); a pairing owner killed holds its leases until they expire (10 s).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bridge.shim import hook
+from bridge.sim.fleet import Fleet, FleetConfig
+from bridge.sim.harness import Pipeline
+from bridge.sim.verify import Report, verify
+from tests.support.shim import run_hook, shim_env
+
+
+def fleet_for(url: str, tmp_path: Path, **kw: Any) -> Fleet:
+    cfg = dict(nats_url=url, instances=30, rate=300.0, duration=12.0, shim_fraction=0.1, shim_workers=3,
+               canary_fraction=0.05, hostile_fraction=0.002, seed=int.from_bytes(os.urandom(2), "big"),
+               manifest=str(tmp_path / "manifest.jsonl"), spool_dir=str(tmp_path / "spool"))
+    cfg.update(kw)
+    return Fleet(FleetConfig(**cfg))
+
+
+def start(fleet: Fleet) -> threading.Thread:
+    t = threading.Thread(target=fleet.run, name="fleet", daemon=True)
+    t.start()
+    return t
+
+
+def finish(fleet: Fleet, thread: threading.Thread, pipe: Pipeline, wait: float = 60.0) -> Report:
+    thread.join(timeout=180)
+    assert not thread.is_alive(), "the simulator did not finish"
+    left = fleet.drain(timeout=30)
+    fleet.close()
+    assert not left, f"spools not drained: {left}"
+    assert fleet.complete, "every simulated session ended (wind-down)"
+    pipe.settle(timeout=90)
+    return verify(pipe.url, fleet.manifest_path, wait=wait)
+
+
+def assert_clean(report: Report, pipe: Pipeline) -> None:
+    text = report.render()
+    print(text)
+    assert report.manifest_events > 0
+    assert report.lost_count == 0, text + "\n" + pipe.logs()
+    assert report.duplicate_count == 0 and report.id_under_two_sources == 0, text
+    assert report.seq_reused == 0, text
+    assert report.invariant_count == 0, text
+    assert report.schema_count == 0, text
+    assert report.canary_count == 0, text
+    assert report.canaries_planted > 0, "the scenario must carry canaries to prove anything"
+    assert report.ok, text
+
+
+def pipeline(server: Any, tmp_path: Path, mappers: int = 1, pairings: int = 1, window: float | None = None,
+             mapper_env: dict[str, str] | None = None) -> Pipeline:
+    pipe = Pipeline(server.url, tmp_path / "logs")
+    pipe.bootstrap(duplicate_window_s=window)
+    for _ in range(mappers):
+        pipe.add("mapper", args=["--batch", "64"], env=mapper_env)
+    for i in range(pairings):
+        pipe.add("pairing", name=f"pairing-{i}")
+    pipe.wait_ready()
+    return pipe
+
+
+# ---------------------------------------------------------------- 1. kill -9 of the workers
+
+
+@pytest.mark.slow
+def test_kill_9_mappers_and_pairing_owners_at_random_moments(nats_server_fn, tmp_path):
+    pipe = pipeline(nats_server_fn, tmp_path, mappers=2, pairings=2)
+    fleet = fleet_for(nats_server_fn.url, tmp_path, rate=400.0, duration=12.0, instances=40)
+    kills: Counter[str] = Counter()
+    try:
+        thread = start(fleet)
+        rng = random.Random()
+        time.sleep(1.0)
+        while thread.is_alive() and fleet.sent < 0.9 * 12.0 * 400:
+            victim = rng.choice(pipe.workers)
+            victim.kill()  # SIGKILL: no final ack, checkpoint or lease release
+            kills[victim.kind] += 1
+            victim.start()
+            time.sleep(rng.uniform(0.7, 1.6))
+        report = finish(fleet, thread, pipe)
+        assert kills["mapper"] >= 2 and kills["pairing"] >= 2, kills
+        assert_clean(report, pipe)
+        # Redelivery after a crash may put a mapped event behind a later one of its session:
+        # reported as a backfill (AEP allows it), never a reused position.
+        print(f"kills {dict(kills)}; backfills {report.backfills}")
+    finally:
+        pipe.stop()
+
+
+# ---------------------------------------------------------------- 2. NATS killed and restarted
+
+
+@pytest.mark.slow
+def test_nats_killed_and_restarted_on_the_same_store(nats_server_fn, tmp_path):
+    pipe = pipeline(nats_server_fn, tmp_path, mappers=1, pairings=1)
+    fleet = fleet_for(nats_server_fn.url, tmp_path, duration=12.0)
+    try:
+        thread = start(fleet)
+        time.sleep(4.0)
+        before = pipe.counts()
+        nats_server_fn.kill()  # SIGKILL mid-run
+        time.sleep(2.5)  # the shims keep firing: they spool
+        nats_server_fn.start()  # same port, same JetStream store
+        after = pipe.counts()
+        assert after["HERMES_RAW"] >= before["HERMES_RAW"], "the store survived the kill"
+        report = finish(fleet, thread, pipe)
+        assert fleet.outcomes["spooled"] > 0, "the outage was seen by the shims"
+        assert all(w.alive() for w in pipe.workers), "the services rode out the restart:\n" + pipe.logs()
+        assert_clean(report, pipe)
+    finally:
+        pipe.stop()
+
+
+# ---------------------------------------------------------------- 3. NATS down longer than the duplicate window
+
+
+@pytest.mark.slow
+def test_outage_longer_than_the_duplicate_window_with_lost_acks(nats_server_fn, tmp_path):
+    window = 2.0  # test-only: bootstrap(duplicate_window_s=...) so "longer than the window" fits in a short test
+    pipe = pipeline(nats_server_fn, tmp_path, mappers=2, pairings=1, window=window)
+    fleet = fleet_for(nats_server_fn.url, tmp_path, duration=9.0)
+    try:
+        thread = start(fleet)
+        time.sleep(3.0)
+        # The moment a server dies is when acks get lost: the shim already sent the message,
+        # JetStream stored it, the ack never came back, so the shim spools it and will send
+        # it again. Keep those copies in the spool until the server is back (as a dead server
+        # would), then take the server down for longer than the duplicate window.
+        fleet.drainer.hold.set()
+        fleet.lose_acks(20)  # at most one per in-process instance: a spooled one stops publishing directly
+        deadline = time.monotonic() + 10
+        while fleet.sender.lose_acks and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert fleet.sender.lose_acks == 0
+        nats_server_fn.kill()
+        time.sleep(window + 3.0)  # the shims keep firing into their spools
+        nats_server_fn.start()
+        fleet.drainer.hold.clear()
+        report = finish(fleet, thread, pipe)
+        assert report.raw_duplicates >= 20, "the resends past the window were stored twice on HERMES_RAW:\n" + report.render()
+        resends = sum(w.metrics().get("aep_bridge_mapper_resends_dropped_total", 0) for w in pipe.of("mapper"))
+        assert resends >= 20, f"the mapper recognised the shims' resends ({resends}):\n" + report.render()
+        # The mapper's own publishes whose acks died with the server may be stored twice on
+        # BRIDGE_MAPPED (redelivered at once as first deliveries); pairing drops those copies.
+        print(f"BRIDGE_MAPPED copies absorbed by pairing: {report.mapped_duplicates}")
+        assert_clean(report, pipe)
+    finally:
+        pipe.stop()
+
+
+# ---------------------------------------------------------------- 4. a slow consumer
+
+
+@pytest.mark.slow
+def test_pairing_paused_then_resumed_lags_and_catches_up(nats_server_fn, tmp_path):
+    pipe = pipeline(nats_server_fn, tmp_path, mappers=1, pairings=1)
+    pairing = pipe.of("pairing")[0]
+    fleet = fleet_for(nats_server_fn.url, tmp_path, rate=600.0, duration=16.0, instances=40)
+    try:
+        thread = start(fleet)
+        time.sleep(3.0)
+        pairing.pause()  # SIGSTOP: a consumer that stopped reading (its leases lapse meanwhile)
+        lag_seen = []
+        counts_at_pause = pipe.counts()
+        for _ in range(12):
+            time.sleep(1.0)
+            lag_seen.append(pipe.lag()["pairing_pending"])
+        counts_paused = pipe.counts()
+        pairing.resume()
+        # Lag grew while paused, and AEP_EVENTS stood still.
+        assert lag_seen[-1] > lag_seen[0] > 0, lag_seen
+        assert counts_paused["AEP_EVENTS"] == counts_at_pause["AEP_EVENTS"]
+        assert counts_paused["BRIDGE_MAPPED"] > counts_at_pause["BRIDGE_MAPPED"]
+        # The service's own metric shows the backlog once it reads again.
+        pending_metric = 0.0
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and pending_metric == 0:
+            m = pairing.metrics()
+            pending_metric = max([v for k, v in m.items() if k.startswith("aep_bridge_consumer_pending_messages{")
+                                  and 'stream="BRIDGE_MAPPED"' in k] or [0.0])
+            time.sleep(0.05)
+        assert pending_metric > 0, "aep_bridge_consumer_pending_messages showed the backlog"
+        report = finish(fleet, thread, pipe)
+        assert pairing.alive(), pairing.log()
+        assert_clean(report, pipe)
+        assert report.backfills == 0, "one mapper, no redelivery: every session in order\n" + report.render()
+        print(f"pairing lag while paused: {lag_seen}; metric after resume: {pending_metric}")
+    finally:
+        pipe.stop()
+
+
+# ---------------------------------------------------------------- 5. the spool's disk full or unwritable
+
+
+@pytest.mark.slow
+def test_spool_full_or_unwritable_answers_in_time_and_counts_the_loss(nats_server_fn, tmp_path):
+    pipe = pipeline(nats_server_fn, tmp_path, mappers=1, pairings=1)
+    fleet = fleet_for(nats_server_fn.url, tmp_path, duration=6.0, instances=20, shim_fraction=0.25)
+    spool = Path(fleet.spool_dir)
+    spool.mkdir(parents=True, exist_ok=True)
+    full = sorted(fleet.shim_instances)[:2]
+    # "Disk full": the spool file of two real-shim instances is /dev/full (every write fails
+    # with ENOSPC); their counter files beside it still work.
+    for name in full:
+        os.symlink("/dev/full", spool / f"{hook.token(name)}.spool")
+    # "Unwritable": a real shim whose spool directory cannot be created at all.
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("x")
+    ro_env = shim_env(f"nats://127.0.0.1:{hook.parse_server_url(nats_server_fn.url)[2]}", blocker / "spool", "ro-instance")
+    try:
+        thread = start(fleet)
+        time.sleep(1.5)
+        nats_server_fn.stop()
+        runs = [run_hook(b'{"hook_event_name":"on_session_start","session_id":"s-ro","extra":{}}', ro_env) for _ in range(3)]
+        time.sleep(2.0)  # the fleet keeps firing: most spool, the /dev/full ones lose events
+        nats_server_fn.start()
+        report = finish(fleet, thread, pipe)
+        # The shim answered {} in time although it could neither publish nor spool, and said so.
+        for r in runs:
+            assert r.answered_empty_object and b"LOST" in r.stderr, r
+            assert r.elapsed < 0.25 + 2.0, r.elapsed  # the deadline, with generous room for a busy box
+        lost = [e for e in fleet_manifest(fleet) if e.get("o") == "lost"]
+        assert lost and {e["i"] for e in lost} <= set(full), "only the instances whose spool is full lost events"
+        counted = fleet.edge_losses()
+        assert sum(counted.get(n, 0) for n in full) == len(lost), (counted, len(lost))
+        assert report.edge_loss_counted == len(lost)
+        snap = fleet.snapshot()
+        assert snap["shim_failures"] == 0 and snap["shim_max_ms"] < 250 + 2000, snap
+        assert_clean(report, pipe)  # every event not counted as lost arrived
+    finally:
+        pipe.stop()
+
+
+def fleet_manifest(fleet: Fleet) -> list[dict[str, Any]]:
+    from bridge.sim.verify import read_manifest
+
+    return read_manifest(fleet.manifest_path)[1]
+
+
+# ---------------------------------------------------------------- 6. a poisoned message
+
+
+@pytest.mark.slow
+def test_poisoned_message_is_dead_lettered_after_max_deliver_and_the_rest_flows(nats_server_fn, tmp_path):
+    poison = "POISON-" + os.urandom(4).hex()
+    pipe = pipeline(nats_server_fn, tmp_path, mappers=1, pairings=1, mapper_env={"AEP_BRIDGE_TEST_POISON": poison})
+    fleet = fleet_for(nats_server_fn.url, tmp_path, duration=8.0)
+    try:
+        thread = start(fleet)
+        time.sleep(2.0)
+        # One envelope, with a canary in it, that makes the mapper fail on every delivery.
+        env = shim_env(nats_server_fn.url, tmp_path / "spool-poison", "poisoner")
+        secret = fleet.canaries.aws_key
+        body = (b'{"hook_event_name":"pre_tool_call","tool_name":"terminal","tool_input":{"command":"export AWS_KEY='
+                + secret.encode() + b'"},"session_id":"' + poison.encode() + b'","cwd":"/tmp","extra":{}}')
+        assert run_hook(body, env).answered_empty_object
+        report = finish(fleet, thread, pipe, wait=30)
+        dlq = dead_letters(pipe)
+        poisoned = [d for d in dlq if poison.encode() in d["data"] or poison in d["headers"].get("Bridge-Raw-Subject", "")]
+        assert len(poisoned) == 1, dlq
+        assert poisoned[0]["headers"]["Bridge-Dlq-Reason"] == "max_deliver"
+        assert secret.encode() not in poisoned[0]["data"], "the dead letter holds no secret"
+        assert poisoned[0]["headers"]["Bridge-Dlq-Body"] == "redacted"
+        metrics = pipe.of("mapper")[0].metrics()
+        assert metrics.get('aep_bridge_dead_letters_total{reason="max_deliver"}') == 1.0
+        assert metrics.get("aep_bridge_mapper_retries_total", 0) >= 4
+        assert_clean(report, pipe)  # everything else flowed
+        assert report.backfills == 0, report.render()
+    finally:
+        pipe.stop()
+
+
+def dead_letters(pipe: Pipeline) -> list[dict[str, Any]]:
+    async def read(js: Any) -> list[dict[str, Any]]:
+        from bridge.sim.verify import StreamReader
+
+        out: list[dict[str, Any]] = []
+        r = StreamReader(js, "BRIDGE_DLQ", "bridge.dlq.>")
+        await r.read_new(lambda m: out.append({"data": m.data, "headers": dict(m.headers or {}), "subject": m.subject}))
+        await r.close()
+        return out
+
+    return pipe.run(read)

@@ -1,0 +1,298 @@
+"""The fleet simulator and the verifier (issue 8).
+
+* The generator plays the whole Hermes surface (every status, every approval choice,
+  clarify, subagents with late stops, resets, resumed sessions, execute_code inner
+  calls, the exit safety net) and every envelope maps cleanly with the pure core.
+* Canary secrets are shaped so the redaction pipeline must catch them, and none
+  survives the mapping at the default capture level.
+* The in-process path and a real shim process put the same bytes on HERMES_RAW.
+* End to end through the CLI (`aep-bridge simulate`, `aep-bridge verify`) against real
+  services, and the verifier fails when the streams are tampered with: a lost event, a
+  duplicate, a reused position, an invalid event, a leaked canary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from collections import Counter, defaultdict
+from pathlib import Path
+
+import pytest
+
+from bridge.core.capture import CapturePolicy, Redactor
+from bridge.core.envelope import decode_raw
+from bridge.core.lanes import MemoryLanes
+from bridge.core.pipeline import map_record, record_from_raw
+from bridge.shim import hook
+from bridge.sim.fleet import MARKER_KEY, Canaries, Fleet, FleetConfig, envelopes
+from bridge.sim.harness import Pipeline
+from bridge.sim.verify import StreamReader, verify
+from tests.natsfixture import JetStreamClient
+from tests.support.shim import run_hook, shim_env
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def generated() -> list[tuple[str, dict]]:
+    out = []
+    for instance, data in envelopes(30_000, instances=24, seed=5):
+        out.append((instance, json.loads(data)))
+    return out
+
+
+# ---------------------------------------------------------------- the generator
+
+
+def test_generator_plays_the_whole_hermes_surface(generated):
+    statuses, choices, keys, clarify, sentinels = Counter(), Counter(), Counter(), Counter(), Counter()
+    finalized: dict[str, int] = Counter()
+    finalized_at: dict[tuple[str, str], int] = {}
+    late_stops = inner_calls = safety_nets = resets = gateway_resets = smart = 0
+    for i, (instance, env) in enumerate(generated):
+        hook_name, extra, sid = env["hook_event_name"], env["extra"], env["session_id"]
+        if hook_name == "post_tool_call":
+            statuses[extra["status"]] += 1
+            if env["tool_name"] == "clarify" and extra["status"] == "ok":
+                response = json.loads(extra["result"])["user_response"]
+                clarify["choices" if env["tool_input"].get("choices") else "free"] += 1
+                if response in ("", "[clarify prompt could not be delivered]", "[user did not respond within 5m]") \
+                        or response.startswith("The user"):
+                    sentinels[response[:20]] += 1
+        if hook_name in ("pre_approval_request", "post_approval_response"):
+            assert sid == "", "approvals carry an empty session_id"
+            key = extra["session_key"]
+            keys["session" if key == extra["turn_id"].split(":")[0] else key.split(":")[0]] += 1
+            if hook_name == "post_approval_response":
+                choices[extra["choice"]] += 1
+            smart += extra["surface"] == "smart"
+        if hook_name == "pre_tool_call" and sid == "":
+            assert extra["tool_call_id"] == "" and extra["turn_id"] == "" and extra["task_id"], extra
+            inner_calls += 1
+        if hook_name == "on_session_end" and "turn_id" not in extra and "task_id" not in extra:
+            safety_nets += 1
+        if hook_name == "on_session_reset":
+            resets += 1
+            gateway_resets += "old_session_id" in extra
+        if hook_name == "on_session_finalize":
+            finalized[sid] += 1
+            finalized_at[(instance, sid)] = i
+        if hook_name == "subagent_stop" and (instance, sid) in finalized_at:
+            late_stops += 1
+    assert set(statuses) == {"ok", "error", "blocked", "cancelled", "timeout"}, statuses
+    assert set(choices) == {"once", "session", "always", "deny", "timeout"}, choices
+    assert set(keys) >= {"session", "default", "agent"}, keys  # the session id, `hermes chat -q`, a gateway key
+    assert clarify["choices"] and clarify["free"] and len(sentinels) >= 4, (clarify, sentinels)
+    assert late_stops > 0, "some subagent_stop arrive after the parent's on_session_finalize"
+    assert inner_calls > 0 and safety_nets > 0 and smart > 0
+    assert resets > 0 and gateway_resets > 0
+    assert any(n >= 2 for n in finalized.values()), "a resumed session is finalized twice"
+
+
+def test_every_generated_envelope_maps_cleanly(generated):
+    lanes, policy = MemoryLanes(), CapturePolicy()
+    cfg = hook.Config({"AEP_BRIDGE_CONFIG": os.devnull, "AEP_BRIDGE_INSTANCE": "gen"})
+    types = Counter()
+    for seq, (_, env) in enumerate(generated[:8000], start=1):
+        record = hook.build_record(json.dumps(env).encode(), cfg)
+        mapped = map_record(record_from_raw(decode_raw(record.body)), seq, 0, lanes, policy)
+        assert not mapped.problems and mapped.drift is None, (env, mapped.problems)
+        lanes.learn(mapped.learned)
+        types.update(e.type for e in mapped.events)
+    assert {"attention.requested", "attention.answered", "attention.timeout", "tool.denied", "tool.failed",
+            "delegation.subagent.stopped", "x.hermes.session.reset", "session.ended"} <= set(types), types
+
+
+def test_hostile_input_and_oversized_results_when_asked():
+    out = envelopes(4000, instances=4, seed=2, hostile_fraction=0.05, big_fraction=0.1)
+    kinds = Counter()
+    for _, data in out:
+        try:
+            obj = json.loads(data)
+        except ValueError:
+            kinds["not json or not utf-8"] += 1
+            continue
+        if not isinstance(obj, dict):
+            kinds["not an object"] += 1
+        elif "hook_event_name" not in obj:
+            kinds["no hook"] += 1
+        elif len(data) > 65536:
+            kinds["oversized"] += 1
+    assert len(kinds) == 4, kinds
+
+
+# ---------------------------------------------------------------- canaries
+
+
+def test_canaries_are_shaped_for_the_redaction_pipeline():
+    import random
+
+    c = Canaries.make(random.Random(3))
+    rng = random.Random(4)
+    redactor = Redactor()
+    for _ in range(200):
+        for text in (c.command(rng), c.text(rng), c.result(rng)):
+            red = redactor.text(text)
+            assert not any(s in red for s in c.strings()), (text, red)
+
+
+def test_no_canary_survives_the_mapping_at_the_default_capture_level():
+    lanes, policy = MemoryLanes(), CapturePolicy()
+    cfg = hook.Config({"AEP_BRIDGE_CONFIG": os.devnull, "AEP_BRIDGE_INSTANCE": "gen"})
+    out = envelopes(6000, instances=6, seed=9, canary_fraction=0.5)
+    import random
+
+    strings = Canaries.make(random.Random(9 + 1)).strings()
+    planted = sum(1 for _, d in out if any(s.encode() in d for s in strings))
+    assert planted > 500
+    from bridge.core.aep import encode_event
+
+    for seq, (_, data) in enumerate(out, start=1):
+        mapped = map_record(record_from_raw(decode_raw(hook.build_record(data, cfg).body)), seq, 0, lanes, policy)
+        lanes.learn(mapped.learned)
+        blob = b"".join(encode_event(e) for e in mapped.events) + json.dumps(mapped.hints).encode()
+        assert not any(s.encode() in blob for s in strings), blob
+
+
+# ---------------------------------------------------------------- the wire
+
+
+def test_in_process_and_real_shim_put_the_same_bytes_on_hermes_raw(nats_server, jetstream, tmp_path):
+    envelope = {"hook_event_name": "pre_tool_call", "tool_name": "terminal", "tool_input": {"command": "ls ✓"},
+                "session_id": "s-wire", "cwd": "/home/dev/x", "extra": {"turn_id": "s-wire:t:1", "n": 1,
+                "conversation_history": [{"role": "user", "content": "dropped at the edge"}]}}
+    data = json.dumps(envelope, ensure_ascii=False).encode()
+    instance = "wire-" + os.urandom(3).hex()
+    fleet = Fleet(FleetConfig(nats_url=nats_server.url, instances=1, spool_dir=str(tmp_path / "spool"),
+                              manifest=str(tmp_path / "m.jsonl")))
+    cfg = fleet.shim_config
+    cfg.instance = instance
+    record = hook.build_record(data, cfg)
+    assert fleet.sender.send([(instance, record)]) == ["published"]
+    fleet.sender.close()
+    fleet.manifest.close()
+    assert run_hook(data, shim_env(nats_server.url, tmp_path / "spool2", instance)).answered_empty_object
+    got = jetstream.fetch(f"hermes.raw.{instance}.>", expected=2, timeout=10)
+    assert len(got) == 2
+
+    def normal(m):  # the id and the receive time differ; everything else is the same bytes
+        body = json.loads(m.data)
+        assert m.headers["Nats-Msg-Id"] == body["id"]
+        return m.data.replace(body["id"].encode(), b"ID").replace(str(body["ts"]).encode(), b"TS")
+
+    assert normal(got[0]) == normal(got[1])
+    assert got[0].subject == got[1].subject == f"hermes.raw.{instance}.pre_tool_call"
+    assert json.loads(got[0].data)["edge"] == {"dropped": ["extra.conversation_history"]}
+
+
+# ---------------------------------------------------------------- end to end, and a verifier that can fail
+
+
+def cli(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "AEP_BRIDGE_CONFIG": os.devnull}
+    return subprocess.run([sys.executable, "-m", "bridge.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=ROOT)
+
+
+@pytest.mark.slow
+def test_simulate_and_verify_from_the_command_line_and_a_verifier_that_fails(nats_server_fn, tmp_path):
+    url = nats_server_fn.url
+    pipe = Pipeline(url, tmp_path / "logs")
+    pipe.bootstrap()
+    pipe.add("mapper")
+    pipe.add("pairing", name="pairing-0")
+    pipe.wait_ready()
+    manifest = tmp_path / "manifest.jsonl"
+    try:
+        sim = cli("simulate", "--nats", url, "--instances", "12", "--rate", "150", "--duration", "5",
+                  "--shim-fraction", "0.25", "--canary-fraction", "0.2", "--hostile-fraction", "0.01",
+                  "--manifest", str(manifest), "--spool-dir", str(tmp_path / "spool"), "--quiet")
+        assert sim.returncode == 0, sim.stderr
+        summary = json.loads(sim.stdout)
+        assert summary["complete"] and summary["via"]["shim"] > 0 and summary["shim_failures"] == 0, summary
+        pipe.settle(timeout=60)
+        ok = cli("verify", "--nats", url, "--manifest", str(manifest), "--wait", "30", "--strict-order")
+        assert ok.returncode == 0, ok.stdout + ok.stderr
+        assert "aep-bridge verify: OK" in ok.stdout and "loss         0" in ok.stdout
+        entries = [json.loads(line) for line in manifest.read_text().splitlines()]
+        shim_entries = [e for e in entries if e.get("v") == "shim"]
+        assert shim_entries and all(e["m"] for e in shim_entries)
+    finally:
+        pipe.stop()
+
+    # Tamper with the streams; the verifier must see each kind of violation.
+    client = JetStreamClient(url)
+    try:
+        aep = client.fetch("aep.hermes.>", stream="AEP_EVENTS")
+        by_type = defaultdict(list)
+        for m in aep:
+            by_type[json.loads(m.data)["type"]].append(m)
+        victim = by_type["tool.completed"][0]
+        client.run(client.js.delete_msg("AEP_EVENTS", victim.seq))  # a lost event
+        bad = cli("verify", "--nats", url, "--manifest", str(manifest), "--wait", "0")
+        assert bad.returncode == 1 and "loss         1" in bad.stdout, bad.stdout
+        assert json.loads(victim.data)["id"] in bad.stdout
+
+        canary = json.loads(manifest.read_text().splitlines()[0])["meta"]["canaries"][0]
+        dup = json.loads(by_type["run.started"][0].data)
+        reused = dict(json.loads(by_type["run.finished"][0].data), id="01ZZZZZZZZZZZZZZZZZZZZZZZZ")
+        reused["seq"] = json.loads(by_type["run.started"][1].data)["seq"]
+        reused["session"] = json.loads(by_type["run.started"][1].data)["session"]
+        leaked = dict(json.loads(by_type["tool.requested"][0].data), id="01YYYYYYYYYYYYYYYYYYYYYYYY", seq=1)
+        leaked["data"] = dict(leaked["data"], args={"key": canary})
+        invalid = dict(dup, id="01XXXXXXXXXXXXXXXXXXXXXXXX", seq=2, data={"trigger": "sometimes"})
+
+        async def tamper() -> None:
+            for i, doc in enumerate((dup, reused, leaked, invalid)):
+                await client.js.publish(f"aep.hermes.tamper{i}.{doc['type']}", json.dumps(doc).encode(),
+                                        headers={"Nats-Msg-Id": f"tamper-{i}"})
+
+        client.run(tamper())
+    finally:
+        client.close()
+    report = verify(url, manifest)
+    assert report.lost_count == 1
+    assert report.duplicate_count == 1
+    assert report.seq_reused >= 1
+    assert report.canary_count >= 1 and canary in "".join(report.canary_hits)
+    assert report.schema_count == 1
+    assert not report.ok
+    assert report.violations == {"lost": 1, "duplicates": 1, "seq_reused": report.seq_reused,
+                                 "pairing_invariants": report.invariant_count, "schema": 1, "canaries": report.canary_count}
+
+
+def test_verifier_reads_incrementally_and_finds_shim_sent_messages_by_marker(nats_server, jetstream, tmp_path):
+    """A manifest entry sent through a real shim has no id; the verifier finds it by its marker."""
+    instance = "mark-" + os.urandom(3).hex()
+    marker = f"{instance}#1"
+    env = {"hook_event_name": "on_session_start", "session_id": "s-" + instance, "extra": {MARKER_KEY: marker}}
+    assert run_hook(json.dumps(env), shim_env(nats_server.url, tmp_path, instance)).answered_empty_object
+    manifest = tmp_path / "m.jsonl"
+    manifest.write_text(json.dumps({"meta": {"canaries": []}}) + "\n"
+                        + json.dumps({"id": None, "i": instance, "h": "on_session_start", "v": "shim", "o": "published",
+                                      "m": marker}) + "\n" + json.dumps({"end": {"complete": True}}) + "\n")
+    import nats
+
+    from bridge.sim.verify import Verifier
+
+    async def main() -> tuple[int, int]:
+        nc = await nats.connect(nats_server.url)
+        try:
+            v = Verifier(nc, manifest)
+            await v.collect()
+            found = v.marker_to_id.get(marker)
+            assert found and found in v.raw
+            lost, examples, where, expected, _ = v.missing()
+            again = await v.collect()  # nothing new: reads nothing
+            await v.close()
+            return lost, sum(again.values())
+        finally:
+            await nc.close()
+
+    lost, again = asyncio.run(main())
+    assert lost == 1  # no mapper runs on this shared server: the event never reached AEP_EVENTS
+    assert again == 0
