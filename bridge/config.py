@@ -34,25 +34,14 @@ def default_state_dir() -> Path:
 
 
 def read_env_file(path: Path) -> dict[str, str]:
-    """Parse a `KEY=VALUE` file (comments with #, optional quotes); missing file -> {}."""
-    values: dict[str, str] = {}
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (FileNotFoundError, IsADirectoryError, PermissionError):
-        return values
-    for line in text.splitlines():
-        line = line.strip()
-        if not line or line.startswith("#") or "=" not in line:
-            continue
-        key, _, value = line.partition("=")
-        key = key.strip()
-        if key.startswith("export "):
-            key = key[len("export ") :].strip()
-        value = value.strip()
-        if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
-            value = value[1:-1]
-        values[key] = value
-    return values
+    """Parse a `KEY=VALUE` file (comments with #, optional `export` and quotes); missing file -> {}.
+
+    The shim's own parser (standard library only, no `os` import) is the one parser, so
+    the shim and the services can never read the same file differently.
+    """
+    from bridge.shim.hook import read_env_file as shim_read_env_file
+
+    return shim_read_env_file(str(path))
 
 
 def load_environ(environ: dict[str, str] | None = None) -> dict[str, str]:

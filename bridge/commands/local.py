@@ -39,7 +39,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.set_defaults(func=cmd_tail)
 
 
-def _url(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+def settings_for(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    """Settings whose NATS URL is `--nats`, else the running `aep-bridge up`'s, else AEP_BRIDGE_NATS_URL."""
     from bridge.config import Settings
     from bridge.local.up import read_state
 
@@ -71,7 +72,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from bridge.local.demo import run_demo
 
-    settings = _url(args)
+    settings = settings_for(args)
     try:
         result = asyncio.run(run_demo(settings, timeout=args.timeout, json_summary=Path(args.json_summary) if args.json_summary else None))
     except Exception as exc:
@@ -84,7 +85,7 @@ def cmd_tail(args: argparse.Namespace) -> int:
     from bridge.local.tail import parse_since, tail
     from bridge.nats.connection import connect
 
-    settings = _url(args)
+    settings = settings_for(args)
     try:
         since = parse_since(args.since)
     except ValueError as exc:

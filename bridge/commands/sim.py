@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
+
+from bridge.commands.local import settings_for
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -62,24 +63,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     v.set_defaults(func=cmd_verify)
 
 
-def _settings(args: argparse.Namespace):  # type: ignore[no-untyped-def]
-    from bridge.config import Settings
-    from bridge.local.up import read_state
-
-    settings = Settings.from_env()
-    if args.nats:
-        settings.nats_url = args.nats
-    else:
-        state = read_state()
-        if state and "AEP_BRIDGE_NATS_URL" not in os.environ:
-            settings.nats_url = state["nats_url"]
-    return settings
-
-
 def cmd_simulate(args: argparse.Namespace) -> int:
     from bridge.sim.fleet import Fleet, FleetConfig
 
-    settings = _settings(args)
+    settings = settings_for(args)
     duration = args.duration if args.duration is not None else (None if args.count else 30.0)
     config = FleetConfig(
         nats_url=settings.nats_url, instances=args.instances, rate=args.rate, duration=duration, count=args.count,
@@ -112,7 +99,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     from bridge.sim.verify import verify
 
-    settings = _settings(args)
+    settings = settings_for(args)
     try:
         report = verify(settings, args.manifest, wait=args.wait, strict_order=args.strict_order,
                         schema_sample=args.schema_sample,

@@ -59,7 +59,7 @@ from bridge.core.lanes import UNKNOWN, MemoryLanes, lane_token, partition_of, tu
 from bridge.core.mapping import MapResult
 from bridge.core.pipeline import map_record, record_from_raw
 from bridge.nats import streams as S
-from bridge.services.runtime import Health, HttpServer, Stopper
+from bridge.services.runtime import Health, HttpServer, Stopper, close_connection
 
 log = structlog.get_logger("aep_bridge.mapper")
 
@@ -514,11 +514,4 @@ class Mapper:
         return 0
 
     async def close(self) -> None:
-        """Flush what is in flight (acks included), then close. Not `drain()`: with a pull
-        subscription bound it can wait for its full timeout."""
-        if self.nc is not None and not self.nc.is_closed:
-            try:
-                await self.nc.flush(timeout=3)
-            except Exception:
-                pass
-            await self.nc.close()
+        await close_connection(self.nc)

@@ -55,7 +55,7 @@ from bridge.core.aep import decode_event, encode_event
 from bridge.core.lanes import lane_token
 from bridge.core.pairing import PairingState
 from bridge.nats import streams as S
-from bridge.services.runtime import Health, HttpServer, Stopper
+from bridge.services.runtime import Health, HttpServer, Stopper, close_connection
 
 log = structlog.get_logger("aep_bridge.pairing")
 
@@ -501,11 +501,4 @@ class PairingService:
         return 0
 
     async def close(self) -> None:
-        """Flush what is in flight (acks included), then close. Not `drain()`: with a pull
-        subscription bound it can wait for its full timeout."""
-        if self.nc is not None and not self.nc.is_closed:
-            try:
-                await self.nc.flush(timeout=3)
-            except Exception:
-                pass
-            await self.nc.close()
+        await close_connection(self.nc)

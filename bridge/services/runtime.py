@@ -140,3 +140,14 @@ class Stopper:
         except asyncio.TimeoutError:
             return False
         return True
+
+
+async def close_connection(nc: Any) -> None:
+    """Flush what is in flight (acks included), then close. Not `drain()`: with a pull
+    subscription bound it can wait for its full timeout."""
+    if nc is not None and not nc.is_closed:
+        try:
+            await nc.flush(timeout=3)
+        except Exception:
+            pass
+        await nc.close()
