@@ -98,6 +98,9 @@ async def mapper_run(settings: Settings, n: int) -> tuple[float, int]:
         done += len(msgs)
     elapsed = time.perf_counter() - started
     events = int(sum(s.value for m in mapper.metrics.events_out.collect() for s in m.samples if s.name.endswith("_total")))
+    waits = mapper.registry.get_sample_value("aep_bridge_mapper_lane_waits_total") or 0
+    timeouts = mapper.registry.get_sample_value("aep_bridge_mapper_lane_wait_timeouts_total") or 0
+    print(f"lane waits (session-less events whose session was not known at once): {waits:.0f}, timed out: {timeouts:.0f}")
     await mapper.close()
     return elapsed, events
 

@@ -74,6 +74,9 @@ class Settings:
     capture_overrides: str = DEFAULT_CAPTURE_OVERRIDES
     redact_names: tuple[str, ...] = ()
     metrics_port: int | None = None
+    #: mapper: how long a session-less event whose session is not known yet waits for every
+    #: earlier raw message to be mapped (their lanes learned) before it falls back to `unknown`
+    lane_wait_ms: int = 2000
     log_format: str = "json"
     log_level: str = "info"
 
@@ -119,6 +122,7 @@ class Settings:
         s.capture_overrides = get("CAPTURE_OVERRIDES") or DEFAULT_CAPTURE_OVERRIDES
         names = get("REDACT_NAMES")
         s.redact_names = tuple(n.strip() for n in names.split(",") if n.strip()) if names else ()
+        s.lane_wait_ms = get_int("LANE_WAIT_MS", 2000)
         port = get("METRICS_PORT")
         s.metrics_port = int(port) if port else None
         s.log_format = get("LOG_FORMAT") or "json"

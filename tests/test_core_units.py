@@ -15,7 +15,9 @@ from bridge.core import aep
 from bridge.core.capture import CapturePolicy, Redactor, canonical_json, digest, parse_overrides
 from bridge.core.envelope import EnvelopeError, decode_envelope, envelope_from_obj
 from bridge.core.identity import Origin, event_id, rfc3339, ulid_from, ulid_time_ms
-from bridge.core.lanes import UNKNOWN, MemoryLanes, lane_from_token, lane_token, partition_of, resolve_lane
+from bridge.core.lanes import (
+    UNKNOWN, MemoryLanes, lane_candidates, lane_from_token, lane_token, learned_from, partition_of, resolve_lane,
+)
 from bridge.core.mapping import fallback_type, map_envelope, map_specs
 from tests.corpus import envelopes
 
@@ -171,6 +173,45 @@ def test_lane_resolution_rules():
     assert resolve_lane(inner, lanes) == UNKNOWN
     lanes.add_task("T", "20261130_1")
     assert resolve_lane(inner, lanes) == "20261130_1"  # task alias
+
+
+class _RecordingLanes(MemoryLanes):
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked: set[tuple[str, str]] = set()
+
+    def is_known_session(self, session_id: str) -> bool:
+        self.asked.add(("s", session_id))
+        return super().is_known_session(session_id)
+
+    def task_session(self, task_id: str) -> str | None:
+        self.asked.add(("t", task_id))
+        return super().task_session(task_id)
+
+
+def test_lane_candidates_are_exactly_what_resolution_may_ask():
+    """The mapper prefetches `lane_candidates` and waits on them when none is known:
+    resolution must never ask the table about anything else."""
+    lanes = _RecordingLanes()
+    asked_any = 0
+    for obj in envelopes():
+        env = envelope_from_obj(obj)
+        lanes.asked.clear()
+        resolve_lane(env, lanes)
+        cands = lane_candidates(env)
+        allowed = {("s", s) for s in cands.sessions} | ({("t", cands.task_id)} if cands.task_id else set())
+        assert lanes.asked <= allowed, obj
+        assert bool(cands) == bool(allowed)
+        asked_any += bool(lanes.asked)
+        if env.session_id:
+            assert not cands and not lanes.asked
+        lanes.learn(learned_from(env))
+    assert asked_any > 0, "the corpus has session-less events that need the table"
+    a = lane_candidates(_approval("default"))
+    assert a.sessions == ("default", "20261130_1") and a.task_id is None
+    inner = envelope_from_obj({"hook_event_name": "pre_tool_call", "session_id": "", "extra": {"task_id": "T"}})
+    assert lane_candidates(inner).sessions == () and lane_candidates(inner).task_id == "T"
+    assert not lane_candidates(envelope_from_obj({"hook_event_name": "transform_tool_result", "session_id": ""}))
 
 
 def test_lanes_are_bounded():

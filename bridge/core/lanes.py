@@ -93,6 +93,37 @@ def turn_session_prefix(turn_id: str) -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class Candidates:
+    """What resolving a session-less envelope may ask the lane table: session ids to test
+    (``session_key`` for approvals, then the turn-id prefix) and a task alias."""
+
+    sessions: tuple[str, ...] = ()
+    task_id: str | None = None
+
+    def __bool__(self) -> bool:
+        return bool(self.sessions or self.task_id)
+
+
+def lane_candidates(env: HermesEnvelope) -> Candidates:
+    """The look-ups `resolve_lane` may make for ``env`` (none when it names its session)."""
+    if env.session_id:
+        return Candidates()
+    sessions: list[str] = []
+    task = None
+    if env.hook_event_name in APPROVAL_HOOKS:
+        key = env.xstr("session_key")
+        if key:
+            sessions.append(key)
+    else:
+        task = env.xstr("task_id") or None
+    turn = env.xstr("turn_id") or env.xstr("parent_turn_id")
+    prefix = turn_session_prefix(turn) if turn else None
+    if prefix and prefix not in sessions:
+        sessions.append(prefix)
+    return Candidates(tuple(sessions), task)
+
+
 def resolve_lane(env: HermesEnvelope, lanes: LaneLookup) -> str:
     if env.session_id:
         return env.session_id

@@ -14,6 +14,17 @@ Theory of operation
 * Lanes: a KV bucket (`aep_lanes`) of known sessions and task aliases, read
   through a bounded in-process cache (`MemoryLanes`). The lookups the pure
   mapping might need are prefetched before it runs.
+* "A session already seen" means seen EARLIER IN HERMES_RAW, whichever replica
+  mapped it. A session-less event (an approval, a tool called inside
+  `execute_code`) whose candidates are not known yet may just be racing the
+  replica that holds its session's first event: before filing it under `unknown`,
+  the mapper waits until every earlier raw message is acked (the consumer's ack
+  floor, plus the messages of its own batch already mapped, whose lanes are in its
+  cache) and looks again. A raw message is acked only after its KV puts are, so the
+  answer is the one `aep-bridge map` gives over the same stream, on any number of
+  replicas. The wait is bounded (`AEP_BRIDGE_LANE_WAIT_MS`, default 2000: a
+  message held back by a retry or a dead replica's ack_wait does not stall the
+  batch longer; counted in `aep_bridge_mapper_lane_wait_timeouts_total`).
 * `epoch` = the creation time of HERMES_RAW (milliseconds): it changes, upward, only
   when the stream is recreated, and every replica reads the same value.
 * What cannot be decoded or mapped goes to `bridge.dlq.<reason>` with headers
@@ -55,7 +66,7 @@ from bridge.config import MAPPER_METRICS_PORT, Settings
 from bridge.core.aep import encode_event
 from bridge.core.capture import CapturePolicy
 from bridge.core.envelope import EnvelopeError, decode_raw
-from bridge.core.lanes import UNKNOWN, MemoryLanes, lane_token, partition_of, turn_session_prefix
+from bridge.core.lanes import UNKNOWN, MemoryLanes, lane_candidates, lane_token, partition_of, resolve_lane
 from bridge.core.mapping import MapResult
 from bridge.core.pipeline import map_record, record_from_raw
 from bridge.nats import streams as S
@@ -64,6 +75,7 @@ from bridge.services.runtime import Health, HttpServer, Stopper, close_connectio
 log = structlog.get_logger("aep_bridge.mapper")
 
 HINTS_HEADER = "Bridge-Hints"
+NEGATIVE_TTL_S = 2.0  # how long a lanes-KV miss is believed
 RAW_SEQ_HEADER = "Bridge-Raw-Seq"
 
 
@@ -95,6 +107,12 @@ class MapperMetrics:
         self.retries = Counter(f"{ns}_retries_total", "Messages negatively acknowledged for retry", registry=registry)
         self.resends = Counter(f"{ns}_resends_dropped_total", "Copies recognised as resends past the duplicate window (shim resends on HERMES_RAW, events of a late redelivery)", registry=registry)
         self.resend_checks = Counter(f"{ns}_resend_checks_total", "Late raw messages looked up in HERMES_RAW for an earlier copy", registry=registry)
+        self.lane_waits = Counter(f"{ns}_lane_waits_total", "Session-less events whose session was not known yet: checked against the ack floor", registry=registry)
+        self.lane_wait_timeouts = Counter(
+            f"{ns}_lane_wait_timeouts_total",
+            "Lane waits that gave up before every earlier raw message was acked (the event may be filed under unknown)",
+            registry=registry,
+        )
         self.epoch = Gauge(f"{ns}_epoch", "The AEP epoch in use (HERMES_RAW creation time)", registry=registry)
         self._hooks: dict[str, Any] = {}
         self._types: dict[str, Any] = {}
@@ -126,42 +144,42 @@ class KvLanes:
     def __init__(self, kv: Any, cache_size: int = 100_000) -> None:
         self.kv = kv
         self.cache = MemoryLanes(max_entries=cache_size)
-        self._missing: dict[str, float] = {}  # negative cache: key -> monotonic expiry
+        # Negative cache: key -> monotonic time the look-up that found nothing was SENT.
+        self._missing: dict[str, float] = {}
 
-    async def _get(self, key: str) -> bytes | None:
-        expiry = self._missing.get(key)
-        if expiry and expiry > time.monotonic():
+    async def _get(self, key: str, since: float | None = None) -> bytes | None:
+        """The KV value of ``key``; a miss is remembered for NEGATIVE_TTL_S, and trusted only
+        if that look-up was sent at or after ``since`` (monotonic) when given."""
+        asked = self._missing.get(key)
+        sent = time.monotonic()
+        if asked is not None and sent - asked < NEGATIVE_TTL_S and (since is None or asked >= since):
             return None
         try:
             entry = await self.kv.get(key)
         except Exception:  # KeyNotFoundError, KeyDeletedError, timeouts: treat as unknown for now
             if len(self._missing) > 10_000:
                 self._missing.clear()
-            self._missing[key] = time.monotonic() + 2.0
+            self._missing[key] = sent
             return None
         return entry.value if entry is not None else None
 
-    async def prefetch(self, env: Any) -> None:
-        """Load what `resolve_lane` may ask about this envelope into the cache."""
-        if env.session_id:
-            return
-        candidates = []
-        key = env.xstr("session_key")
-        if key:
-            candidates.append(key)
-        turn = env.xstr("turn_id") or env.xstr("parent_turn_id")
-        prefix = turn_session_prefix(turn) if turn else None
-        if prefix:
-            candidates.append(prefix)
-        for session in candidates:
+    async def prefetch(self, env: Any, since: float | None = None) -> bool:
+        """Load what `resolve_lane` may ask about this envelope into the cache. Returns
+        True when the envelope has look-ups to make and none of them found anything yet
+        (it would land in the unknown lane). ``since``: see `_get`."""
+        candidates = lane_candidates(env)
+        if not candidates:
+            return False
+        for session in candidates.sessions:
             if not self.cache.is_known_session(session):
-                if await self._get("s." + lane_token(session)) is not None:
+                if await self._get("s." + lane_token(session), since) is not None:
                     self.cache.add_session(session)
-        task = env.xstr("task_id")
+        task = candidates.task_id
         if task and self.cache.task_session(task) is None:
-            value = await self._get("t." + lane_token(task))
+            value = await self._get("t." + lane_token(task), since)
             if value:
                 self.cache.add_task(task, value.decode())
+        return resolve_lane(env, self.cache) == UNKNOWN
 
     def needs_learning(self, result: MapResult) -> bool:
         """Cheap check on the hot path: does this envelope teach the lane table anything new?"""
@@ -205,6 +223,15 @@ class Mapper:
         self.nc: Any = None
         self.js: Any = None
         self.lanes: KvLanes | None = None
+        self.sub: Any = None
+        self.lane_wait_s = settings.lane_wait_ms / 1000.0
+        # The batch in progress: messages mapped and waiting for their acks, and the raw
+        # sequences already handled (their lanes are in the cache); see `settle_earlier`.
+        self._batch_pending: list[tuple[Any, list[asyncio.Future], int]] = []
+        self._batch_done: set[int] = set()
+        self._floor = 0  # the consumer's ack floor (stream seq) as last read
+        self._floor_at = 0.0  # monotonic time that read was answered
+        self._stuck_floor = -1  # an ack floor a wait already gave up on (a dead replica's messages)
         # TEST HOOK (tests/test_faults.py): a raw message containing this byte string makes
         # `handle` fail every time, to prove a poisoned message ends in the DLQ after
         # max_deliver while the rest flows. Unset in any real deployment.
@@ -243,6 +270,7 @@ class Mapper:
         sub = await self.js.pull_subscribe(
             S.RAW_SUBJECTS, durable=self.durable, stream=S.HERMES_RAW, config=S.mapper_consumer_config(self.durable)
         )
+        self.sub, self._floor, self._floor_at = sub, 0, 0.0
         return sub
 
     # ------------------------------------------------------------ one message
@@ -262,8 +290,10 @@ class Mapper:
             self.metrics.hook_in(raw.hook or "unknown").inc()
             record = record_from_raw(raw)
             assert self.lanes is not None
-            if not record.envelope.session_id:  # only session-less envelopes need the KV
-                await self.lanes.prefetch(record.envelope)
+            if not record.envelope.session_id and await self.lanes.prefetch(record.envelope):
+                # Its session is not known (yet): settle every earlier raw message, look again
+                # (KV misses remembered from before the settling are not believed).
+                await self.lanes.prefetch(record.envelope, since=await self.settle_earlier(raw_seq))
             started = time.perf_counter()
             result = map_record(record, raw_seq, self.epoch, self.lanes.cache, self.policy)
             self.metrics.latency.observe(time.perf_counter() - started)
@@ -285,6 +315,48 @@ class Mapper:
         if result.lane == UNKNOWN:
             self.metrics.unknown_lane.inc(len(result.events))
         return futures, record.ts_ns
+
+    def _earlier_settled(self, raw_seq: int) -> bool:
+        """Is every raw message before ``raw_seq`` acked or already handled in this batch?"""
+        gap = raw_seq - 1 - self._floor
+        if gap <= 0:
+            return True
+        return sum(1 for s in self._batch_done if self._floor < s < raw_seq) >= gap
+
+    async def settle_earlier(self, raw_seq: int) -> float:
+        """Wait (bounded) until every raw message before ``raw_seq`` has been mapped, by any
+        replica, so that the lanes they teach are in the KV bucket or in our cache. Returns
+        the monotonic time from which a KV look-up sees them all."""
+        self.metrics.lane_waits.inc()
+        if self._earlier_settled(raw_seq):
+            return self._floor_at
+        deadline = time.monotonic() + self.lane_wait_s
+        delay, polls = 0.002, 0
+        while True:
+            try:
+                info = await self.sub.consumer_info()
+            except Exception as exc:  # cannot tell: go on with what the KV says now
+                log.warning("lane_wait_failed", raw_seq=raw_seq, error=f"{type(exc).__name__}: {exc}")
+                return time.monotonic()
+            self._floor, self._floor_at = int(getattr(info.ack_floor, "stream_seq", 0) or 0), time.monotonic()
+            if self._earlier_settled(raw_seq):
+                return self._floor_at
+            # Messages delivered to a replica that died stay unacked for ack_wait (30 s): wait for
+            # a given floor once, not once per event behind it.
+            if self._floor_at >= deadline or self._floor == self._stuck_floor:
+                self.metrics.lane_wait_timeouts.inc()
+                if self._floor != self._stuck_floor:
+                    log.info("lane_wait_timeout", raw_seq=raw_seq, ack_floor=self._floor)
+                self._stuck_floor = self._floor
+                return self._floor_at
+            polls += 1
+            if polls == 1 and self._batch_pending:
+                # Waiting on someone else: first ack our own earlier messages, in case that
+                # someone waits on them (a redelivery can put a low seq in a later batch).
+                await self.flush_pending()
+            else:
+                await asyncio.sleep(delay)
+                delay = min(0.05, delay * 2)
 
     def is_late(self, msg: Any, ts_ns: int) -> bool:
         """Stored so long after its receive time that the duplicate window may not cover a first copy."""
@@ -399,13 +471,21 @@ class Mapper:
         failed is retried (and dead-lettered once past max_deliver).
         """
         self.metrics.batch.observe(len(msgs))
-        pending: list[tuple[Any, list[asyncio.Future], int]] = []
+        self._batch_pending, self._batch_done = [], set()
         for msg in msgs:
             try:
                 futures, ts_ns = await self.handle(msg)
-                pending.append((msg, futures, ts_ns))
+                self._batch_pending.append((msg, futures, ts_ns))
             except Exception as exc:  # a bug or an outage: retry, then dead-letter
                 await self.retry_or_dead_letter(msg, exc)
+            # Handled (or given up on for now: a failed message teaches nothing until redelivered).
+            self._batch_done.add(msg.metadata.sequence.stream)
+        await self.flush_pending()
+        self._batch_done = set()
+
+    async def flush_pending(self) -> None:
+        """Wait for the publish acks of the messages mapped so far, then ack them."""
+        pending, self._batch_pending = self._batch_pending, []
         seen: dict[str, int] = {}
         for msg, _fs, ts_ns in pending:
             instance = msg.subject.split(".", 3)[2] if msg.subject.count(".") >= 3 else "unknown"

@@ -1,0 +1,108 @@
+"""A session-less event racing its session's first event across mapper replicas.
+
+Approvals carry `session_id: ""`; their lane is a session "already seen", i.e. seen
+EARLIER IN HERMES_RAW. With two replicas, the replica holding the session's first
+event may not have written it to the lanes KV yet when the other one maps the
+approval. The test plays that slow replica itself: it takes the first raw message
+from the shared durable consumer and holds it, unacked, while a real `Mapper` maps
+the approval. The mapper must wait for it (the consumer's ack floor), not file the
+approval under `unknown`; and when the holder never answers, give up after its
+bounded wait and say so in its metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import nats
+from prometheus_client import CollectorRegistry
+
+from bridge.config import Settings
+from bridge.core.capture import CapturePolicy
+from bridge.core.lanes import lane_token
+from bridge.nats import streams as S
+from bridge.nats.bootstrap import bootstrap
+from bridge.services.mapper import Mapper
+from tests.support.services import publish_all, raw_records
+
+SESSION = "20261201_101010_abcdef"
+
+
+def envelopes() -> list[dict]:
+    start = {"hook_event_name": "on_session_start", "session_id": SESSION, "tool_name": None, "tool_input": None,
+             "cwd": "/tmp", "extra": {"model": "m", "platform": "cli"}}
+    approval = {"hook_event_name": "pre_approval_request", "session_id": "", "tool_name": None, "tool_input": None,
+                "cwd": "/tmp", "extra": {"command": "rm -rf /", "description": "delete in root path",
+                                         "pattern_key": "rm", "session_key": "default", "surface": "cli",
+                                         "turn_id": f"{SESSION}:task-1:0a1b2c3d", "tool_call_id": "call_1"}}
+    return [start, approval]
+
+
+async def mapped_events(js, timeout: float = 0.3) -> list[dict]:
+    sub = await js.pull_subscribe("bridge.mapped.>", stream=S.BRIDGE_MAPPED)
+    out: list[dict] = []
+    try:
+        while True:
+            try:
+                msgs = await sub.fetch(64, timeout=timeout)
+            except (nats.errors.TimeoutError, asyncio.TimeoutError):
+                return out
+            for m in msgs:
+                out.append(json.loads(m.data))
+                await m.ack()
+    finally:
+        await sub.unsubscribe()
+
+
+async def race(url: str, lane_wait_ms: int, holder_answers: bool) -> tuple[list[dict], Mapper]:
+    nc = await nats.connect(url)
+    js = nc.jetstream()
+    await bootstrap(js, None, replicas=1)
+    await publish_all(js, raw_records(envelopes(), instance="race"))
+    # The "slow replica": the session's first event, taken from the mappers' shared consumer and held.
+    slow = await js.pull_subscribe(S.RAW_SUBJECTS, durable=S.MAPPER_DURABLE, stream=S.HERMES_RAW,
+                                   config=S.mapper_consumer_config())
+    [held] = await slow.fetch(1, timeout=5)
+    assert json.loads(held.data)["envelope"]["hook_event_name"] == "on_session_start"
+
+    settings = Settings(nats_url=url, instance="m-race", lane_wait_ms=lane_wait_ms)
+    mapper = Mapper(settings, CapturePolicy(), registry=CollectorRegistry())
+    await mapper.connect()
+    sub = await mapper.bind()
+    [approval] = await sub.fetch(1, timeout=5)  # the approval: the only message not held
+    batch = asyncio.create_task(mapper.process_batch([approval]))
+    await asyncio.sleep(0.3)
+    waiting = not batch.done()
+    if holder_answers:
+        assert waiting, "the approval must wait for the earlier raw message, not be filed at once"
+        # The slow replica finishes: it learns the session (KV), then acks, as the mapper does.
+        kv = await js.key_value(S.LANES_BUCKET)
+        await kv.put("s." + lane_token(SESSION), b"1")
+        await held.ack_sync()
+    await asyncio.wait_for(batch, timeout=30)
+    events = await mapped_events(js)
+    await mapper.close()
+    await nc.close()
+    return events, mapper
+
+
+def counter(mapper: Mapper, name: str) -> float:
+    return mapper.registry.get_sample_value(name) or 0.0
+
+
+def test_an_approval_waits_for_its_session_mapped_by_another_replica(nats_server_fn):
+    events, mapper = asyncio.run(race(nats_server_fn.url, lane_wait_ms=30_000, holder_answers=True))
+    [requested] = [e for e in events if e["type"] == "attention.requested"]
+    assert requested["session"] == SESSION and "lane" not in requested
+    assert counter(mapper, "aep_bridge_mapper_lane_waits_total") == 1
+    assert counter(mapper, "aep_bridge_mapper_lane_wait_timeouts_total") == 0
+    assert counter(mapper, "aep_bridge_mapper_unknown_lane_total") == 0
+
+
+def test_the_wait_is_bounded_when_the_earlier_message_never_settles(nats_server_fn):
+    events, mapper = asyncio.run(race(nats_server_fn.url, lane_wait_ms=200, holder_answers=False))
+    [requested] = [e for e in events if e["type"] == "attention.requested"]
+    assert requested["session"] == "unknown" and requested["lane"] == "unknown"
+    assert counter(mapper, "aep_bridge_mapper_lane_wait_timeouts_total") == 1
+    assert counter(mapper, "aep_bridge_mapper_unknown_lane_total") >= 1
