@@ -64,9 +64,13 @@ try:  # prefer the services' own constants when the package defines them
 except ImportError:  # pragma: no cover - bridge.config is part of the skeleton
     pass
 DEFAULT_PORTS = {"mapper": MAPPER_PORT, "pairing": PAIRING_PORT}
+try:  # the opt-in control plane's service (gate.enabled)
+    from bridge.services.gate import GATE_METRICS_PORT as GATE_PORT
+except ImportError:  # pragma: no cover
+    GATE_PORT = 9466
 
 CI_VALUES = sorted(CI_DIR.glob("*-values.yaml"))
-REQUIRED_CI_VALUES = {"defaults", "external-nats", "creds-auth", "autoscaling", "monitoring"}
+REQUIRED_CI_VALUES = {"defaults", "external-nats", "creds-auth", "autoscaling", "monitoring", "gate"}
 
 
 # --------------------------------------------------------------------------- helpers
@@ -138,7 +142,7 @@ def one(manifests: list[dict[str, Any]], kind: str, component: str | None = None
 
 
 def workload(manifests: list[dict[str, Any]], component: str) -> dict[str, Any]:
-    """The Deployment (mapper, pairing) or Job (bootstrap) of a component."""
+    """The Deployment (mapper, pairing, gate) or Job (bootstrap) of a component."""
     kind = "Job" if component == "bootstrap" else "Deployment"
     return one(manifests, kind, component)
 
@@ -166,7 +170,7 @@ def workload_env(
     mount_root: Path | None = None,
     manifests: list[dict[str, Any]] | None = None,
 ) -> WorkloadEnv:
-    """The environment the chart gives the ``mapper``, ``pairing`` or ``bootstrap`` container.
+    """The environment the chart gives the ``mapper``, ``pairing``, ``bootstrap`` or ``gate`` container.
 
     ``secrets`` is ``{secret name: {key: value}}``: every ``valueFrom.secretKeyRef``
     is resolved from it (a missing Secret or key raises ``KeyError`` naming it, as
@@ -735,6 +739,8 @@ NATS_ROLES = {  # user in nats.config.merge -> role (Secret key "<role>-password
     "aep-pairing": "pairing",
     "hermes-shim": "shim",
     "aep-consumer": "consumer",
+    "aep-gate": "gate",  # the opt-in control plane: present whether or not gate.enabled
+    "aep-operator": "operator",
 }
 
 
@@ -755,15 +761,16 @@ def test_values_handed_to_the_nats_subchart_are_self_consistent() -> None:
     jetstream = nats_values["config"]["jetstream"]
     assert jetstream["enabled"] is True
     from bridge.nats.streams import BUCKETS, STREAMS
+    from bridge.services.gate import CONTROL_BUCKET, INSTRUCT_BUCKET  # the gate creates these at start
 
-    reserved = sum(spec.max_bytes for spec in (*STREAMS, *BUCKETS))
+    reserved = sum(spec.max_bytes for spec in (*STREAMS, *BUCKETS, CONTROL_BUCKET, INSTRUCT_BUCKET))
     assert _quantity(jetstream["fileStore"]["pvc"]["size"]) >= reserved, "JetStream reserves max_bytes up front"
 
     (account,) = nats_values["config"]["merge"]["accounts"].values()
     assert account["jetstream"] == "enabled"
     users = {u["user"]: u for u in account["users"]}
     assert users.keys() == NATS_ROLES.keys()
-    for role in ("bootstrap", "mapper", "pairing"):
+    for role in ("bootstrap", "mapper", "pairing", "gate"):
         assert defaults["auth"][role]["username"] in users, role
     container_env = nats_values["container"]["env"]
     referenced = set()
@@ -775,7 +782,8 @@ def test_values_handed_to_the_nats_subchart_are_self_consistent() -> None:
         ref = container_env[var]["valueFrom"]["secretKeyRef"]
         assert ref == {"name": defaults["auth"]["existingSecret"], "key": f"{role}-password"}, user
         permissions = entry["permissions"]
-        assert permissions.keys() == {"publish", "subscribe"}, user
+        # allow_responses: only the shim (it confirms the gate's requests; control plane)
+        assert permissions.keys() == {"publish", "subscribe"} | ({"allow_responses"} if role == "shim" else set()), user
         assert "_INBOX.>" in permissions["subscribe"]["allow"], user
         assert permissions["publish"]["allow"], user
     assert referenced == container_env.keys(), "no unused or missing password variable"
@@ -935,8 +943,135 @@ def test_readme_examples_parse_and_the_chart_values_render() -> None:
     for block in blocks:
         doc = yaml.safe_load(block)
         assert isinstance(doc, dict), block[:80]
-        if "nats" in doc or "networkPolicy" in doc:  # a values snippet of this chart
+        if "nats" in doc or "networkPolicy" in doc or "gate" in doc:  # a values snippet of this chart
             manifests = render_manifests(doc)
             assert [p for m in manifests for p in validate_manifest(m)] == []
             rendered += 1
     assert rendered >= 1
+
+
+# --------------------------------------------------------------------------- the control plane (gate)
+
+# The variables the gate reads beyond AEP_BRIDGE_* (docs/ARCHITECTURE.md, "Control plane" / Configuration).
+GATE_VARIABLES = {"AEP_HERMES_CONTROL", "AEP_INSTRUCT", "AEP_CONTROL_SENDERS", "AEP_GATE_PROBE_MS"}
+
+
+def gate_objects(manifests: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [m for m in ours(manifests) if m["metadata"]["labels"].get("app.kubernetes.io/component") == "gate"]
+
+
+@pytest.mark.parametrize("values_file", [p for p in CI_VALUES if _id(p) != "gate"], ids=_id)
+def test_gate_is_off_by_default(values_file: Path) -> None:
+    """The control plane is opt-in: without gate.enabled no gate object, no gate in the
+    ServiceMonitor, NOTES.txt silent about it."""
+    values = load_values(values_file)
+    assert not values.get("gate", {}).get("enabled")
+    rendered = render_chart(values)
+    manifests = render_manifests(values)
+    assert gate_objects(manifests) == []
+    assert not any("gate" in m["metadata"]["name"] for m in ours(manifests))
+    for monitor in select(manifests, "ServiceMonitor"):
+        assert "gate" not in monitor["spec"]["selector"]["matchExpressions"][0]["values"]
+    notes = next(text for path, text in rendered.items() if path.endswith("NOTES.txt"))
+    assert "Control plane" not in notes
+    assert load_values(CHART_DIR / "values.yaml")["gate"]["enabled"] is False
+
+
+def test_gate_when_enabled_is_one_recreated_pod_like_the_other_services(tmp_path: Path) -> None:
+    values = ci_values("gate")
+    manifests = render_manifests(values)
+    assert [p for m in gate_objects(manifests) for p in validate_manifest(m)] == []
+    assert sorted(m["kind"] for m in gate_objects(manifests)) == ["Deployment", "NetworkPolicy", "Service"]
+
+    deployment = workload(manifests, "gate")
+    # One replica, never two at once: only the replica that opened a card sweeps it.
+    assert deployment["spec"]["replicas"] == 1
+    assert deployment["spec"]["strategy"] == {"type": "Recreate"}
+    assert select(manifests, "HorizontalPodAutoscaler", "gate") == []
+    assert select(manifests, "PodDisruptionBudget", "gate") == []
+    # replicas is not a knob
+    forced = workload(render_manifests({**values, "gate": {**values["gate"], "replicaCount": 3}}), "gate")
+    assert forced["spec"]["replicas"] == 1
+
+    spec = pod_spec(deployment)
+    (container,) = spec["containers"]
+    assert container["name"] == "gate"
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports == {"metrics": GATE_PORT}
+    for probe, path in (("livenessProbe", "/healthz"), ("readinessProbe", "/readyz"), ("startupProbe", "/healthz")):
+        assert container[probe]["httpGet"] == {"path": path, "port": "metrics"}, probe
+    assert spec["terminationGracePeriodSeconds"] >= 30
+
+    # The same pod conventions as the mapper's: security contexts, service account, /tmp, resources.
+    mapper_spec = pod_spec(workload(manifests, "mapper"))
+    assert spec["securityContext"] == mapper_spec["securityContext"]
+    assert container["securityContext"] == mapper_spec["containers"][0]["securityContext"]
+    for key in ("serviceAccountName", "automountServiceAccountToken", "enableServiceLinks", "volumes"):
+        assert spec[key] == mapper_spec[key], key
+    assert spec["automountServiceAccountToken"] is False
+    assert container["volumeMounts"] == mapper_spec["containers"][0]["volumeMounts"]
+    assert container["resources"]["requests"].keys() >= {"cpu", "memory"}
+    assert container["resources"]["limits"].keys() >= {"cpu", "memory"}
+
+    # Command and environment: its own NATS user, the password only from the Secret.
+    w = workload_env("gate", manifests=manifests, secrets=_any_secrets(), mount_root=tmp_path)
+    assert w.args == ["gate"]
+    assert w.env["AEP_BRIDGE_NATS_USER"] == "aep-gate"
+    assert w.env["AEP_BRIDGE_NATS_PASSWORD"] == "<aep-bridge-nats-auth/gate-password>"
+    assert env_entries(deployment, "gate")["AEP_BRIDGE_NATS_PASSWORD"]["valueFrom"]["secretKeyRef"] == {
+        "name": "aep-bridge-nats-auth", "key": "gate-password"}
+    assert w.env["AEP_BRIDGE_METRICS_PORT"] == str(GATE_PORT)
+    assert (w.env["AEP_HERMES_CONTROL"], w.env["AEP_INSTRUCT"]) == ("1", "1")
+    assert w.env["AEP_CONTROL_SENDERS"] == "aep-bridge-control,oncall-console"
+    assert w.env["AEP_GATE_PROBE_MS"] == "500"
+    assert w.env["AEP_BRIDGE_NATS_URL"] == f"nats://{RELEASE}-nats.{NAMESPACE}.svc:4222"
+    architecture = ARCHITECTURE.read_text(encoding="utf-8")
+    for var in w.env:
+        assert var in documented_variables() or (var in GATE_VARIABLES and f"`{var}`" in architecture), var
+
+    # Metrics Service, NetworkPolicy and ServiceMonitor as for mapper and pairing.
+    service = one(manifests, "Service", "gate")
+    (sport,) = service["spec"]["ports"]
+    assert (sport["name"], sport["port"], sport["targetPort"]) == ("metrics", GATE_PORT, "metrics")
+    assert service["spec"]["selector"] == deployment["spec"]["selector"]["matchLabels"]
+    policy = one(manifests, "NetworkPolicy", "gate")
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= labels.items()
+    mapper_policy = one(manifests, "NetworkPolicy", "mapper")
+    assert policy["spec"]["policyTypes"] == ["Ingress", "Egress"]
+    assert policy["spec"]["ingress"] == mapper_policy["spec"]["ingress"]  # the metrics port only
+    assert policy["spec"]["egress"] == mapper_policy["spec"]["egress"]  # DNS and NATS only
+    assert [p["port"] for rule in policy["spec"]["ingress"] for p in rule["ports"]] == ["metrics"]
+    monitor = one(manifests, "ServiceMonitor")
+    assert monitor["spec"]["selector"]["matchExpressions"][0]["values"] == ["mapper", "pairing", "gate"]
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    assert [e["port"] for e in monitor["spec"]["endpoints"]] == ["metrics"]
+
+    notes = next(text for path, text in render_chart(values).items() if path.endswith("NOTES.txt"))
+    assert "Control plane" in notes and "AEP_HERMES_CONTROL=1" in notes and "gate: aep-bridge-nats-auth" in notes
+
+
+def test_gate_switches_and_other_auth_types(tmp_path: Path) -> None:
+    """gate.control / gate.instruct / gate.senders become the gate's variables; the gate
+    authenticates like every role (here a .creds file from the Secret, mutual TLS)."""
+    manifests = render_manifests({"gate": {"enabled": True, "control": False, "instruct": False}})
+    env = workload_env("gate", manifests=manifests, secrets=_any_secrets()).env
+    assert (env["AEP_HERMES_CONTROL"], env["AEP_INSTRUCT"]) == ("0", "0")
+    assert "AEP_CONTROL_SENDERS" not in env and env["AEP_GATE_PROBE_MS"] == "1000"
+
+    values = {**ci_values("creds-auth"), "gate": {"enabled": True}}
+    manifests = render_manifests(values)
+    assert [p for m in gate_objects(manifests) for p in validate_manifest(m)] == []
+    w = workload_env("gate", manifests=manifests,
+                     secrets={"aep-bridge-nats-creds": {"gate.creds": "-----gate creds-----"},
+                              "aep-bridge-nats-tls": {"ca.crt": "ca", "tls.crt": "crt", "tls.key": "key"}},
+                     mount_root=tmp_path)
+    assert Path(w.env["AEP_BRIDGE_NATS_CREDS"]).read_text() == "-----gate creds-----"
+    assert {"AEP_BRIDGE_TLS_CA", "AEP_BRIDGE_TLS_CERT", "AEP_BRIDGE_TLS_KEY"} <= w.env.keys()
+    assert "AEP_BRIDGE_NATS_PASSWORD" not in w.env
+    with pytest.raises(KeyError, match="gate.creds"):  # its own key, not another role's
+        workload_env("gate", manifests=manifests, secrets={"aep-bridge-nats-creds": {"mapper.creds": "x"},
+                                                           "aep-bridge-nats-tls": {}}, mount_root=tmp_path / "x")
+    own = render_manifests({"gate": {"enabled": True}, "auth": {"gate": {"existingSecret": "gate-nats"}}})
+    ref = env_entries(workload(own, "gate"), "gate")["AEP_BRIDGE_NATS_PASSWORD"]["valueFrom"]["secretKeyRef"]
+    assert ref == {"name": "gate-nats", "key": "gate-password"}

@@ -14,7 +14,12 @@ Each role connects with its own user and does what the bridge does with
 nats-py (create streams and buckets, pull and ack, publish with an ack, KV
 get/put/update/watch, ordered consumers); then tries what it must not do
 (publish into another stage's stream, read upstream data, write a bucket it
-only reads) and must be refused. The streams and buckets are created, as the
+only reads) and must be refused. The opt-in control plane's roles too: the
+gate (``aep-bridge gate``'s own start-up as the ``aep-gate`` user, then its
+durables, events, buckets, requests to a shim's inbox, the hello and
+instruction-pull services), an operator's terminal (``aep-operator``: commands,
+acks, the held calls read-only, hello) and the shim's two control moments
+(the instruction pull; confirming the gate's requests via ``allow_responses``). The streams and buckets are created, as the
 bootstrap user, by the bridge's own ``bridge.nats.bootstrap`` (a stand-in with
 the shapes of docs/ARCHITECTURE.md if the module is missing), and the mapper
 creates its durable from ``bridge.nats.streams.mapper_consumer_config``.
@@ -57,6 +62,8 @@ PASSWORDS = {
     "AEP_SHIM_PASSWORD": "shim-pw",
     "AEP_CONSUMER_PASSWORD": "consumer-pw",
     "AEP_GATEWAY_0_PASSWORD": "gateway-0-pw",
+    "AEP_GATE_PASSWORD": "gate-pw",
+    "AEP_OPERATOR_PASSWORD": "operator-pw",
 }
 USERS = {
     "bootstrap": ("aep-bootstrap", "bootstrap-pw"),
@@ -65,6 +72,8 @@ USERS = {
     "shim": ("hermes-shim", "shim-pw"),
     "consumer": ("aep-consumer", "consumer-pw"),
     "gateway-0": ("hermes-gateway-0", "gateway-0-pw"),
+    "gate": ("aep-gate", "gate-pw"),
+    "operator": ("aep-operator", "operator-pw"),
 }
 DENY_WAIT = 0.3  # seconds to wait for a refused request (the server refuses at once)
 
@@ -338,9 +347,152 @@ async def scenario(url: str, kind: str) -> None:
         await c.close()
 
 
+try:  # the control plane's service, when this checkout has it
+    from bridge.config import Settings
+    from bridge.services.gate import Gate, GateConfig
+except ImportError:  # pragma: no cover
+    Gate = None
+
+
+def role_settings(url: str, role: str) -> "Settings":
+    settings = Settings()
+    settings.nats_url = url
+    settings.nats_user, settings.nats_password = USERS[role]
+    return settings
+
+
+async def request_soon(nc, subject: str, data: bytes):  # type: ignore[no-untyped-def]
+    """A request to a subscription another connection has just made: a freshly made
+    subscription can still answer "no responders" for a few ms after its flush."""
+    import nats.errors
+
+    for _ in range(50):
+        try:
+            return await nc.request(subject, data, timeout=2)
+        except nats.errors.NoRespondersError:
+            await asyncio.sleep(0.02)
+    return await nc.request(subject, data, timeout=2)
+
+
+async def control_plane(url: str) -> None:
+    """The gate, an operator and the shim's control moments (after :func:`scenario`)."""
+    if Gate is None:  # pragma: no cover
+        pytest.skip("bridge/services/gate.py is not in this checkout")
+    # The real service's start-up as aep-gate: it creates aep_control and aep_instruct,
+    # its durables `gate` (HERMES_RAW) and `gate-commands` (AEP_EVENTS), subscribes the
+    # hello and instruction-pull services and watches aep_control for open cards.
+    gate = Gate(role_settings(url, "gate"), GateConfig(control=True, instruct=True))
+    raw, commands = await gate.connect()
+    shim = await Client.connect(url, "shim")
+    op = await Client.connect(url, "operator")
+    try:
+        # A held pre_tool_call reaches the gate's durable; the gate acks it.
+        inbox = shim.nc.new_inbox()
+        ack = await shim.js.publish("hermes.raw.gateway-0.pre_tool_call", b'{"v":1}',
+                                    headers={"Nats-Msg-Id": "held-1", "Aep-Gate-Reply": inbox + ".g"})
+        assert ack.stream == "HERMES_RAW"
+        (msg,) = await raw.fetch(1, timeout=2)
+        assert msg.headers["Aep-Gate-Reply"] == inbox + ".g"
+        await msg.ack_sync()
+
+        # The gate's requests to the shim's inbox (probe, release) are confirmed by the
+        # shim: allow_responses lets it reply to what it received, and only to that.
+        async def confirm(m) -> None:  # type: ignore[no-untyped-def]
+            await m.respond(b"ok")
+
+        await shim.nc.subscribe(inbox + ".*", cb=confirm)
+        await shim.nc.flush()
+        assert (await request_soon(gate.nc, inbox + ".g", b'{"op":"ping"}')).data == b"ok"
+
+        # An operator's command reaches the gate's other durable; its ack reaches the operator.
+        acks = await op.nc.subscribe("aep.hermes.s1.control.accepted")
+        sent = await op.js.publish("aep.hermes.s1.control.attention.respond", b'{"id":"c1"}')
+        assert sent.stream == "AEP_EVENTS"
+        assert (await op.js.publish("aep.hermes.s1.x.hermes.control.instruct", b'{"id":"c2"}')).stream == "AEP_EVENTS"
+        cmds = await commands.fetch(2, timeout=2)
+        assert [m.subject for m in cmds] == ["aep.hermes.s1.control.attention.respond",
+                                             "aep.hermes.s1.x.hermes.control.instruct"]
+        for m in cmds:
+            await m.ack_sync()
+        for etype in ("attention.requested", "attention.resolved", "control.accepted", "control.rejected",
+                      "x.hermes.instruction.delivered", "x.hermes.instruction.dropped"):
+            published = await gate.js.publish(f"aep.hermes.s1.{etype}", b"{}", headers={"Nats-Msg-Id": f"g-{etype}"})
+            assert published.stream == "AEP_EVENTS", etype
+        assert (await acks.next_msg(timeout=2)).subject == "aep.hermes.s1.control.accepted"
+
+        # State: its two buckets (create, compare-and-set, get); aep_lanes read; the
+        # session's start on AEP_EVENTS (a session the gate did not see begin).
+        revision = await gate.kv.create("card.c1", b'{"state":"open"}')
+        await gate.kv.update("card.c1", b'{"state":"open"}', last=revision)
+        await gate.load_cards()  # what a restarted gate does: watch aep_control for the open cards
+        await gate.queues.put("q.s1", b"[]")
+        assert (await gate.queues.get("q.s1")).value == b"[]"
+        assert (await gate.lanes.kv.get("s.s1")).value == b"1"
+        assert (await gate.js.get_last_msg("AEP_EVENTS", "aep.hermes.s1.session.started")).data == b"{}"
+        assert (await gate.js.stream_info("HERMES_RAW")).state.last_seq >= 1
+
+        # The shim's instruction pull, answered by the gate's service (empty queue: {}).
+        pulled = await request_soon(shim.nc, "aep.gate.instruct.s1", b'{"session":"s1"}')
+        assert pulled.data == b"{}"
+
+        # The operator: hello, the held calls (get and watch), and nothing else.
+        hello = json.loads((await request_soon(op.nc, "aep.gate.hello", b"")).data)
+        assert hello["capabilities"]["control"]["accepts"] == ["control.attention.respond", "x.hermes.control.instruct"]
+        cards = await op.js.key_value("aep_control")
+        assert (await cards.get("card.c1")).value == b'{"state":"open"}'
+        watcher = await cards.watch("card.*")
+        entry = await watcher.updates(timeout=2)
+        assert entry is not None and entry.key == "card.c1"
+        await watcher.stop()
+        await expect_publish_refused(op, "$KV.aep_control.card.c1")  # cards are the gate's to write
+        await expect_publish_refused(op, "aep.hermes.s1.control.accepted")  # no forged acks
+        await expect_publish_refused(op, "aep.hermes.s1.attention.answered")
+        await expect_publish_refused(op, "hermes.raw.gateway-0.pre_tool_call")
+        await expect_api_refused(op, op.js.key_value("aep_instruct"), "KV_aep_instruct")
+        await expect_api_refused(
+            op, op.js.pull_subscribe("aep.hermes.>", durable="peek", stream="AEP_EVENTS"), "AEP_EVENTS",
+        )
+        await op.nc.subscribe("aep.gate.instruct.*")
+        assert await op.refused("aep.gate.instruct.*"), "an operator must not pose as the gate"
+
+        # The shim: no reply it was not asked for, no posing as the gate.
+        await shim.nc.publish("_INBOX.someone-else.g", b'{"op":"release","decision":"allow"}')
+        assert await shim.refused("_INBOX.someone-else.g"), "allow_responses only answers a request"
+        await shim.nc.subscribe("aep.gate.hello")
+        assert await shim.refused("aep.gate.hello")
+    finally:
+        await op.close()
+        await shim.close()
+        await gate.close()
+
+    # What the gate must not do, on a connection of its own that records the refusals.
+    c = await Client.connect(url, "gate")
+    try:
+        await expect_publish_refused(c, "hermes.raw.gateway-0.pre_tool_call")  # no forged raw events
+        await expect_publish_refused(c, "aep.hermes.s1.control.attention.respond")  # nor commands
+        await expect_publish_refused(c, "aep.hermes.s1.tool.requested")  # nor mapped or paired types
+        await expect_publish_refused(c, "aep.hermes.s1.session.ended")
+        await expect_publish_refused(c, "bridge.mapped.0.s1")
+        await expect_publish_refused(c, "bridge.dlq.not_json")
+        await expect_publish_refused(c, "$KV.aep_lanes.s.s2")  # lanes are the mapper's to write
+        await expect_publish_refused(c, "$KV.aep_pairing.p.0")
+        await expect_api_refused(c, c.js.key_value("aep_pairing"), "KV_aep_pairing")  # no pairing state
+        await expect_api_refused(c, c.js.key_value("aep_leases"), "KV_aep_leases")
+        await expect_api_refused(
+            c, c.js.pull_subscribe("hermes.raw.>", durable="mapper", stream="HERMES_RAW"), "HERMES_RAW.mapper",
+        )
+        await expect_api_refused(c, c.js.get_msg("HERMES_RAW", seq=1), "HERMES_RAW")
+        await expect_api_refused(c, c.js.delete_stream("AEP_EVENTS"), "$JS.API.STREAM.DELETE.AEP_EVENTS")
+        await c.nc.subscribe("hermes.raw.>")
+        assert await c.refused("hermes.raw.>")
+    finally:
+        await c.close()
+
+
 def test_each_role_can_do_its_job_and_nothing_else(server: dict) -> None:
     try:
         asyncio.run(asyncio.wait_for(scenario(server["url"], server["kind"]), 60))
+        asyncio.run(asyncio.wait_for(control_plane(server["url"]), 60))
     except BaseException:
         print(server["log"].read_text()[-4000:])
         raise
@@ -362,8 +514,8 @@ def _allowed(text: str, direction: str) -> frozenset[str]:
     return frozenset(re.findall(r'"([^"]+)"', match.group(1))) if match else frozenset()
 
 
-def sample_users() -> dict[str, tuple[str, frozenset[str], frozenset[str]]]:
-    """{user: (password variable, publish allow, subscribe allow)} of deploy/nats/nats.conf."""
+def sample_users() -> dict[str, tuple[str, frozenset[str], frozenset[str], bool]]:
+    """{user: (password variable, publish allow, subscribe allow, allow_responses)} of deploy/nats/nats.conf."""
     text = re.sub(r"#[^\n]*", "", SAMPLE_CONF.read_text())
     named = dict(re.findall(r"^(\w+_PERMISSIONS) = \{(.*?)^\}", text, flags=re.M | re.S))
     users = {}
@@ -372,14 +524,16 @@ def sample_users() -> dict[str, tuple[str, frozenset[str], frozenset[str]]]:
         password = re.search(r"password: \$(\w+)", entry).group(1)
         ref = re.search(r"permissions: \$(\w+)", entry)
         body = named[ref.group(1)] if ref else entry
-        users[user] = (password, _allowed(body, "publish"), _allowed(body, "subscribe"))
+        responses = re.search(r"allow_responses:\s*(\w+)", body)
+        users[user] = (password, _allowed(body, "publish"), _allowed(body, "subscribe"),
+                       bool(responses) and responses.group(1) == "true")
     return users
 
 
 def test_sample_and_values_grant_the_same_permissions() -> None:
     """deploy/nats/nats.conf and values.yaml's nats.config.merge: the same users, each
-    with the same password variable and the same publish/subscribe allow lists (the
-    sample adds the per-instance shim user hermes-gateway-0)."""
+    with the same password variable, the same publish/subscribe allow lists and the same
+    allow_responses (the sample adds the per-instance shim user hermes-gateway-0)."""
     sample = sample_users()
     (account,) = values_merge()["accounts"].values()
     values = {
@@ -387,15 +541,26 @@ def test_sample_and_values_grant_the_same_permissions() -> None:
             re.fullmatch(r"<< \$(\w+) >>", u["password"]).group(1),
             frozenset(u["permissions"]["publish"]["allow"]),
             frozenset(u["permissions"]["subscribe"]["allow"]),
+            u["permissions"].get("allow_responses") is True,
         )
         for u in account["users"]
     }
-    assert values.keys() == {"aep-bootstrap", "aep-mapper", "aep-pairing", "hermes-shim", "aep-consumer"}
+    assert values.keys() == {"aep-bootstrap", "aep-mapper", "aep-pairing", "hermes-shim", "aep-consumer",
+                             "aep-gate", "aep-operator"}
     assert sample.keys() == values.keys() | {"hermes-gateway-0"}
     for user, rules in values.items():
         assert sample[user] == rules, user
-    assert sample["hermes-gateway-0"][1] == {"hermes.raw.gateway-0.>"}
-    for password_var, _, _ in sample.values():
+    assert sample["hermes-gateway-0"][1:] == (
+        {"hermes.raw.gateway-0.>", "aep.gate.instruct.*"}, {"_INBOX.>"}, True)
+    # Only the shims answer requests (the gate's); nobody else gets allow_responses.
+    assert {user for user, rules in sample.items() if rules[3]} == {"hermes-shim", "hermes-gateway-0"}
+    # Only the gate publishes its events and acks; only the operator (and pairing's
+    # aep.hermes.>) may publish commands; nobody else touches the control buckets.
+    assert {user for user, rules in sample.items() if "aep.hermes.*.control.accepted" in rules[1]} == {"aep-gate"}
+    assert {user for user, rules in sample.items() if "$KV.aep_control.>" in rules[1]} == {"aep-gate"}
+    assert {user for user, rules in sample.items() if any("aep_control" in s for s in rules[1])} == {
+        "aep-gate", "aep-operator"}
+    for password_var, *_ in sample.values():
         assert password_var in PASSWORDS
     assert sample.keys() == {name for name, _ in USERS.values()}, "the scenario connects as every user"
 

@@ -1,13 +1,19 @@
-"""`aep-bridge up`, `demo` and `tail` driven as a user would: real processes, a real nats-server."""
+"""`aep-bridge up`, `demo` and `tail` driven as a user would: real processes, a real nats-server.
+`aep-bridge up --gate` also runs the opt-in control plane: its gate answers /healthz and /readyz,
+holds a real shim's call until `aep-bridge control` answers it, is restarted like the other
+workers and stopped by the same Ctrl-C."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections import Counter
 from pathlib import Path
 
@@ -36,21 +42,30 @@ def cli(*args: str, env: dict[str, str], timeout: float = 120) -> subprocess.Com
     return subprocess.run([sys.executable, "-m", "bridge.cli", *args], env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 
-@pytest.fixture
-def up(tmp_path):
+@contextlib.contextmanager
+def running_up(tmp_path: Path, *extra: str, workers: int = 2):
+    """`aep-bridge up` with free ports and its own state directory, until `workers` workers run."""
     env = {**os.environ, "XDG_STATE_HOME": str(tmp_path / "state"), "AEP_BRIDGE_CONFIG": os.devnull}
-    env.pop("AEP_BRIDGE_NATS_URL", None)
+    for var in ("AEP_BRIDGE_NATS_URL", "AEP_HERMES_CONTROL", "AEP_INSTRUCT", "AEP_HERMES_HOLD_MS"):
+        env.pop(var, None)
     state = tmp_path / "state" / "aep-bridge"
     port = free_port()
     out = open(tmp_path / "up.out", "w")
     proc = subprocess.Popen(
         [sys.executable, "-m", "bridge.cli", "up", "--port", str(port), "--mapper-port", str(free_port()),
-         "--pairing-port", str(free_port())],
+         "--pairing-port", str(free_port()), *extra],
         env=env, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
     )
     info_path = state / "up.json"
+
+    def started() -> bool:
+        if not info_path.exists():
+            return False
+        pids = json.loads(info_path.read_text())["workers"]
+        return len(pids) == workers and all(pids.values())
+
     try:
-        wait_for(lambda: info_path.exists() and all(json.loads(info_path.read_text())["workers"].values()), 60, what="up to be running")
+        wait_for(started, 60, what="up to be running")
         yield proc, env, json.loads(info_path.read_text()), tmp_path
     finally:
         if proc.poll() is None:
@@ -60,6 +75,12 @@ def up(tmp_path):
             except subprocess.TimeoutExpired:
                 proc.kill()
         out.close()
+
+
+@pytest.fixture
+def up(tmp_path):
+    with running_up(tmp_path) as running:
+        yield running
 
 
 def expected_summary() -> dict[str, int]:
@@ -94,6 +115,8 @@ def test_up_demo_tail_restart_and_clean_stop(up):
     proc, env, info, tmp = up
     url = info["nats_url"]
     summary_file = tmp / "summary.json"
+    # The control plane is opt-in: no gate without --gate.
+    assert set(info["workers"]) == {"mapper", "pairing"} and "gate" not in info["metrics"] and "control" not in info
 
     started = time.monotonic()
     demo = cli("demo", "--json-summary", str(summary_file), env=env)
@@ -142,3 +165,79 @@ def test_up_demo_tail_restart_and_clean_stop(up):
     output = (tmp / "up.out").read_text()
     assert "restarted" in output and "stopped" in output
     assert not state.exists()
+
+
+def http_get(url: str) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, {}
+    except OSError:
+        return 0, {}
+
+
+def test_up_gate_runs_the_control_plane_and_stops_it_with_the_rest(tmp_path):
+    from tests.support.shim import compiled_hook, dumps, envelope, run_hook, shim_env
+
+    gate_port = free_port()
+    with running_up(tmp_path, "--gate", "--gate-port", str(gate_port), workers=3) as (proc, env, info, tmp):
+        url = info["nats_url"]
+        state = tmp / "state" / "aep-bridge"
+        assert set(info["workers"]) == {"mapper", "pairing", "gate"}
+        assert info["metrics"]["gate"] == f"http://127.0.0.1:{gate_port}/metrics"
+        accepts = ["control.attention.respond", "x.hermes.control.instruct"]
+        assert info["control"] == {"accepts": accepts, "shim_env": {
+            "AEP_HERMES_CONTROL": "1", "AEP_HERMES_HOLD_MS": "55000", "AEP_INSTRUCT": "1"}}
+        wait_for(lambda: http_get(f"http://127.0.0.1:{gate_port}/readyz")[0] == 200, 30, what="the gate's /readyz")
+        status, health = http_get(f"http://127.0.0.1:{gate_port}/healthz")
+        assert status == 200 and health["service"] == "gate" and health["control"]["accepts"] == accepts
+        assert (state / "logs" / "gate.log").stat().st_size > 0
+        banner = (tmp / "up.out").read_text()
+        assert f"http://127.0.0.1:{gate_port}/metrics" in banner
+        assert (f"AEP_BRIDGE_NATS_URL={url} AEP_HERMES_CONTROL=1 AEP_HERMES_HOLD_MS=55000 AEP_INSTRUCT=1 "
+                "aep-bridge hermes install") in banner
+        assert "aep-bridge control pending" in banner
+
+        # A worker like the others: killed, it is restarted.
+        os.kill(info["workers"]["gate"], signal.SIGKILL)
+        wait_for(lambda: (p := json.loads((state / "up.json").read_text())["workers"]["gate"]) not in (None, info["workers"]["gate"])
+                 and pid_alive(p), 30, what="the gate restarted")
+        wait_for(lambda: http_get(f"http://127.0.0.1:{gate_port}/readyz")[0] == 200, 30, what="the restarted gate's /readyz")
+
+        # The shim, set up as the banner says, is held until an operator answers.
+        shim = {**shim_env(url, tmp / "spool", "up-gate", DEADLINE_MS="2000"), **info["control"]["shim_env"]}
+        session = "s-up-gate"
+        for hook in ("on_session_start", "pre_llm_call"):
+            assert run_hook(dumps(envelope(hook, session=session, turn_id=f"{session}:t:1")), shim).answered_empty_object
+        held = subprocess.Popen([sys.executable, "-I", "-S", str(compiled_hook())], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=shim)
+        held.stdin.write(dumps(envelope("pre_tool_call", session=session, turn_id=f"{session}:t:1", tool_call_id="c1")))
+        held.stdin.close()
+        held.stdin = None
+        try:
+            cards: list = []
+
+            def pending() -> bool:
+                r = cli("control", "pending", "--json", "--nats", url, env=env)
+                cards[:] = json.loads(r.stdout) if r.returncode == 0 else []
+                return bool(cards)
+
+            wait_for(pending, 30, interval=0.3, what="the held call")
+            answer = cli("control", "respond", cards[0]["id"], "allow", "--nats", url, env=env)
+            assert answer.returncode == 0 and answer.stdout.startswith("accepted"), answer.stdout + answer.stderr
+            out, err = held.communicate(timeout=30)
+            assert out == b"{}\n", err
+        finally:
+            if held.poll() is None:
+                held.kill()
+
+        # One SIGINT stops the gate with the rest.
+        workers = json.loads((state / "up.json").read_text())["workers"]
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 0
+        for name, pid in workers.items():
+            wait_for(lambda pid=pid: not pid_alive(pid), 10, what=f"{name} (pid {pid}) to exit")
+        assert http_get(f"http://127.0.0.1:{gate_port}/healthz")[0] == 0, "nothing answers on the gate's port"
+        assert not (state / "up.json").exists()
+        assert "gate restarted" in (tmp / "up.out").read_text()

@@ -10,7 +10,8 @@ from pathlib import Path
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    u = sub.add_parser("up", help="run everything locally: embedded nats-server, bootstrap, mapper and pairing workers")
+    u = sub.add_parser("up", help="run everything locally: embedded nats-server, bootstrap, mapper and pairing workers "
+                                  "(and the gate with --gate)")
     u.add_argument("--nats", default=None, metavar="URL", help="use this NATS server instead of starting an embedded one")
     u.add_argument("--port", type=int, default=None, help="embedded server port (default 4222, or a free port when taken)")
     u.add_argument("--state-dir", default=None, help="where the embedded store, logs and up.json live (default: $XDG_STATE_HOME/aep-bridge)")
@@ -18,6 +19,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     u.add_argument("--no-follow", action="store_true", help="with --demo: do not follow the stream after the summary")
     u.add_argument("--mapper-port", type=int, default=None, help="mapper metrics port (default 9464, or free)")
     u.add_argument("--pairing-port", type=int, default=None, help="pairing metrics port (default 9465, or free)")
+    u.add_argument("--gate", action="store_true",
+                   help="also run the opt-in control plane, `aep-bridge gate` (operator-deny gate and steering; "
+                        "accepts both commands unless AEP_HERMES_CONTROL / AEP_INSTRUCT say otherwise)")
+    u.add_argument("--gate-port", type=int, default=None, help="with --gate: gate metrics port (default 9466, or free)")
     u.set_defaults(func=cmd_up)
 
     d = sub.add_parser("demo", help="replay real Hermes sessions through the shim into a running bridge and summarise")
@@ -61,7 +66,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     settings = Settings.from_env()
     state_dir = Path(args.state_dir) if args.state_dir else default_state_dir()
     up = Up(settings, nats_url=args.nats, port=args.port, state_dir=state_dir,
-            mapper_port=args.mapper_port, pairing_port=args.pairing_port)
+            mapper_port=args.mapper_port, pairing_port=args.pairing_port, gate=args.gate, gate_port=args.gate_port)
     try:
         return asyncio.run(up.run(demo=args.demo, follow=not args.no_follow, color=sys.stdout.isatty()))
     except Exception as exc:

@@ -6,6 +6,12 @@ worker as child processes: a worker that dies is restarted (with backoff) and th
 restart is logged; one Ctrl-C (SIGINT) or SIGTERM stops the workers, then the
 server, and leaves no process behind. While it runs, `<state dir>/up.json`
 tells `demo` and `tail` where the server is.
+
+`--gate` (off by default: the control plane is opt-in, docs/ARCHITECTURE.md
+"Control plane") adds a third supervised worker, `aep-bridge gate`, accepting
+both commands (``AEP_HERMES_CONTROL=1``, ``AEP_INSTRUCT=1`` unless the environment
+says otherwise); its log, metrics URL and pid are kept like the others', and
+up.json's ``control`` says what a shim needs to be held and steered by it.
 """
 
 from __future__ import annotations
@@ -68,7 +74,8 @@ class Worker:
 
 class Up:
     def __init__(self, settings: Settings, *, nats_url: str | None, port: int | None, state_dir: Path,
-                 out: TextIO = sys.stdout, mapper_port: int | None = None, pairing_port: int | None = None) -> None:
+                 out: TextIO = sys.stdout, mapper_port: int | None = None, pairing_port: int | None = None,
+                 gate: bool = False, gate_port: int | None = None) -> None:
         self.settings = settings
         self.external_url = nats_url
         self.port = port
@@ -78,6 +85,12 @@ class Up:
         self.workers: list[Worker] = []
         self.mapper_port = mapper_port or (MAPPER_METRICS_PORT if port_is_free(MAPPER_METRICS_PORT) else free_port())
         self.pairing_port = pairing_port or (PAIRING_METRICS_PORT if port_is_free(PAIRING_METRICS_PORT) else free_port())
+        self.gate = gate
+        self.gate_port = 0
+        if gate:
+            from bridge.services.gate import GATE_METRICS_PORT
+
+            self.gate_port = gate_port or (GATE_METRICS_PORT if port_is_free(GATE_METRICS_PORT) else free_port())
         self.url = ""
         self.stop_event: asyncio.Event | None = None
 
@@ -124,6 +137,27 @@ class Up:
         env.setdefault("AEP_BRIDGE_LOG_FORMAT", "json")
         return env
 
+    def _gate_env(self) -> dict[str, str]:
+        """The gate accepts both commands unless the environment sets the switches itself."""
+        env = self._env()
+        env.setdefault("AEP_HERMES_CONTROL", "1")
+        env.setdefault("AEP_INSTRUCT", "1")
+        return env
+
+    def control(self) -> dict[str, Any] | None:
+        """With --gate: what the gate accepts and the shim settings that use it (up.json, banner)."""
+        if not self.gate:
+            return None
+        from bridge.core.control import DEFAULT_HOLD_MS, accepted_verbs
+
+        env = self._gate_env()
+        on = {k: env[k].strip().lower() in ("1", "true", "yes", "on") for k in ("AEP_HERMES_CONTROL", "AEP_INSTRUCT")}
+        hold = os.environ.get("AEP_HERMES_HOLD_MS") or str(DEFAULT_HOLD_MS)
+        return {
+            "accepts": accepted_verbs(on["AEP_HERMES_CONTROL"], on["AEP_INSTRUCT"]),
+            "shim_env": {"AEP_HERMES_CONTROL": "1", "AEP_HERMES_HOLD_MS": hold, "AEP_INSTRUCT": "1"},
+        }
+
     def start_workers(self) -> None:
         logs = self.state_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
@@ -133,6 +167,9 @@ class Up:
             Worker("pairing", base + ["pairing", "--metrics-port", str(self.pairing_port), "--replica", "up-pairing"],
                    logs / "pairing.log", self._env()),
         ]
+        if self.gate:
+            self.workers.append(Worker("gate", base + ["gate", "--metrics-port", str(self.gate_port)],
+                                       logs / "gate.log", self._gate_env()))
         for w in self.workers:
             w.start()
 
@@ -155,13 +192,18 @@ class Up:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         path = state_file(self.state_dir)
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({
+        metrics = {"mapper": f"http://127.0.0.1:{self.mapper_port}/metrics", "pairing": f"http://127.0.0.1:{self.pairing_port}/metrics"}
+        state: dict[str, Any] = {
             "pid": os.getpid(),
             "nats_url": self.url,
             "embedded": self.server is not None,
-            "metrics": {"mapper": f"http://127.0.0.1:{self.mapper_port}/metrics", "pairing": f"http://127.0.0.1:{self.pairing_port}/metrics"},
+            "metrics": metrics,
             "workers": {w.name: (w.proc.pid if w.proc else None) for w in self.workers},
-        }, indent=2))
+        }
+        if self.gate:
+            metrics["gate"] = f"http://127.0.0.1:{self.gate_port}/metrics"
+            state["control"] = self.control()
+        tmp.write_text(json.dumps(state, indent=2))
         os.replace(tmp, path)  # readers (demo, tail, tests) never see a half-written file
 
     def banner(self) -> None:
@@ -175,6 +217,8 @@ class Up:
         self.say("  NATS           " + self.url)
         self.say(f"  mapper         http://127.0.0.1:{self.mapper_port}/metrics   /healthz   /readyz")
         self.say(f"  pairing        http://127.0.0.1:{self.pairing_port}/metrics   /healthz   /readyz")
+        if self.gate:
+            self.say(f"  gate           http://127.0.0.1:{self.gate_port}/metrics   /healthz (the hello document)   /readyz")
         self.say(f"  logs           {self.state_dir / 'logs'}")
         self.say("  watch          aep-bridge tail            (or: aep-bridge tail --json)")
         self.say("  replay a demo  aep-bridge demo")
@@ -184,8 +228,25 @@ class Up:
         self.say("                     pre_tool_call:")
         self.say(f"                       - command: \"{command}\"")
         self.say("                         timeout: 5")
+        if self.gate:
+            self.control_banner(command)
         self.say("  stop           Ctrl-C")
         self.say("")
+
+    def control_banner(self, command: str) -> None:
+        from bridge.shim.install import gate_timeout_s
+
+        control = self.control() or {}
+        shim = control.get("shim_env", {})
+        accepts = ", ".join(control.get("accepts") or []) or "nothing (AEP_HERMES_CONTROL and AEP_INSTRUCT are off)"
+        timeout = gate_timeout_s(int(shim.get("AEP_HERMES_HOLD_MS", 55000)), self.settings.deadline_ms)
+        nats = f"AEP_BRIDGE_NATS_URL={self.url}"
+        self.say(f"  control plane  the gate accepts {accepts}")
+        self.say("                 a shim opts in (hold pre_tool_call for an answer; pull instructions before a turn):")
+        self.say(f"                   {nats} " + " ".join(f"{k}={v}" for k, v in shim.items()) + " aep-bridge hermes install")
+        self.say(f"                 (the pre_tool_call hook then gets timeout: {timeout}, above the hold window)")
+        self.say(f"                 answer / steer: {nats} aep-bridge control pending | respond REQUEST_ID allow|deny")
+        self.say("                                 | instruct --session SESSION TEXT | hello")
 
     def shutdown(self) -> None:
         for w in self.workers:
