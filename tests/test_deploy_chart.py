@@ -737,10 +737,11 @@ NATS_ROLES = {  # user in nats.config.merge -> role (Secret key "<role>-password
     "aep-bootstrap": "bootstrap",
     "aep-mapper": "mapper",
     "aep-pairing": "pairing",
-    "hermes-shim": "shim",
+    "hermes-shim": "shim",  # observe-only
     "aep-consumer": "consumer",
     "aep-gate": "gate",  # the opt-in control plane: present whether or not gate.enabled
     "aep-operator": "operator",
+    "hermes-shim-control": "shim-control",  # a shim of a fleet that runs the control plane
 }
 
 
@@ -777,16 +778,19 @@ def test_values_handed_to_the_nats_subchart_are_self_consistent() -> None:
     for user, entry in users.items():
         role = NATS_ROLES[user]
         (var,) = re.fullmatch(r"<< \$([A-Z0-9_]+) >>", entry["password"]).groups()
-        assert var == f"AEP_{role.upper()}_PASSWORD", user
+        assert var == f"AEP_{role.upper().replace('-', '_')}_PASSWORD", user
         referenced.add(var)
         ref = container_env[var]["valueFrom"]["secretKeyRef"]
         assert ref == {"name": defaults["auth"]["existingSecret"], "key": f"{role}-password"}, user
         permissions = entry["permissions"]
-        # allow_responses: only the shim (it confirms the gate's requests; control plane)
-        assert permissions.keys() == {"publish", "subscribe"} | ({"allow_responses"} if role == "shim" else set()), user
+        # allow_responses: only the control-enabled shim (it confirms the gate's requests);
+        # the observe-only hermes-shim has no control right.
+        assert permissions.keys() == {"publish", "subscribe"} | ({"allow_responses"} if role == "shim-control" else set()), user
         assert "_INBOX.>" in permissions["subscribe"]["allow"], user
         assert permissions["publish"]["allow"], user
     assert referenced == container_env.keys(), "no unused or missing password variable"
+    assert users["hermes-shim"]["permissions"]["publish"]["allow"] == ["hermes.raw.>"], "observe-only"
+    assert users["hermes-shim-control"]["permissions"]["allow_responses"] is True
 
 
 @pytest.mark.parametrize(

@@ -18,8 +18,11 @@ only reads) and must be refused. The opt-in control plane's roles too: the
 gate (``aep-bridge gate``'s own start-up as the ``aep-gate`` user, then its
 durables, events, buckets, requests to a shim's inbox, the hello and
 instruction-pull services), an operator's terminal (``aep-operator``: commands,
-acks, the held calls read-only, hello) and the shim's two control moments
-(the instruction pull; confirming the gate's requests via ``allow_responses``). The streams and buckets are created, as the
+acks, the held calls read-only, hello) and the control-enabled shim's two
+control moments (``hermes-shim-control``: the instruction pull; confirming the
+gate's requests via ``allow_responses``), while the observe-only shim users
+(``hermes-shim``, ``hermes-gateway-0``) may neither pull instructions nor
+answer a request they overhear. The streams and buckets are created, as the
 bootstrap user, by the bridge's own ``bridge.nats.bootstrap`` (a stand-in with
 the shapes of docs/ARCHITECTURE.md if the module is missing), and the mapper
 creates its durable from ``bridge.nats.streams.mapper_consumer_config``.
@@ -64,6 +67,7 @@ PASSWORDS = {
     "AEP_GATEWAY_0_PASSWORD": "gateway-0-pw",
     "AEP_GATE_PASSWORD": "gate-pw",
     "AEP_OPERATOR_PASSWORD": "operator-pw",
+    "AEP_SHIM_CONTROL_PASSWORD": "shim-control-pw",
 }
 USERS = {
     "bootstrap": ("aep-bootstrap", "bootstrap-pw"),
@@ -74,6 +78,7 @@ USERS = {
     "gateway-0": ("hermes-gateway-0", "gateway-0-pw"),
     "gate": ("aep-gate", "gate-pw"),
     "operator": ("aep-operator", "operator-pw"),
+    "shim-control": ("hermes-shim-control", "shim-control-pw"),
 }
 DENY_WAIT = 0.3  # seconds to wait for a refused request (the server refuses at once)
 
@@ -243,8 +248,9 @@ async def stand_in_bootstrap(c: "Client") -> None:
 async def scenario(url: str, kind: str) -> None:
     await bootstrap(url)
 
-    # --- the Hermes shim: publish its raw envelope, with an ack, nothing else.
-    shim_roles = ["shim"] + (["gateway-0"] if kind == "sample" else [])
+    # --- the Hermes shim: publish its raw envelope, with an ack, nothing else
+    # (the observe-only users not even the control plane's instruction pull).
+    shim_roles = ["shim", "shim-control"] + (["gateway-0"] if kind == "sample" else [])
     for role in shim_roles:
         c = await Client.connect(url, role)
         try:
@@ -255,6 +261,9 @@ async def scenario(url: str, kind: str) -> None:
             await expect_publish_refused(c, "bridge.mapped.0.s1")
             await c.nc.subscribe("hermes.raw.>")
             assert await c.refused("hermes.raw.>"), "a shim must not read the raw stream"
+            if role != "shim-control":
+                await c.nc.publish("aep.gate.instruct.x", b'{"session":"x"}')
+                assert await c.refused("aep.gate.instruct.x"), f"{role} is observe-only: no instruction pull"
         finally:
             await c.close()
     if kind == "sample":  # the strict form: a gateway publishes only as itself
@@ -302,6 +311,10 @@ async def scenario(url: str, kind: str) -> None:
         ordered = await c.js.subscribe("bridge.mapped.>", ordered_consumer=True)
         assert (await ordered.next_msg(timeout=2)).subject == "bridge.mapped.3.s1"
         await ordered.unsubscribe()
+        # Its tick into a partition it owns (TTL orphan closure), and no other mapped subject.
+        tick = await c.js.publish("bridge.mapped.3.__tick__", b'{"now":1}', headers={"Nats-Msg-Id": "tick:3:1"})
+        assert tick.stream == "BRIDGE_MAPPED"
+        await expect_publish_refused(c, "bridge.mapped.3.somesession")  # no forged mapped events
         ack = await c.js.publish("aep.hermes.s1.session.started", b"{}", headers={"Nats-Msg-Id": "aep-1"})
         assert ack.stream == "AEP_EVENTS"
         leases = await c.js.key_value("aep_leases")
@@ -374,7 +387,37 @@ async def request_soon(nc, subject: str, data: bytes):  # type: ignore[no-untype
     return await nc.request(subject, data, timeout=2)
 
 
-async def control_plane(url: str) -> None:
+async def overheard_request_unanswered(requester, role: str, url: str) -> None:
+    """An observe-only shim user hears (on _INBOX.>) a request meant for another shim's
+    inbox and tries to answer it: without allow_responses the reply is refused and the
+    requester hears nothing."""
+    eaves = await Client.connect(url, role)
+    try:
+        victim = "_INBOX.victim-" + role
+        replies: list[str] = []
+
+        async def answer(m) -> None:  # type: ignore[no-untyped-def]
+            replies.append(m.reply)
+            await m.respond(b"ok")
+
+        await eaves.nc.subscribe(victim + ".*", cb=answer)
+        await eaves.nc.flush()
+        for _ in range(50):  # a fresh subscription may answer "no responders" for a few ms
+            try:
+                await requester.request(victim + ".g", b'{"op":"release","decision":"allow"}', timeout=DENY_WAIT * 2)
+            except nats.errors.NoRespondersError:
+                await asyncio.sleep(0.02)
+                continue
+            except NatsTimeout:
+                break
+            pytest.fail(f"{role} answered a request it overheard")
+        assert replies, f"{role} did not hear the request"
+        assert await eaves.refused(replies[0]), eaves.errors
+    finally:
+        await eaves.close()
+
+
+async def control_plane(url: str, kind: str = "sample") -> None:
     """The gate, an operator and the shim's control moments (after :func:`scenario`)."""
     if Gate is None:  # pragma: no cover
         pytest.skip("bridge/services/gate.py is not in this checkout")
@@ -383,7 +426,7 @@ async def control_plane(url: str) -> None:
     # hello and instruction-pull services and watches aep_control for open cards.
     gate = Gate(role_settings(url, "gate"), GateConfig(control=True, instruct=True))
     raw, commands = await gate.connect()
-    shim = await Client.connect(url, "shim")
+    shim = await Client.connect(url, "shim-control")
     op = await Client.connect(url, "operator")
     try:
         # A held pre_tool_call reaches the gate's durable; the gate acks it.
@@ -460,6 +503,17 @@ async def control_plane(url: str) -> None:
         assert await shim.refused("_INBOX.someone-else.g"), "allow_responses only answers a request"
         await shim.nc.subscribe("aep.gate.hello")
         assert await shim.refused("aep.gate.hello")
+
+        # The observe-only shim users: no instruction pull, no answer to what they overhear.
+        for role in ["shim"] + (["gateway-0"] if kind == "sample" else []):
+            await overheard_request_unanswered(gate.nc, role, url)
+            eaves = await Client.connect(url, role)
+            try:
+                with pytest.raises((NatsTimeout, nats.errors.NoRespondersError)):
+                    await eaves.nc.request("aep.gate.instruct.x", b'{"session":"x"}', timeout=DENY_WAIT)
+                assert await eaves.refused("aep.gate.instruct.x"), f"{role} must not pull instructions"
+            finally:
+                await eaves.close()
     finally:
         await op.close()
         await shim.close()
@@ -492,7 +546,7 @@ async def control_plane(url: str) -> None:
 def test_each_role_can_do_its_job_and_nothing_else(server: dict) -> None:
     try:
         asyncio.run(asyncio.wait_for(scenario(server["url"], server["kind"]), 60))
-        asyncio.run(asyncio.wait_for(control_plane(server["url"]), 60))
+        asyncio.run(asyncio.wait_for(control_plane(server["url"], server["kind"]), 60))
     except BaseException:
         print(server["log"].read_text()[-4000:])
         raise
@@ -546,14 +600,23 @@ def test_sample_and_values_grant_the_same_permissions() -> None:
         for u in account["users"]
     }
     assert values.keys() == {"aep-bootstrap", "aep-mapper", "aep-pairing", "hermes-shim", "aep-consumer",
-                             "aep-gate", "aep-operator"}
+                             "aep-gate", "aep-operator", "hermes-shim-control"}
     assert sample.keys() == values.keys() | {"hermes-gateway-0"}
     for user, rules in values.items():
         assert sample[user] == rules, user
-    assert sample["hermes-gateway-0"][1:] == (
-        {"hermes.raw.gateway-0.>", "aep.gate.instruct.*"}, {"_INBOX.>"}, True)
-    # Only the shims answer requests (the gate's); nobody else gets allow_responses.
-    assert {user for user, rules in sample.items() if rules[3]} == {"hermes-shim", "hermes-gateway-0"}
+    # The shim users: observe-only, except hermes-shim-control (fleets that run the gate).
+    assert sample["hermes-gateway-0"][1:] == ({"hermes.raw.gateway-0.>"}, {"_INBOX.>"}, False)
+    assert sample["hermes-shim"][1:] == ({"hermes.raw.>"}, {"_INBOX.>"}, False)
+    assert sample["hermes-shim-control"] == (
+        "AEP_SHIM_CONTROL_PASSWORD", {"hermes.raw.>", "aep.gate.instruct.*"}, {"_INBOX.>"}, True)
+    # Only the control-enabled shim answers requests (the gate's) and pulls instructions.
+    assert {user for user, rules in sample.items() if rules[3]} == {"hermes-shim-control"}
+    assert {user for user, rules in sample.items() if "aep.gate.instruct.*" in rules[1]} == {"hermes-shim-control"}
+    # Only the mapper publishes mapped events; pairing only its ticks.
+    assert {user for user, rules in sample.items() if "bridge.mapped.>" in rules[1]} == {"aep-mapper"}
+    assert {user for user, rules in sample.items() if any(s.startswith("bridge.mapped.") for s in rules[1])} == {
+        "aep-mapper", "aep-pairing"}
+    assert {s for s in sample["aep-pairing"][1] if s.startswith("bridge.mapped.")} == {"bridge.mapped.*.__tick__"}
     # Only the gate publishes its events and acks; only the operator (and pairing's
     # aep.hermes.>) may publish commands; nobody else touches the control buckets.
     assert {user for user, rules in sample.items() if "aep.hermes.*.control.accepted" in rules[1]} == {"aep-gate"}
@@ -592,7 +655,7 @@ async def raw_subjects(url: str) -> list[str]:
 def test_the_real_shim_publishes_with_its_user_and_only_as_its_instance(server: dict, tmp_path: Path) -> None:
     """The shim as Hermes runs it (`python -I -S hook.py`), with the shim users' rights."""
     asyncio.run(ensure_streams(server["url"]))
-    cases = [("shim", "gateway-7", True)]
+    cases = [("shim", "gateway-7", True), ("shim-control", "gateway-8", True)]
     if server["kind"] == "sample":
         cases += [("gateway-0", "gateway-0", True), ("gateway-0", "gateway-1", False)]
     for role, instance, allowed in cases:

@@ -1,7 +1,8 @@
 """The services started exactly as the chart starts them (its args and environment, Secrets
 resolved) against a real nats-server that requires authentication (deploy/nats/nats.conf):
-the pipeline, and the opt-in control plane (the gate as the chart runs it with gate.enabled,
-the shim's hold and pull as hermes-shim, an operator's `aep-bridge control` as aep-operator)."""
+the pipeline (with pairing's ticks, which drive TTL orphan closure), and the opt-in control
+plane (the gate as the chart runs it with gate.enabled, the shim's hold and pull as
+hermes-shim-control, an operator's `aep-bridge control` as aep-operator)."""
 
 from __future__ import annotations
 
@@ -27,8 +28,12 @@ from tests.test_deploy_chart import workload_env
 from tests.test_deploy_nats_permissions import PASSWORDS, SAMPLE_CONF, nats_server_binary
 
 SECRET = "aep-bridge-nats-auth"
-SECRETS = {SECRET: {f"{role}-password": PASSWORDS[f"AEP_{role.upper()}_PASSWORD"]
-                    for role in ("bootstrap", "mapper", "pairing", "shim", "consumer", "gate", "operator")}}
+SECRETS = {SECRET: {f"{role}-password": PASSWORDS[f"AEP_{role.upper().replace('-', '_')}_PASSWORD"]
+                    for role in ("bootstrap", "mapper", "pairing", "shim", "consumer", "gate", "operator",
+                                 "shim-control")}}
+# pairing publishes a tick into each partition it owns every TICK_S (15 s, no flag or
+# variable changes it): the first one comes ~15 s after it starts.
+TICK_WAIT_S = 60
 
 
 @pytest.fixture(scope="module")
@@ -95,12 +100,32 @@ def test_chart_environment_runs_the_pipeline_with_authentication(secured):
                      what="events on AEP_EVENTS through the authenticated pipeline")
         finally:
             consumer.close()
+        # pairing's tick (bridge.mapped.<n>.__tick__, what drives TTL orphan closure) is
+        # stored in BRIDGE_MAPPED: aep-pairing may publish it. Read as aep-pairing (it may
+        # read BRIDGE_MAPPED's info).
+        reader = JetStreamClient(url, user="aep-pairing", password=PASSWORDS["AEP_PAIRING_PASSWORD"])
+        ticks: dict = {}
+
+        def ticked() -> bool:
+            info = reader.run(reader.js.stream_info("BRIDGE_MAPPED", subjects_filter="bridge.mapped.*.__tick__"))
+            ticks.update(info.state.subjects or {})
+            return bool(ticks)
+
+        try:
+            wait_for(ticked, TICK_WAIT_S, interval=0.5, what="a pairing tick on BRIDGE_MAPPED")
+        finally:
+            reader.close()
+        assert all(re.fullmatch(r"bridge\.mapped\.\d+\.__tick__", s) for s in ticks), ticks
         for component, p in procs:
             assert p.poll() is None, f"{component} died: " + (tmp / f"{component}.log").read_text()[-2000:]
     finally:
         for _, p in procs:
             p.terminate()
             p.wait(30)
+    assert "tick_failed" not in (tmp / "pairing.log").read_text()
+    server_log = (tmp / "server.log").read_text(errors="replace")
+    refused = [line for line in server_log.splitlines() if "Violation" in line and "user:aep-pairing" in line]
+    assert refused == [], refused
 
 
 @pytest.mark.parametrize("component", ["mapper", "pairing", "bootstrap", "gate"])
@@ -128,7 +153,7 @@ def http_status(url: str) -> tuple[int, dict]:
 
 def test_the_gate_with_its_chart_environment_and_the_control_plane_users(secured):
     """gate.enabled as the chart runs it (user aep-gate, key gate-password) becomes ready on
-    its /readyz; a held call by the shim as hermes-shim is denied by `aep-bridge control` as
+    its /readyz; a held call by the shim as hermes-shim-control is denied by `aep-bridge control` as
     aep-operator; an instruction reaches the shim's next turn. Nothing is refused on the way."""
     url, tmp = secured["url"], secured["tmp"] / "control"
     tmp.mkdir()
@@ -158,7 +183,8 @@ def test_the_gate_with_its_chart_environment_and_the_control_plane_users(secured
         hello = control("hello")
         assert hello.returncode == 0 and json.loads(hello.stdout)["capabilities"]["control"] == health["control"]
 
-        shim = shim_env(url, tmp / "spool", "gw-control", NATS_USER="hermes-shim", NATS_PASSWORD=PASSWORDS["AEP_SHIM_PASSWORD"],
+        shim = shim_env(url, tmp / "spool", "gw-control", NATS_USER="hermes-shim-control",
+                        NATS_PASSWORD=PASSWORDS["AEP_SHIM_CONTROL_PASSWORD"],
                         DEADLINE_MS="2000")
         session = "s-chart-control"
         assert run_hook(json.dumps(envelope("on_session_start", session=session)), shim).answered_empty_object
@@ -203,5 +229,5 @@ def test_the_gate_with_its_chart_environment_and_the_control_plane_users(secured
     assert "Traceback" not in text and "handle_failed" not in text, text[-2000:]
     server_log = (secured["tmp"] / "server.log").read_text(errors="replace")
     refused = [line for line in server_log.splitlines() if "Violation" in line
-               and any(f"user:{u}" in line for u in ("aep-gate", "aep-operator", "hermes-shim"))]
+               and any(f"user:{u}" in line for u in ("aep-gate", "aep-operator", "hermes-shim-control"))]
     assert refused == [], refused
