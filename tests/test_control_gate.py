@@ -518,3 +518,34 @@ def test_the_cli_lists_and_answers_held_calls(plane: Plane) -> None:
     steer = cli("instruct", "--session", session, "--json", "mind the budget")
     assert steer.returncode == 0 and json.loads(steer.stdout)["type"] == C.ACCEPTED
     assert cli("instruct", "--session", session, "").returncode == 1  # invalid
+
+
+def test_the_gate_buckets_take_the_stream_replicas_setting(nats_server_fn, monkeypatch) -> None:
+    """`AEP_BRIDGE_STREAM_REPLICAS` reaches the gate's own buckets as it reaches `bootstrap`'s:
+    the default creates them with one replica; 3 is refused by this single, non-clustered server
+    (proving the value is asked for, not ignored)."""
+    import asyncio
+
+    from bridge.config import Settings
+    from bridge.services.gate import CONTROL_BUCKET, INSTRUCT_BUCKET, Gate
+    from tests.natsfixture import JetStreamClient
+
+    client = JetStreamClient(nats_server_fn.url)
+    client.bootstrap()
+
+    async def start(replicas: str) -> Gate:
+        monkeypatch.setenv("AEP_BRIDGE_STREAM_REPLICAS", replicas)
+        gate = Gate(Settings(nats_url=nats_server_fn.url, instance="gate-replicas"))
+        try:
+            await gate.connect()
+        finally:
+            if gate.nc is not None:
+                await gate.nc.close()
+        return gate
+
+    with pytest.raises(Exception, match="(?i)replica"):
+        asyncio.run(start("3"))
+    asyncio.run(start("1"))
+    for spec in (CONTROL_BUCKET, INSTRUCT_BUCKET):
+        assert client.stream_info(spec.stream_name).config.num_replicas == 1
+    client.close()

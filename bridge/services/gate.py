@@ -617,14 +617,15 @@ class Gate:
     async def connect(self) -> tuple[Any, Any]:
         from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-        from bridge.nats.bootstrap import ensure_stream
+        from bridge.nats.bootstrap import default_replicas, ensure_stream
         from bridge.nats.connection import connect_service
         from bridge.services.mapper import KvLanes, epoch_of
 
         self.nc = await connect_service(self.settings, name=f"aep-bridge-gate-{self.settings.instance}")
         self.js = self.nc.jetstream()
+        replicas = default_replicas(self.settings)  # AEP_BRIDGE_STREAM_REPLICAS, like `bootstrap`
         for spec in (CONTROL_BUCKET, INSTRUCT_BUCKET):
-            await ensure_stream(self.js, spec.config())
+            await ensure_stream(self.js, spec.config(replicas))
         self.kv = await self.js.key_value(CONTROL_BUCKET.bucket)
         self.queues = await self.js.key_value(INSTRUCT_BUCKET.bucket)
         self.lanes = KvLanes(await self.js.key_value(S.LANES_BUCKET))
