@@ -33,6 +33,7 @@ configurations rule by rule.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -47,7 +48,6 @@ from pathlib import Path
 import pytest
 
 import nats
-import yaml
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js import api
 from nats.js.errors import NoStreamResponseError
@@ -113,23 +113,24 @@ def values_nats_conf(store_dir: Path) -> str:
     return text
 
 
-@pytest.fixture(scope="module", params=["sample", "values"])
-def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
-    tmp = tmp_path_factory.mktemp(f"nats-{request.param}")
+def sample_nats_conf(store_dir: Path) -> str:
+    """deploy/nats/nats.conf with its store directory (the pod's path) moved to ``store_dir``."""
+    text, n = re.subn(r"(store_dir:\s*)/data\S*", lambda m: f'{m.group(1)}"{store_dir}"', SAMPLE_CONF.read_text())
+    assert n == 1, "store_dir not found"
+    return text
+
+
+@contextlib.contextmanager
+def configured_server(tmp: Path, conf_text: str) -> Iterator[str]:
+    """A real nats-server started with ``conf_text`` (the role passwords in its environment)
+    on free loopback ports; yields its URL, its log at ``tmp/server.log``."""
     conf = tmp / "nats.conf"
-    if request.param == "sample":
-        # The file's paths are the pod's; point them at the test's directory.
-        text, n = re.subn(r"(store_dir:\s*)/data\S*", lambda m: f'{m.group(1)}"{tmp / "js"}"', SAMPLE_CONF.read_text())
-        assert n == 1, "store_dir not found"
-    else:
-        text = values_nats_conf(tmp / "js")
-    conf.write_text(text)
+    conf.write_text(conf_text)
     port = free_port()
-    env = {**os.environ, **PASSWORDS}
     # Command-line flags override the file's listen address and ports.
     cmd = [nats_server_binary(), "-c", str(conf), "-a", "127.0.0.1", "-p", str(port), "-m", str(free_port())]
     log = open(tmp / "server.log", "wb")
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(cmd, env={**os.environ, **PASSWORDS}, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 10
     while True:
         try:
@@ -141,7 +142,7 @@ def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
                 pytest.fail(f"nats-server did not start:\n{(tmp / 'server.log').read_text()}")
             time.sleep(0.02)
     try:
-        yield {"url": f"nats://127.0.0.1:{port}", "kind": request.param, "log": tmp / "server.log"}
+        yield f"nats://127.0.0.1:{port}"
     finally:
         proc.terminate()
         try:
@@ -149,6 +150,14 @@ def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
         except subprocess.TimeoutExpired:  # pragma: no cover
             proc.kill()
         log.close()
+
+
+@pytest.fixture(scope="module", params=["sample", "values"])
+def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+    tmp = tmp_path_factory.mktemp(f"nats-{request.param}")
+    text = sample_nats_conf(tmp / "js") if request.param == "sample" else values_nats_conf(tmp / "js")
+    with configured_server(tmp, text) as url:
+        yield {"url": url, "kind": request.param, "log": tmp / "server.log"}
 
 
 class Client:

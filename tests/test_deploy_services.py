@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -25,7 +24,7 @@ from tests.natsfixture import JetStreamClient
 from tests.support.services import wait_for
 from tests.support.shim import compiled_hook, envelope, run_hook, shim_env
 from tests.test_deploy_chart import workload_env
-from tests.test_deploy_nats_permissions import PASSWORDS, SAMPLE_CONF, nats_server_binary
+from tests.test_deploy_nats_permissions import PASSWORDS, configured_server, sample_nats_conf
 
 SECRET = "aep-bridge-nats-auth"
 SECRETS = {SECRET: {f"{role}-password": PASSWORDS[f"AEP_{role.upper().replace('-', '_')}_PASSWORD"]
@@ -39,27 +38,8 @@ TICK_WAIT_S = 60
 @pytest.fixture(scope="module")
 def secured(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("secured")
-    text, n = re.subn(r"(store_dir:\s*)/data\S*", lambda m: f'{m.group(1)}"{tmp / "js"}"', SAMPLE_CONF.read_text())
-    assert n == 1
-    (tmp / "nats.conf").write_text(text)
-    port = free_port()
-    log = open(tmp / "server.log", "wb")
-    proc = subprocess.Popen([nats_server_binary(), "-c", str(tmp / "nats.conf"), "-a", "127.0.0.1", "-p", str(port), "-m", str(free_port())],
-                            env={**os.environ, **PASSWORDS}, stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            break
-        except OSError:
-            assert proc.poll() is None and time.monotonic() < deadline, (tmp / "server.log").read_text()
-            time.sleep(0.02)
-    try:
-        yield {"url": f"nats://127.0.0.1:{port}", "tmp": tmp}
-    finally:
-        proc.terminate()
-        proc.wait(10)
-        log.close()
+    with configured_server(tmp, sample_nats_conf(tmp / "js")) as url:
+        yield {"url": url, "tmp": tmp}
 
 
 def chart_process(component: str, url: str, tmp: Path, secrets=SECRETS, values=None, **popen):  # type: ignore[no-untyped-def]

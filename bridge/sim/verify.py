@@ -36,7 +36,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections import Counter, defaultdict
+from collections import Counter
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
