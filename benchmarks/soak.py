@@ -19,6 +19,16 @@ Prints sustained throughput, latency percentiles (overall after warm-up and per
 interval), lag over time, memory at start / after warm-up / at the end, and the targets:
 the rate sustained with zero loss, p99 <= 500 ms, memory growth <= 10 % after warm-up.
 Exit code 0 when every target is met.
+
+Memory investigations: ``--tracemalloc`` makes the services write tracemalloc snapshots
+(``AEP_BRIDGE_TRACEMALLOC``, every ``--tracemalloc-every`` s) into ``<work dir>/tracemalloc``,
+keeps the work directory and, at the end, prints per service the traced bytes against RSS
+over time and the top growth sites between the end of the warm-up and the end of the
+traffic (`benchmarks/tracemalloc_report.py`). tracemalloc slows the services and its own
+bookkeeping adds to their RSS: the latency and memory targets do not apply to such a run.
+``--tracemalloc-frames 0`` keeps the rows and the container census but not tracemalloc itself
+(no per-allocation cost: for runs at full rate). ``--service-env KEY=VALUE`` (repeatable) adds
+to the services' environment, e.g. ``MALLOC_ARENA_MAX=2`` (a fragmentation experiment).
 """
 
 from __future__ import annotations
@@ -184,14 +194,36 @@ def main() -> int:
     ap.add_argument("--dir", default=None, help="work directory (default: a temporary one, removed at the end)")
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
     ap.add_argument("--profile", action="store_true", help="run the services under cProfile (<work dir>/<name>.prof)")
+    ap.add_argument("--tracemalloc", action="store_true",
+                    help="services write tracemalloc snapshots to <work dir>/tracemalloc (kept); growth sites printed at the end")
+    ap.add_argument("--tracemalloc-every", type=float, default=30.0, help="seconds between snapshots (default 30)")
+    ap.add_argument("--tracemalloc-frames", type=int, default=1,
+                    help="frames per allocation (default 1; 0: no tracemalloc, only RSS/malloc rows and the container census)")
+    ap.add_argument("--service-env", action="append", default=[], metavar="KEY=VALUE",
+                    help="added to the services' environment (repeatable), e.g. MALLOC_ARENA_MAX=2")
     args = ap.parse_args()
 
     work = Path(args.dir or tempfile.mkdtemp(prefix="aep-soak-"))
     work.mkdir(parents=True, exist_ok=True)
+    service_env: dict[str, str] = {}
+    tm_dir = work / "tracemalloc"
+    if args.tracemalloc:
+        args.keep = True
+        service_env.update({"AEP_BRIDGE_TRACEMALLOC": str(tm_dir),
+                            "AEP_BRIDGE_TRACEMALLOC_EVERY_S": str(args.tracemalloc_every),
+                            "AEP_BRIDGE_TRACEMALLOC_FRAMES": str(args.tracemalloc_frames)})
+    for item in args.service_env:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            ap.error(f"--service-env wants KEY=VALUE, not {item!r}")
+        service_env[key] = value
+    if service_env:
+        print(f"soak: service environment {service_env}", flush=True)
+    window: dict[str, float] = {}  # unix times: end of the warm-up, end of the traffic
     print(f"soak: {args.instances} instances, {args.rate:.0f} events/s for {args.duration:.0f} s; "
           f"{args.mappers} mapper(s), {args.pairings} pairing worker(s); {os.cpu_count()} CPUs; work dir {work}", flush=True)
     server = EmbeddedNats(work / "nats", log_file=work / "nats.log").start()
-    pipe = Pipeline(server.url, work / "logs")
+    pipe = Pipeline(server.url, work / "logs", env=service_env)
     observer = None
     stop_obs = mp.Event()
     ok = False
@@ -218,6 +250,7 @@ def main() -> int:
             seed=42, manifest=str(work / "manifest.jsonl"), spool_dir=str(work / "spool"), wind_down_timeout=180.0,
         ))
         sampler = Sampler(pipe, server, fleet, args.sample)
+        window["since"] = time.time() + args.warmup
         sampler.pids["observer"] = observer_pid
         rss_start = sampler.rss()
         sampler.start()
@@ -255,13 +288,19 @@ def main() -> int:
 
         fleet.progress = progress
         started = time.monotonic()
+        traffic_wall = time.time()
         snap = fleet.run()
         traffic_s = snap["elapsed_s"]
+        window["until"] = traffic_wall + traffic_s
         print(f"soak: traffic phase over after {time.monotonic() - started:.0f} s (wind-down included); draining spools",
               flush=True)
         left = fleet.drain(timeout=120)
         fleet.close()
-        settled = pipe.settle(timeout=180, quiet_s=3.0)
+        try:
+            settled = pipe.settle(timeout=180, quiet_s=3.0)
+        except TimeoutError as exc:  # a backlog (the services could not keep up): report what was measured
+            settled = {"not settled": str(exc)}
+            print(f"soak: {exc}", flush=True)
         time.sleep(args.sample + 1)
         sampler.stop.set()
         sampler.join()
@@ -303,21 +342,25 @@ def main() -> int:
                   f"end {rss_end[name] / 1024:7.1f} MiB ({100 * growth[name]:+.1f} % after warm-up)")
         print(f"  settled        {settled}")
         print(f"  spool left     {left or 'none'}")
-        print("soak: verifying (reading every stream) ...", flush=True)
-        from bridge.sim.verify import verify
+        if "not settled" in settled:
+            print("soak: not verified (the pipeline did not settle)", flush=True)
+            report = None
+        else:
+            print("soak: verifying (reading every stream) ...", flush=True)
+            from bridge.sim.verify import verify
 
-        t = time.monotonic()
-        # One mapper and no faults: per-session order must hold strictly (no backfill).
-        report = verify(server.url, work / "manifest.jsonl", wait=60, schema_sample=args.schema_sample,
-                        strict_order=args.mappers == 1)
-        print(report.render())
-        print(f"soak: verified in {time.monotonic() - t:.0f} s")
+            t = time.monotonic()
+            # One mapper and no faults: per-session order must hold strictly (no backfill).
+            report = verify(server.url, work / "manifest.jsonl", wait=60, schema_sample=args.schema_sample,
+                            strict_order=args.mappers == 1)
+            print(report.render())
+            print(f"soak: verified in {time.monotonic() - t:.0f} s")
         targets = {
             f"rate sustained (sent >= 95 % of {args.rate:.0f}/s, AEP keeps up)": sent_rate >= 0.95 * args.rate
             and bool(steady) and statistics.mean(aep_rates) >= 0.95 * sent_rate,
-            "zero loss, zero duplicates (verifier)": report.lost_count == 0 and report.duplicate_count == 0
-            and report.id_under_two_sources == 0,
-            "verifier clean (invariants, schema, canaries)": report.ok,
+            "zero loss, zero duplicates (verifier)": report is not None and report.lost_count == 0
+            and report.duplicate_count == 0 and report.id_under_two_sources == 0,
+            "verifier clean (invariants, schema, canaries)": report is not None and report.ok,
             "p99 end-to-end <= 500 ms (after warm-up)": bool(warm) and pct(warm, .99) <= 500,
             "memory growth <= 10 % after warm-up (mapper, pairing)": all(
                 growth.get(w.name, 1.0) <= 0.10 for w in pipe.workers),
@@ -331,10 +374,28 @@ def main() -> int:
         stop_obs.set()
         if observer is not None and observer.is_alive():
             observer.terminate()
-        pipe.stop()
+        pipe.stop()  # the services write their last snapshot as they stop
         server.stop()
+        if args.tracemalloc:
+            tracemalloc_post_step(tm_dir, window)
         if not args.keep and not args.dir:
             shutil.rmtree(work, ignore_errors=True)
+        elif args.keep:
+            print(f"soak: work directory kept: {work}", flush=True)
+
+
+def tracemalloc_post_step(tm_dir: Path, window: dict[str, float]) -> None:
+    """Per service: traced bytes vs RSS over time, top growth sites (end of warm-up -> end of traffic)."""
+    sys.path.insert(0, os.path.dirname(__file__))
+    from tracemalloc_report import report
+
+    print(f"soak: tracemalloc snapshots in {tm_dir} (compare again: "
+          f"benchmarks/tracemalloc_report.py {tm_dir} --since {window.get('since', 0):.0f} "
+          f"--until {window.get('until', 0):.0f})", flush=True)
+    try:
+        report(tm_dir, window.get("since"), window.get("until"))
+    except Exception as exc:  # the soak's verdict stands; the snapshots are kept
+        print(f"soak: tracemalloc report failed: {type(exc).__name__}: {exc}", file=sys.stderr)
 
 
 if __name__ == "__main__":

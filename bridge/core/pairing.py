@@ -139,6 +139,8 @@ from __future__ import annotations
 import gc
 import hashlib
 import heapq
+from array import array
+from bisect import bisect_left
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, NamedTuple
@@ -339,6 +341,56 @@ _snapshot_encoder = msgspec.msgpack.Encoder()
 _snapshot_decoder = msgspec.msgpack.Decoder(_Snapshot)
 
 
+class _DigestRing:
+    """Up to ``limit`` 64-bit digests, first in first out, with membership tests.
+
+    The ended sessions of a partition (``max_ended``, 100,000 by default) are its largest
+    structure at a fleet's steady state; a ``set`` of ints plus a ``deque`` costs ~100 bytes
+    a digest, this ~17: one array in insertion order (evicted from ``_head``, compacted
+    now and then) and one sorted array searched by bisection (an insertion or an eviction
+    moves at most ``8 * limit`` bytes: microseconds, once per session end).
+    """
+
+    __slots__ = ("limit", "_order", "_head", "_sorted")
+
+    def __init__(self, limit: int, items: Any = ()) -> None:
+        self.limit = limit
+        self._order = array("Q", items)
+        self._head = 0
+        self._sorted = array("Q", sorted(set(self._order)))
+
+    def __len__(self) -> int:
+        return len(self._order) - self._head
+
+    def __contains__(self, digest: int) -> bool:
+        i = bisect_left(self._sorted, digest)
+        return i < len(self._sorted) and self._sorted[i] == digest
+
+    def add(self, digest: int) -> None:
+        """Remember ``digest`` (the caller adds a digest only when it is not remembered yet)."""
+        self._order.append(digest)
+        if digest not in self:
+            self._sorted.insert(bisect_left(self._sorted, digest), digest)
+        while len(self) > self.limit:
+            self._discard(self._order[self._head])
+            self._head += 1
+        if self._head > 1024 and 2 * self._head > len(self._order):
+            del self._order[: self._head]
+            self._head = 0
+
+    def _discard(self, digest: int) -> None:
+        i = bisect_left(self._sorted, digest)
+        if i < len(self._sorted) and self._sorted[i] == digest:
+            del self._sorted[i]
+
+    def tolist(self) -> list[int]:
+        """Oldest first (the snapshot's ``ended``)."""
+        return self._order[self._head :].tolist()
+
+    def nbytes(self) -> int:
+        return (len(self._order) + len(self._sorted)) * self._order.itemsize
+
+
 def _digest8(value: str) -> bytes:
     return hashlib.blake2b(value.encode("utf-8", "surrogatepass"), digest_size=8).digest()
 
@@ -375,8 +427,8 @@ class PairingState:
         self._sessions: dict[str, _Session] = {}
         self._seen: set[str] = set()
         self._seen_order: deque[str] = deque()
-        self._ended: set[int] = set()
-        self._ended_order: deque[int] = deque()
+        #: ended sessions' 8-byte digests (``max_ended``, FIFO): compact, see `_DigestRing`
+        self._ended = _DigestRing(self.config.max_ended)
         # not snapshotted (rebuilt on restore): open pairs by kind, and the wake-up heap
         self._open = [0, 0, 0, 0]
         self._heap: list[tuple[int, str]] = []
@@ -477,7 +529,7 @@ class PairingState:
                 clock=self.clock,
                 counters=self.counters,
                 seen=list(self._seen_order),
-                ended=list(self._ended_order),
+                ended=self._ended.tolist(),
                 sessions=self._sessions,
             )
         )
@@ -506,8 +558,7 @@ class PairingState:
         self.counters = snap.counters
         self._seen_order = deque(snap.seen)
         self._seen = set(snap.seen)
-        self._ended_order = deque(snap.ended)
-        self._ended = set(snap.ended)
+        self._ended = _DigestRing(self.config.max_ended, snap.ended)
         self._sessions = snap.sessions
         self._open = [0, 0, 0, 0]
         self._heap = []
@@ -801,9 +852,6 @@ class PairingState:
             s.ended = ev.id
             s.fin = _seq(ev)
             self._ended.add(digest)
-            self._ended_order.append(digest)
-            while len(self._ended_order) > self.config.max_ended:
-                self._ended.discard(self._ended_order.popleft())
             out.append(ev)
         return out
 

@@ -401,6 +401,13 @@ class PairingService:
         for k, v in opens.items():
             self.metrics.open.labels(kind=k).set(v)
         self.metrics.owned.set(len(self.partitions))
+        # What the state holds, summed over the owned partitions (in /healthz; memory investigations).
+        sizes = {"sessions": 0, "ended_remembered": 0, "held_now": 0}
+        for part in self.partitions.values():
+            m = part.state.metrics()
+            for k in sizes:
+                sizes[k] += int(m.get(k, 0))
+        self.health.info["state"] = sizes
 
     async def maintain(self) -> None:
         """Renew held leases, try to take free ones, publish ticks. Runs every RENEW_S."""
