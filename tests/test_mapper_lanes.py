@@ -106,3 +106,33 @@ def test_the_wait_is_bounded_when_the_earlier_message_never_settles(nats_server_
     assert requested["session"] == "unknown" and requested["lane"] == "unknown"
     assert counter(mapper, "aep_bridge_mapper_lane_wait_timeouts_total") == 1
     assert counter(mapper, "aep_bridge_mapper_unknown_lane_total") >= 1
+
+
+def test_the_lane_caches_are_bounded_to_a_working_set(nats_server_fn):
+    """The mapper's lane cache and its negative cache stop at their bounds however many
+    sessions a fleet starts (issue 8: at 100,000 entries they grew the mapper for ~26 min)."""
+    from bridge.core.lanes import Learned
+    from bridge.core.mapping import MapResult
+    from bridge.services import mapper as M
+
+    async def run() -> tuple[int, int, int, int]:
+        nc = await nats.connect(nats_server_fn.url)
+        js = nc.jetstream()
+        await bootstrap(js, None, replicas=1)
+        lanes = M.KvLanes(await js.key_value(S.LANES_BUCKET))
+        n = M.LANE_CACHE_ENTRIES + 2000
+        for i in range(n):
+            result = MapResult(events=[], lane=f"s{i}", learned=Learned(session=f"s{i}", task_id=f"t{i}"))
+            futures = await lanes.learn(result, js)
+            if i % 1000 == 999:
+                await asyncio.gather(*futures)
+        for i in range(M.NEGATIVE_MAX + 500):
+            assert await lanes._get(f"s.never-{i}") is None
+        kv_has_oldest = (await lanes.kv.get("s.s0")).value == b"1"
+        await nc.close()
+        return len(lanes.cache.sessions), len(lanes.cache.tasks), len(lanes._missing), int(kv_has_oldest)
+
+    sessions, tasks, missing, kv_has_oldest = asyncio.run(run())
+    assert sessions == tasks == 8192
+    assert missing == 4096
+    assert kv_has_oldest, "what the cache forgets stays in the KV bucket"
