@@ -30,7 +30,7 @@ from bridge.core.pipeline import map_record, record_from_raw
 from bridge.shim import hook
 from bridge.sim.fleet import MARKER_KEY, Canaries, Fleet, FleetConfig, envelopes
 from bridge.sim.harness import Pipeline
-from bridge.sim.verify import StreamReader, verify
+from bridge.sim.verify import verify
 from tests.natsfixture import JetStreamClient
 from tests.support.shim import run_hook, shim_env
 
