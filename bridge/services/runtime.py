@@ -230,7 +230,9 @@ def container_census(min_len: int = 1000, top: int = 40) -> dict[str, Any]:
         elif name == "_lru_cache_wrapper" and str(getattr(obj, "__module__", "")).startswith("bridge."):
             info = obj.cache_info()
             lru[f"{obj.__module__}.{obj.__qualname__}"] = [info.currsize, info.maxsize or 0]
-        elif t.__module__.startswith(_CENSUS_OWNERS) and not isinstance(obj, type):
+        # `__module__` of a metaclass's instances can be a descriptor, not a str (seen in the suite).
+        elif isinstance(module := getattr(t, "__module__", None), str) and module.startswith(_CENSUS_OWNERS) \
+                and not isinstance(obj, type):
             d = vars(obj) if getattr(t, "__dictoffset__", 0) else None
             if isinstance(d, dict):
                 for attr, value in d.items():
