@@ -220,3 +220,44 @@ def test_pull_delivers_the_context_once_confirmed(nats_server: NatsServer, jetst
     assert seen["body"] == {"session": session}
     if queue:
         assert seen["confirm"] == b"ok"
+
+
+def test_a_gate_message_that_overtakes_the_puback_is_kept_for_the_hold() -> None:
+    """The gate's ping or release on ``<inbox>.g`` can reach the shim before the PubAck of the
+    held call itself (the gate reads the stored message while the ack is still on its way).
+    The publish loop must keep it for `_hold`, not drop it as an unparsable ack: dropped, the
+    gate's release was lost and the hook waited out its whole hold (a flaky failure of
+    test_held_call_waits_for_the_release, 2026-12-01). The server side is a socket pair
+    written in the exact order that race produces, which a real server gives only sometimes."""
+    import socket as socketlib
+
+    from bridge.shim import hook
+
+    ours, server = socketlib.socketpair()
+    try:
+        conn = hook.NatsConnection(ours, {"max_payload": 1 << 20}, "test")
+        record = hook.Record("01TESTID", "hermes.raw.i.pre_tool_call", b"{}")
+        release = json.dumps({"op": "release", "decision": "deny", "message": "overtaken"}).encode()
+        ack = b'{"stream":"HERMES_RAW","seq":7}'
+        server.sendall(b"MSG %s.g 1 _INBOX.gate.r1 %d\r\n%s\r\n" % (conn.inbox.encode(), len(release), release)
+                       + b"MSG %s.0 1 %d\r\n%s\r\n" % (conn.inbox.encode(), len(ack), ack))
+        assert conn.publish([record], time.monotonic() + 2) == [True]
+        assert server.recv(65536).startswith(b"HPUB hermes.raw.i.pre_tool_call ")
+
+        def confirm() -> None:  # the server's side of the shim's confirmation: PUB ok + PING -> PONG
+            data = b""
+            while b"PING\r\n" not in data:
+                data += server.recv(65536)
+            assert data.startswith(b"PUB _INBOX.gate.r1 2\r\nok\r\n")
+            server.sendall(b"PONG\r\n")
+
+        import threading
+
+        t = threading.Thread(target=confirm)
+        t.start()
+        answer = hook._hold(conn, time.monotonic() + 2)
+        t.join(5)
+        assert answer == {"action": "block", "message": "overtaken"}
+    finally:
+        ours.close()
+        server.close()

@@ -701,6 +701,9 @@ class NatsConnection:
         self.error = None  # why the last publish() came back short
         self.pending = b""  # CONNECT + SUB, sent with the first publish (one write, one round trip)
         self.next = 0
+        # Messages on our inbox that are not PubAcks (the gate's ping or release on <inbox>.g can
+        # overtake the PubAck of the held call itself), kept for `_next_msg` instead of dropped.
+        self.early = []
 
     @classmethod
     def connect(cls, server, cfg, deadline):
@@ -837,6 +840,9 @@ class NatsConnection:
                     try:
                         idx = int(parts[1].rsplit(b".", 1)[1]) - base
                     except (IndexError, ValueError):
+                        if len(self.early) < 16:
+                            with_reply = len(parts) == (6 if line[0:1] == b"H" else 5)
+                            self.early.append((parts[1], parts[3] if with_reply else None, payload[:hlen], payload[hlen:]))
                         continue
                     if 0 <= idx < want:  # a late answer to an earlier call is not ours
                         results[idx] = _ack_outcome(payload[:hlen], payload[hlen:])
@@ -1435,6 +1441,8 @@ class _Control:
 def _next_msg(conn, deadline):
     """The next MSG/HMSG as (subject, reply, header bytes, payload); None at the deadline or
     when the connection fails. Answers PINGs meanwhile."""
+    if conn.early:
+        return conn.early.pop(0)
     try:
         while True:
             line = conn._read_line(deadline)
