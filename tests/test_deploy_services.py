@@ -12,8 +12,6 @@ import re
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -21,7 +19,7 @@ import pytest
 from bridge.local.server import free_port
 from tests.corpus import envelopes
 from tests.natsfixture import JetStreamClient
-from tests.support.services import wait_for
+from tests.support.services import http_json as http_status, wait_for
 from tests.support.shim import compiled_hook, envelope, run_hook, shim_env
 from tests.test_deploy_chart import workload_env
 from tests.test_deploy_nats_permissions import PASSWORDS, configured_server, sample_nats_conf
@@ -121,14 +119,6 @@ def test_wrong_credentials_fail_clearly_and_non_zero(secured, component):
     assert "not-the-password" not in output, "the error names the cause, never the secret"
 
 
-def http_status(url: str) -> tuple[int, dict]:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, {}
-    except OSError:
-        return 0, {}
 
 
 def test_the_gate_with_its_chart_environment_and_the_control_plane_users(secured):

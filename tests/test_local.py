@@ -12,8 +12,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections import Counter
 from pathlib import Path
 
@@ -21,7 +19,7 @@ import pytest
 
 from bridge.local.server import free_port
 from tests.corpus import records
-from tests.support.services import wait_for
+from tests.support.services import http_json as http_get, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -167,14 +165,6 @@ def test_up_demo_tail_restart_and_clean_stop(up):
     assert not state.exists()
 
 
-def http_get(url: str) -> tuple[int, dict]:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, {}
-    except OSError:
-        return 0, {}
 
 
 def test_up_gate_runs_the_control_plane_and_stops_it_with_the_rest(tmp_path):

@@ -185,9 +185,10 @@ def _pymalloc_info() -> dict[str, int]:
     return out
 
 
-def _rss_kb() -> int:
+def rss_kb(pid: int | str = "self") -> int:
+    """Resident set size of a process in KiB (0 when it is gone or /proc is not there)."""
     try:
-        with open("/proc/self/status") as f:
+        with open(f"/proc/{pid}/status") as f:
             for line in f:
                 if line.startswith("VmRSS:"):
                     return int(line.split()[1])
@@ -307,7 +308,7 @@ class AllocationProfiler(threading.Thread):
         with self._lock:
             started = time.monotonic()
             now = time.time()
-            row: dict[str, Any] = {"t": round(now, 3), "rss_kb": _rss_kb(), "malloc": _malloc_info()}
+            row: dict[str, Any] = {"t": round(now, 3), "rss_kb": rss_kb(), "malloc": _malloc_info()}
             try:
                 row["pymalloc"] = _pymalloc_info()
             except Exception:  # a diagnostic

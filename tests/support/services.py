@@ -109,3 +109,17 @@ def wait_for(predicate, timeout: float, interval: float = 0.1, what: str = "cond
             return
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def http_json(url: str) -> tuple[int, dict]:
+    """(status, JSON body) of a GET; (0, {}) when nothing answers."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, {}
+    except OSError:
+        return 0, {}
