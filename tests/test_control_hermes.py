@@ -220,7 +220,8 @@ def test_operator_gate_and_steering_under_real_hermes(hermes_plane: Plane, tmp_p
             driver.send({"user": user})
             if answer is not None:
                 request = plane.wait(session, lambda e: any(x["type"] == "attention.requested" and x["subject"] == "read_file"
-                                                            and x["id"] not in seen for x in e), f"the held {call_id}")
+                                                            and x["id"] not in seen for x in e), f"the held {call_id}",
+                                     timeout=30.0)  # an upper bound: the first turn starts Hermes on a loaded machine
                 req = next(x for x in request if x["type"] == "attention.requested" and x["id"] not in seen)
                 seen.add(req["id"])
                 kind, ack, _ = plane.send(build_command(C.RESPOND, session, {"answer": answer}, sender="test-console",

@@ -134,5 +134,6 @@ def test_the_lane_caches_are_bounded_to_a_working_set(nats_server_fn):
 
     sessions, tasks, missing, kv_has_oldest = asyncio.run(run())
     assert sessions == tasks == 8192
-    assert missing == 4096
+    # Misses also expire after NEGATIVE_TTL_S, so on a slow machine fewer than the cap remain.
+    assert 0 < missing <= M.NEGATIVE_MAX
     assert kv_has_oldest, "what the cache forgets stays in the KV bucket"
