@@ -684,6 +684,33 @@ def test_held_follow_up_outlives_the_sweep(m: Mk, r: Run) -> None:
     assert check_invariants(r.out, stream_order=False) == []
 
 
+@pytest.mark.parametrize("order", ["answer_first", "request_first"])
+def test_late_request_answered_after_the_session_end_ends_before_that_end(m: Mk, r: Run, order: str) -> None:
+    """A request overtaken by its session's finalize (a mapper replica died holding it) whose
+    answer sorts AFTER the finalize (Hermes answered during teardown, or a spooled resend): in
+    stream order the sweep dismisses the request and the answer links to it late. Reordered,
+    the same must hold: the request ends (dismissed, session_end) before the session.ended in
+    (epoch, seq), and the answer still names it; never an attention.resolved after the end."""
+    r.feed(m.started())
+    req = m.appr_req()
+    end = m.ended()
+    ans = m.appr_ans()
+    r.feed(end)
+    out = r.feed(ans, req) if order == "answer_first" else r.feed(req, ans)
+    closes = [e for e in out if e.type == "attention.resolved"]
+    assert len(closes) == 1 and closes[0].subject == req[0].id
+    assert closes[0].data["resolution"] == "dismissed" and closes[0].seq < end[0].seq
+    answered = next(e for e in out if e.type == "attention.answered")
+    assert answered.subject == req[0].id and answered.cause == req[0].id
+    assert r.state.open_pairs()["card"] == 0
+    assert check_invariants(r.out, stream_order=False) == []
+    # the same input in stream order tells the same story
+    inorder = Run()
+    inorder.feed(m.started("T"))
+    got = [e.type for e in inorder.feed(*(x for x in (m.appr_req("T", sk="T"), m.ended("T"), m.appr_ans("T", sk="T"))))]
+    assert got == ["attention.requested", "attention.resolved", "session.ended", "attention.answered"]
+
+
 def test_start_arriving_after_its_session_ended_closes_after_the_hold(m: Mk, r: Run) -> None:
     r.feed(m.started())
     tool = m.tool_req()

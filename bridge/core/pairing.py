@@ -56,7 +56,8 @@ subagent    child_session_id (``subject``)               oldest     link        
    ``subagent_stop`` may come after the parent ended); held terminals stay held (their
    start may be behind the finalize); a start arriving after the end with a lower
    seq (overtaken by the finalize) opens *late*: its TTL is ``hold_ns`` and its
-   closure says ``session_end``.
+   closure says ``session_end``. A late card's follow-up that sorts after the end
+   first closes it that way (as the sweep would have in stream order), then links late.
 5. A ``run.*`` terminal without ``run`` (``on_session_end`` without turn_id) closes
    the session's most recently started open run (``run`` and ``cause`` are set); with
    no open run it becomes ``x.hermes.run.closed {completed, interrupted}``.
@@ -672,6 +673,12 @@ class PairingState:
         seq, epoch = _seq(ev), ev.epoch or 0
         match = self._find_open(pairs, kind, key, h.get("tool_call_id", "") if rule.tie else "", seq, epoch)
         if match is not None:
+            if match.late and rule.dismissed and seq >= s.fin:
+                # A card that reached us after its session's end (overtaken by the finalize)
+                # and a follow-up that sorts after that end: in stream order the sweep would
+                # have dismissed the card and the follow-up linked late. Say the same, so the
+                # card still ends before the session.ended in (epoch, seq).
+                return self._bridge_close(lane, s, match, "session_end") + self._link(lane, s, match, ev, ts, first=False)
             return self._link(lane, s, match, ev, ts, first=True)
         # A composite tool key (no tool_call_id: calls from inside execute_code) is reused by
         # every identical call, so such a terminal first waits for a late request of its own.
