@@ -296,3 +296,46 @@ def test_verifier_reads_incrementally_and_finds_shim_sent_messages_by_marker(nat
     lost, again = asyncio.run(main())
     assert lost == 1  # no mapper runs on this shared server: the event never reached AEP_EVENTS
     assert again == 0
+
+
+def test_verifier_waits_for_a_card_that_pairing_still_has_to_end(nats_server, jetstream, tmp_path):
+    """A request that reached pairing after its session's end is closed by pairing's own timer
+    (hold_ns, at the next tick): nothing is lost meanwhile, so a verifier that stopped as soon as
+    nothing was missing reported "never ends". For a complete run it waits (up to ``wait``)
+    until the card's ending is there; a card that never ends is still reported."""
+    import threading
+
+    from bridge.core.aep import encode_event
+    from bridge.nats.subjects import events_subject
+    from tests.test_pairing import Mk
+
+    mk = Mk(instance="vw-" + os.urandom(3).hex())
+    lane = "vw-" + os.urandom(3).hex()
+    req, end = mk.appr_req(lane, sk=lane)[0], mk.ended(lane)[0]
+    # the ending pairing will publish: a session_end closure right after the request
+    closing = dict(json.loads(encode_event(req)), type="attention.resolved", id="01" + os.urandom(12).hex().upper()[:24],
+                   seq=req.seq + 264, subject=req.id, cause=req.id, data={"resolution": "dismissed"})
+    closing.pop("run", None)
+    manifest = tmp_path / "m.jsonl"
+    manifest.write_text(json.dumps({"meta": {"canaries": []}}) + "\n" + json.dumps({"end": {"complete": True}}) + "\n")
+
+    def publish(events: list[bytes]) -> None:
+        async def pub() -> None:
+            for data in events:
+                doc = json.loads(data)
+                await jetstream.js.publish(events_subject(lane, doc["type"]), data)
+        jetstream.run(pub())
+
+    publish([encode_event(end), encode_event(req)])  # the request overtaken by its session's end
+    report = verify(nats_server.url, manifest, wait=2.5, settle=0.5)
+    assert report.invariant_count == 1 and f"request {req.id} never ends" in report.invariant_problems[0]
+    assert report.elapsed_s >= 2.0, "it waited for the card before reporting it"
+
+    later = threading.Timer(3.0, publish, args=([json.dumps(closing).encode()],))
+    later.start()
+    try:
+        report = verify(nats_server.url, manifest, wait=60, settle=0.5)
+    finally:
+        later.join()
+    assert report.invariant_count == 0, report.render()
+    assert report.elapsed_s >= 2.5

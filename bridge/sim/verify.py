@@ -470,6 +470,10 @@ class Verifier:
 
     # ------------------------------------------------------------ checking
 
+    def unended(self) -> list[str]:
+        """Cards that should have ended (the run is complete and their session ended) and have not."""
+        return unended_requests(self.events) if self.end.get("complete", False) else []
+
     def missing(self, limit: int | None = None) -> tuple[int, list[str], Counter[str], int, int]:
         """(lost, examples, where, expected mapped events, accounted in DLQ)."""
         lost = 0
@@ -563,7 +567,7 @@ class Verifier:
         # input in order; after a reordering (backfills) the (epoch, seq) form is the one that holds.
         problems = check_invariants(self.events, complete=False, stream_order=rep.backfills == 0)
         if rep.complete:
-            problems += unended_requests(self.events)
+            problems += self.unended()
         rep.invariant_count, rep.invariant_problems = len(problems), problems[:MAX_EXAMPLES]
         rep.schema_count, rep.schema_problems, rep.schema_checked = self.schema_count, self.schema_problems, self.schema_checked
         rep.canary_count, rep.canary_hits = self.canary_count, self.canary_hits
@@ -616,10 +620,14 @@ async def verify_async(nc: Any, manifest: str | Path, *, wait: float = 0.0, sett
             new = sum(got.values())
             if new:
                 quiet_since = time.monotonic()
-            if lost == 0 and time.monotonic() - quiet_since >= settle:
+            # A card that reached pairing after its session's end closes on pairing's own timer
+            # (hold_ns after its receive time, at the next tick): nothing is lost meanwhile, but
+            # it is not done either, so a complete run waits for it too.
+            unended = len(v.unended()) if lost == 0 else 0
+            if lost == 0 and not unended and time.monotonic() - quiet_since >= settle:
                 break
             if progress:
-                progress(f"{lost} event(s) not there yet; reading again")
+                progress(f"{lost} event(s) not there yet, {unended} card(s) not ended yet; reading again")
             await asyncio.sleep(1.0)
             got = await v.collect()
         return v.check(time.monotonic() - started)
