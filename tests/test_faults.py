@@ -61,6 +61,11 @@ def finish(fleet: Fleet, thread: threading.Thread, pipe: Pipeline, wait: float =
 def assert_clean(report: Report, pipe: Pipeline) -> None:
     text = report.render()
     print(text)
+    if not report.ok:  # keep the evidence: every stream, to replay offline (pytest keeps tmp_path)
+        try:
+            text += f"\nstreams dumped to {pipe.dump(pipe.dir.parent / 'dump')}"
+        except Exception as exc:  # the dump is a courtesy; the report is the failure
+            text += f"\n(stream dump failed: {exc!r})"
     assert report.manifest_events > 0
     assert report.lost_count == 0, text + "\n" + pipe.logs()
     assert report.duplicate_count == 0 and report.id_under_two_sources == 0, text
@@ -94,7 +99,9 @@ def test_kill_9_mappers_and_pairing_owners_at_random_moments(nats_server_fn, tmp
     kills: Counter[str] = Counter()
     try:
         thread = start(fleet)
-        rng = random.Random()
+        seed = int.from_bytes(os.urandom(4), "big")
+        print(f"kill schedule seed {seed} (fleet seed {fleet.config.seed})")
+        rng = random.Random(seed)
         time.sleep(1.0)
         while thread.is_alive() and fleet.sent < 0.9 * 12.0 * 400:
             victim = rng.choice(pipe.workers)

@@ -11,6 +11,7 @@ processes with their own metrics ports. A ``Worker`` can be killed (SIGKILL), pa
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import signal
@@ -207,6 +208,35 @@ class Pipeline:
             return out
 
         return self.run(f)
+
+    def dump(self, out_dir: str | Path, streams: tuple[str, ...] = ("HERMES_RAW", "BRIDGE_MAPPED", "BRIDGE_DLQ", "AEP_EVENTS"),
+             timeout: float = 120.0) -> Path:
+        """Write every stored message of ``streams`` to ``<out_dir>/<STREAM>.jsonl`` (one JSON
+        object per message: seq, subject, headers, data as text): the evidence to replay a failed
+        run offline (e.g. a pairing partition through `PairingState`)."""
+        from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+
+        async def f(js: Any) -> None:
+            for name in streams:
+                total = (await js.stream_info(name)).state.messages
+                sub = await js.pull_subscribe("", stream=name, config=ConsumerConfig(
+                    ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.ALL, inactive_threshold=30.0))
+                got = 0
+                with open(out / f"{name}.jsonl", "w", encoding="utf-8") as fh:
+                    while got < total:
+                        msgs = await sub.fetch(min(total - got, 512), timeout=5)
+                        for m in msgs:
+                            fh.write(json.dumps({"seq": m.metadata.sequence.stream, "subject": m.subject,
+                                                 "headers": dict(m.headers or {}),
+                                                 "data": m.data.decode("utf-8", "replace")}) + "\n")
+                        got += len(msgs)
+                await sub.unsubscribe()
+
+        self.run(f, timeout=timeout)
+        return out
 
     def settle(self, timeout: float = 90.0, quiet_s: float = 2.0, partitions: int = 8) -> dict[str, int]:
         """Wait until nothing is pending for the mapper or the pairing partitions and AEP_EVENTS
