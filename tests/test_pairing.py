@@ -780,6 +780,22 @@ def test_idle_sessions_are_evicted(m: Mk, r: Run) -> None:
     assert r.state.counters["evicted"] == 2
 
 
+def test_an_idle_ttl_below_the_ttls_never_evicts_an_open_start(m: Mk) -> None:
+    """Eviction takes only quiet sessions: a session whose card is open outlives idle_ttl_ns
+    and the card still ends at its own TTL, honestly (dismissed, ttl)."""
+    cfg = PairingConfig(idle_ttl_ns=10 * MINUTE)
+    r = Run(cfg)
+    req = m.appr_req()
+    r.feed(m.started(), req)
+    r.tick(BASE_NS + 30 * MINUTE)
+    assert r.state.metrics()["sessions"] == 1 and r.state.open_pairs()["card"] == 1
+    out = r.tick(BASE_NS + cfg.card_ttl_ns + SECOND)
+    assert types(out) == ["attention.resolved"] and out[0].subject == req[0].id
+    assert out[0].data["resolution"] == "dismissed" and r.state.counters["dismissed.ttl"] == 1
+    r.tick(BASE_NS + cfg.card_ttl_ns + cfg.idle_ttl_ns + cfg.recent_ns + 2 * SECOND)
+    assert r.state.metrics()["sessions"] == 0  # quiet now: evicted
+
+
 def test_ticks_are_the_only_clock(m: Mk, r: Run) -> None:
     r.feed(m.tool_req())
     # an event far in the future moves the clock but acts on nothing until a tick
@@ -931,7 +947,8 @@ def test_metrics_expose_open_pairs_and_counters(m: Mk, r: Run) -> None:
 
 def test_config_is_validated() -> None:
     with pytest.raises(ValueError):
-        PairingConfig(idle_ttl_ns=HOUR, subagent_ttl_ns=2 * HOUR)
+        PairingConfig(idle_ttl_ns=MINUTE, recent_ns=2 * MINUTE)
+    PairingConfig(idle_ttl_ns=2 * MINUTE, recent_ns=2 * MINUTE, subagent_ttl_ns=6 * HOUR)  # may be below the TTLs
     with pytest.raises(ValueError):
         PairingConfig(max_open=300)
     with pytest.raises(ValueError):
