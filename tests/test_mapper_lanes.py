@@ -137,3 +137,24 @@ def test_the_lane_caches_are_bounded_to_a_working_set(nats_server_fn):
     # Misses also expire after NEGATIVE_TTL_S, so on a slow machine fewer than the cap remain.
     assert 0 < missing <= M.NEGATIVE_MAX
     assert kv_has_oldest, "what the cache forgets stays in the KV bucket"
+
+
+def test_silent_instances_are_forgotten_by_the_last_seen_gauge() -> None:
+    """Per-instance series must not grow forever with a churning fleet: an instance silent for
+    INSTANCE_FORGET_S loses its series; one still talking keeps it."""
+    from bridge.services.mapper import INSTANCE_FORGET_S, MapperMetrics
+
+    registry = CollectorRegistry()
+    m = MapperMetrics(registry)
+    name = "aep_bridge_mapper_hermes_instance_last_seen_timestamp_seconds"
+    for i in range(100):
+        m.instance_seen(f"gw-{i}", 1_764_000_000.0 + i, now=1000.0)
+    m.instance_seen("gw-0", 1_764_000_500.0, now=1000.0 + INSTANCE_FORGET_S - 10)
+    assert m.forget_silent_instances(1000.0 + INSTANCE_FORGET_S - 5) == []  # nobody silent long enough
+    assert m.forget_silent_instances(1000.0 + INSTANCE_FORGET_S + 1) == []  # checked at most once a minute
+    gone = m.forget_silent_instances(1000.0 + INSTANCE_FORGET_S + 61)
+    assert sorted(gone) == sorted(f"gw-{i}" for i in range(1, 100))
+    assert registry.get_sample_value(name, {"hermes_instance": "gw-0"}) == 1_764_000_500.0
+    assert registry.get_sample_value(name, {"hermes_instance": "gw-1"}) is None
+    m.instance_seen("gw-1", 1_764_001_000.0, now=1000.0 + INSTANCE_FORGET_S + 70)  # back: a new series
+    assert registry.get_sample_value(name, {"hermes_instance": "gw-1"}) == 1_764_001_000.0

@@ -88,6 +88,9 @@ NEGATIVE_MAX = 4096  # misses remembered at most
 # by ~0.8 KiB per new session for ~26 minutes of such a fleet (tracemalloc, 2026-12-01).
 LANE_CACHE_ENTRIES = 8192
 RAW_SEQ_HEADER = "Bridge-Raw-Seq"
+# An instance silent this long is taken for gone: its last-seen series is dropped. The
+# AepBridgeHermesInstanceSilent alert (30 min by default) has fired for most of a day by then.
+INSTANCE_FORGET_S = 24 * 3600.0
 
 
 class MapperMetrics:
@@ -127,6 +130,25 @@ class MapperMetrics:
         self.epoch = Gauge(f"{ns}_epoch", "The AEP epoch in use (HERMES_RAW creation time)", registry=registry)
         self._hooks: dict[str, Any] = {}
         self._types: dict[str, Any] = {}
+        self._instances: dict[str, float] = {}  # instance -> monotonic time of its last message here
+        self._next_forget = 0.0
+
+    def instance_seen(self, instance: str, ts_s: float, now: float) -> None:
+        self.last_seen.labels(hermes_instance=instance).set(ts_s)
+        self._instances[instance] = now
+
+    def forget_silent_instances(self, now: float, after_s: float = INSTANCE_FORGET_S) -> list[str]:
+        """Drop the last-seen series of instances this replica has not heard from for ``after_s``
+        (renamed or decommissioned gateways: without this a churning fleet grows the gauge, and
+        the process, forever). Checked at most once a minute."""
+        if now < self._next_forget:
+            return []
+        self._next_forget = now + 60.0
+        gone = [i for i, t in self._instances.items() if now - t > after_s]
+        for instance in gone:
+            del self._instances[instance]
+            self.last_seen.remove(instance)
+        return gone
 
     # Labelled children cached per value: `labels()` costs ~2 us, on the per-event path.
     def hook_in(self, hook: str) -> Any:
@@ -504,9 +526,11 @@ class Mapper:
         for msg, _fs, ts_ns in pending:
             instance = msg.subject.split(".", 3)[2] if msg.subject.count(".") >= 3 else "unknown"
             seen[instance] = max(seen.get(instance, 0), ts_ns)
+        mono = time.monotonic()
         for instance, ts_ns in seen.items():
             if ts_ns:
-                self.metrics.last_seen.labels(hermes_instance=instance).set(ts_ns / 1e9)
+                self.metrics.instance_seen(instance, ts_ns / 1e9, mono)
+        self.metrics.forget_silent_instances(mono)
         futures = [f for _, fs, _ in pending for f in fs]
         if futures:
             await asyncio.wait(futures, timeout=10)
