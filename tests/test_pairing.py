@@ -684,31 +684,79 @@ def test_held_follow_up_outlives_the_sweep(m: Mk, r: Run) -> None:
     assert check_invariants(r.out, stream_order=False) == []
 
 
-@pytest.mark.parametrize("order", ["answer_first", "request_first"])
-def test_late_request_answered_after_the_session_end_ends_before_that_end(m: Mk, r: Run, order: str) -> None:
-    """A request overtaken by its session's finalize (a mapper replica died holding it) whose
-    answer sorts AFTER the finalize (Hermes answered during teardown, or a spooled resend): in
-    stream order the sweep dismisses the request and the answer links to it late. Reordered,
-    the same must hold: the request ends (dismissed, session_end) before the session.ended in
-    (epoch, seq), and the answer still names it; never an attention.resolved after the end."""
+@pytest.mark.parametrize("order", ["in_order", "answer_first", "request_first"])
+def test_a_follow_up_after_the_session_end_never_takes_a_request_before_it(m: Mk, r: Run, order: str) -> None:
+    """An answer that sorts AFTER its session's end (Hermes answered during teardown) and a
+    request before it: in stream order the end's sweep dismisses the request. Reordered by
+    replicas (the request overtaken by the finalize), the answer must not take the request
+    either, or its attention.resolved would sort after the session.ended: it waits (a resumed
+    session's own request may be on its way), and when its hold expires it links, late, to the
+    request the bridge closed. The three orders tell the same story."""
     r.feed(m.started())
-    req = m.appr_req()
-    end = m.ended()
-    ans = m.appr_ans()
-    r.feed(end)
-    out = r.feed(ans, req) if order == "answer_first" else r.feed(req, ans)
-    closes = [e for e in out if e.type == "attention.resolved"]
+    req, end, ans = m.appr_req(), m.ended(), m.appr_ans()
+    hold = r.state.config.hold_ns
+    if order == "in_order":
+        assert types(r.feed(req, end)) == ["attention.requested", "attention.resolved", "session.ended"]
+        assert r.feed(ans) == []  # held
+    else:
+        r.feed(end)
+        got = r.feed(ans, req) if order == "answer_first" else r.feed(req, ans)
+        assert types(got) == ["attention.requested"]  # the answer is held, the request open (late)
+    out = r.tick(BASE_NS + 10 * MS + hold)
+    closes = [e for e in r.out if e.type == "attention.resolved"]
     assert len(closes) == 1 and closes[0].subject == req[0].id
     assert closes[0].data["resolution"] == "dismissed" and closes[0].seq < end[0].seq
     answered = next(e for e in out if e.type == "attention.answered")
     assert answered.subject == req[0].id and answered.cause == req[0].id
-    assert r.state.open_pairs()["card"] == 0
+    assert r.state.open_pairs()["card"] == 0 and r.state.metrics()["held_now"] == 0
+    assert check_invariants(r.out, stream_order=order == "in_order") == []
+
+
+def test_a_resumed_session_never_pairs_across_its_finalize(m: Mk, r: Run) -> None:
+    """The kill -9 fault test's failure: a session finalized (shutdown), resumed and finalized
+    again; the same approval pattern asked in both lives. A mapper replica died holding both
+    requests, so they reach pairing after the finalizes. The second life's answer must take
+    the second life's request (not the first's, which would end after the first finalize),
+    and the second request ends before the second finalize (it is late too)."""
+    r.feed(m.started())
+    req1 = m.appr_req()
+    fin1 = m.ended()
+    resume = m.started()
+    req2 = m.appr_req()
+    ans2 = m.appr_ans()
+    fin2 = m.ended()
+    r.feed(fin1, req1, resume)
+    assert r.feed(ans2) == []  # not req1's: held
+    assert types(r.feed(fin2)) == ["x.hermes.session.finalized"]
+    out = r.feed(req2)
+    assert types(out) == ["attention.requested", "attention.answered", "attention.resolved"]
+    assert out[1].cause == req2[0].id and out[2].subject == req2[0].id and out[2].seq < fin2[0].seq
+    out = r.tick(BASE_NS + 10 * MS + r.state.config.hold_ns)
+    assert types(out) == ["attention.resolved"] and out[0].subject == req1[0].id
+    assert out[0].data["resolution"] == "dismissed" and out[0].seq < fin1[0].seq
     assert check_invariants(r.out, stream_order=False) == []
-    # the same input in stream order tells the same story
-    inorder = Run()
-    inorder.feed(m.started("T"))
-    got = [e.type for e in inorder.feed(*(x for x in (m.appr_req("T", sk="T"), m.ended("T"), m.appr_ans("T", sk="T"))))]
-    assert got == ["attention.requested", "attention.resolved", "session.ended", "attention.answered"]
+    assert r.state.open_pairs()["card"] == 0
+
+
+def test_a_snapshot_without_session_ends_still_knows_the_first(m: Mk) -> None:
+    """Snapshots of the previous release have `fin` but no `ends`: a late request still counts
+    as late after such a restore."""
+    import msgspec as _msgspec
+
+    from bridge.core import pairing as P
+
+    r = Run()
+    r.feed(m.started(), m.ended())
+    old = r.state.snapshot()
+    snap = _msgspec.msgpack.decode(old)
+    sessions = snap[6]
+    for lane, sess in sessions.items():
+        del sess[7]  # drop the trailing `ends` field, as the previous release wrote it
+    restored = P.PairingState.restore(_msgspec.msgpack.encode(snap))
+    req = m.appr_req(raw=1, slot=1)  # before the finalize
+    out = restored.process(req[0], req[1], r.pos + 1)
+    assert types(out) == ["attention.requested"]
+    assert restored._sessions["S"].pairs[0].late
 
 
 def test_start_arriving_after_its_session_ended_closes_after_the_hold(m: Mk, r: Run) -> None:

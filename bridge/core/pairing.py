@@ -33,12 +33,16 @@ subagent    child_session_id (``subject``)               oldest     link        
    ``subject`` = the request's id, ``attention.timeout`` gets ``after_ms`` and
    ``attention.resolved`` ``latency_ms``; ``attention.answered`` is followed by an
    inserted ``attention.resolved {answered, latency_ms}`` (cause = the answer).
+   Never across a session end (runs, tools, cards): a start below a session end and a
+   terminal above it belong to different lives of a resumed session, and in stream
+   order the end's sweep closes the start first.
 2. A terminal with no open start may be a late terminal of a start that was just
    closed: runs, subagents and tools with a real ``tool_call_id`` link to it at once
    (their keys are never reused;
    a run that already has its terminal gets ``x.hermes.run.closed``); cards only
    if the bridge closed the card (swept or TTL): an answered card's key being
-   reused means the follow-up's own request is still on its way.
+   reused means the follow-up's own request is still on its way. Not across a
+   session end either: such a terminal is held (3) first.
 3. Otherwise the terminal is *held* for ``hold_ns`` of stream time: the mapper runs
    as replicas, so a start can reach us after its terminal (one ``ack_wait`` late
    after a mapper crash). When a start of its key arrives, the held terminals are
@@ -56,14 +60,15 @@ subagent    child_session_id (``subject``)               oldest     link        
    ``subagent_stop`` may come after the parent ended); held terminals stay held (their
    start may be behind the finalize); a start arriving after the end with a lower
    seq (overtaken by the finalize) opens *late*: its TTL is ``hold_ns`` and its
-   closure says ``session_end``. A late card's follow-up that sorts after the end
-   first closes it that way (as the sweep would have in stream order), then links late.
+   closure says ``session_end``. Every end's seq is remembered (the last ``MAX_ENDS``
+   of a session: a resumed session ends more than once) for rule 1.
 5. A ``run.*`` terminal without ``run`` (``on_session_end`` without turn_id) closes
    the session's most recently started open run (``run`` and ``cause`` are set); with
    no open run it becomes ``x.hermes.run.closed {completed, interrupted}``.
-6. ``tick`` does everything time does: held terminals past their deadline are
-   released (3), starts past their kind's TTL are closed (``dismissed`` /
-   ``x.hermes.pairing.orphaned {reason: ttl}``), closed pairs older than
+6. ``tick`` does everything time does, in this order: starts past their kind's TTL are
+   closed (``dismissed`` / ``x.hermes.pairing.orphaned {reason: ttl}``), held terminals
+   past their deadline are released (3: so one held across a session end links to the
+   late start it could not take, now closed), closed pairs older than
    ``recent_ns`` are forgotten, sessions idle past ``idle_ttl_ns`` (ended ones: past
    ``recent_ns``) are evicted.
 
@@ -330,6 +335,24 @@ class _Session(msgspec.Struct, array_like=True, gc=False):
     runs: bytes = b""  # 8-byte digests of the last runs that got an AEP terminal
     pairs: list[_Pair] | None = None
     held: list[_Held] | None = None
+    #: seqs of its session ends seen (session.ended and every later finalize of a resumed
+    #: session), ascending, the last ``MAX_ENDS``; None before the first or in a snapshot of a
+    #: release that kept only ``fin`` (see `_ends`). Nothing pairs across one of them.
+    ends: list[int] | None = None
+
+
+MAX_ENDS = 8
+
+
+def _ends(s: _Session) -> list[int]:
+    if s.ends is not None:
+        return s.ends
+    return [s.fin] if s.ended else []
+
+
+def _crosses(ends: list[int], lo: int, hi: int) -> bool:
+    """Whether a session end lies between seqs ``lo`` and ``hi`` (a start and its would-be terminal)."""
+    return any(lo < e < hi for e in ends)
 
 
 class _Snapshot(msgspec.Struct, array_like=True):
@@ -586,8 +609,10 @@ class PairingState:
                 if p.start == ev.id:  # the same start again (beyond the id ring)
                     self._count("duplicates")
                     return []
+            ends = _ends(s) if rule.swept else []
             for p in pairs:  # a start arriving after its follow-up was released unlinked
-                if p.kind == kind and p.key == key and not p.start and p.state >= UNLINKED and _seq(ev) < p.seq:
+                if (p.kind == kind and p.key == key and not p.start and p.state >= UNLINKED and _seq(ev) < p.seq
+                        and not _crosses(ends, _seq(ev), p.seq)):
                     return self._late_start(lane, p, ev, ts)
         if kind == RUN and ev.run and self._run_ended(s, ev.run):  # type: ignore[arg-type]
             self._count("late_starts")
@@ -607,7 +632,7 @@ class PairingState:
             tie=h.get("tool_call_id", "") if rule.tie else "",
             src="" if ev.source == s.source else ev.source,
             lo=ev.capture == "none",
-            late=rule.swept and bool(s.ended) and _seq(ev) < s.fin,
+            late=rule.swept and any(e > _seq(ev) for e in _ends(s)),
         )
         if s.pairs is None:
             s.pairs = []
@@ -676,21 +701,18 @@ class PairingState:
         rule = RULES[kind]
         key = rule.key(ev, h)
         seq, epoch = _seq(ev), ev.epoch or 0
-        match = self._find_open(pairs, kind, key, h.get("tool_call_id", "") if rule.tie else "", seq, epoch)
+        ends = _ends(s) if rule.swept else []  # subagents outlive their parent's end
+        match = self._find_open(pairs, kind, key, h.get("tool_call_id", "") if rule.tie else "", seq, epoch, ends)
         if match is not None:
-            if match.late and rule.dismissed and seq >= s.fin:
-                # A card that reached us after its session's end (overtaken by the finalize)
-                # and a follow-up that sorts after that end: in stream order the sweep would
-                # have dismissed the card and the follow-up linked late. Say the same, so the
-                # card still ends before the session.ended in (epoch, seq).
-                return self._bridge_close(lane, s, match, "session_end") + self._link(lane, s, match, ev, ts, first=False)
             return self._link(lane, s, match, ev, ts, first=True)
         # A composite tool key (no tool_call_id: calls from inside execute_code) is reused by
         # every identical call, so such a terminal first waits for a late request of its own.
         # A real tool_call_id is unique within its run: a terminal whose call already closed is
         # a repeat Hermes reported, linked at once instead of being delayed by the hold.
         if not rule.hold_first or h.get("tool_call_id"):
-            recent = self._find_recent(pairs, kind, key, seq, epoch)
+            # not across a session end: the follow-up's own start (a resumed session's) may be
+            # on its way; when the hold expires `_release` links across the end after all
+            recent = self._find_recent(pairs, kind, key, seq, epoch, ends)
             if recent is not None:
                 return self._link(lane, s, recent, ev, ts, first=False)
         if kind == RUN and self._run_ended(s, ev.run):  # type: ignore[arg-type]
@@ -706,11 +728,13 @@ class PairingState:
         return self._release(lane, s, kind, key, ev, ts)
 
     @staticmethod
-    def _find_recent(pairs: Any, kind: int, key: str, seq: int, epoch: int) -> _Pair | None:
-        """The most recently closed pair of this key with a known, earlier start."""
+    def _find_recent(pairs: Any, kind: int, key: str, seq: int, epoch: int, ends: list[int] = ()) -> _Pair | None:  # type: ignore[assignment]
+        """The most recently closed pair of this key with a known, earlier start (and no session
+        end in ``ends`` between the two)."""
         recent = None
         for p in pairs:
-            if p.kind == kind and p.key == key and p.start and p.state != OPEN and _before(p, seq, epoch):
+            if (p.kind == kind and p.key == key and p.start and p.state != OPEN and _before(p, seq, epoch)
+                    and not _crosses(ends, p.seq, seq)):
                 if p.state != CLOSED and not RULES[kind].relink_ended:
                     continue  # a card ends once: an answered card's key reused = an early follow-up
                 if recent is None or p.closed >= recent.closed:
@@ -718,17 +742,21 @@ class PairingState:
         return recent
 
     @staticmethod
-    def _find_open(pairs: Any, kind: int, key: str, tie: str, seq: int, epoch: int) -> _Pair | None:
+    def _find_open(pairs: Any, kind: int, key: str, tie: str, seq: int, epoch: int, ends: list[int]) -> _Pair | None:
         """The open start of this key that this terminal closes (only starts with a lower seq qualify).
 
         A matching tool_call_id (approvals) wins; then FIFO (the lowest seq) for runs, tools and
         subagents, the NEAREST earlier request for cards (approval prompts are sequential, so a
         reused key's answer belongs to the last request before it, also when replicas reorder).
+        Never across a session end (``ends``): a start before an end and a terminal after it
+        belong to different lives of a resumed session; in stream order the end's sweep would
+        have closed the start first.
         """
         best = best_tie = None
         nearest = RULES[kind].nearest
         for p in pairs:
-            if p.state == OPEN and p.kind == kind and p.key == key and _before(p, seq, epoch):
+            if (p.state == OPEN and p.kind == kind and p.key == key and _before(p, seq, epoch)
+                    and not _crosses(ends, p.seq, seq)):
                 if best is None or (p.seq > best.seq if nearest else p.seq < best.seq):
                     best = p
                 if tie and p.tie == tie and (best_tie is None or (p.seq > best_tie.seq if nearest else p.seq < best_tie.seq)):
@@ -865,6 +893,8 @@ class PairingState:
             s.fin = _seq(ev)
             self._ended.add(digest)
             out.append(ev)
+        ends = sorted({*_ends(s), _seq(ev)})
+        s.ends = ends[-MAX_ENDS:]
         return out
 
     def _sweep(self, lane: str, s: _Session, ev: Event) -> list[Event]:
@@ -904,6 +934,12 @@ class PairingState:
     def _expire(self, lane: str, s: _Session) -> list[Event]:
         now = self.clock
         out: list[Event] = []
+        # Closures first: a held follow-up that could not take an open start (one across a
+        # session end) is then linked to it, closed, when it is released below.
+        if s.pairs:
+            for p in sorted((p for p in s.pairs if p.state == OPEN), key=lambda p: p.seq):
+                if p.ts + self._ttl(p) <= now:
+                    out += self._bridge_close(lane, s, p, "session_end" if p.late else "ttl")
         if s.held:
             due = sorted((x for x in s.held if x.deadline <= now), key=lambda x: (x.deadline, _seq(x.event)))
             for x in due:
@@ -912,10 +948,7 @@ class PairingState:
                 s.held = None
             for x in due:
                 out += self._release(lane, s, x.kind, x.key, x.event, x.hints.get("ts") or 0)
-        if s.pairs:
-            for p in sorted((p for p in s.pairs if p.state == OPEN), key=lambda p: p.seq):
-                if p.ts + self._ttl(p) <= now:
-                    out += self._bridge_close(lane, s, p, "session_end" if p.late else "ttl")
+        if s.pairs:  # forgotten only now: a released follow-up may still link to a closed pair
             recent = self.config.recent_ns
             s.pairs = [p for p in s.pairs if p.state == OPEN or p.closed + recent > now] or None
         if s.pairs is None and s.held is None:
