@@ -76,7 +76,7 @@ class Settings:
     metrics_port: int | None = None
     #: mapper: how long a session-less event whose session is not known yet waits for every
     #: earlier raw message to be mapped (their lanes learned) before it falls back to `unknown`
-    lane_wait_ms: int = 0  # off by default: see docs/ARCHITECTURE.md "Lanes"
+    lane_wait_ms: int = 2000  # see docs/ARCHITECTURE.md "Lanes"
     log_format: str = "json"
     log_level: str = "info"
 
@@ -122,7 +122,7 @@ class Settings:
         s.capture_overrides = get("CAPTURE_OVERRIDES") or DEFAULT_CAPTURE_OVERRIDES
         names = get("REDACT_NAMES")
         s.redact_names = tuple(n.strip() for n in names.split(",") if n.strip()) if names else ()
-        s.lane_wait_ms = get_int("LANE_WAIT_MS", 0)
+        s.lane_wait_ms = get_int("LANE_WAIT_MS", 2000)
         port = get("METRICS_PORT")
         s.metrics_port = int(port) if port else None
         s.log_format = get("LOG_FORMAT") or "json"

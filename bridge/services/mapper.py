@@ -22,10 +22,9 @@ Theory of operation
   floor, plus the messages of its own batch already mapped, whose lanes are in its
   cache) and looks again. A raw message is acked only after its KV puts are, so the
   answer is the one `aep-bridge map` gives over the same stream, on any number of
-  replicas. The wait is bounded (`AEP_BRIDGE_LANE_WAIT_MS`; default 0 = look at the
-  floor once, never wait: a waited-for approval can reach pairing after its session's end
-  from another replica, and a kill -9 fault test then found two card invariant problems
-  not yet explained; 2000 is a reasonable value once that is fixed. A
+  replicas. The wait is bounded (`AEP_BRIDGE_LANE_WAIT_MS`, default 2000; 0 = look at
+  the floor once, never wait. A waited-for approval can reach pairing after its
+  session's end published by the other replica: pairing's late starts handle that. A
   message held back by a retry or a dead replica's ack_wait does not stall the
   batch longer; counted in `aep_bridge_mapper_lane_wait_timeouts_total`).
 * `epoch` = the creation time of HERMES_RAW (milliseconds): it changes, upward, only
