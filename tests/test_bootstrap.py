@@ -17,7 +17,8 @@ from bridge.nats.connection import NatsConnectError, connect_options, quick_conn
 from tests.natsfixture import JetStreamClient
 
 ROOT = Path(__file__).resolve().parents[1]
-ALL = ["HERMES_RAW", "BRIDGE_MAPPED", "BRIDGE_DLQ", "AEP_EVENTS", "KV_aep_lanes", "KV_aep_pairing", "KV_aep_leases"]
+ALL = ["HERMES_RAW", "BRIDGE_MAPPED", "BRIDGE_DLQ", "AEP_EVENTS", "KV_aep_lanes", "KV_aep_pairing", "KV_aep_leases",
+       "OBJ_aep_checkpoints"]
 
 
 def cli(*args: str, url: str, **env: str) -> subprocess.CompletedProcess[str]:
@@ -41,9 +42,9 @@ def test_bootstrap_creates_everything_with_explicit_limits(nats_factory) -> None
         assert js.stream_info("AEP_EVENTS").config.subjects == ["aep.hermes.>"]
         assert js.stream_info("BRIDGE_MAPPED").config.subjects == ["bridge.mapped.>"]
         assert js.stream_info("BRIDGE_DLQ").config.max_age == 30 * 24 * 3600
-        for spec in (*S.STREAMS, *S.BUCKETS):
+        for spec in (*S.STREAMS, *S.BUCKETS, *S.OBJECT_STORES):
             cfg = js.stream_info(spec.config().name).config
-            assert cfg.max_age and cfg.max_age > 0 or spec in S.BUCKETS, f"{cfg.name} has no max age"
+            assert cfg.max_age and cfg.max_age > 0 or spec not in S.STREAMS, f"{cfg.name} has no max age"
             assert cfg.max_bytes and cfg.max_bytes > 0, f"{cfg.name} has no max bytes"
             assert cfg.duplicate_window and cfg.duplicate_window > 0
         # the buckets are real KV buckets for nats-py, with their TTLs
@@ -54,6 +55,20 @@ def test_bootstrap_creates_everything_with_explicit_limits(nats_factory) -> None
         assert js.stream_info("KV_aep_leases").config.max_age == S.LEASE_TTL_S
         leases = js.run(js.js.key_value(S.LEASES_BUCKET))
         js.run(leases.create("p.0", b"me"))
+        # the checkpoint bucket is an object store for nats-py: its stream is the one nats-py
+        # itself creates (ADR-20), and an object of several chunks goes in and out
+        from nats.js.api import ObjectMeta, ObjectMetaOptions
+
+        checkpoints = js.stream_info("OBJ_aep_checkpoints").config
+        assert checkpoints.subjects == ["$O.aep_checkpoints.C.>", "$O.aep_checkpoints.M.>"]
+        assert checkpoints.allow_rollup_hdrs and checkpoints.allow_direct and not checkpoints.deny_delete
+        assert getattr(checkpoints.discard, "value", checkpoints.discard) == "new"
+        assert checkpoints.max_bytes == 1024**3 and not checkpoints.max_age
+        store = js.run(js.js.object_store(S.CHECKPOINTS_BUCKET))
+        blob = os.urandom(300_000)
+        meta = ObjectMeta(name="p.0", options=ObjectMetaOptions(max_chunk_size=128 * 1024))
+        assert js.run(store.put("p.0", blob, meta=meta)).chunks == 3
+        assert js.run(store.get("p.0")).data == blob
         # the mapper's consumer definition is accepted by the server
         sub = js.run(js.js.pull_subscribe(S.RAW_SUBJECTS, durable=S.MAPPER_DURABLE, stream=S.HERMES_RAW,
                                           config=S.mapper_consumer_config()))
@@ -73,11 +88,15 @@ def test_bootstrap_converges_a_drifted_stream(nats_server, jetstream: JetStreamC
     cfg.max_age = 3600.0
     cfg.max_bytes = 1024 * 1024
     jetstream.run(jetstream.js.update_stream(cfg))
+    obj: StreamConfig = jetstream.stream_info("OBJ_aep_checkpoints").config
+    obj.max_bytes = 1024 * 1024
+    jetstream.run(jetstream.js.update_stream(obj))
     results = jetstream.run(bootstrap(jetstream.js, Settings.from_env({"AEP_BRIDGE_CONFIG": os.devnull})))
-    assert results["BRIDGE_DLQ"] == "updated"
-    assert all(v == "unchanged" for k, v in results.items() if k != "BRIDGE_DLQ")
+    assert results["BRIDGE_DLQ"] == "updated" and results["OBJ_aep_checkpoints"] == "updated"
+    assert all(v == "unchanged" for k, v in results.items() if k not in ("BRIDGE_DLQ", "OBJ_aep_checkpoints"))
     fixed = jetstream.stream_info("BRIDGE_DLQ").config
     assert fixed.max_age == 30 * 24 * 3600 and fixed.max_bytes == 1024**3
+    assert jetstream.stream_info("OBJ_aep_checkpoints").config.max_bytes == 1024**3
 
 
 def test_bootstrap_keeps_messages(nats_server, jetstream: JetStreamClient) -> None:  # type: ignore[no-untyped-def]

@@ -761,10 +761,10 @@ def test_values_handed_to_the_nats_subchart_are_self_consistent() -> None:
     assert nats_values["natsBox"]["enabled"] is False, "nats-box would connect without credentials"
     jetstream = nats_values["config"]["jetstream"]
     assert jetstream["enabled"] is True
-    from bridge.nats.streams import BUCKETS, STREAMS
+    from bridge.nats.streams import BUCKETS, OBJECT_STORES, STREAMS
     from bridge.services.gate import CONTROL_BUCKET, INSTRUCT_BUCKET  # the gate creates these at start
 
-    reserved = sum(spec.max_bytes for spec in (*STREAMS, *BUCKETS, CONTROL_BUCKET, INSTRUCT_BUCKET))
+    reserved = sum(spec.max_bytes for spec in (*STREAMS, *BUCKETS, *OBJECT_STORES, CONTROL_BUCKET, INSTRUCT_BUCKET))
     assert _quantity(jetstream["fileStore"]["pvc"]["size"]) >= reserved, "JetStream reserves max_bytes up front"
 
     (account,) = nats_values["config"]["merge"]["accounts"].values()

@@ -12,9 +12,9 @@ Two server configurations are checked with the same rules:
 
 Each role connects with its own user and does what the bridge does with
 nats-py (create streams and buckets, pull and ack, publish with an ack, KV
-get/put/update/watch, ordered consumers); then tries what it must not do
-(publish into another stage's stream, read upstream data, write a bucket it
-only reads) and must be refused. The opt-in control plane's roles too: the
+get/put/update/watch, object store put/get, ordered consumers); then tries
+what it must not do (publish into another stage's stream, read upstream data,
+write a bucket it only reads) and must be refused. The opt-in control plane's roles too: the
 gate (``aep-bridge gate``'s own start-up as the ``aep-gate`` user, then its
 durables, events, buckets, requests to a shim's inbox, the hello and
 instruction-pull services), an operator's terminal (``aep-operator``: commands,
@@ -252,6 +252,59 @@ async def stand_in_bootstrap(c: "Client") -> None:
         await c.js.create_key_value(bucket="aep_lanes", ttl=7 * day, history=1)
         await c.js.create_key_value(bucket="aep_pairing", history=1)
         await c.js.create_key_value(bucket="aep_leases", history=1, ttl=10)
+        await c.js.create_object_store(bucket="aep_checkpoints")
+
+
+try:  # the pairing service, when this checkout has it
+    from bridge.services.pairing import Partition, PairingService
+except ImportError:  # pragma: no cover
+    PairingService = None
+
+
+class _Snapshot:
+    """A stand-in pairing state whose snapshot is a fixed blob."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    def snapshot(self) -> bytes:
+        return self.data
+
+
+async def pairing_checkpoints(url: str) -> None:
+    """The pairing service's own checkpoint write and read as aep-pairing: object p.3 of
+    aep_checkpoints in several chunks, written twice (the second put purges the first's
+    chunks), then read back the way a restore reads it (an ordered consumer)."""
+    import zlib
+
+    service = PairingService(role_settings(url, "pairing"), replica="permissions")
+    await service.connect()
+    try:
+        snapshot = os.urandom(300_000)  # incompressible: three 128 KiB chunks
+        part = Partition(number=3, state=_Snapshot(snapshot))
+        for position in (1, 2):
+            part.position = position
+            await service.checkpoint(part)
+        info = await service.checkpoints.get_info("p.3")
+        assert info.chunks >= 3, info
+        assert zlib.decompress(await service.read_checkpoint(3)) == snapshot
+        assert service.metrics.checkpoints._value.get() == 2
+    finally:
+        await service.close()
+
+
+async def checkpoints_refused(c: "Client") -> None:
+    """A role other than pairing may neither bind, read nor write the checkpoint objects."""
+    from nats.js.object_store import ObjectStore
+
+    await expect_api_refused(c, c.js.object_store("aep_checkpoints"), "$JS.API.STREAM.INFO.OBJ_aep_checkpoints")
+    unbound = ObjectStore(name="aep_checkpoints", stream="OBJ_aep_checkpoints", js=c.js)  # straight to the meta
+    await expect_api_refused(c, unbound.get("p.3"), "$JS.API.STREAM.MSG.GET.OBJ_aep_checkpoints")
+    await expect_api_refused(
+        c, c.js.subscribe("$O.aep_checkpoints.C.>", stream="OBJ_aep_checkpoints", ordered_consumer=True),
+        "$JS.API.CONSUMER.CREATE.OBJ_aep_checkpoints",
+    )
+    await expect_publish_refused(c, "$O.aep_checkpoints.M.cC4z")
 
 
 async def scenario(url: str, kind: str) -> None:
@@ -304,6 +357,7 @@ async def scenario(url: str, kind: str) -> None:
         await expect_publish_refused(c, "aep.hermes.s1.session.started")  # only pairing writes AEP_EVENTS
         await expect_publish_refused(c, "$KV.aep_pairing.p.0")
         await expect_publish_refused(c, "$KV.aep_leases.p.0")
+        await checkpoints_refused(c)
         await expect_api_refused(c, c.js.stream_info("AEP_EVENTS"), "$JS.API.STREAM.INFO.AEP_EVENTS")
         assert not [e for e in c.errors if "MAX_DELIVERIES" in e]
     finally:
@@ -337,6 +391,8 @@ async def scenario(url: str, kind: str) -> None:
         await checkpoints.put("p.3", b"42")
         assert (await checkpoints.get("p.3")).value == b"42"
         await (await checkpoints.watch("p.>")).stop()
+        if PairingService is not None:
+            await pairing_checkpoints(url)
         lanes = await c.js.key_value("aep_lanes")
         assert (await lanes.get("s.s1")).value == b"1"
         await expect_publish_refused(c, "$KV.aep_lanes.s.s2")  # lanes are the mapper's to write
@@ -365,6 +421,7 @@ async def scenario(url: str, kind: str) -> None:
         await expect_api_refused(c, c.js.get_msg("BRIDGE_MAPPED", seq=1), "BRIDGE_MAPPED")
         await c.nc.subscribe("bridge.mapped.>")
         assert await c.refused("bridge.mapped.>")
+        await checkpoints_refused(c)
     finally:
         await c.close()
 
@@ -541,6 +598,7 @@ async def control_plane(url: str, kind: str = "sample") -> None:
         await expect_publish_refused(c, "$KV.aep_pairing.p.0")
         await expect_api_refused(c, c.js.key_value("aep_pairing"), "KV_aep_pairing")  # no pairing state
         await expect_api_refused(c, c.js.key_value("aep_leases"), "KV_aep_leases")
+        await checkpoints_refused(c)
         await expect_api_refused(
             c, c.js.pull_subscribe("hermes.raw.>", durable="mapper", stream="HERMES_RAW"), "HERMES_RAW.mapper",
         )

@@ -1,4 +1,4 @@
-"""`aep-bridge bootstrap`: create or update every stream and KV bucket, idempotently."""
+"""`aep-bridge bootstrap`: create or update every stream, KV bucket and object store, idempotently."""
 
 from __future__ import annotations
 
@@ -9,10 +9,11 @@ import sys
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "bootstrap",
-        help="create or update the JetStream streams and KV buckets (idempotent)",
+        help="create or update the JetStream streams, KV buckets and object store (idempotent)",
         description=(
-            "Create or update HERMES_RAW, BRIDGE_MAPPED, BRIDGE_DLQ, AEP_EVENTS and the KV buckets "
-            "aep_lanes, aep_pairing, aep_leases with the limits of bridge/nats/streams.py. Running it "
+            "Create or update HERMES_RAW, BRIDGE_MAPPED, BRIDGE_DLQ, AEP_EVENTS, the KV buckets "
+            "aep_lanes, aep_pairing, aep_leases and the object store aep_checkpoints with the limits of "
+            "bridge/nats/streams.py. Running it "
             "again changes nothing. Connection settings: AEP_BRIDGE_NATS_URL and friends."
         ),
     )

@@ -1,4 +1,4 @@
-"""Create or update every stream and KV bucket of ``bridge.nats.streams``, idempotently.
+"""Create or update every stream, KV bucket and object store of ``bridge.nats.streams``, idempotently.
 
 ``bootstrap(js, settings)`` converges the server to the specs: a missing stream
 is created, one whose managed settings differ is updated in place, an equal one
@@ -104,8 +104,9 @@ async def bootstrap(
     report: Callable[[str, str, dict[str, tuple[Any, Any]]], None] | None = None,
     duplicate_window_s: float | None = None,
 ) -> dict[str, str]:
-    """Create or update HERMES_RAW, BRIDGE_MAPPED, BRIDGE_DLQ, AEP_EVENTS and the KV buckets
-    (aep_lanes, aep_pairing, aep_leases). Returns {stream name: outcome}.
+    """Create or update HERMES_RAW, BRIDGE_MAPPED, BRIDGE_DLQ, AEP_EVENTS, the KV buckets
+    (aep_lanes, aep_pairing, aep_leases) and the object store aep_checkpoints (stream
+    OBJ_aep_checkpoints). Returns {stream name: outcome}.
 
     ``duplicate_window_s`` replaces the streams' duplicate window (default 120 s; see
     ``bridge.nats.streams.all_stream_configs``); running bootstrap again without it

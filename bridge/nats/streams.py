@@ -1,4 +1,4 @@
-"""Every JetStream stream, KV bucket and durable consumer of the bridge, as data.
+"""Every JetStream stream, KV bucket, object store and durable consumer of the bridge, as data.
 
 One place for the names, subjects and limits of docs/ARCHITECTURE.md; services
 import the names from here, ``aep-bridge bootstrap`` (``bridge.nats.bootstrap``)
@@ -38,7 +38,8 @@ DLQ_SUBJECTS = f"{DLQ_PREFIX}.>"
 EVENTS_SUBJECTS = f"{EVENTS_PREFIX}.>"
 
 LANES_BUCKET = "aep_lanes"  # s.<token> = known session, t.<task id token> = task alias
-PAIRING_BUCKET = "aep_pairing"  # pairing checkpoints, key p.<partition>
+PAIRING_BUCKET = "aep_pairing"  # pairing progress q.<partition>; p.<partition>: checkpoints of older releases
+CHECKPOINTS_BUCKET = "aep_checkpoints"  # object store: pairing checkpoints, object p.<partition>
 LEASES_BUCKET = "aep_leases"  # partition ownership leases, key p.<partition>; expire after LEASE_TTL_S
 LANES_TTL_S = 7 * DAY
 LEASE_TTL_S = 10.0  # a lease nobody renews for this long is gone (pairing renews every 2 s)
@@ -51,9 +52,9 @@ MAPPER_MAX_ACK_PENDING = 8192
 DUPLICATE_WINDOW_S = 120.0
 
 __all__ = [
-    "AEP_EVENTS", "BRIDGE_DLQ", "BRIDGE_MAPPED", "BUCKETS", "BucketSpec", "HERMES_RAW", "LANES_BUCKET",
-    "LEASES_BUCKET", "LEASE_TTL_S", "MAPPER_DURABLE", "MAPPER_MAX_DELIVER", "PAIRING_BUCKET", "STREAMS", "StreamSpec",
-    "all_stream_configs", "mapper_consumer_config",
+    "AEP_EVENTS", "BRIDGE_DLQ", "BRIDGE_MAPPED", "BUCKETS", "BucketSpec", "CHECKPOINTS_BUCKET", "HERMES_RAW",
+    "LANES_BUCKET", "LEASES_BUCKET", "LEASE_TTL_S", "MAPPER_DURABLE", "MAPPER_MAX_DELIVER", "OBJECT_STORES",
+    "ObjectStoreSpec", "PAIRING_BUCKET", "STREAMS", "StreamSpec", "all_stream_configs", "mapper_consumer_config",
 ]
 
 
@@ -130,6 +131,46 @@ class BucketSpec:
         )
 
 
+@dataclass(frozen=True)
+class ObjectStoreSpec:
+    """An object store bucket, i.e. the stream ``OBJ_<bucket>`` configured the way NATS
+    clients create one (ADR-20): chunks on ``$O.<bucket>.C.<nuid>``, the metadata of each
+    object on ``$O.<bucket>.M.<name>`` (replaced with a rollup), discard new, direct get.
+    An object is split into 128 KiB chunks (nats-py's default), so its size is not bound
+    by the server's max_payload."""
+
+    bucket: str
+    description: str
+    max_bytes: int = GiB
+
+    @property
+    def stream_name(self) -> str:
+        return f"OBJ_{self.bucket}"
+
+    def config(self, replicas: int = 1) -> Any:
+        from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
+
+        return StreamConfig(
+            name=self.stream_name,
+            description=self.description,
+            subjects=[f"$O.{self.bucket}.C.>", f"$O.{self.bucket}.M.>"],
+            retention=RetentionPolicy.LIMITS,
+            storage=StorageType.FILE,
+            discard=DiscardPolicy.NEW,
+            allow_rollup_hdrs=True,
+            deny_delete=False,
+            allow_direct=True,
+            max_age=0.0,  # objects never expire: a partition idle for long keeps its checkpoint
+            max_bytes=self.max_bytes,
+            max_msgs=-1,
+            max_msg_size=-1,
+            max_msgs_per_subject=-1,
+            max_consumers=-1,
+            duplicate_window=DUPLICATE_WINDOW_S,
+            num_replicas=replicas,
+        )
+
+
 RAW_STREAM = StreamSpec(
     HERMES_RAW, (RAW_SUBJECTS,), "Hermes hook envelopes as the shim stamped them (docs/ARCHITECTURE.md)",
     max_age_s=7 * DAY, max_bytes=10 * GiB,
@@ -149,20 +190,28 @@ EVENTS_STREAM = StreamSpec(
 STREAMS: tuple[StreamSpec, ...] = (RAW_STREAM, MAPPED_STREAM, DLQ_STREAM, EVENTS_STREAM)
 
 LANES = BucketSpec(LANES_BUCKET, "known sessions (s.<token>) and task aliases (t.<token>)", ttl_s=LANES_TTL_S, max_bytes=GiB)
-PAIRING = BucketSpec(PAIRING_BUCKET, "pairing checkpoints per partition (p.<n>)", max_bytes=GiB)
+PAIRING = BucketSpec(
+    PAIRING_BUCKET, "pairing progress per partition (q.<n>); checkpoints of older releases (p.<n>)", max_bytes=GiB,
+)
 LEASES = BucketSpec(LEASES_BUCKET, "pairing partition leases (p.<n>)", ttl_s=LEASE_TTL_S, max_bytes=16 * MiB)
 BUCKETS: tuple[BucketSpec, ...] = (LANES, PAIRING, LEASES)
+# One checkpoint per partition (object p.<n>). At fleet rate a compressed checkpoint grows
+# ~100 B/s per partition until the state's bounds hold it (idle sessions 30 min, 100,000 ended-session
+# digests): a few MB each, so 1 GiB holds every partition's plus the rewrite in flight.
+CHECKPOINTS = ObjectStoreSpec(CHECKPOINTS_BUCKET, "pairing checkpoints per partition (object p.<n>)", max_bytes=GiB)
+OBJECT_STORES: tuple[ObjectStoreSpec, ...] = (CHECKPOINTS,)
 
 
 def all_stream_configs(replicas: int = 1, duplicate_window_s: float | None = None) -> list[Any]:
-    """The StreamConfig of every stream and bucket, in bootstrap order.
+    """The StreamConfig of every stream, KV bucket and object store, in bootstrap order.
 
     ``duplicate_window_s`` overrides the streams' duplicate window (default
     DUPLICATE_WINDOW_S). The fault tests shorten it so that "an outage longer than the
     window" fits in a short test; an operator whose shims may spool for longer than two
     minutes can lengthen it (at the cost of server memory: one entry per message id
     within the window)."""
-    return [s.config(replicas, duplicate_window_s) for s in STREAMS] + [b.config(replicas) for b in BUCKETS]
+    return ([s.config(replicas, duplicate_window_s) for s in STREAMS] + [b.config(replicas) for b in BUCKETS]
+            + [o.config(replicas) for o in OBJECT_STORES])
 
 
 def mapper_consumer_config(durable: str = MAPPER_DURABLE) -> Any:

@@ -12,8 +12,16 @@ Theory of operation
 * State: the pure state machine (`bridge.core.pairing.PairingState`) per
   partition. Every `CHECKPOINT_EVERY` messages or `CHECKPOINT_S` seconds, once
   every publish up to that point is acked, its snapshot (which records the
-  BRIDGE_MAPPED stream sequence it covers), zlib-compressed, is written to the
-  `aep_pairing` bucket (key `p.<n>`).
+  BRIDGE_MAPPED stream sequence it covers), zlib-compressed, is written as the
+  object `p.<n>` of the `aep_checkpoints` object store (stream OBJ_aep_checkpoints).
+  An object is stored in chunks, so its size is not bound by the server's
+  max_payload (1 MiB by default), which a compressed checkpoint passes after ~3 h
+  at fleet rate (it grows ~100 B/s per partition until the state's bounds hold it).
+  A restore reads that object; when there is none, the KV key `p.<n>` of
+  `aep_pairing` (where releases before the object store wrote checkpoints; it is
+  left as it was, for a rollback); with neither, a fresh state. An unreadable
+  checkpoint (bad digest, a chunk missing, not read within
+  `CHECKPOINT_READ_TIMEOUT_S`) is never skipped: the partition stays unowned.
 * Reading: an ephemeral pull consumer (no acks: the checkpoint IS the position)
   on `bridge.mapped.<n>.>` from the checkpoint's sequence + 1. After a crash or
   a takeover the new owner restores the checkpoint and replays from there; the
@@ -39,6 +47,8 @@ Theory of operation
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import io
 import os
 import socket
 import time
@@ -64,6 +74,16 @@ TICK_S = 15.0
 CHECKPOINT_EVERY = 5000
 FETCH_BATCH = 512
 PROGRESS_KEY = "q.{}"  # in the aep_pairing bucket: the last position whose outputs are all acked
+CHECKPOINT_KEY = "p.{}"  # the object in aep_checkpoints (and, from older releases, the key in aep_pairing)
+# nats-py's default chunk (and Go's); smaller when the server's max_payload is smaller,
+# or every chunk publish would be refused.
+CHECKPOINT_CHUNK = 128 * 1024
+# ObjectStore.get reads the chunks with an ordered push consumer and no timeout: a chunk
+# that is gone would wait forever. A restore runs between two lease renewals (RENEW_S) of
+# this replica's other partitions, and leases expire after LEASE_TTL_S (10 s): the bound
+# stays well below that. Reading 20 MB from a local server took 0.8 s; checkpoints are a
+# few MB.
+CHECKPOINT_READ_TIMEOUT_S = 5.0
 # A checkpoint encodes and compresses the partition's whole state: its cost grows with the
 # state (the soak measured ~10 ms per partition after 90 s at 2,000 events/s, growing); every
 # 2 s it took a tenth of the process and grew with time. A takeover replays at most this much
@@ -114,6 +134,29 @@ class PairingMetrics:
         return child
 
 
+class CheckpointUnreadable(RuntimeError):
+    """A partition's checkpoint exists and cannot be read: the partition must stay unowned."""
+
+
+class _KeepSubscriptions:
+    """The JetStream context for one ObjectStore.get, remembering the subscription it makes:
+    nats-py leaves that ordered consumer subscribed (heartbeats, flow control, a consumer on
+    the server) when get() is cancelled by a timeout, and a partition whose checkpoint
+    cannot be read is tried again after every lease expiry."""
+
+    def __init__(self, js: Any) -> None:
+        self._js = js
+        self.subs: list[Any] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._js, name)
+
+    async def subscribe(self, *args: Any, **kwargs: Any) -> Any:
+        sub = await self._js.subscribe(*args, **kwargs)
+        self.subs.append(sub)
+        return sub
+
+
 @dataclass
 class Partition:
     number: int
@@ -145,7 +188,8 @@ class PairingService:
         self.nc: Any = None
         self.js: Any = None
         self.leases: Any = None
-        self.checkpoints: Any = None
+        self.checkpoints: Any = None  # the aep_checkpoints object store
+        self.pairing_kv: Any = None  # the aep_pairing KV bucket: progress q.<n>, checkpoints of older releases
         self.late_after_ns = int(S.DUPLICATE_WINDOW_S * 1e9) // 2  # half of AEP_EVENTS' duplicate window (read at connect)
 
     # ------------------------------------------------------------ leases
@@ -172,23 +216,57 @@ class PairingService:
 
     # ------------------------------------------------------------ checkpoints
 
+    async def read_checkpoint(self, n: int) -> bytes | None:
+        """The compressed checkpoint of partition `n` from the object store; None when there is
+        no object. Raises when it exists and cannot be read (DigestMismatchError, a timeout)."""
+        from nats.js.errors import ObjectNotFoundError
+        from nats.js.object_store import ObjectStore
+
+        js = _KeepSubscriptions(self.js)
+        store = ObjectStore(name=S.CHECKPOINTS_BUCKET, stream=S.CHECKPOINTS.stream_name, js=js)
+        buf = io.BytesIO()  # writeinto: get() otherwise concatenates bytes chunk by chunk (quadratic)
+        try:
+            await asyncio.wait_for(store.get(CHECKPOINT_KEY.format(n), writeinto=buf), CHECKPOINT_READ_TIMEOUT_S)
+        except ObjectNotFoundError:  # also an object marked deleted
+            return None
+        finally:
+            for sub in js.subs:  # get() unsubscribes itself after the last chunk, not on a timeout
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()
+        return buf.getvalue()
+
     async def restore(self, n: int) -> Partition:
         """The partition's state from its checkpoint; a fresh state only when there is none.
 
-        An unreadable checkpoint raises: the partition then stays unowned (and the
-        "partitions unowned" alert fires) rather than silently replaying seven days.
+        The checkpoint is the object `p.<n>` of aep_checkpoints; with no such object, the
+        key `p.<n>` of aep_pairing that releases before the object store wrote (an upgrade
+        must not replay seven days). An unreadable checkpoint raises: the partition then
+        stays unowned (and the "partitions unowned" alert fires) rather than silently
+        replaying seven days.
         """
         from nats.js.errors import KeyNotFoundError
 
         try:
-            entry = await self.checkpoints.get(f"p.{n}")
-        except KeyNotFoundError:
-            entry = None
-        if entry is None or not entry.value:
+            blob = await self.read_checkpoint(n)
+        except Exception as exc:
+            self.metrics.checkpoint_errors.labels(what="read").inc()
+            why = f"not read within {CHECKPOINT_READ_TIMEOUT_S} s" if isinstance(exc, asyncio.TimeoutError) else (
+                f"{type(exc).__name__}: {exc}")
+            log.error("checkpoint_unreadable", partition=n, error=why)
+            raise CheckpointUnreadable(f"checkpoint {CHECKPOINT_KEY.format(n)} of partition {n}: {why}") from exc
+        if blob is None:
+            try:
+                entry = await self.pairing_kv.get(CHECKPOINT_KEY.format(n))
+            except KeyNotFoundError:
+                entry = None
+            blob = entry.value if entry is not None else None
+            if blob:
+                log.info("checkpoint_from_kv", partition=n, bytes=len(blob))
+        if not blob:
             state = PairingState(partition=n)
         else:
             try:
-                state = PairingState.restore(zlib.decompress(entry.value), partition=n)
+                state = PairingState.restore(zlib.decompress(blob), partition=n)
             except Exception:
                 self.metrics.checkpoint_errors.labels(what="read").inc()
                 raise
@@ -196,7 +274,7 @@ class PairingService:
                          recheck_left=FETCH_BATCH)
         part.position = part.checkpointed = state.position
         try:
-            progress = await self.checkpoints.get(PROGRESS_KEY.format(n))
+            progress = await self.pairing_kv.get(PROGRESS_KEY.format(n))
             part.published = int(progress.value or 0) if progress is not None else 0
         except KeyNotFoundError:
             pass
@@ -208,21 +286,30 @@ class PairingService:
     async def checkpoint(self, part: Partition) -> None:
         """Write the state once every output up to its position is acked (zlib: ~5x smaller).
 
-        A checkpoint larger than the server's max_payload cannot be written as one KV
-        value: it is skipped and counted; nothing is lost, the replay after a takeover
-        is just longer.
+        One object per partition, in chunks of at most max_payload: no size limit. A put
+        costs a meta lookup, one acked publish per chunk (in sequence), the meta publish and
+        a purge of the previous chunks: a few round trips for a checkpoint of a few MB,
+        every CHECKPOINT_S per partition at most.
         """
+        from nats.js.api import ObjectMeta, ObjectMetaOptions
+
         if part.position == part.checkpointed:
             return
         await self.js.publish_async_completed()
         blob = zlib.compress(part.state.snapshot(), 1)
-        if len(blob) > self.nc.max_payload - 1024:
-            self.metrics.checkpoint_errors.labels(what="too_large").inc()
-            log.error("checkpoint_too_large", partition=part.number, bytes=len(blob), max_payload=self.nc.max_payload)
-        else:
-            await self.checkpoints.put(f"p.{part.number}", blob)
-            self.metrics.checkpoints.inc()
-            self.metrics.checkpoint_bytes.labels(partition=str(part.number)).set(len(blob))
+        name = CHECKPOINT_KEY.format(part.number)
+        chunk = min(CHECKPOINT_CHUNK, self.nc.max_payload)
+        meta = ObjectMeta(name=name, options=ObjectMetaOptions(max_chunk_size=chunk))
+        try:
+            # Shielded: a partition task cancelled (lease lost, shutdown) in the middle of a put
+            # would leave chunks no object refers to, and they never expire (the stream has no
+            # max age). The put completes or fails (nats-py then purges its chunks) on its own.
+            await asyncio.shield(self.checkpoints.put(name, blob, meta=meta))
+        except Exception:
+            self.metrics.checkpoint_errors.labels(what="write").inc()
+            raise
+        self.metrics.checkpoints.inc()
+        self.metrics.checkpoint_bytes.labels(partition=str(part.number)).set(len(blob))
         part.checkpointed = part.position
         part.since_checkpoint = 0
         part.last_checkpoint = time.monotonic()
@@ -463,7 +550,8 @@ class PairingService:
         self.nc = await connect_service(self.settings, name=f"aep-bridge-pairing-{self.replica}")
         self.js = self.nc.jetstream(publish_async_max_pending=4096)
         self.leases = await self.js.key_value(S.LEASES_BUCKET)
-        self.checkpoints = await self.js.key_value(S.PAIRING_BUCKET)
+        self.pairing_kv = await self.js.key_value(S.PAIRING_BUCKET)
+        self.checkpoints = await self.js.object_store(S.CHECKPOINTS_BUCKET)
         try:
             window = getattr((await self.js.stream_info(S.AEP_EVENTS)).config, "duplicate_window", None)
         except Exception:  # not allowed to ask: assume the default window
