@@ -77,6 +77,10 @@ class Settings:
     #: mapper: how long a session-less event whose session is not known yet waits for every
     #: earlier raw message to be mapped (their lanes learned) before it falls back to `unknown`
     lane_wait_ms: int = 2000  # see docs/ARCHITECTURE.md "Lanes"
+    #: pairing: seconds between the ticks an owner publishes into each partition it owns (the
+    #: clock of TTL closure and of held follow-ups: one is released at most this long after its
+    #: hold expired)
+    tick_s: float = 15.0
     log_format: str = "json"
     log_level: str = "info"
 
@@ -123,6 +127,13 @@ class Settings:
         names = get("REDACT_NAMES")
         s.redact_names = tuple(n.strip() for n in names.split(",") if n.strip()) if names else ()
         s.lane_wait_ms = get_int("LANE_WAIT_MS", 2000)
+        tick = get("TICK_S")
+        try:
+            s.tick_s = float(tick) if tick else 15.0
+        except ValueError as exc:
+            raise ValueError(f"AEP_BRIDGE_TICK_S must be a number of seconds, got {tick!r}") from exc
+        if not s.tick_s > 0:
+            raise ValueError(f"AEP_BRIDGE_TICK_S must be positive, got {tick!r}")
         port = get("METRICS_PORT")
         s.metrics_port = int(port) if port else None
         s.log_format = get("LOG_FORMAT") or "json"

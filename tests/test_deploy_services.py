@@ -28,8 +28,8 @@ SECRET = "aep-bridge-nats-auth"
 SECRETS = {SECRET: {f"{role}-password": PASSWORDS[f"AEP_{role.upper().replace('-', '_')}_PASSWORD"]
                     for role in ("bootstrap", "mapper", "pairing", "shim", "consumer", "gate", "operator",
                                  "shim-control")}}
-# pairing publishes a tick into each partition it owns every TICK_S (15 s, no flag or
-# variable changes it): the first one comes ~15 s after it starts.
+# pairing publishes a tick into each partition it owns every AEP_BRIDGE_TICK_S (15 s; the
+# chart does not set it): the first one comes ~15 s after it starts.
 TICK_WAIT_S = 60
 
 

@@ -151,3 +151,28 @@ def test_kill_9_the_owner_and_a_standby_takes_over(nats_server_fn, tmp_path):
         standby.terminate()
         owner.terminate()
         client.close()
+
+
+def test_the_tick_interval_is_a_setting(nats_server_fn, tmp_path):
+    """`--tick-s` (AEP_BRIDGE_TICK_S) sets how often an owner ticks its partitions: the clock of
+    TTL closure and of held follow-ups. At the default 15 s, three ticks on one partition take
+    over 30 s; at 0.5 s they come within the bound below. Bad values are refused."""
+    from bridge.config import Settings
+
+    client = JetStreamClient(nats_server_fn.url)
+    client.bootstrap()
+    pairing = Service("pairing", nats_server_fn.url, tmp_path, "--replica", "ticker", "--tick-s", "0.5").start()
+    try:
+        def ticks() -> int:
+            info = client.run(client.js.stream_info("BRIDGE_MAPPED", subjects_filter="bridge.mapped.0.__tick__"))
+            return (info.state.subjects or {}).get("bridge.mapped.0.__tick__", 0)
+
+        wait_for(lambda: ticks() >= 3, 20, interval=0.2, what="three ticks on partition 0 at --tick-s 0.5")
+    finally:
+        pairing.terminate()
+        client.close()
+    assert Settings.from_env({"AEP_BRIDGE_CONFIG": "/dev/null", "AEP_BRIDGE_TICK_S": "2.5"}).tick_s == 2.5
+    assert Settings.from_env({"AEP_BRIDGE_CONFIG": "/dev/null"}).tick_s == 15.0
+    for bad in ("0", "-1", "soon"):
+        with pytest.raises(ValueError, match="AEP_BRIDGE_TICK_S"):
+            Settings.from_env({"AEP_BRIDGE_CONFIG": "/dev/null", "AEP_BRIDGE_TICK_S": bad})

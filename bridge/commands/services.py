@@ -27,6 +27,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("pairing", help="run the pairing service: BRIDGE_MAPPED -> AEP_EVENTS")
     _common(p, PAIRING_METRICS_PORT)
     p.add_argument("--replica", default=None, help="this replica's name (default: host name + pid)")
+    p.add_argument("--tick-s", type=float, default=None,
+                   help="seconds between ticks (the clock of TTL closure and held follow-ups; AEP_BRIDGE_TICK_S, default 15)")
     p.set_defaults(func=cmd_pairing)
 
 
@@ -71,5 +73,9 @@ def cmd_pairing(args: argparse.Namespace) -> int:
     from bridge.services.runtime import configure_logging
 
     settings = settings_from_args(args)
+    if args.tick_s is not None:
+        if not args.tick_s > 0:
+            raise SystemExit("aep-bridge pairing: --tick-s must be positive")
+        settings.tick_s = args.tick_s
     configure_logging(settings.log_format, settings.log_level)
     return _run(PairingService(settings, replica=args.replica).run())

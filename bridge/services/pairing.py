@@ -28,7 +28,7 @@ Theory of operation
   replayed output is byte-identical (deterministic ids and seq) and
   `Nats-Msg-Id` makes AEP_EVENTS drop what was already published.
 * Time: the owner publishes a tick into its own partition (`bridge.mapped.<n>.__tick__`)
-  every `TICK_S`; TTL closure runs when the state machine reads a tick, so time
+  every `tick_s` (AEP_BRIDGE_TICK_S / `--tick-s`, default 15 s); TTL closure runs when the state machine reads a tick, so time
   travels through the stream and a replay sees exactly the same ticks.
 * Output: `aep.hermes.<lane token>.<type>` with `Nats-Msg-Id` = the event id.
 * Replays past the duplicate window. A restore replays from the checkpoint, and the
@@ -70,7 +70,6 @@ from bridge.services.runtime import Health, HttpServer, Stopper, close_connectio
 log = structlog.get_logger("aep_bridge.pairing")
 
 RENEW_S = 2.0
-TICK_S = 15.0
 CHECKPOINT_EVERY = 5000
 FETCH_BATCH = 512
 PROGRESS_KEY = "q.{}"  # in the aep_pairing bucket: the last position whose outputs are all acked
@@ -175,7 +174,7 @@ class Partition:
 
 class PairingService:
     def __init__(self, settings: Settings, replica: str | None = None, registry: CollectorRegistry | None = None,
-                 lease_ttl_s: float | None = None, tick_s: float = TICK_S) -> None:
+                 lease_ttl_s: float | None = None, tick_s: float | None = None) -> None:
         self.settings = settings
         self.replica = replica or f"{socket.gethostname()}-{os.getpid()}"
         self.registry = registry or CollectorRegistry()
@@ -184,7 +183,7 @@ class PairingService:
         self.stopper = Stopper()
         self.partitions: dict[int, Partition] = {}
         self.lease_ttl_s = lease_ttl_s
-        self.tick_s = tick_s
+        self.tick_s = tick_s or settings.tick_s
         self.nc: Any = None
         self.js: Any = None
         self.leases: Any = None
