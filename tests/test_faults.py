@@ -48,14 +48,19 @@ def start(fleet: Fleet) -> threading.Thread:
 
 
 def finish(fleet: Fleet, thread: threading.Thread, pipe: Pipeline, wait: float = 60.0) -> Report:
+    t0 = time.monotonic()
     thread.join(timeout=180)
     assert not thread.is_alive(), "the simulator did not finish"
     left = fleet.drain(timeout=30)
     fleet.close()
     assert not left, f"spools not drained: {left}"
     assert fleet.complete, "every simulated session ended (wind-down)"
+    t1 = time.monotonic()
     pipe.settle(timeout=90)
-    return verify(pipe.url, fleet.manifest_path, wait=wait)
+    t2 = time.monotonic()
+    report = verify(pipe.url, fleet.manifest_path, wait=wait)
+    print(f"finish: simulator + spools {t1 - t0:.1f} s, settle {t2 - t1:.1f} s, verify {time.monotonic() - t2:.1f} s")
+    return report
 
 
 def assert_clean(report: Report, pipe: Pipeline) -> None:
@@ -84,7 +89,10 @@ def pipeline(server: Any, tmp_path: Path, mappers: int = 1, pairings: int = 1, w
     for _ in range(mappers):
         pipe.add("mapper", args=["--batch", "64"], env=mapper_env)
     for i in range(pairings):
-        pipe.add("pairing", name=f"pairing-{i}")
+        # Ticks every 2 s, not 15: a follow-up held for a start that never comes (its instance
+        # lost it, or it is late) is released at its deadline plus at most one tick, and the
+        # verifier waits for it; at 15 s a scenario spent up to 13 s more just waiting.
+        pipe.add("pairing", name=f"pairing-{i}", env={"AEP_BRIDGE_TICK_S": "2"})
     pipe.wait_ready()
     return pipe
 
