@@ -135,3 +135,22 @@ def test_a_remembered_ended_session_costs_a_few_bytes() -> None:
     assert state.metrics()["ended_remembered"] == 1
     per_digest = (remembered - baseline) / n
     assert per_digest < 24, f"{per_digest:.1f} bytes per remembered ended session"
+
+
+def test_the_pairing_growth_benchmark_runs_and_reports_the_state() -> None:
+    """benchmarks/pairing_growth.py (issue 8: the state over hours of stream time) on a tiny
+    run: it must keep working, and its rows must describe a state that evicts."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "pairing_growth.py"
+    out = subprocess.run([sys.executable, str(script), "--minutes", "4", "--rate", "40", "--every", "1",
+                          "--instances", "50"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert [r["stream_min"] for r in rows] == [1.0, 2.0, 3.0, 4.0]
+    assert rows[-1]["sessions"] > 0 and rows[-1]["ended_digests"] > 0 and rows[-1]["checkpoint_kb"] > 0
+    assert rows[-1]["evicted"] > 0, "ended sessions leave after recent_ns (2 min)"
+    assert "simulate more than 32 min" in out.stdout
