@@ -37,25 +37,9 @@ from bridge.core.pairing import MINUTE, SECOND, PairingState  # noqa: E402
 from bridge.core.pipeline import map_record, record_from_raw  # noqa: E402
 from bridge.services.runtime import rss_kb  # noqa: E402
 from bridge.shim import hook  # noqa: E402
-from bridge.sim.fleet import Canaries, Ids, Instance, SimOptions  # noqa: E402
+from bridge.sim.fleet import stream_envelopes  # noqa: E402
 
 TICK_NS = 15 * SECOND  # the pairing service's default tick interval (AEP_BRIDGE_TICK_S)
-
-
-def fleet(instances: int, seed: int):  # type: ignore[no-untyped-def]
-    """Endless (instance name, stdin bytes) of the simulated fleet, interleaved (as `fleet.envelopes`)."""
-    rng = random.Random(seed)
-    ids = Ids(rng)
-    canaries = Canaries.make(random.Random(seed + 1))
-    opts = SimOptions()
-    platforms = ("cli", "cli", "telegram", "discord")
-    insts = [Instance(f"gen-{i}", random.Random(rng.getrandbits(64)), ids, canaries, opts, platforms[i % 4])
-             for i in range(instances)]
-    while True:
-        inst = rng.choice(insts)
-        ev = inst.next()
-        if ev is not None:
-            yield inst.name, ev.data
 
 
 def _old_open(state: PairingState, age_ns: int) -> dict[str, int]:
@@ -110,7 +94,7 @@ def main() -> int:
     print(f"pairing_growth: {args.instances} instances, {args.rate:.0f} events/s, {args.minutes:.0f} min of stream time; "
           f"idle_ttl {state.config.idle_ttl_ns // MINUTE} min, recent {state.config.recent_ns // SECOND} s, "
           f"max_ended {state.config.max_ended}")
-    for i, (name, data) in enumerate(fleet(args.instances, args.seed)):
+    for i, (name, data) in enumerate(stream_envelopes(args.instances, args.seed)):
         if i >= total:
             break
         now = base + i * step

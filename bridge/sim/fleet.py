@@ -57,6 +57,7 @@ whether every session was wound down). ``bridge.sim.verify`` reads it.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import queue
@@ -1155,8 +1156,8 @@ def _with_marker(data: bytes, marker: str) -> bytes:
     return json.dumps(obj, ensure_ascii=False).encode("utf-8")
 
 
-def envelopes(n: int, instances: int = 8, seed: int = 0, **options: Any) -> list[tuple[str, bytes]]:
-    """``n`` simulated (instance, stdin bytes) pairs, interleaved across instances (no I/O)."""
+def stream_envelopes(instances: int = 8, seed: int = 0, **options: Any) -> Iterator[tuple[str, bytes]]:
+    """Endless simulated (instance, stdin bytes) pairs, interleaved across instances (no I/O)."""
     rng = random.Random(seed)
     ids = Ids(rng)
     canaries = Canaries.make(random.Random(seed + 1))
@@ -1164,10 +1165,13 @@ def envelopes(n: int, instances: int = 8, seed: int = 0, **options: Any) -> list
     platforms = ("cli", "cli", "telegram", "discord")
     insts = [Instance(f"gen-{i}", random.Random(rng.getrandbits(64)), ids, canaries, opts, platforms[i % 4])
              for i in range(instances)]
-    out = []
-    while len(out) < n:
+    while True:
         inst = rng.choice(insts)
         ev = inst.next()
         if ev is not None:
-            out.append((inst.name, ev.data))
-    return out
+            yield inst.name, ev.data
+
+
+def envelopes(n: int, instances: int = 8, seed: int = 0, **options: Any) -> list[tuple[str, bytes]]:
+    """The first ``n`` of `stream_envelopes`."""
+    return list(itertools.islice(stream_envelopes(instances, seed, **options), n))
