@@ -32,6 +32,7 @@ from bridge.sim.fleet import MARKER_KEY, Canaries, Fleet, FleetConfig, envelopes
 from bridge.sim.harness import Pipeline
 from bridge.sim.verify import verify
 from tests.natsfixture import JetStreamClient
+from tests.support.services import publish_all, raw_records
 from tests.support.shim import run_hook, shim_env
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -339,3 +340,19 @@ def test_verifier_waits_for_a_card_that_pairing_still_has_to_end(nats_server, je
         later.join()
     assert report.invariant_count == 0, report.render()
     assert report.elapsed_s >= 2.5
+
+
+def test_pipeline_dump_writes_every_stored_message_of_each_stream(nats_server_fn, tmp_path):
+    """A failed fault scenario keeps its evidence with `Pipeline.dump`: every message of every
+    stream, in order, with its headers, as JSON lines (replayable offline)."""
+    pipe = Pipeline(nats_server_fn.url, tmp_path / "logs")
+    pipe.bootstrap()
+    records = raw_records([{"hook_event_name": "on_session_start", "session_id": f"dump-{i}", "extra": {}} for i in range(700)],
+                          instance="dumper")
+    pipe.run(lambda js: publish_all(js, records))
+    out = pipe.dump(tmp_path / "dump")
+    rows = [json.loads(line) for line in (out / "HERMES_RAW.jsonl").read_text().splitlines()]
+    assert [r["seq"] for r in rows] == list(range(1, 701))  # more than one fetch of 512, in order
+    assert [(r["subject"], r["data"].encode(), r["headers"]["Nats-Msg-Id"]) for r in rows] == records
+    for name in ("BRIDGE_MAPPED", "BRIDGE_DLQ", "AEP_EVENTS"):
+        assert (out / f"{name}.jsonl").read_text() == ""
