@@ -1,4 +1,13 @@
-"""The real Hermes envelopes (../shared/hermes/observed_envelopes.jsonl) for tests."""
+"""The real Hermes envelopes for tests: the corpus shipped in bridge/data/observed_sessions.jsonl.
+
+That file holds the 169 envelopes real hermes-agent 0.19.0 runs delivered to a shell hook
+(the project's shared/hermes/observed_envelopes.jsonl), with the fields the shim drops at
+the edge (conversation history, API request/response bodies) already dropped: every mapped
+event is the same from either file. It is part of the repository, so every checkout runs
+the same tests on the same data. AEP_OBSERVED_ENVELOPES names another file instead (e.g.
+the full recording, to run the shim's edge trimming over real API bodies); a missing file
+is an error, never a skip.
+"""
 
 from __future__ import annotations
 
@@ -8,19 +17,14 @@ from functools import lru_cache
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-CANDIDATES = [
-    Path(os.environ["AEP_OBSERVED_ENVELOPES"]) if os.environ.get("AEP_OBSERVED_ENVELOPES") else None,
-    ROOT.parent / "shared" / "hermes" / "observed_envelopes.jsonl",
-    # The same real envelopes as shipped in the package (API bodies and conversation history dropped).
-    ROOT / "bridge" / "data" / "observed_sessions.jsonl",
-]
+SHIPPED = ROOT / "bridge" / "data" / "observed_sessions.jsonl"
 
 
 def corpus_path() -> Path:
-    for path in CANDIDATES:
-        if path and path.is_file():
-            return path
-    raise FileNotFoundError("observed_envelopes.jsonl not found (set AEP_OBSERVED_ENVELOPES)")
+    path = Path(os.environ["AEP_OBSERVED_ENVELOPES"]) if os.environ.get("AEP_OBSERVED_ENVELOPES") else SHIPPED
+    if not path.is_file():
+        raise FileNotFoundError(f"the corpus of real Hermes envelopes is missing: {path}")
+    return path
 
 
 @lru_cache(maxsize=1)

@@ -17,7 +17,7 @@ from bridge.core.capture import LEVEL_RANK
 from bridge.core.schemas import generate, render
 from tests.corpus import corpus_path, envelopes
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 LEVELS = ["none", "metadata", "redacted", "full"]
 
 

@@ -1,4 +1,4 @@
-"""Pairing over the real Hermes sessions (../shared/hermes/observed_envelopes.jsonl).
+"""Pairing over the real Hermes sessions (the corpus of tests/corpus.py: bridge/data/observed_sessions.jsonl).
 
 The corpus is mapped with the real mapper (bridge.core.pipeline), split into
 partitions by lane token as the service splits BRIDGE_MAPPED, and fed to one
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import random
 from functools import lru_cache
-from pathlib import Path
 from typing import Any
 
 import jsonschema
@@ -22,12 +21,10 @@ from bridge.core.lanes import MemoryLanes, lane_token, partition_of
 from bridge.core.pairing import HOUR, PairingState, check_invariants
 from bridge.core.pipeline import map_record, record_from_line
 from bridge.core.schemas import generate
+from tests.corpus import corpus_path
 
-CORPUS = Path(__file__).resolve().parents[2] / "shared" / "hermes" / "observed_envelopes.jsonl"
 BASE_NS = 1_764_543_353_000 * 1_000_000
 PARTITIONS = 8
-
-pytestmark = pytest.mark.skipif(not CORPUS.is_file(), reason=f"corpus not found at {CORPUS}")
 
 Message = tuple[Event, dict[str, Any]]
 
@@ -38,7 +35,7 @@ def mapped(capture: str = "metadata", overrides: str = "attention=redacted") -> 
     policy = CapturePolicy(default=capture, overrides=parse_overrides(overrides), redactor=Redactor())
     lanes = MemoryLanes()
     parts: dict[int, list[Message]] = {}
-    for n, line in enumerate(CORPUS.read_bytes().splitlines(), start=1):
+    for n, line in enumerate(corpus_path().read_bytes().splitlines(), start=1):
         if not line.strip():
             continue
         record = record_from_line(msgspec.json.decode(line), n, "dev", BASE_NS)

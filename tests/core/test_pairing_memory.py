@@ -145,7 +145,7 @@ def test_the_pairing_growth_benchmark_runs_and_reports_the_state() -> None:
     import sys
     from pathlib import Path
 
-    script = Path(__file__).resolve().parent.parent / "benchmarks" / "pairing_growth.py"
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "pairing_growth.py"
     out = subprocess.run([sys.executable, str(script), "--minutes", "4", "--rate", "40", "--every", "1",
                           "--instances", "50"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr

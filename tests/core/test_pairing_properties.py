@@ -16,8 +16,6 @@ messages, and ticks at arbitrary stream times. Properties:
 from __future__ import annotations
 
 import random
-import sys
-from pathlib import Path
 from typing import Any
 
 from hypothesis import HealthCheck, given, settings
@@ -25,9 +23,7 @@ from hypothesis import strategies as st
 
 from bridge.core.aep import Event, encode_event
 from bridge.core.pairing import HOUR, MINUTE, SECOND, PairingState, check_invariants
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_pairing import BASE_NS, Mk, assert_valid  # noqa: E402
+from tests.core.test_pairing import BASE_NS, Mk, assert_valid
 
 # a message of the partition stream: an event with its hints, or a tick
 Message = tuple[str, Any, Any]

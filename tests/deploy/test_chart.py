@@ -16,7 +16,7 @@ checked against small JSON Schemas written for this project
 chart sets, unknown fields rejected.
 
 The module also holds helpers other tests reuse (import them with
-``from test_deploy_chart import ...``):
+``from tests.deploy.test_chart import ...``):
 
 * :func:`render_chart` / :func:`render_manifests`: render with values.
 * :func:`workload_env`: the environment (and arguments) of a rendered container,
@@ -43,7 +43,10 @@ import kubernetes_validate.utils as kv_utils
 import pytest
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
+from bridge.config import MAPPER_METRICS_PORT, PAIRING_METRICS_PORT
+from bridge.services.gate import GATE_METRICS_PORT as GATE_PORT
+
+REPO = Path(__file__).resolve().parents[2]
 CHART_DIR = REPO / "deploy" / "helm" / "aep-bridge"
 CI_DIR = CHART_DIR / "ci"
 ARCHITECTURE = REPO / "docs" / "ARCHITECTURE.md"
@@ -56,18 +59,8 @@ NAMESPACE = "bridge"
 KUBE_VERSIONS = ("1.27", kv_utils.latest_version())
 
 # The services' default HTTP ports (docs/ARCHITECTURE.md: AEP_BRIDGE_METRICS_PORT).
-MAPPER_PORT, PAIRING_PORT = 9464, 9465
-try:  # prefer the services' own constants when the package defines them
-    from bridge.config import MAPPER_METRICS_PORT, PAIRING_METRICS_PORT
-
-    MAPPER_PORT, PAIRING_PORT = MAPPER_METRICS_PORT, PAIRING_METRICS_PORT
-except ImportError:  # pragma: no cover - bridge.config is part of the skeleton
-    pass
+MAPPER_PORT, PAIRING_PORT = MAPPER_METRICS_PORT, PAIRING_METRICS_PORT
 DEFAULT_PORTS = {"mapper": MAPPER_PORT, "pairing": PAIRING_PORT}
-try:  # the opt-in control plane's service (gate.enabled)
-    from bridge.services.gate import GATE_METRICS_PORT as GATE_PORT
-except ImportError:  # pragma: no cover
-    GATE_PORT = 9466
 
 CI_VALUES = sorted(CI_DIR.glob("*-values.yaml"))
 REQUIRED_CI_VALUES = {"defaults", "external-nats", "creds-auth", "autoscaling", "monitoring", "gate"}

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DOCKERFILE = REPO / "deploy" / "Dockerfile"
 LOCK = REPO / "deploy" / "requirements.lock"
 DOCKERIGNORE = REPO / "deploy" / "Dockerfile.dockerignore"

@@ -23,8 +23,7 @@ control moments (``hermes-shim-control``: the instruction pull; confirming the
 gate's requests via ``allow_responses``), while the observe-only shim users
 (``hermes-shim``, ``hermes-gateway-0``) may neither pull instructions nor
 answer a request they overhear. The streams and buckets are created, as the
-bootstrap user, by the bridge's own ``bridge.nats.bootstrap`` (a stand-in with
-the shapes of docs/ARCHITECTURE.md if the module is missing), and the mapper
+bootstrap user, by the bridge's own ``bridge.nats.bootstrap``, and the mapper
 creates its durable from ``bridge.nats.streams.mapper_consumer_config``.
 :func:`test_sample_and_values_grant_the_same_permissions` compares the two
 configurations rule by rule.
@@ -49,13 +48,15 @@ import pytest
 
 import nats
 from nats.errors import TimeoutError as NatsTimeout
-from nats.js import api
 from nats.js.errors import NoStreamResponseError
 
-try:  # tests/ on sys.path (pytest's default rootdir-relative import)
-    from test_deploy_chart import CHART_DIR, REPO, load_values
-except ImportError:  # tests/ as a package
-    from tests.test_deploy_chart import CHART_DIR, REPO, load_values
+from bridge.config import Settings
+from bridge.nats.bootstrap import bootstrap as bridge_bootstrap
+from bridge.nats.streams import mapper_consumer_config
+from bridge.services.gate import Gate, GateConfig
+from bridge.services.pairing import Partition, PairingService
+from bridge.shim import hook
+from tests.deploy.test_chart import CHART_DIR, REPO, load_values
 
 SAMPLE_CONF = REPO / "deploy" / "nats" / "nats.conf"
 PASSWORDS = {
@@ -206,21 +207,11 @@ async def expect_api_refused(client: Client, coro, subject_part: str) -> None:
     assert await client.refused(subject_part), client.errors
 
 
-try:  # the bridge's own bootstrap and consumer settings, when this checkout has them
-    from bridge.nats.bootstrap import bootstrap as bridge_bootstrap
-    from bridge.nats.streams import mapper_consumer_config
-except ImportError:  # pragma: no cover - the stand-ins below have the same shapes
-    bridge_bootstrap = mapper_consumer_config = None
-
-
 async def bootstrap(url: str) -> None:
     c = await Client.connect(url, "bootstrap")
     try:
-        if bridge_bootstrap is not None:
-            for _ in range(2):  # idempotent: created, then unchanged
-                await bridge_bootstrap(c.js, replicas=1)
-        else:
-            await stand_in_bootstrap(c)
+        for _ in range(2):  # idempotent: created, then unchanged
+            await bridge_bootstrap(c.js, replicas=1)
         await c.js.account_info()
         # bootstrap administers; it does not produce or consume events.
         await expect_publish_refused(c, "hermes.raw.gw.pre_tool_call")
@@ -230,35 +221,6 @@ async def bootstrap(url: str) -> None:
         )
     finally:
         await c.close()
-
-
-async def stand_in_bootstrap(c: "Client") -> None:
-    """The streams and buckets of docs/ARCHITECTURE.md, for a checkout without bridge.nats."""
-    day = 24 * 3600
-    streams = [
-        api.StreamConfig(name="HERMES_RAW", subjects=["hermes.raw.>"], max_age=7 * day,
-                         max_bytes=10 * 2**30, duplicate_window=120),
-        api.StreamConfig(name="BRIDGE_MAPPED", subjects=["bridge.mapped.>"], max_age=7 * day, duplicate_window=120),
-        api.StreamConfig(name="BRIDGE_DLQ", subjects=["bridge.dlq.>"], max_age=30 * day),
-        api.StreamConfig(name="AEP_EVENTS", subjects=["aep.hermes.>"], max_age=30 * day),
-    ]
-    for _ in range(2):  # idempotent: the second round updates in place
-        for cfg in streams:
-            try:
-                await c.js.stream_info(cfg.name)
-                await c.js.update_stream(cfg)
-            except nats.js.errors.NotFoundError:
-                await c.js.add_stream(cfg)
-        await c.js.create_key_value(bucket="aep_lanes", ttl=7 * day, history=1)
-        await c.js.create_key_value(bucket="aep_pairing", history=1)
-        await c.js.create_key_value(bucket="aep_leases", history=1, ttl=10)
-        await c.js.create_object_store(bucket="aep_checkpoints")
-
-
-try:  # the pairing service, when this checkout has it
-    from bridge.services.pairing import Partition, PairingService
-except ImportError:  # pragma: no cover
-    PairingService = None
 
 
 class _Snapshot:
@@ -340,8 +302,7 @@ async def scenario(url: str, kind: str) -> None:
     try:
         info = await c.js.stream_info("HERMES_RAW")  # epoch = the stream's creation time
         assert info.config.name == "HERMES_RAW"
-        if mapper_consumer_config is not None:
-            await c.js.add_consumer("HERMES_RAW", config=mapper_consumer_config())
+        await c.js.add_consumer("HERMES_RAW", config=mapper_consumer_config())
         sub = await c.js.pull_subscribe("hermes.raw.>", durable="mapper", stream="HERMES_RAW")
         msgs = await sub.fetch(len(shim_roles), timeout=2)
         assert len(msgs) == len(shim_roles)
@@ -391,8 +352,7 @@ async def scenario(url: str, kind: str) -> None:
         await checkpoints.put("p.3", b"42")
         assert (await checkpoints.get("p.3")).value == b"42"
         await (await checkpoints.watch("p.>")).stop()
-        if PairingService is not None:
-            await pairing_checkpoints(url)
+        await pairing_checkpoints(url)
         lanes = await c.js.key_value("aep_lanes")
         assert (await lanes.get("s.s1")).value == b"1"
         await expect_publish_refused(c, "$KV.aep_lanes.s.s2")  # lanes are the mapper's to write
@@ -424,13 +384,6 @@ async def scenario(url: str, kind: str) -> None:
         await checkpoints_refused(c)
     finally:
         await c.close()
-
-
-try:  # the control plane's service, when this checkout has it
-    from bridge.config import Settings
-    from bridge.services.gate import Gate, GateConfig
-except ImportError:  # pragma: no cover
-    Gate = None
 
 
 def role_settings(url: str, role: str) -> "Settings":
@@ -485,8 +438,6 @@ async def overheard_request_unanswered(requester, role: str, url: str) -> None:
 
 async def control_plane(url: str, kind: str = "sample") -> None:
     """The gate, an operator and the shim's control moments (after :func:`scenario`)."""
-    if Gate is None:  # pragma: no cover
-        pytest.skip("bridge/services/gate.py is not in this checkout")
     # The real service's start-up as aep-gate: it creates aep_control and aep_instruct,
     # its durables `gate` (HERMES_RAW) and `gate-commands` (AEP_EVENTS), subscribes the
     # hello and instruction-pull services and watches aep_control for open cards.
@@ -695,16 +646,13 @@ def test_sample_and_values_grant_the_same_permissions() -> None:
     assert sample.keys() == {name for name, _ in USERS.values()}, "the scenario connects as every user"
 
 
-SHIM = REPO / "bridge" / "shim" / "hook.py"
+SHIM = Path(hook.__file__)
 
 
 async def ensure_streams(url: str) -> None:
     c = await Client.connect(url, "bootstrap")
     try:
-        if bridge_bootstrap is not None:
-            await bridge_bootstrap(c.js, replicas=1)
-        else:
-            await stand_in_bootstrap(c)
+        await bridge_bootstrap(c.js, replicas=1)
     finally:
         await c.close()
 
@@ -718,7 +666,6 @@ async def raw_subjects(url: str) -> list[str]:
         await c.close()
 
 
-@pytest.mark.skipif(not SHIM.exists(), reason="bridge/shim/hook.py is not in this checkout")
 def test_the_real_shim_publishes_with_its_user_and_only_as_its_instance(server: dict, tmp_path: Path) -> None:
     """The shim as Hermes runs it (`python -I -S hook.py`), with the shim users' rights."""
     asyncio.run(ensure_streams(server["url"]))

@@ -16,7 +16,7 @@ from bridge.shim import install as inst
 from tests.natsfixture import JetStreamClient, NatsServer, free_port
 from tests.support.shim import dumps, envelope
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 ORIGINAL = """\
 # Hermes configuration (hand-written)

@@ -21,7 +21,7 @@ from bridge.local.server import free_port
 from tests.corpus import records
 from tests.support.services import http_json as http_get, wait_for
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def pid_alive(pid: int) -> bool:

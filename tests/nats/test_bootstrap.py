@@ -16,7 +16,7 @@ from bridge.nats.bootstrap import bootstrap
 from bridge.nats.connection import NatsConnectError, connect_options, quick_connect, server_list
 from tests.natsfixture import JetStreamClient
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ALL = ["HERMES_RAW", "BRIDGE_MAPPED", "BRIDGE_DLQ", "AEP_EVENTS", "KV_aep_lanes", "KV_aep_pairing", "KV_aep_leases",
        "OBJ_aep_checkpoints"]
 

@@ -28,7 +28,7 @@ from tests.natsfixture import JetStreamClient, NatsServer, make_server
 from tests.support.services import Service, wait_for
 from tests.support.shim import compiled_hook, dumps, envelope, run_hook, shim_env
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # ---------------------------------------------------------------- the plane under test

@@ -1,7 +1,9 @@
-"""The mapper service end to end on a real nats-server: shim -> HERMES_RAW -> 2 mappers -> BRIDGE_MAPPED."""
+"""The mapper service end to end on a real nats-server: shim -> HERMES_RAW -> 2 mappers -> BRIDGE_MAPPED;
+and what it writes to the dead-letter stream."""
 
 from __future__ import annotations
 
+import base64
 import json
 import random
 import subprocess
@@ -10,8 +12,10 @@ import time
 
 import pytest
 
+from bridge.config import Settings
 from bridge.core.aep import encode_event
-from bridge.services.mapper import epoch_of
+from bridge.core.capture import CapturePolicy
+from bridge.services.mapper import Mapper, epoch_of
 from tests.corpus import envelopes
 from tests.natsfixture import JetStreamClient
 from tests.support.services import Service, expected_events, publish_all, raw_records, wait_for
@@ -154,3 +158,39 @@ def test_recreating_the_raw_stream_raises_the_epoch(nats_server_fn, tmp_path):
     finally:
         mapper.terminate()
         client.close()
+
+
+SECRET = "AKIAABCDEFGHIJKLMNOP"
+
+
+def dlq_mapper(policy: CapturePolicy | None = None) -> Mapper:
+    return Mapper(Settings(), policy or CapturePolicy())
+
+
+def test_dead_letter_bodies_are_redacted_unless_everything_is_full():
+    """Dead letters kept planted secrets verbatim for 30 days (found by the fleet simulator, issue 8):
+    the mapper redacts the body (and the error header) unless every capture ceiling is `full`."""
+    m = dlq_mapper()
+    raw = {"v": 1, "id": "X", "instance": "i", "ts": 1, "hook": "_invalid", "error": "not_json: ...",
+           "raw": f"{{broken json with key {SECRET} and password=hunter2xx", "raw_encoding": "utf-8", "raw_bytes": 50}
+    body, redacted = m.dlq_body(json.dumps(raw).encode())
+    assert redacted and SECRET.encode() not in body and b"hunter2xx" not in body
+    assert json.loads(body)["id"] == "X" and json.loads(body)["error"] == "not_json: ..."  # structure kept
+
+    clean = json.dumps({"v": 1, "id": "Y", "hook": "_invalid", "raw": "nothing secret"}).encode()
+    assert m.dlq_body(clean) == (clean, False)  # untouched bytes when nothing needs redacting
+
+    text = f"not json at all, token {SECRET}".encode()
+    body, redacted = m.dlq_body(text)
+    assert redacted and SECRET.encode() not in body
+
+    hidden = base64.b64encode(b"\xff\xfe" + f"export KEY={SECRET}".encode() + b"\x80").decode()
+    raw_b64 = json.dumps({"v": 1, "id": "Z", "hook": "_invalid", "raw": hidden, "raw_encoding": "base64"}).encode()
+    body, redacted = m.dlq_body(raw_b64)
+    assert redacted and SECRET.encode() not in body and hidden.encode() not in body
+    assert json.loads(body)["raw_encoding"] == "utf-8-replaced"
+
+    full = dlq_mapper(CapturePolicy(default="full", overrides={}))
+    assert full.dlq_body(json.dumps(raw).encode()) == (json.dumps(raw).encode(), False)
+    assert dlq_mapper(CapturePolicy(default="full")).dlq_body(json.dumps(raw).encode())[1], \
+        "attention=redacted (the default override) keeps dead letters redacted"

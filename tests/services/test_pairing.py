@@ -14,6 +14,9 @@ import pytest
 from bridge.core.aep import decode_event, encode_event
 from bridge.core.pairing import PairingState, check_invariants
 from bridge.core.schemas import generate
+from bridge.sim.harness import Pipeline
+from bridge.sim.sessions import realistic_envelopes
+from bridge.sim.verify import StreamReader
 from tests.corpus import envelopes
 from tests.natsfixture import JetStreamClient
 from tests.support.services import Service, publish_all, raw_records, wait_for
@@ -176,3 +179,38 @@ def test_the_tick_interval_is_a_setting(nats_server_fn, tmp_path):
     for bad in ("0", "-1", "soon"):
         with pytest.raises(ValueError, match="AEP_BRIDGE_TICK_S"):
             Settings.from_env({"AEP_BRIDGE_CONFIG": "/dev/null", "AEP_BRIDGE_TICK_S": bad})
+
+
+@pytest.mark.slow
+def test_a_pairing_owner_back_after_the_duplicate_window_publishes_nothing_twice(nats_server_fn, tmp_path):
+    """The owner dies before its first checkpoint; the next one restores later than AEP_EVENTS'
+    duplicate window. Before the fix every event of the partition reached consumers twice."""
+    pipe = Pipeline(nats_server_fn.url, tmp_path / "logs")
+    pipe.bootstrap(duplicate_window_s=2.0)
+    records = raw_records(realistic_envelopes(3000, seed=3), instance="tail")
+    pipe.run(lambda js: publish_all(js, records))
+    pipe.add("mapper")
+    try:
+        wait_for(lambda: pipe.counts()["BRIDGE_MAPPED"] >= 3000, 60, what="the mapped events")
+        owner = pipe.add("pairing", name="owner")
+        wait_for(lambda: pipe.counts()["AEP_EVENTS"] >= 1500, 60, interval=0.02, what="the owner publishing")
+        owner.kill()  # SIGKILL: no checkpoint yet, leases held until they expire (10 s > the 2 s window)
+        published_before = pipe.counts()["AEP_EVENTS"]
+        successor = pipe.add("pairing", name="successor")
+        wait_for(lambda: "partition_acquired" in successor.log(), 40, what="the takeover")
+        pipe.settle(timeout=60)
+
+        async def ids(js) -> list[str]:  # type: ignore[no-untyped-def]
+            out: list[str] = []
+            r = StreamReader(js, "AEP_EVENTS", "aep.hermes.>")
+            await r.read_new(lambda m: out.append(json.loads(m.data)["id"]))
+            await r.close()
+            return out
+
+        got = pipe.run(ids)
+        assert len(got) > published_before, "the successor went on"
+        assert len(got) == len(set(got)), f"{len(got) - len(set(got))} events published twice"
+        skipped = successor.metrics().get("aep_bridge_pairing_republish_skipped_total", 0)
+        assert skipped >= published_before * 0.5, skipped
+    finally:
+        pipe.stop()

@@ -21,7 +21,7 @@ from bridge.shim import hook
 from tests.natsfixture import JetStreamClient, NatsServer, free_port
 from tests.support.shim import dumps, envelope, run_hook, shim_env
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DEADLINE_MS = 250
 # The contract is "deadline + 50 ms". The median must meet it; single runs get extra
 # room because a busy 2-core CI box can stall any process for a while.

@@ -35,7 +35,7 @@ from tests.natsfixture import JetStreamClient
 from tests.support.services import publish_all, raw_records
 from tests.support.shim import run_hook, shim_env
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -308,7 +308,7 @@ def test_verifier_waits_for_a_card_that_pairing_still_has_to_end(nats_server, je
 
     from bridge.core.aep import encode_event
     from bridge.nats.subjects import events_subject
-    from tests.test_pairing import Mk
+    from tests.core.test_pairing import Mk
 
     mk = Mk(instance="vw-" + os.urandom(3).hex())
     lane = "vw-" + os.urandom(3).hex()

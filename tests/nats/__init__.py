@@ -1,0 +1,1 @@
+"""Tests of bridge/nats: bootstrap, connection options, lookups by message id."""
