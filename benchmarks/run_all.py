@@ -15,6 +15,7 @@ HERE = Path(__file__).resolve().parent
 BENCHES = [
     ("shim start-up vs a bare Python hook", ["bench_shim.py", "-n", "300"]),
     ("mapper vs the nats-py relay ceiling", ["bench_mapper.py", "--n", "50000"]),
+    ("the pure mapping stage, per raw message", ["bench_mapping.py"]),
     ("pairing vs the relay ceiling, memory per idle session", ["bench_pairing.py", "--n", "50000"]),
     ("pairing state over an hour of stream time (pure core)", ["pairing_growth.py", "--minutes", "60", "--rate", "250"]),
 ]
