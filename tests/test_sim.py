@@ -359,3 +359,28 @@ def test_pipeline_dump_writes_every_stored_message_of_each_stream(nats_server_fn
     assert [(r["subject"], r["data"].encode(), r["headers"]["Nats-Msg-Id"]) for r in rows] == records
     for name in ("BRIDGE_MAPPED", "BRIDGE_DLQ", "AEP_EVENTS"):
         assert (out / f"{name}.jsonl").read_text() == ""
+
+
+def test_half_the_approvals_are_answered_right_behind_their_request(tmp_path):
+    """Issue 17: the race that filed an answer under `unknown` needs the answer right behind its
+    request on HERMES_RAW, where two mapper replicas take them apart. The fleet sends a glued
+    request's answer next, before any other instance's event (no NATS needed to see the order)."""
+    from bridge.sim.fleet import Fleet, FleetConfig
+
+    fleet = Fleet(FleetConfig(nats_url="nats://127.0.0.1:1", instances=20, seed=3, manifest=str(tmp_path / "m.jsonl"),
+                              spool_dir=str(tmp_path / "spool")))
+    pool = list(fleet.instances)
+    sent = [fleet._next_event(pool) for _ in range(20_000)]
+    pairs = behind = 0
+    for (inst, ev), (nxt_inst, nxt) in zip(sent, sent[1:]):
+        if ev.glue:
+            pairs += 1
+            assert ev.hook == "pre_approval_request" and json.loads(ev.data)["extra"]["surface"] != "smart"
+            behind += nxt_inst is inst and nxt.hook == "post_approval_response"
+    requests = sum(1 for _, ev in sent if ev.hook == "pre_approval_request" and b'"smart"' not in ev.data)
+    assert pairs == behind > 0
+    assert 0.3 < pairs / requests < 0.7, (pairs, requests)
+    cli_q = [json.loads(ev.data) for _, ev in sent if ev.glue and b'"default"' in ev.data]
+    assert cli_q and all(e["session_id"] == "" and e["extra"]["turn_id"].startswith(e["extra"]["turn_id"].split(":")[0] + ":")
+                         for e in cli_q), "the CLI `-q` shape is among them"
+    fleet.manifest.close()
