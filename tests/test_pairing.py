@@ -564,6 +564,7 @@ def test_a_delegation_that_never_reports_back_is_closed_after_the_delegate_call_
     assert closed.type == "x.hermes.pairing.orphaned" and closed.cause == start[0].id
     assert closed.data["kind"] == "subagent" and closed.data["reason"] == "delegate_returned"
     assert closed.seq < done[0].seq  # right after its start
+    r.tick(done[1]["ts"] + cfg.subagent_grace_ns + 3 * HOUR)  # long after recent_ns: still remembered
     late = r.feed(m.sub_stop())
     assert types(late) == ["x.hermes.delegation.stopped_late"] and late[0].cause == start[0].id
     assert late[0].data["status"] == "completed"

@@ -1032,8 +1032,7 @@ class PairingState:
             for x in due:
                 out += self._release(lane, s, x.kind, x.key, x.event, x.hints.get("ts") or 0, x.hints)
         if s.pairs:  # forgotten only now: a released follow-up may still link to a closed pair
-            recent = self.config.recent_ns
-            s.pairs = [p for p in s.pairs if p.state == OPEN or p.closed + recent > now] or None
+            s.pairs = [p for p in s.pairs if p.state == OPEN or p.closed + self._keep(p) > now] or None
         if s.pairs is None and s.held is None:
             idle = self.config.recent_ns if s.ended else self.config.idle_ttl_ns
             if s.last + idle <= now:
@@ -1046,7 +1045,7 @@ class PairingState:
         best = s.last + (cfg.recent_ns if s.ended else cfg.idle_ttl_ns)
         if s.pairs:
             for p in s.pairs:
-                d = p.ts + self._ttl(p) if p.state == OPEN else p.closed + cfg.recent_ns
+                d = p.ts + self._ttl(p) if p.state == OPEN else p.closed + self._keep(p)
                 if p.state == OPEN and p.due and p.due < d:
                     d = p.due
                 if d < best:
@@ -1056,6 +1055,11 @@ class PairingState:
                 if x.deadline < best:
                     best = x.deadline
         return best
+
+    def _keep(self, p: _Pair) -> int:
+        """How long a closed pair is remembered: ``recent_ns``; a delegation the bridge closed,
+        ``subagent_ttl_ns`` (its real stop may still come, and must not be a second terminal)."""
+        return self.config.subagent_ttl_ns if p.kind == SUBAGENT and p.state == CLOSED else self.config.recent_ns
 
     def _ttl(self, p: _Pair) -> int:
         return self.config.hold_ns if p.late else self.config.ttls()[p.kind]
