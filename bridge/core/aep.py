@@ -239,14 +239,33 @@ class HermesRunClosed(_Payload):
 class HermesOrphaned(_Payload):
     """Pairing closed an open start that never got its terminal (TTL, session end, cap): no invented outcome.
 
-    `reason`: `ttl` (open past its kind's TTL), `session_end` (open when its session ended),
-    `overflow` (the oldest start of a session that reached the bridge's per-session cap).
+    `reason`: `ttl` (open past its kind's TTL), `session_end` (open when its session ended;
+    a subagent: its parent's session ended and no stop came within the grace), `overflow`
+    (the oldest start of a session that reached the bridge's per-session cap),
+    `delegate_returned` (a subagent: the parent's `delegate_task` call reached its terminal
+    and no `subagent_stop` came within the grace). It says the bridge stopped waiting, not
+    how the subagent ended.
     """
 
     kind: Annotated[Literal["run", "tool", "subagent"], _M]
-    reason: Annotated[Literal["ttl", "session_end", "overflow"], _M]
+    reason: Annotated[Literal["ttl", "session_end", "overflow", "delegate_returned"], _M]
     start: Annotated[str, _M]
     age_ms: Annotated[int, _M, Meta(ge=0)] | UnsetType = UNSET
+
+
+class HermesAttentionUnmatched(_Payload):
+    """An approval / clarify follow-up whose request never reached its lane within pairing's hold.
+
+    Not an attention lifecycle event: with no request there is no id for `subject` (AEP-0002
+    §7.1), so pairing files what Hermes reported here instead. `follow_up`: the type it would
+    have had; `pattern_key` (approvals) / `tool_call_id`: the keys it was looked for by;
+    `choice`: the option the user picked (approvals; `timeout` for a gateway timeout).
+    """
+
+    follow_up: Annotated[Literal["attention.answered", "attention.timeout", "attention.resolved"], _M]
+    pattern_key: Annotated[str, _M] | UnsetType = UNSET
+    tool_call_id: Annotated[str, _M] | UnsetType = UNSET
+    choice: Annotated[str, _M] | UnsetType = UNSET
 
 
 class Empty(_Payload):
@@ -323,6 +342,10 @@ PAYLOAD_TYPES: dict[str, type[_Payload]] = {
     "x.hermes.session.finalized": HermesSessionFinalized,
     "x.hermes.run.closed": HermesRunClosed,
     "x.hermes.pairing.orphaned": HermesOrphaned,
+    "x.hermes.attention.unmatched": HermesAttentionUnmatched,
+    # A subagent_stop after the bridge closed its delegation (x.hermes.pairing.orphaned): what
+    # Hermes reported, not a second terminal; `cause` = the delegation's start.
+    "x.hermes.delegation.stopped_late": SubagentStopped,
     "control.accepted": ControlAccepted,
     "control.rejected": ControlRejected,
     "control.attention.respond": ControlAttentionRespond,

@@ -2,16 +2,22 @@
 
 Resolution rules (AEP.md "Lanes", HERMES.md):
 1. An envelope with a non-empty ``session_id`` is its own lane.
-2. Approval hooks always carry ``session_id: ""``: the lane is ``extra.session_key``
-   when it names a KNOWN session, else the session prefix of ``extra.turn_id``
-   (``{session}:{task}:{hex8}``) when that is a known session.
-3. Other events with no session id (tools called inside ``execute_code`` carry only
-   ``task_id``) resolve through a known task alias, then the turn-id prefix.
-4. Otherwise the ``unknown`` lane. Nothing but a real ``session_id`` ever mints a
-   lane, so a gateway key (``ns:platform:chat_type:chat_id``) never becomes one.
+2. An envelope without one but with a ``turn_id`` (approval hooks always carry
+   ``session_id: ""`` and a ``turn_id``) is filed under the turn id's session prefix:
+   Hermes builds ``turn_id`` as ``{session}:{task}:{hex8}`` (CLI) or
+   ``{session}:{session}:{hex8}`` (gateway), so the prefix IS a session id. A pure
+   function of the envelope: no look-up, the same answer on every replica at any time.
+   (``subagent_*`` hooks carry their parent's ``session_id``; their ``parent_turn_id``
+   counts as a turn id for this rule.)
+3. Without a usable turn id: an approval's ``extra.session_key`` when it names a KNOWN
+   session (``hermes chat`` interactive: the session id); other events (tools called
+   inside ``execute_code`` carry only ``task_id``) through a known task alias.
+4. Otherwise the ``unknown`` lane. A gateway key (``ns:platform:chat_type:chat_id``, or
+   a run id) never mints a lane: a ``session_key`` must name a session seen earlier.
 
-The lookup is an interface (`LaneLookup`): the `map` command backs it with a dict,
-the mapper service with a JetStream KV bucket plus a bounded cache.
+The lookup is an interface (`LaneLookup`) and is only asked in rule 3: the `map`
+command backs it with a dict, the mapper service with a JetStream KV bucket plus a
+bounded cache.
 """
 
 from __future__ import annotations
@@ -105,28 +111,28 @@ class Candidates:
         return bool(self.sessions or self.task_id)
 
 
-def lane_candidates(env: HermesEnvelope) -> Candidates:
-    """The look-ups `resolve_lane` may make for ``env`` (none when it names its session)."""
+def envelope_lane(env: HermesEnvelope) -> str | None:
+    """The lane the envelope names itself (rules 1 and 2), or None when only a look-up can tell."""
     if env.session_id:
+        return env.session_id
+    turn = env.xstr("turn_id") or env.xstr("parent_turn_id")
+    return turn_session_prefix(turn) if turn else None
+
+
+def lane_candidates(env: HermesEnvelope) -> Candidates:
+    """The look-ups `resolve_lane` may make for ``env`` (none when the envelope names its lane)."""
+    if envelope_lane(env) is not None:
         return Candidates()
-    sessions: list[str] = []
-    task = None
     if env.hook_event_name in APPROVAL_HOOKS:
         key = env.xstr("session_key")
-        if key:
-            sessions.append(key)
-    else:
-        task = env.xstr("task_id") or None
-    turn = env.xstr("turn_id") or env.xstr("parent_turn_id")
-    prefix = turn_session_prefix(turn) if turn else None
-    if prefix and prefix not in sessions:
-        sessions.append(prefix)
-    return Candidates(tuple(sessions), task)
+        return Candidates((key,) if key else ())
+    return Candidates((), env.xstr("task_id") or None)
 
 
 def resolve_lane(env: HermesEnvelope, lanes: LaneLookup) -> str:
-    if env.session_id:
-        return env.session_id
+    lane = envelope_lane(env)
+    if lane is not None:
+        return lane
     if env.hook_event_name in APPROVAL_HOOKS:
         key = env.xstr("session_key")
         if key and lanes.is_known_session(key):
@@ -137,10 +143,6 @@ def resolve_lane(env: HermesEnvelope, lanes: LaneLookup) -> str:
             session = lanes.task_session(task)
             if session:
                 return session
-    turn = env.xstr("turn_id") or env.xstr("parent_turn_id")
-    prefix = turn_session_prefix(turn) if turn else None
-    if prefix and lanes.is_known_session(prefix):
-        return prefix
     return UNKNOWN
 
 

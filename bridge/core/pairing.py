@@ -20,15 +20,16 @@ tool        (run, tool_call_id); no tool_call_id         oldest     hold first  
             (``execute_code``): (run, task_id, tool
             name, args_digest), FIFO
 card        approvals: (session_key, pattern_key),       nearest    link if     yes    dismissed
-            tool_call_id breaks ties; clarify:           earlier    bridge
-            (run, tool_call_id)                                     closed
-subagent    child_session_id (``subject``)               oldest     link        no     orphaned
+            tool_call_id must match when both have      earlier    bridge      (after
+            one; clarify: (run, tool_call_id)                       closed      hold_ns)
+subagent    child_session_id (``subject``)               oldest     link        grace  orphaned
 ==========  ===========================================  =========  ==========  =====  ===========
 
 1. A terminal closes an OPEN start of its key whose seq is lower than its own
    (within an epoch): a matching tool_call_id first, then the oldest (FIFO) or, for
    cards, the nearest earlier request (approval prompts are sequential, so a reused
-   key's answer belongs to the last request before it, also under reordering). It
+   key's answer belongs to the last request before it, also under reordering) whose
+   tool_call_id is the answer's (a request of another call is never taken). It
    is *linked* (``LINKS``): ``cause`` = the start's id; attention follow-ups also get
    ``subject`` = the request's id, ``attention.timeout`` gets ``after_ms`` and
    ``attention.resolved`` ``latency_ms``; ``attention.answered`` is followed by an
@@ -49,24 +50,41 @@ subagent    child_session_id (``subject``)               oldest     link        
    tried in seq order; those it does not take go back, keeping their deadline.
    When the hold expires the terminal is linked to a recently closed start of its
    key (a tool's repeated terminal: Hermes reported it) or released unchanged
-   (no cause, no subject rewrite; counted ``unmatched.<kind>``). That covers an
-   approval answered in the ``unknown`` lane while its request sits in the
-   session's lane (the request is dismissed at session end). A start arriving after
-   its terminal was released passes through without opening a pair; a request
-   then gets an inserted ``attention.resolved`` (answered or dismissed) after it.
-4. ``session.ended`` first sweeps (slots BEFORE it) the session's open cards
-   (``attention.resolved {dismissed}``), runs and tools (``x.hermes.pairing.orphaned
-   {reason: session_end}``) whose seq is below its own. Subagents stay open (a
-   ``subagent_stop`` may come after the parent ended); held terminals stay held (their
-   start may be behind the finalize); a start arriving after the end with a lower
-   seq (overtaken by the finalize) opens *late*: its TTL is ``hold_ns`` and its
-   closure says ``session_end``. Every end's seq is remembered (the last ``MAX_ENDS``
-   of a session: a resumed session ends more than once) for rule 1.
+   (no cause, no subject rewrite; counted ``unmatched.<kind>``), except an attention
+   follow-up: with no request it has no id for ``subject`` (AEP-0002 §7.1), so it goes
+   out as ``x.hermes.attention.unmatched {follow_up, pattern_key, tool_call_id, choice}``
+   (same id and seq, no subject): never an ``attention.*`` that names no request. A
+   start arriving after its terminal was released passes through without opening a
+   pair; a request then gets an inserted ``attention.resolved`` (answered or
+   dismissed) after it.
+4. ``session.ended`` first sweeps (slots BEFORE it) the session's open runs and tools
+   (``x.hermes.pairing.orphaned {reason: session_end}``) whose seq is below its own.
+   Its open cards get ``hold_ns`` more (``due``): their answer may be behind the
+   finalize (a mapper replica killed holding it redelivers it one ``ack_wait`` later),
+   and a request is never dismissed when its answer exists in the stream; a card still
+   open then is closed ``attention.resolved {dismissed}`` at a tick, with its seq right
+   after the request (before the end in (epoch, seq) order; after it in stream order).
+   With ``hold_ns`` 0 cards are swept with the rest. Subagents stay open for
+   ``subagent_grace_ns`` (a ``subagent_stop`` may come after the parent ended); held
+   terminals stay held (their start may be behind the finalize); a start arriving
+   after the end with a lower seq (overtaken by the finalize) opens *late*: its TTL is
+   ``hold_ns`` and its closure says ``session_end``. Every end's seq is remembered
+   (the last ``MAX_ENDS`` of a session: a resumed session ends more than once) for rule 1.
+4b. Delegations that never report back (the CLI exits before a background child's
+   ``subagent_stop``; the gateway never finalizes): when the parent's ``delegate_task``
+   tool call reaches its terminal, the open subagents of that run have
+   ``subagent_grace_ns`` left, and likewise from the parent's session end. Then the
+   bridge closes them ``x.hermes.pairing.orphaned {kind: subagent, reason:
+   delegate_returned | session_end}``: it stopped waiting, it does not say how the
+   child ended. A real ``subagent_stop`` after that (or a repeated one) is not a
+   second terminal: it becomes ``x.hermes.delegation.stopped_late`` (its data kept,
+   ``cause`` = the start).
 5. A ``run.*`` terminal without ``run`` (``on_session_end`` without turn_id) closes
    the session's most recently started open run (``run`` and ``cause`` are set); with
    no open run it becomes ``x.hermes.run.closed {completed, interrupted}``.
-6. ``tick`` does everything time does, in this order: starts past their kind's TTL are
-   closed (``dismissed`` / ``x.hermes.pairing.orphaned {reason: ttl}``), held terminals
+6. ``tick`` does everything time does, in this order: starts past their kind's TTL or
+   their ``due`` are closed (``dismissed`` / ``x.hermes.pairing.orphaned {reason: ttl |
+   session_end | delegate_returned}``), held terminals
    past their deadline are released (3: so one held across a session end links to the
    late start it could not take, now closed), closed pairs older than
    ``recent_ns`` are forgotten, sessions idle past ``idle_ttl_ns`` (ended ones: past
@@ -80,9 +98,12 @@ Invariants (tests/test_pairing*.py check them with `check_invariants`)
   finalize (another event id) becomes ``x.hermes.session.finalized {reason}`` (same
   id and seq; cause = the first session.ended while the session is remembered),
   counted ``suppressed.session``; it sweeps like a session.ended.
+* Every attention follow-up (``answered`` / ``resolved`` / ``timeout``) has ``subject`` =
+  the id of a request of its own session (AEP-0002 §7.1).
 * Every ``attention.requested`` ends in ``attention.resolved`` or ``attention.timeout``
   with ``subject`` = its id, before its session's next end in (epoch, seq) order
-  (and in stream order when the input is in order).
+  (and in stream order when the input is in order, except a dismissal ``hold_ns``
+  after the end: rule 4).
 * A linked terminal's ``cause`` is its start's id. Nothing is invented: what the
   bridge closes is ``dismissed`` or ``x.hermes.pairing.orphaned``, never a success.
 * Every input event is published once (possibly rewritten, keeping id and seq);
@@ -197,6 +218,7 @@ LINKS: dict[str, tuple[bool, str | None]] = {
 INSERT_AFTER: dict[str, str] = {"attention.answered": "answered"}
 
 APPROVAL_HOOKS = frozenset({"pre_approval_request", "post_approval_response"})
+DELEGATE_TOOL = "delegate_task"  # the Hermes tool whose call starts subagents (its run = their parent_turn_id)
 
 
 def _run_key(ev: Event, h: dict[str, Any]) -> str:
@@ -268,6 +290,11 @@ class PairingConfig:
     tool_ttl_ns: int = 1 * HOUR
     card_ttl_ns: int = 1 * HOUR
     subagent_ttl_ns: int = 6 * HOUR
+    #: how long a delegation may still report back (``subagent_stop``) after its parent's
+    #: ``delegate_task`` call ended or its parent's session ended; then the bridge closes it
+    #: (``x.hermes.pairing.orphaned``: the CLI exits before a background child reports, the
+    #: gateway never finalizes)
+    subagent_grace_ns: int = 10 * MINUTE
     #: how long a terminal waits for a start that has not arrived: replicas reorder, and a start
     #: redelivered after a mapper crash comes one ack_wait late; keep it above the mapper's ack_wait
     hold_ns: int = 45 * SECOND
@@ -291,8 +318,8 @@ class PairingConfig:
             raise ValueError("idle_ttl_ns must be >= recent_ns (a session outlives the closed pairs it remembers)")
         if self.max_open > SLOTS - CLOSE_SLOT or self.max_open > AFTER_SLOT - MAPPED_SLOT:
             raise ValueError("max_open must fit the seq slots of a session-end sweep")
-        if min(self.ttls()) <= 0 or self.hold_ns < 0 or self.recent_ns < self.hold_ns:
-            raise ValueError("TTLs must be positive, hold_ns >= 0 and recent_ns >= hold_ns")
+        if min(self.ttls()) <= 0 or self.hold_ns < 0 or self.recent_ns < self.hold_ns or self.subagent_grace_ns < 0:
+            raise ValueError("TTLs must be positive, hold_ns and subagent_grace_ns >= 0 and recent_ns >= hold_ns")
 
     def ttls(self) -> tuple[int, int, int, int]:
         """TTL by kind, in the order of `RULES`."""
@@ -317,6 +344,9 @@ class _Pair(msgspec.Struct, array_like=True, gc=False):
     closed: int = 0  # stream time it closed
     lo: bool = False  # the start had capture "none": inserted events carry required fields only
     late: bool = False  # opened after its session ended (seq below the session.ended): TTL = hold_ns
+    # Fields added after the first release (a snapshot without them decodes with these defaults):
+    due: int = 0  # a stream-time deadline set by an event (session end, delegate returned); 0 = none
+    why: str = ""  # the closure reason at ``due``: session_end | delegate_returned
 
 
 class _Held(msgspec.Struct, array_like=True, gc=False):
@@ -725,7 +755,7 @@ class PairingState:
             return []
         if self.config.hold_ns > 0:
             return self._hold(lane, s, kind, key, ev, h, ts)
-        return self._release(lane, s, kind, key, ev, ts)
+        return self._release(lane, s, kind, key, ev, ts, h)
 
     @staticmethod
     def _find_recent(pairs: Any, kind: int, key: str, seq: int, epoch: int, ends: list[int] = ()) -> _Pair | None:  # type: ignore[assignment]
@@ -745,7 +775,8 @@ class PairingState:
     def _find_open(pairs: Any, kind: int, key: str, tie: str, seq: int, epoch: int, ends: list[int]) -> _Pair | None:
         """The open start of this key that this terminal closes (only starts with a lower seq qualify).
 
-        A matching tool_call_id (approvals) wins; then FIFO (the lowest seq) for runs, tools and
+        A request of another tool_call_id is never taken (approvals, when both have one); a
+        matching one wins; then FIFO (the lowest seq) for runs, tools and
         subagents, the NEAREST earlier request for cards (approval prompts are sequential, so a
         reused key's answer belongs to the last request before it, also when replicas reorder).
         Never across a session end (``ends``): a start before an end and a terminal after it
@@ -756,7 +787,7 @@ class PairingState:
         nearest = RULES[kind].nearest
         for p in pairs:
             if (p.state == OPEN and p.kind == kind and p.key == key and _before(p, seq, epoch)
-                    and not _crosses(ends, p.seq, seq)):
+                    and not _crosses(ends, p.seq, seq) and not (tie and p.tie and p.tie != tie)):
                 if best is None or (p.seq > best.seq if nearest else p.seq < best.seq):
                     best = p
                 if tie and p.tie == tie and (best_tie is None or (p.seq > best_tie.seq if nearest else p.seq < best_tie.seq)):
@@ -774,6 +805,10 @@ class PairingState:
             self._close(p, ev.id, ENDED)
         else:
             self._count(f"late_terminals.{KINDS[p.kind]}")
+            if p.kind == SUBAGENT:  # the delegation already has its end: no second terminal
+                return [msgspec.structs.replace(ev, type="x.hermes.delegation.stopped_late", cause=p.start)]
+        if p.kind == TOOL and first and ((ev.data or {}).get("tool") or {}).get("name") == DELEGATE_TOOL:
+            self._delegate_returned(s, p.run, ts)
         subject, field = LINKS.get(ev.type, (False, None))
         changes: dict[str, Any] = {"cause": p.start}
         if subject:
@@ -806,6 +841,14 @@ class PairingState:
             )
         return out
 
+    def _delegate_returned(self, s: _Session, run: str, ts: int) -> None:
+        """The parent's ``delegate_task`` call ended: its run's open delegations have
+        ``subagent_grace_ns`` left to report back (a foreground child has reported already)."""
+        due = ts + self.config.subagent_grace_ns
+        for q in s.pairs or ():
+            if q.kind == SUBAGENT and q.state == OPEN and q.run == run and (not q.due or q.due > due):
+                q.due, q.why = due, "delegate_returned"
+
     def _runless_end(self, s: _Session, ev: Event, ts: int) -> list[Event]:
         """``on_session_end`` without a turn id: close the session's latest open run, if any."""
         latest = None
@@ -836,14 +879,17 @@ class PairingState:
             s.held = []
         elif len(s.held) >= self.config.max_held:
             oldest = s.held.pop(0)
-            out += self._release(lane, s, oldest.kind, oldest.key, oldest.event, oldest.hints.get("ts") or 0)
+            out += self._release(lane, s, oldest.kind, oldest.key, oldest.event, oldest.hints.get("ts") or 0, oldest.hints)
         self._count("held")
         s.held.append(_Held(deadline=ts + self.config.hold_ns, kind=kind, key=key, event=ev, hints=dict(h)))
         return out
 
-    def _release(self, lane: str, s: _Session, kind: int, key: str, ev: Event, ts: int) -> list[Event]:
+    def _release(self, lane: str, s: _Session, kind: int, key: str, ev: Event, ts: int,
+                 h: dict[str, Any] | None = None) -> list[Event]:
         """A follow-up whose start never came: a repeat of a recently closed pair is linked to it,
-        anything else goes out unchanged (remembered for a late start)."""
+        anything else goes out unchanged (remembered for a late start), except an attention
+        follow-up: with no request it has no id for ``subject`` (AEP-0002 §7.1), so it goes out
+        as ``x.hermes.attention.unmatched`` (`_unmatched`)."""
         if not ts:
             ts = ulid_time_ms(ev.id) * 1_000_000
         recent = self._find_recent(s.pairs or (), kind, key, _seq(ev), ev.epoch or 0)  # type: ignore[arg-type]
@@ -871,7 +917,28 @@ class PairingState:
             s.pairs = []
         s.pairs.append(pair)
         self._trim(s)
-        return [ev]
+        return [self._unmatched(ev, h or {}) if kind == CARD else ev]
+
+    @staticmethod
+    def _unmatched(ev: Event, h: dict[str, Any]) -> Event:
+        """An attention follow-up released without its request: the vendor event that says what
+        Hermes reported (the follow-up's type, the keys, the choice), same id and seq, no subject."""
+        data: dict[str, Any] = {"follow_up": ev.type}
+        if ev.capture != "none":
+            pattern = h.get("pattern_key") or (ev.subject if h.get("hook") in APPROVAL_HOOKS else None)
+            if isinstance(pattern, str) and pattern:
+                data["pattern_key"] = pattern
+            call = h.get("tool_call_id")
+            if isinstance(call, str) and call:
+                data["tool_call_id"] = call
+            if ev.type == "attention.answered":
+                option = ((ev.data or {}).get("answer") or {}).get("option")
+                if isinstance(option, str) and option:
+                    data["choice"] = option
+            elif ev.type == "attention.timeout" and h.get("hook") in APPROVAL_HOOKS:
+                data["choice"] = "timeout"
+        return msgspec.structs.replace(ev, type="x.hermes.attention.unmatched", data=data, subject=UNSET,
+                                       cause=UNSET)
 
     # ------------------------------------------------------------ session end
 
@@ -881,7 +948,7 @@ class PairingState:
             return []
         digest = int.from_bytes(_digest8(lane), "big")
         already = bool(s.ended) or digest in self._ended
-        out = self._sweep(lane, s, ev)
+        out = self._sweep(lane, s, ev, ts)
         if already:  # invariant 2: one session.ended per session
             self._count("suppressed.session")
             data = {} if ev.capture == "none" or "reason" not in (ev.data or {}) else {"reason": ev.data["reason"]}  # type: ignore[index]
@@ -897,18 +964,32 @@ class PairingState:
         s.ends = ends[-MAX_ENDS:]
         return out
 
-    def _sweep(self, lane: str, s: _Session, ev: Event) -> list[Event]:
-        """Before a session ends: close its open cards, runs and tools (subagents stay open).
+    def _sweep(self, lane: str, s: _Session, ev: Event, ts: int) -> list[Event]:
+        """Before a session ends: close its open runs and tools; give its open cards ``hold_ns``
+        and its open subagents ``subagent_grace_ns`` more (then the bridge closes them).
 
+        A card's answer may still be on its way: a mapper replica that died holding it redelivers
+        it one ``ack_wait`` later, below this end in seq order. Dismissing the card now would
+        contradict an answer that exists (issue 17), so it is closed ``hold_ns`` after the end
+        (``due``), with a seq right after its request: before this end in (epoch, seq) order.
+        With ``hold_ns`` 0 cards are dismissed here, before the end.
         Held follow-ups stay held: their start may still arrive (reordered behind the finalize).
         """
         self._count("sweeps")
         out: list[Event] = []
         end_seq = _seq(ev)
-        victims = sorted(
-            (p for p in s.pairs or () if p.state == OPEN and RULES[p.kind].swept and p.seq < end_seq and not p.late),
-            key=lambda p: p.seq,
-        )
+        hold = self.config.hold_ns
+        victims = []
+        for p in s.pairs or ():
+            if p.state != OPEN or p.seq >= end_seq or p.late or p.due:
+                continue
+            if p.kind == SUBAGENT:
+                p.due, p.why = ts + self.config.subagent_grace_ns, "session_end"
+            elif p.kind == CARD and hold:
+                p.due, p.why = ts + hold, "session_end"
+            elif RULES[p.kind].swept:
+                victims.append(p)
+        victims.sort(key=lambda p: p.seq)
         id_ms = ulid_time_ms(ev.id)
         for slot, p in enumerate(victims, start=SWEEP_SLOT):
             self._count(f"swept.{KINDS[p.kind]}")
@@ -940,6 +1021,8 @@ class PairingState:
             for p in sorted((p for p in s.pairs if p.state == OPEN), key=lambda p: p.seq):
                 if p.ts + self._ttl(p) <= now:
                     out += self._bridge_close(lane, s, p, "session_end" if p.late else "ttl")
+                elif p.due and p.due <= now:
+                    out += self._bridge_close(lane, s, p, p.why or "session_end")
         if s.held:
             due = sorted((x for x in s.held if x.deadline <= now), key=lambda x: (x.deadline, _seq(x.event)))
             for x in due:
@@ -947,10 +1030,9 @@ class PairingState:
             if not s.held:
                 s.held = None
             for x in due:
-                out += self._release(lane, s, x.kind, x.key, x.event, x.hints.get("ts") or 0)
+                out += self._release(lane, s, x.kind, x.key, x.event, x.hints.get("ts") or 0, x.hints)
         if s.pairs:  # forgotten only now: a released follow-up may still link to a closed pair
-            recent = self.config.recent_ns
-            s.pairs = [p for p in s.pairs if p.state == OPEN or p.closed + recent > now] or None
+            s.pairs = [p for p in s.pairs if p.state == OPEN or p.closed + self._keep(p) > now] or None
         if s.pairs is None and s.held is None:
             idle = self.config.recent_ns if s.ended else self.config.idle_ttl_ns
             if s.last + idle <= now:
@@ -963,7 +1045,9 @@ class PairingState:
         best = s.last + (cfg.recent_ns if s.ended else cfg.idle_ttl_ns)
         if s.pairs:
             for p in s.pairs:
-                d = p.ts + self._ttl(p) if p.state == OPEN else p.closed + cfg.recent_ns
+                d = p.ts + self._ttl(p) if p.state == OPEN else p.closed + self._keep(p)
+                if p.state == OPEN and p.due and p.due < d:
+                    d = p.due
                 if d < best:
                     best = d
         if s.held:
@@ -971,6 +1055,11 @@ class PairingState:
                 if x.deadline < best:
                     best = x.deadline
         return best
+
+    def _keep(self, p: _Pair) -> int:
+        """How long a closed pair is remembered: ``recent_ns``; a delegation the bridge closed,
+        ``subagent_ttl_ns`` (its real stop may still come, and must not be a second terminal)."""
+        return self.config.subagent_ttl_ns if p.kind == SUBAGENT and p.state == CLOSED else self.config.recent_ns
 
     def _ttl(self, p: _Pair) -> int:
         return self.config.hold_ns if p.late else self.config.ttls()[p.kind]
@@ -1179,10 +1268,13 @@ def check_invariants(
       at most one ``session.ended`` per session;
     * a terminal's ``cause``, when set, names an event of its start type (same run for runs);
       with ``linked`` every terminal and attention follow-up must be linked;
+    * every attention follow-up (``answered`` / ``resolved`` / ``timeout``) has ``subject`` =
+      the id of an ``attention.requested`` of its own session (AEP-0002 §7.1);
     * every ``attention.requested`` ends (``complete``) in ``attention.resolved`` or
       ``attention.timeout`` with ``subject`` = its id, and before the next session end
       (``session.ended`` / ``x.hermes.session.finalized``) of its session in (epoch, seq)
-      order, and with ``stream_order`` also in stream order;
+      order, and with ``stream_order`` also in stream order, except a dismissal: a card open
+      at its session's end is dismissed ``hold_ns`` later (its answer may still come);
     * ``x.hermes.pairing.orphaned`` names an existing start.
     """
     problems: list[str] = []
@@ -1231,8 +1323,10 @@ def check_invariants(
     for i, e in enumerate(events):
         if e.type in CARD_FOLLOW_UPS:
             if e.subject not in requests:
-                if linked:
-                    problems.append(f"{e.id} ({e.type}): subject is not a request")
+                problems.append(f"{e.id} ({e.type}): subject {e.subject!r} is not a request id")
+                continue
+            if events[requests[e.subject]].session != e.session:  # type: ignore[index]
+                problems.append(f"{e.id} ({e.type}): subject is a request of another session")
                 continue
             if e.type in CARD_ENDINGS and e.subject not in first_end:
                 first_end[e.subject] = i  # type: ignore[index]
@@ -1248,7 +1342,7 @@ def check_invariants(
                 problems.append(f"request {rid} never ends")
             continue
         session_ends = ends_by_session.get(r.session, [])
-        if stream_order:
+        if stream_order and (events[j].data or {}).get("resolution") != "dismissed":
             nxt = next((k for k in session_ends if k > i), None)
             if nxt is not None and j > nxt:
                 problems.append(f"request {rid} ends after its session.ended (stream order)")

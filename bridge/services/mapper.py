@@ -14,9 +14,12 @@ Theory of operation
 * Lanes: a KV bucket (`aep_lanes`) of known sessions and task aliases, read
   through a bounded in-process cache (`MemoryLanes`). The lookups the pure
   mapping might need are prefetched before it runs.
+* An approval names its session in its `turn_id` prefix (`bridge.core.lanes`, rule 2):
+  filed there with no look-up and no wait. Only what the envelope cannot name (a tool
+  called inside `execute_code`: a task alias; an approval without a turn id: its
+  `session_key`) is looked up.
 * "A session already seen" means seen EARLIER IN HERMES_RAW, whichever replica
-  mapped it. A session-less event (an approval, a tool called inside
-  `execute_code`) whose candidates are not known yet may just be racing the
+  mapped it. A session-less event whose candidates are not known yet may just be racing the
   replica that holds its session's first event: before filing it under `unknown`,
   the mapper waits until every earlier raw message is acked (the consumer's ack
   floor, plus the messages of its own batch already mapped, whose lanes are in its

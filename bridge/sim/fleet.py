@@ -15,6 +15,9 @@ script (`Instance`) plays what HERMES.md describes:
 * dangerous-command approvals with every choice (once / session / always / deny /
   timeout), ``session_id: ""`` and each ``session_key`` flavour (the session id, the
   literal ``default``, a gateway key), sometimes preceded by a ``surface: "smart"`` request;
+  half of them answered at once: the fleet sends the answer right behind its request
+  (same pipelined round, or the next shim process), so two mapper replicas race them
+  (issue 17: the replica with the answer filed it under ``unknown``);
 * ``clarify`` forms with choices (plain and dict-wrapped) or free text, answered by a
   choice, free text, every timeout / cancel / undeliverable sentinel or nothing;
 * background subagents whose own session runs interleaved with the parent and whose
@@ -273,6 +276,14 @@ class Spawn:
 
 
 @dataclass
+class Glued:
+    """Yielded by a script: an envelope whose successor in the same script is sent right
+    behind it, before any other instance's event (an approval answered at once)."""
+
+    envelope: dict[str, Any]
+
+
+@dataclass
 class SimOptions:
     canary_fraction: float = 0.02
     hostile_fraction: float = 0.0
@@ -287,6 +298,7 @@ class Emitted:
     data: bytes
     hook: str
     canary: bool = False
+    glue: bool = False  # the instance's next event goes right behind this one
 
 
 class Instance:
@@ -308,6 +320,7 @@ class Instance:
         self.winding_down = False
         self.planted = False
         self.markable = False  # served by real shim processes: every input must carry the marker
+        self.sticky: Iterator[Any] | None = None  # the script whose next item is glued to the last one
         self.stats: Counter[str] = Counter()
 
     # ------------------------------------------------------------ driving
@@ -326,7 +339,11 @@ class Instance:
                 return None
             if self.opts.hostile_fraction and self.rng.random() < self.opts.hostile_fraction:
                 return self._hostile(markable=self.markable)
-            script = self.scripts[0] if len(self.scripts) == 1 or self.rng.random() < 0.6 else self.rng.choice(self.scripts)
+            if self.sticky is not None and self.sticky in self.scripts:
+                script = self.sticky
+            else:
+                script = self.scripts[0] if len(self.scripts) == 1 or self.rng.random() < 0.6 else self.rng.choice(self.scripts)
+            self.sticky = None
             try:
                 item = next(script)
             except StopIteration:
@@ -337,9 +354,14 @@ class Instance:
             if isinstance(item, Spawn):
                 self.scripts.append(item.script)
                 continue
+            glue = isinstance(item, Glued)
+            if glue:
+                item = item.envelope
+                self.sticky = script
+                self.stats["glued"] += 1
             self.stats[item["hook_event_name"]] += 1
             canary, self.planted = self.planted, False
-            return Emitted(json.dumps(item, ensure_ascii=False).encode("utf-8"), item["hook_event_name"], canary)
+            return Emitted(json.dumps(item, ensure_ascii=False).encode("utf-8"), item["hook_event_name"], canary, glue)
 
     def _plant(self) -> bool:
         if self.rng.random() < self.opts.canary_fraction:
@@ -528,7 +550,8 @@ class Instance:
                 "session_key": session_key, "turn_id": turn_id, "tool_call_id": call}
         if r.random() < 0.1:  # approvals.mode smart: an automatic look first
             yield _build("pre_approval_request", "", cwd, **card, surface="smart")
-        yield _build("pre_approval_request", "", cwd, **card, surface=surface)
+        request = _build("pre_approval_request", "", cwd, **card, surface=surface)
+        yield Glued(request) if r.random() < 0.5 else request  # answered at once: sent right behind it
         choice = r.choice(CHOICES + (("timeout",) if self.gateway else ()))
         yield _build("post_approval_response", "", cwd, **card, surface=surface, choice=choice)
         if choice in ("once", "session", "always"):
@@ -917,6 +940,7 @@ class Fleet:
         self._paused = threading.Event()
         self._counts_lock = threading.Lock()
         self._markers = 0
+        self._glued: Instance | None = None  # the instance whose next event is glued to its last one
         self.complete = False
 
     # ------------------------------------------------------------ control (tests)
@@ -999,11 +1023,18 @@ class Fleet:
     # ------------------------------------------------------------ the loop
 
     def _next_event(self, pool: list[Instance]) -> tuple[Instance, Emitted] | None:
+        glued, self._glued = self._glued, None
+        if glued is not None and glued in pool:  # the rest of a glued pair: right behind it
+            ev = glued.next()
+            if ev is not None:
+                self._glued = glued if ev.glue else None
+                return glued, ev
         while pool:
             k = self.rng.randrange(len(pool))
             inst = pool[k]
             ev = inst.next()
             if ev is not None:
+                self._glued = inst if ev.glue else None
                 return inst, ev
             pool[k] = pool[-1]  # wound down: drop it from the pool
             pool.pop()
@@ -1049,7 +1080,9 @@ class Fleet:
                 due = min(due, max(64, int(c.rate * 0.25)))
                 items: list[tuple[str, Any]] = []
                 metas: list[dict[str, Any]] = []
-                for _ in range(due):
+                taken = 0
+                while taken < due or self._glued is not None:  # a glued pair is not split between rounds
+                    taken += 1
                     got = self._next_event(pool)
                     if got is None:
                         break

@@ -22,7 +22,14 @@ BRIDGE_MAPPED, BRIDGE_DLQ and AEP_EVENTS and check:
    a later one are reported as backfills: AEP allows them (a consumer inserts a
    position below its high-water mark in order), so they are a violation only
    with ``strict_order``; a reused ``(session, epoch, seq)`` is always one.
-4. **Pairing invariants** (``bridge.core.pairing.check_invariants``) over AEP_EVENTS.
+4. **Pairing invariants** (``bridge.core.pairing.check_invariants``) over AEP_EVENTS;
+   among them: every attention follow-up's ``subject`` is the id of a request of its
+   own session (AEP-0002 §7.1).
+4b. **Approvals keep their session and their answer** (`approval_problems`): every
+   ``post_approval_response`` of the manifest that reached AEP_EVENTS is an
+   ``attention.answered`` (followed by ``attention.resolved {answered}``) or an
+   ``attention.timeout`` on the session its ``turn_id`` names, whose ``subject`` is a
+   request of that session, and that request is never closed ``dismissed``.
 5. **Schema validity** of every AEP event (``bridge.core.schemas.generate`` + jsonschema).
 6. **No canary** of the manifest anywhere (bodies and headers) in AEP_EVENTS,
    BRIDGE_MAPPED or BRIDGE_DLQ.
@@ -184,6 +191,9 @@ class Report:
     seq_reused: int = 0
     invariant_problems: list[str] = field(default_factory=list)
     invariant_count: int = 0
+    approvals_checked: int = 0
+    approval_problems: list[str] = field(default_factory=list)
+    approval_count: int = 0
     schema_problems: list[str] = field(default_factory=list)
     schema_count: int = 0
     schema_checked: int = 0
@@ -204,6 +214,7 @@ class Report:
             "duplicates": self.duplicate_count + self.id_under_two_sources,
             "seq_reused": self.seq_reused,
             "pairing_invariants": self.invariant_count,
+            "approvals": self.approval_count,
             "schema": self.schema_count,
             "canaries": self.canary_count,
         }
@@ -239,6 +250,9 @@ class Report:
             add(f"      {x}")
         add(f"  pairing      {self.invariant_count} invariant problems" + ("" if self.complete else " (sessions left open: completeness not required)"))
         for x in self.invariant_problems[:MAX_EXAMPLES]:
+            add(f"      {x}")
+        add(f"  approvals    {self.approval_count} problems in {self.approvals_checked} answers (session, subject, never dismissed)")
+        for x in self.approval_problems[:MAX_EXAMPLES]:
             add(f"      {x}")
         add(f"  schema       {self.schema_count} invalid of {self.schema_checked} checked")
         for x in self.schema_problems[:MAX_EXAMPLES]:
@@ -307,6 +321,9 @@ class Verifier:
             "aep": StreamReader(self.js, "AEP_EVENTS", "aep.hermes.>"),
         }
         self.raw: dict[str, _Raw] = {}
+        self.answers: dict[str, tuple[str, str]] = {}  # answer raw id -> (session its turn_id names, instance)
+        # Instances that lost events at the edge (spool full): an answer's request may be among them.
+        self.lossy = {e.get("i") for e in self.entries if e.get("o") in EDGE_LOSS}
         self.marker_to_id: dict[str, str] = {}
         self.raw_copies = 0
         self.mapped_ids: set[str] = set()
@@ -377,6 +394,14 @@ class Verifier:
             self.raw_copies += 1
             return
         self.raw[rid] = _Raw([seq], raw.ts, expected_mapped(raw))
+        env = raw.envelope
+        if raw.hook == "post_approval_response" and isinstance(env, dict) and isinstance(env.get("extra"), dict):
+            from bridge.core.lanes import turn_session_prefix
+
+            turn = env["extra"].get("turn_id")
+            session = turn_session_prefix(turn) if isinstance(turn, str) and turn else None
+            if session:
+                self.answers[rid] = (session, raw.instance)
 
     def _on_mapped(self, m: Any) -> None:
         self._scan("BRIDGE_MAPPED", m)
@@ -569,12 +594,57 @@ class Verifier:
         if rep.complete:
             problems += self.unended()
         rep.invariant_count, rep.invariant_problems = len(problems), problems[:MAX_EXAMPLES]
+        expected = {}
+        for rid, (session, instance) in self.answers.items():
+            raw = self.raw[rid]
+            if instance not in self.lossy and not any(s in self.dlq_raw_seqs for s in raw.seqs):
+                expected[event_id(rid, MAPPED_SLOT, raw.ts // 1_000_000)] = session
+        approvals = approval_problems(self.events, expected)
+        rep.approvals_checked = sum(1 for eid in expected if eid in self.aep_ids)
+        rep.approval_count, rep.approval_problems = len(approvals), approvals[:MAX_EXAMPLES]
         rep.schema_count, rep.schema_problems, rep.schema_checked = self.schema_count, self.schema_problems, self.schema_checked
         rep.canary_count, rep.canary_hits = self.canary_count, self.canary_hits
         rep.canaries = len(self.canaries)
         rep.canaries_planted = sum(1 for e in self.entries if e.get("c"))
         rep.types = self.types
         return rep
+
+
+def approval_problems(events: list[Any], answers: dict[str, str]) -> list[str]:
+    """What became of each approval answer: ``answers`` maps the id of the event a
+    ``post_approval_response`` was mapped to (slot 512 of its raw message) to the session its
+    ``turn_id`` names. Each one present must be an ``attention.answered`` (with an
+    ``attention.resolved {answered}`` after it) or ``attention.timeout`` filed on that session,
+    ``subject`` = a request of that session, and the request must never be closed
+    ``dismissed`` (a security backend would read a dismissed prompt where an approval
+    happened). Answers not in ``events`` are the loss check's business."""
+    by_id = {e.id: e for e in events}
+    resolutions: dict[Any, list[str]] = {}
+    for e in events:
+        if e.type == "attention.resolved" and e.subject is not msgspec.UNSET:
+            resolutions.setdefault(e.subject, []).append((e.data or {}).get("resolution", ""))
+    out = []
+    for eid, session in answers.items():
+        ev = by_id.get(eid)
+        if ev is None:
+            continue
+        where = f"answer {eid} of session {session}"
+        if ev.type not in ("attention.answered", "attention.timeout"):
+            out.append(f"{where}: is {ev.type} in {ev.session}, not attention.answered / attention.timeout")
+            continue
+        if ev.session != session:
+            out.append(f"{where}: filed under {ev.session}")
+            continue
+        request = by_id.get(ev.subject) if isinstance(ev.subject, str) else None
+        if request is None or request.type != "attention.requested" or request.session != session:
+            out.append(f"{where}: subject {ev.subject!r} is not a request of its session")
+            continue
+        ends = resolutions.get(request.id, [])
+        if "dismissed" in ends:
+            out.append(f"{where}: its request {request.id} was closed dismissed")
+        if ev.type == "attention.answered" and "answered" not in ends:
+            out.append(f"{where}: no attention.resolved {{answered}} for request {request.id}")
+    return sorted(out)
 
 
 def unended_requests(events: list[Any]) -> list[str]:

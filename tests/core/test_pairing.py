@@ -464,19 +464,28 @@ def test_reused_approval_key_answer_ahead_of_its_request_waits_for_it(m: Mk, r: 
     assert [e.subject for e in out[1:]] == [q2[0].id, q2[0].id]
 
 
-def test_approval_answered_in_the_unknown_lane_passes_unlinked(m: Mk, r: Run) -> None:
+def test_an_answer_whose_request_never_reaches_its_lane_becomes_a_vendor_event(m: Mk, r: Run) -> None:
+    """Issue 17: pairing emitted `attention.answered {subject: "rm"}` (the pattern key) in `unknown`.
+    AEP-0002 §7.1: every follow-up's subject is the request's id; with no request there is none,
+    so after the hold the answer is `x.hermes.attention.unmatched` with the keys and the choice."""
     cfg = r.state.config
     req = m.appr_req(s="S", sk="S")
     r.feed(m.started(), req)
-    ans = m.appr_ans(s="unknown", sk="S")  # lane lookup failed for the answer
+    ans = m.appr_ans(s="unknown", sk="S")  # filed elsewhere than its request
     assert r.feed(ans) == []
-    out = r.tick(BASE_NS + 3 * MS + cfg.hold_ns)
-    assert out == [ans[0]]  # unchanged: no request in its lane to name
+    [out] = r.tick(BASE_NS + 3 * MS + cfg.hold_ns)
+    assert out.type == "x.hermes.attention.unmatched" and out.id == ans[0].id and out.seq == ans[0].seq
+    assert out.subject is UNSET and out.cause is UNSET
+    assert out.data == {"follow_up": "attention.answered", "pattern_key": "rm", "tool_call_id": "call_1", "choice": "once"}
     assert r.state.counters["unmatched.card"] == 1
-    end = m.ended()
-    out = r.feed(end)
-    assert types(out) == ["attention.resolved", "session.ended"]
-    assert out[0].subject == req[0].id and out[0].data["resolution"] == "dismissed"
+    assert not [e for e in r.out if e.type.startswith("attention.") and e.type != "attention.requested"
+                and e.subject != req[0].id]
+    timeout = m.appr_ans(s="unknown", pk="push", cid="call_2", choice="timeout")
+    r.feed(timeout)
+    [out] = r.tick(BASE_NS + 10 * MS + 2 * cfg.hold_ns)
+    assert out.type == "x.hermes.attention.unmatched"
+    assert out.data == {"follow_up": "attention.timeout", "pattern_key": "push", "tool_call_id": "call_2", "choice": "timeout"}
+    assert check_invariants(r.out, complete=False) == []
 
 
 def test_request_arriving_after_its_answer_was_released_still_ends(m: Mk, r: Run) -> None:
@@ -484,7 +493,7 @@ def test_request_arriving_after_its_answer_was_released_still_ends(m: Mk, r: Run
     req = m.appr_req()
     ans = m.appr_ans()
     r.feed(ans)
-    assert r.tick(BASE_NS + 2 * MS + cfg.hold_ns) == [ans[0]]
+    assert [(e.id, e.type) for e in r.tick(BASE_NS + 2 * MS + cfg.hold_ns)] == [(ans[0].id, "x.hermes.attention.unmatched")]
     out = r.feed(req)
     assert types(out) == ["attention.requested", "attention.resolved"]
     assert out[1].subject == req[0].id and out[1].cause == ans[0].id
@@ -534,6 +543,70 @@ def test_subagent_stop_before_its_start_is_held(m: Mk, r: Run) -> None:
     start, stop = m.sub_start(), m.sub_stop()
     assert r.feed(stop) == []
     assert [e.cause for e in r.feed(start)] == [UNSET, start[0].id]
+
+
+def test_a_delegation_that_never_reports_back_is_closed_after_the_delegate_call_plus_the_grace(m: Mk, r: Run) -> None:
+    """Issue 17: `subagent_stop` sometimes never fires (the CLI exits first; the gateway never
+    finalizes): the delegation stayed open for 6 h. When the parent's `delegate_task` call ends
+    (background: "dispatched"), the child has `subagent_grace_ns` to report; then the bridge says
+    it stopped waiting (x.hermes.pairing.orphaned), not how the child ended. A later real stop
+    is not a second terminal."""
+    cfg = r.state.config
+    call = m.tool_req(cid="call_9", name="delegate_task")
+    start = m.sub_start()
+    done = m.tool_end(cid="call_9", name="delegate_task")
+    r.feed(m.started(), m.run_start(), call, start, done)
+    assert r.state.open_pairs()["subagent"] == 1
+    snap = r.state.snapshot()  # the grace survives a takeover
+    r.state = PairingState.restore(snap)
+    assert r.tick(done[1]["ts"] + cfg.subagent_grace_ns - 1) == []
+    [closed] = r.tick(done[1]["ts"] + cfg.subagent_grace_ns)
+    assert closed.type == "x.hermes.pairing.orphaned" and closed.cause == start[0].id
+    assert closed.data["kind"] == "subagent" and closed.data["reason"] == "delegate_returned"
+    assert closed.seq < done[0].seq  # right after its start
+    r.tick(done[1]["ts"] + cfg.subagent_grace_ns + 3 * HOUR)  # long after recent_ns: still remembered
+    late = r.feed(m.sub_stop())
+    assert types(late) == ["x.hermes.delegation.stopped_late"] and late[0].cause == start[0].id
+    assert late[0].data["status"] == "completed"
+    assert not [e for e in r.out if e.type == "delegation.subagent.stopped"]
+    assert check_invariants(r.out, complete=False) == []
+
+
+def test_a_delegation_open_at_its_parents_end_gets_the_grace_and_a_stop_within_it_is_its_terminal(m: Mk, r: Run) -> None:
+    cfg = r.state.config
+    a, b = m.sub_start(child="A"), m.sub_start(child="B")
+    r.feed(m.started(), m.run_start(), a, b, m.run_end())
+    end = m.ended()  # raw 6
+    assert types(r.feed(end)) == ["session.ended"]
+    stop = r.feed(m.sub_stop(child="A"))  # within the grace: the real terminal
+    assert types(stop) == ["delegation.subagent.stopped"] and stop[0].cause == a[0].id
+    [closed] = r.tick(end[1]["ts"] + cfg.subagent_grace_ns)
+    assert closed.data == {"kind": "subagent", "reason": "session_end", "start": b[0].id,
+                           "age_ms": closed.data["age_ms"]}
+    assert r.state.open_pairs()["subagent"] == 0
+
+
+def test_a_foreground_delegation_reports_before_its_call_ends_and_nothing_is_closed(m: Mk, r: Run) -> None:
+    call, start, stop = m.tool_req(cid="call_9", name="delegate_task"), m.sub_start(), m.sub_stop()
+    done = m.tool_end(cid="call_9", name="delegate_task")
+    r.feed(m.started(), m.run_start(), call, start, stop, done)
+    r.tick(BASE_NS + HOUR)
+    assert not [e for e in r.out if e.type.startswith("x.hermes.")]
+    assert types([e for e in r.out if e.type.startswith("delegation.")]) == [
+        "delegation.subagent.started", "delegation.subagent.stopped"]
+
+
+def test_an_answer_never_takes_a_request_of_another_tool_call(m: Mk, r: Run) -> None:
+    """Issue 17: match by session, pattern_key AND tool_call_id. The second call's answer,
+    overtaking its own request, took the first call's still-open request."""
+    first = m.appr_req(cid="call_1")
+    second, ans2 = m.appr_req(cid="call_2"), m.appr_ans(cid="call_2")
+    r.feed(m.started(), m.run_start(), first)
+    assert r.feed(ans2) == []  # held for its own request
+    out = r.feed(second)
+    assert types(out) == ["attention.requested", "attention.answered", "attention.resolved"]
+    assert out[1].subject == second[0].id
+    assert r.state.open_pairs()["card"] == 1  # the first call's request is still open
 
 
 # ---------------------------------------------------------------- runs
@@ -593,7 +666,9 @@ def test_run_started_after_its_terminal_was_released_is_passed_through(m: Mk, r:
 # ---------------------------------------------------------------- session end
 
 
-def test_session_end_sweeps_cards_runs_and_tools_but_not_subagents(m: Mk, r: Run) -> None:
+def test_session_end_sweeps_cards_runs_and_tools_but_not_subagents() -> None:
+    """With hold_ns 0 (no answer can be on its way) an open card is dismissed before the end."""
+    m, r = Mk(), Run(PairingConfig(hold_ns=0))
     started = m.started()
     run = m.run_start()
     tool = m.tool_req()
@@ -619,6 +694,31 @@ def test_session_end_sweeps_cards_runs_and_tools_but_not_subagents(m: Mk, r: Run
     assert r.state.counters["orphaned.session_end.run"] == 1
 
 
+def test_a_card_open_at_session_end_waits_hold_ns_for_its_answer(m: Mk, r: Run) -> None:
+    """Issue 17: a mapper killed holding the answer redelivers it one ack_wait later, behind the
+    finalize. Dismissing the request at the end contradicted the answer that came (the user
+    answered `once` and the command ran). The card now gets hold_ns after the end: the answer
+    links; without one it is dismissed then, with a seq right after the request (before the end)."""
+    cfg = r.state.config
+    started, run, card, card2 = m.started(), m.run_start(), m.appr_req(), m.appr_req(pk="push", cid="call_2")
+    r.feed(started, run, card, card2)
+    end = m.ended()
+    out = r.feed(end)
+    assert types(out) == ["x.hermes.pairing.orphaned", "session.ended"]
+    ans = m.appr_ans()  # redelivered late: stream order after the end, seq order before it
+    ans = (msgspec.structs.replace(ans[0], seq=card[0].seq + 1), ans[1])
+    out = r.feed(ans)
+    assert types(out) == ["attention.answered", "attention.resolved"]
+    assert out[0].subject == card[0].id and out[1].data["resolution"] == "answered"
+    end_ts = BASE_NS + 5 * MS
+    assert r.tick(end_ts + cfg.hold_ns - 1) == []
+    [dismissed] = r.tick(end_ts + cfg.hold_ns)
+    assert dismissed.type == "attention.resolved" and dismissed.subject == card2[0].id
+    assert dismissed.data["resolution"] == "dismissed" and dismissed.seq < end[0].seq
+    assert not [e for e in r.out if e.subject == card[0].id and (e.data or {}).get("resolution") == "dismissed"]
+    assert check_invariants(r.out, complete=True, stream_order=False) == []
+
+
 def test_second_finalize_becomes_session_finalized_and_sweeps_again(m: Mk, r: Run) -> None:
     started = m.started()
     first = m.ended()
@@ -628,9 +728,10 @@ def test_second_finalize_becomes_session_finalized_and_sweeps_again(m: Mk, r: Ru
     r.feed(resumed, run, card)
     second = m.ended()
     out = r.feed(second)
-    assert types(out) == ["x.hermes.pairing.orphaned", "attention.resolved", "x.hermes.session.finalized"]
-    assert out[1].subject == card[0].id
-    fin = out[2]
+    assert types(out) == ["x.hermes.pairing.orphaned", "x.hermes.session.finalized"]
+    [dismissed] = r.tick(BASE_NS + 10 * MS + r.state.config.hold_ns)  # the card's answer may still come
+    assert dismissed.subject == card[0].id and dismissed.data["resolution"] == "dismissed"
+    fin = out[1]
     assert fin.id == second[0].id and fin.seq == second[0].seq and fin.cause == first[0].id
     assert fin.data == {"reason": "normal"}
     assert r.state.counters["suppressed.session"] == 1
@@ -660,15 +761,21 @@ def test_run_terminal_overtaken_by_the_finalize_is_still_linked(m: Mk, r: Run) -
     assert types(r.feed(m.run_end(etype="run.cancelled"))) == ["x.hermes.run.closed"]
 
 
-def test_answer_overtaken_by_the_finalize_links_without_a_second_resolution(m: Mk, r: Run) -> None:
+def test_answer_overtaken_by_the_finalize_links_and_the_request_is_never_dismissed(m: Mk, r: Run) -> None:
+    """Issue 17: the request was dismissed at the end, then its answer (seq before the end,
+    delayed by a replica) came: a dismissed prompt where an approval happened."""
     req = m.appr_req()
     r.feed(m.started(), req)
     ans = m.appr_ans()
     out = r.feed(m.ended())
-    assert types(out) == ["attention.resolved", "session.ended"]
+    assert types(out) == ["session.ended"]
     out = r.feed(ans)
-    assert types(out) == ["attention.answered"]
+    assert types(out) == ["attention.answered", "attention.resolved"]
     assert out[0].subject == req[0].id and out[0].cause == req[0].id
+    assert out[1].subject == req[0].id and out[1].data["resolution"] == "answered"
+    r.tick(BASE_NS + HOUR)
+    assert [e.data["resolution"] for e in r.out if e.type == "attention.resolved"] == ["answered"]
+    assert check_invariants(r.out, stream_order=False) == []
 
 
 def test_held_follow_up_outlives_the_sweep(m: Mk, r: Run) -> None:
@@ -696,7 +803,7 @@ def test_a_follow_up_after_the_session_end_never_takes_a_request_before_it(m: Mk
     req, end, ans = m.appr_req(), m.ended(), m.appr_ans()
     hold = r.state.config.hold_ns
     if order == "in_order":
-        assert types(r.feed(req, end)) == ["attention.requested", "attention.resolved", "session.ended"]
+        assert types(r.feed(req, end)) == ["attention.requested", "session.ended"]  # dismissed hold_ns later
         assert r.feed(ans) == []  # held
     else:
         r.feed(end)

@@ -160,12 +160,35 @@ def _approval(session_key, turn_id="20261130_1:task:abcd1234"):
                               "extra": {"session_key": session_key, "turn_id": turn_id, "pattern_key": "p"}})
 
 
+class _NoLookups(MemoryLanes):
+    def is_known_session(self, session_id: str) -> bool:
+        raise AssertionError(f"asked about {session_id!r}")
+
+    def task_session(self, task_id: str) -> str | None:
+        raise AssertionError(f"asked about task {task_id!r}")
+
+
+def test_an_approval_with_a_turn_id_is_filed_by_its_prefix_without_any_lookup():
+    """Issue 17: Hermes builds turn_id as {session}:{task}:{hex8} (CLI) or {session}:{session}:{hex8}
+    (gateway): the prefix is the session, whatever session_key says and whatever is known. Before,
+    a CLI `-q` approval (session_key "default") whose session a racing replica had not written to
+    the KV yet went to `unknown`."""
+    nothing = _NoLookups()
+    assert resolve_lane(_approval("default"), nothing) == "20261130_1"  # CLI -q
+    assert resolve_lane(_approval("20261130_1", turn_id="20261130_1:20261130_1:d1fbd352"), nothing) == "20261130_1"
+    gateway = "run_f8b2732e46c6449297cbd61972c8d71a"
+    assert resolve_lane(_approval(gateway, turn_id="gw_c1:gw_c1:3f6d67cf"), nothing) == "gw_c1"
+    assert resolve_lane(_approval("k", turn_id="agent:x:y:task:0a1b2c3d"), nothing) == "agent:x:y"  # ':' in a session id
+    assert not lane_candidates(_approval("default"))
+
+
 def test_lane_resolution_rules():
     lanes = MemoryLanes()
-    assert resolve_lane(_approval("20261130_1"), lanes) == UNKNOWN  # nothing known yet
+    assert resolve_lane(_approval("20261130_1", turn_id=""), lanes) == UNKNOWN  # nothing known yet
     lanes.add_session("20261130_1")
-    assert resolve_lane(_approval("20261130_1"), lanes) == "20261130_1"  # by session_key
+    assert resolve_lane(_approval("20261130_1", turn_id=""), lanes) == "20261130_1"  # by session_key (no turn id)
     assert resolve_lane(_approval("default"), lanes) == "20261130_1"  # by turn-id prefix
+    assert resolve_lane(_approval("default", turn_id="nope"), lanes) == UNKNOWN  # no usable turn id, key unknown
     gateway = "agent:telegram:dm:42"
     assert resolve_lane(_approval(gateway, turn_id="nope"), lanes) == UNKNOWN  # a gateway key never mints a lane
     assert not lanes.is_known_session(gateway)
@@ -207,8 +230,9 @@ def test_lane_candidates_are_exactly_what_resolution_may_ask():
             assert not cands and not lanes.asked
         lanes.learn(learned_from(env))
     assert asked_any > 0, "the corpus has session-less events that need the table"
-    a = lane_candidates(_approval("default"))
-    assert a.sessions == ("default", "20261130_1") and a.task_id is None
+    assert not lane_candidates(_approval("default"))  # the turn id names the lane: nothing to ask
+    a = lane_candidates(_approval("default", turn_id="nope"))
+    assert a.sessions == ("default",) and a.task_id is None
     inner = envelope_from_obj({"hook_event_name": "pre_tool_call", "session_id": "", "extra": {"task_id": "T"}})
     assert lane_candidates(inner).sessions == () and lane_candidates(inner).task_id == "T"
     assert not lane_candidates(envelope_from_obj({"hook_event_name": "transform_tool_result", "session_id": ""}))

@@ -29,7 +29,8 @@ def mapped_count(client: JetStreamClient) -> int:
 def test_two_mappers_produce_exactly_what_map_gives(nats_server_fn, tmp_path):
     client = JetStreamClient(nats_server_fn.url)
     client.bootstrap()
-    # The lane wait on: "byte-identical to `aep-bridge map`" over two replicas needs it.
+    # The lane wait on: "byte-identical to `aep-bridge map`" over two replicas needs it for what the
+    # envelope cannot name (a session-less event with only a task id); approvals never wait.
     mappers = [Service("mapper", nats_server_fn.url, tmp_path, env={"AEP_BRIDGE_INSTANCE": f"m{i}", "AEP_BRIDGE_LANE_WAIT_MS": "5000"})
                for i in range(2)]
     for i, m in enumerate(mappers):

@@ -1,13 +1,15 @@
 """A session-less event racing its session's first event across mapper replicas.
 
-Approvals carry `session_id: ""`; their lane is a session "already seen", i.e. seen
-EARLIER IN HERMES_RAW. With two replicas, the replica holding the session's first
-event may not have written it to the lanes KV yet when the other one maps the
-approval. The test plays that slow replica itself: it takes the first raw message
-from the shared durable consumer and holds it, unacked, while a real `Mapper` maps
-the approval. The mapper must wait for it (the consumer's ack floor), not file the
-approval under `unknown`; and when the holder never answers, give up after its
-bounded wait and say so in its metrics.
+An approval (`session_id: ""`) names its session in its `turn_id` prefix: it is filed
+there at once, whatever the KV holds (issue 17). A tool called inside `execute_code`
+carries only `task_id`; its lane is a task alias "already seen", i.e. seen EARLIER IN
+HERMES_RAW. With two replicas, the replica holding the session's first event may not
+have written the alias to the lanes KV yet when the other one maps the inner call. The
+test plays that slow replica itself: it takes the first raw message from the shared
+durable consumer and holds it, unacked, while a real `Mapper` maps the second one. For
+an inner call the mapper must wait for it (the consumer's ack floor), not file the call
+under `unknown`; and when the holder never answers, give up after its bounded wait and
+say so in its metrics. An approval never waits.
 """
 
 from __future__ import annotations
@@ -29,14 +31,23 @@ from tests.support.services import publish_all, raw_records
 SESSION = "20261201_101010_abcdef"
 
 
-def envelopes() -> list[dict]:
-    start = {"hook_event_name": "on_session_start", "session_id": SESSION, "tool_name": None, "tool_input": None,
-             "cwd": "/tmp", "extra": {"model": "m", "platform": "cli"}}
+TASK = "task-1"
+
+
+def envelopes(second: str = "approval") -> list[dict]:
+    """The session's first event (it teaches the session and its task alias), then an
+    approval (CLI `-q` shape: session_key "default", turn_id prefix) or an execute_code inner call."""
+    start = {"hook_event_name": "pre_llm_call", "session_id": SESSION, "tool_name": None, "tool_input": None,
+             "cwd": "/tmp", "extra": {"task_id": TASK, "turn_id": f"{SESSION}:{TASK}:0a1b2c3d", "model": "m",
+                                      "platform": "cli"}}
     approval = {"hook_event_name": "pre_approval_request", "session_id": "", "tool_name": None, "tool_input": None,
                 "cwd": "/tmp", "extra": {"command": "rm -rf /", "description": "delete in root path",
                                          "pattern_key": "rm", "session_key": "default", "surface": "cli",
-                                         "turn_id": f"{SESSION}:task-1:0a1b2c3d", "tool_call_id": "call_1"}}
-    return [start, approval]
+                                         "turn_id": f"{SESSION}:{TASK}:0a1b2c3d", "tool_call_id": "call_1"}}
+    inner = {"hook_event_name": "pre_tool_call", "session_id": "", "tool_name": "terminal",
+             "tool_input": {"command": "ls"}, "cwd": "/tmp",
+             "extra": {"task_id": TASK, "tool_call_id": "", "turn_id": "", "api_request_id": ""}}
+    return [start, approval if second == "approval" else inner]
 
 
 async def mapped_events(js, timeout: float = 0.3) -> list[dict]:
@@ -55,30 +66,31 @@ async def mapped_events(js, timeout: float = 0.3) -> list[dict]:
         await sub.unsubscribe()
 
 
-async def race(url: str, lane_wait_ms: int, holder_answers: bool) -> tuple[list[dict], Mapper]:
+async def race(url: str, lane_wait_ms: int, holder_answers: bool, second: str = "inner") -> tuple[list[dict], Mapper]:
     nc = await nats.connect(url)
     js = nc.jetstream()
     await bootstrap(js, None, replicas=1)
-    await publish_all(js, raw_records(envelopes(), instance="race"))
+    await publish_all(js, raw_records(envelopes(second), instance="race"))
     # The "slow replica": the session's first event, taken from the mappers' shared consumer and held.
     slow = await js.pull_subscribe(S.RAW_SUBJECTS, durable=S.MAPPER_DURABLE, stream=S.HERMES_RAW,
                                    config=S.mapper_consumer_config())
     [held] = await slow.fetch(1, timeout=5)
-    assert json.loads(held.data)["envelope"]["hook_event_name"] == "on_session_start"
+    assert json.loads(held.data)["envelope"]["hook_event_name"] == "pre_llm_call"
 
     settings = Settings(nats_url=url, instance="m-race", lane_wait_ms=lane_wait_ms)
     mapper = Mapper(settings, CapturePolicy(), registry=CollectorRegistry())
     await mapper.connect()
     sub = await mapper.bind()
-    [approval] = await sub.fetch(1, timeout=5)  # the approval: the only message not held
-    batch = asyncio.create_task(mapper.process_batch([approval]))
+    [second_msg] = await sub.fetch(1, timeout=5)  # the only message not held
+    batch = asyncio.create_task(mapper.process_batch([second_msg]))
     await asyncio.sleep(0.3)
     waiting = not batch.done()
     if holder_answers:
-        assert waiting, "the approval must wait for the earlier raw message, not be filed at once"
-        # The slow replica finishes: it learns the session (KV), then acks, as the mapper does.
+        assert waiting, "the inner call must wait for the earlier raw message, not be filed at once"
+        # The slow replica finishes: it learns the session and its task (KV), then acks, as the mapper does.
         kv = await js.key_value(S.LANES_BUCKET)
         await kv.put("s." + lane_token(SESSION), b"1")
+        await kv.put("t." + lane_token(TASK), SESSION.encode())
         await held.ack_sync()
     await asyncio.wait_for(batch, timeout=30)
     events = await mapped_events(js)
@@ -91,9 +103,19 @@ def counter(mapper: Mapper, name: str) -> float:
     return mapper.registry.get_sample_value(name) or 0.0
 
 
-def test_an_approval_waits_for_its_session_mapped_by_another_replica(nats_server_fn):
-    events, mapper = asyncio.run(race(nats_server_fn.url, lane_wait_ms=30_000, holder_answers=True))
+def test_an_approval_is_filed_under_its_turn_id_session_at_once_while_its_session_is_held_elsewhere(nats_server_fn):
+    """Issue 17: the replica holding the session's first event never answers (as after a kill -9),
+    and the lane wait is long: the approval still lands on its session at once, with no wait."""
+    events, mapper = asyncio.run(race(nats_server_fn.url, lane_wait_ms=30_000, holder_answers=False, second="approval"))
     [requested] = [e for e in events if e["type"] == "attention.requested"]
+    assert requested["session"] == SESSION and "lane" not in requested
+    assert counter(mapper, "aep_bridge_mapper_lane_waits_total") == 0
+    assert counter(mapper, "aep_bridge_mapper_unknown_lane_total") == 0
+
+
+def test_an_inner_call_waits_for_its_task_alias_mapped_by_another_replica(nats_server_fn):
+    events, mapper = asyncio.run(race(nats_server_fn.url, lane_wait_ms=30_000, holder_answers=True))
+    [requested] = [e for e in events if e["type"] == "tool.requested"]
     assert requested["session"] == SESSION and "lane" not in requested
     assert counter(mapper, "aep_bridge_mapper_lane_waits_total") == 1
     assert counter(mapper, "aep_bridge_mapper_lane_wait_timeouts_total") == 0
@@ -102,7 +124,7 @@ def test_an_approval_waits_for_its_session_mapped_by_another_replica(nats_server
 
 def test_the_wait_is_bounded_when_the_earlier_message_never_settles(nats_server_fn):
     events, mapper = asyncio.run(race(nats_server_fn.url, lane_wait_ms=200, holder_answers=False))
-    [requested] = [e for e in events if e["type"] == "attention.requested"]
+    [requested] = [e for e in events if e["type"] == "tool.requested"]
     assert requested["session"] == "unknown" and requested["lane"] == "unknown"
     assert counter(mapper, "aep_bridge_mapper_lane_wait_timeouts_total") == 1
     assert counter(mapper, "aep_bridge_mapper_unknown_lane_total") >= 1
@@ -163,17 +185,17 @@ def test_silent_instances_are_forgotten_by_the_last_seen_gauge() -> None:
 def test_one_replica_never_asks_the_server_for_the_floor_it_moved_itself(nats_server_fn):
     """A replica knows the messages it finished: with one replica every earlier raw message is
     its own, so a lane wait is settled without a consumer-info round trip (bench_mapper paid
-    2,061 of them per 50,000 messages: approvals whose session is never seen). The answer is
-    the same: each approval of an unseen session in `unknown`, each of a seen one on it."""
+    2,061 of them per 50,000 messages: session-less events whose session is never seen). The
+    answer is the same: each inner call of an unseen task in `unknown`, each of a seen one on it."""
     sessions = [f"20261201_1010{i:02d}_abcdef" for i in range(40)]
     envs = []
     for i, sid in enumerate(sessions):
-        start, approval = envelopes()
-        start = {**start, "session_id": sid}
-        # every other approval names a session nobody started: it waits, then goes to unknown
-        owner = sid if i % 2 else f"gone_{i}"
-        approval = {**approval, "extra": {**approval["extra"], "turn_id": f"{owner}:task-1:0a1b2c3d"}}
-        envs += [start, approval]
+        start, inner = envelopes("inner")
+        start = {**start, "session_id": sid, "extra": {**start["extra"], "task_id": f"task-{i}"}}
+        # every other inner call names a task nobody started: it waits, then goes to unknown
+        task = f"task-{i}" if i % 2 else f"gone_{i}"
+        inner = {**inner, "extra": {**inner["extra"], "task_id": task}}
+        envs += [start, inner]
 
     async def run() -> tuple[list[dict], Mapper]:
         nc = await nats.connect(nats_server_fn.url)
@@ -195,7 +217,7 @@ def test_one_replica_never_asks_the_server_for_the_floor_it_moved_itself(nats_se
         return events, mapper
 
     events, mapper = asyncio.run(run())
-    requested = sorted(e["session"] for e in events if e["type"] == "attention.requested")
+    requested = sorted(e["session"] for e in events if e["type"] == "tool.requested")
     assert requested == sorted(["unknown"] * 20 + sessions[1::2])
     assert counter(mapper, "aep_bridge_mapper_lane_waits_total") == 20
     assert counter(mapper, "aep_bridge_mapper_ack_floor_reads_total") == 0

@@ -151,6 +151,55 @@ def test_nats_killed_and_restarted_on_the_same_store(nats_server_fn, tmp_path):
         pipe.stop()
 
 
+# ---------------------------------------------------------------- 2b. an operator's bad day (issue 17)
+
+
+@pytest.mark.slow
+def test_a_bad_day_mapper_pairing_and_nats_killed_approvals_keep_their_session_and_answer(nats_server_fn, tmp_path):
+    """Issue 17's schedule, exactly: two mappers and two pairing workers on a server with a store;
+    `simulate --instances 50 --rate 300 --duration 45 --seed 7`; 10 s in, kill -9 a mapper and
+    restart it 5 s later; at 20 s kill -9 a pairing worker, restart it 6 s later; at 30 s SIGKILL
+    nats-server and start it again on the same store 6 s later. Before, `verify` said OK while an
+    approval's answer sat in `unknown` as `attention.answered {subject: <pattern key>}` and its
+    request was closed `dismissed`: the verifier's approval checks and the follow-up subject
+    invariant now catch that, and the stream must pass them."""
+    pipe = pipeline(nats_server_fn, tmp_path, mappers=2, pairings=2)
+    fleet = fleet_for(nats_server_fn.url, tmp_path, instances=50, rate=300.0, duration=45.0, seed=7)
+    mapper, pairing = pipe.of("mapper")[0], pipe.of("pairing")[0]
+    try:
+        t0 = time.monotonic()
+        thread = start(fleet)
+
+        def at(seconds: float) -> None:
+            time.sleep(max(0.0, t0 + seconds - time.monotonic()))
+
+        at(10.0)
+        mapper.kill()  # SIGKILL: its fetched batch stays unacked until ack_wait (30 s)
+        at(15.0)
+        mapper.start()
+        at(20.0)
+        pairing.kill()  # its leases lapse after 10 s; the other worker takes its partitions
+        at(26.0)
+        pairing.start()
+        at(30.0)
+        before = pipe.counts()
+        nats_server_fn.kill()  # SIGKILL mid-run: the shims spool, the services reconnect
+        at(36.0)
+        nats_server_fn.start()  # same port, same JetStream store
+        after = pipe.counts()
+        assert after["HERMES_RAW"] >= before["HERMES_RAW"], "the store survived the kill"
+        # A card open at its session's end waits hold_ns (45 s) for its answer: give the verifier time.
+        report = finish(fleet, thread, pipe, wait=120.0)
+        assert fleet.outcomes["spooled"] > 0, "the outage was seen by the shims"
+        assert all(w.alive() for w in pipe.workers), "the services rode out the NATS restart:\n" + pipe.logs()
+        assert report.approvals_checked > 0, "the run carried approvals to check:\n" + report.render()
+        assert report.approval_count == 0, report.render()
+        assert_clean(report, pipe)
+        print(f"approvals checked {report.approvals_checked}; backfills {report.backfills}")
+    finally:
+        pipe.stop()
+
+
 # ---------------------------------------------------------------- 3. NATS down longer than the duplicate window
 
 

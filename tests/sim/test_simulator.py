@@ -205,7 +205,9 @@ def test_simulate_and_verify_from_the_command_line_and_a_verifier_that_fails(nat
     pipe = Pipeline(url, tmp_path / "logs")
     pipe.bootstrap()
     pipe.add("mapper")
-    pipe.add("pairing", name="pairing-0")
+    # A card open at its session's end (a `smart` request before the user's) is dismissed hold_ns
+    # (45 s) after the end, at a tick: tick every 2 s and let the verifier wait for it.
+    pipe.add("pairing", name="pairing-0", env={"AEP_BRIDGE_TICK_S": "2"})
     pipe.wait_ready()
     manifest = tmp_path / "manifest.jsonl"
     try:
@@ -216,7 +218,7 @@ def test_simulate_and_verify_from_the_command_line_and_a_verifier_that_fails(nat
         summary = json.loads(sim.stdout)
         assert summary["complete"] and summary["via"]["shim"] > 0 and summary["shim_failures"] == 0, summary
         pipe.settle(timeout=60)
-        ok = cli("verify", "--nats", url, "--manifest", str(manifest), "--wait", "30", "--strict-order")
+        ok = cli("verify", "--nats", url, "--manifest", str(manifest), "--wait", "90", "--strict-order")
         assert ok.returncode == 0, ok.stdout + ok.stderr
         assert "aep-bridge verify: OK" in ok.stdout and "loss         0" in ok.stdout
         entries = [json.loads(line) for line in manifest.read_text().splitlines()]
@@ -263,7 +265,8 @@ def test_simulate_and_verify_from_the_command_line_and_a_verifier_that_fails(nat
     assert report.schema_count == 1
     assert not report.ok
     assert report.violations == {"lost": 1, "duplicates": 1, "seq_reused": report.seq_reused,
-                                 "pairing_invariants": report.invariant_count, "schema": 1, "canaries": report.canary_count}
+                                 "pairing_invariants": report.invariant_count, "approvals": 0, "schema": 1,
+                                 "canaries": report.canary_count}
 
 
 def test_verifier_reads_incrementally_and_finds_shim_sent_messages_by_marker(nats_server, jetstream, tmp_path):
@@ -356,3 +359,28 @@ def test_pipeline_dump_writes_every_stored_message_of_each_stream(nats_server_fn
     assert [(r["subject"], r["data"].encode(), r["headers"]["Nats-Msg-Id"]) for r in rows] == records
     for name in ("BRIDGE_MAPPED", "BRIDGE_DLQ", "AEP_EVENTS"):
         assert (out / f"{name}.jsonl").read_text() == ""
+
+
+def test_half_the_approvals_are_answered_right_behind_their_request(tmp_path):
+    """Issue 17: the race that filed an answer under `unknown` needs the answer right behind its
+    request on HERMES_RAW, where two mapper replicas take them apart. The fleet sends a glued
+    request's answer next, before any other instance's event (no NATS needed to see the order)."""
+    from bridge.sim.fleet import Fleet, FleetConfig
+
+    fleet = Fleet(FleetConfig(nats_url="nats://127.0.0.1:1", instances=20, seed=3, manifest=str(tmp_path / "m.jsonl"),
+                              spool_dir=str(tmp_path / "spool")))
+    pool = list(fleet.instances)
+    sent = [fleet._next_event(pool) for _ in range(20_000)]
+    pairs = behind = 0
+    for (inst, ev), (nxt_inst, nxt) in zip(sent, sent[1:]):
+        if ev.glue:
+            pairs += 1
+            assert ev.hook == "pre_approval_request" and json.loads(ev.data)["extra"]["surface"] != "smart"
+            behind += nxt_inst is inst and nxt.hook == "post_approval_response"
+    requests = sum(1 for _, ev in sent if ev.hook == "pre_approval_request" and b'"smart"' not in ev.data)
+    assert pairs == behind > 0
+    assert 0.3 < pairs / requests < 0.7, (pairs, requests)
+    cli_q = [json.loads(ev.data) for _, ev in sent if ev.glue and b'"default"' in ev.data]
+    assert cli_q and all(e["session_id"] == "" and e["extra"]["turn_id"].startswith(e["extra"]["turn_id"].split(":")[0] + ":")
+                         for e in cli_q), "the CLI `-q` shape is among them"
+    fleet.manifest.close()
