@@ -102,6 +102,7 @@ from bridge.core import aep
 from bridge.core.capture import NONE, REDACTED, CapturePolicy
 from bridge.core.identity import MAPPED_SLOT, SLOTS, rfc3339, ulid_from
 from bridge.core.lanes import UNKNOWN, lane_from_token
+from bridge.core.lanes import lane_token as _token_of
 from bridge.core.mapping import LEVEL_NAMES, Gate, strip_to_required
 
 # ---------------------------------------------------------------- constants (documented in README/ARCHITECTURE)
@@ -226,6 +227,8 @@ def parse_command(data: bytes, lane_token: str, subject_type: str | None = None)
     if not isinstance(cid, str) or not cid:
         return None, None
     lane = _lane_of(lane_token)
+    if isinstance(obj.get("session"), str) and _token_of(obj["session"]) == lane_token:
+        lane = obj["session"]  # also a long id, whose (hashed) token cannot be reversed
     source = obj.get("source") if isinstance(obj.get("source"), str) else ""
     ctype = obj.get("type") if isinstance(obj.get("type"), str) else ""
     agent = obj.get("agent") if isinstance(obj.get("agent"), str) else ""

@@ -141,7 +141,9 @@ async def tail(
     from bridge.nats import streams as S
 
     js = nc.jetstream()
-    subject = f"{S.EVENTS_PREFIX}.{lane_token(session)}.>" if session else f"{S.EVENTS_PREFIX}.>"
+    from bridge.nats import subjects as subj
+
+    subject = subj.events_filter(lane_token(session) if session else None)
     kwargs: dict[str, Any] = {"ordered_consumer": True}
     if since is not None:
         kwargs["config"] = _start_time_config(since)
