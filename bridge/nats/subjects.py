@@ -32,7 +32,7 @@ MAX_SUBJECT_CHARS = 1024
 __all__ = [
     "DLQ_PREFIX", "EVENTS_PREFIX", "INVALID_HOOK", "MAPPED_PREFIX", "MAX_SUBJECT_CHARS", "RAW_PREFIX", "TICK_TOKEN",
     "TOKEN_MAX_CHARS", "UNKNOWN_HOOK", "UNKNOWN_TOKEN", "SubjectError",
-    "dlq_subject", "event_subject", "events_filter", "events_subject", "kv_subject", "lane_token", "mapped_filter",
+    "ack_subjects", "command_subject", "dlq_subject", "event_subject", "events_filter", "events_subject", "kv_subject", "lane_token", "mapped_filter",
     "mapped_subject", "raw_filter", "raw_subject", "raw_tokens", "tick_subject", "token",
 ]
 
@@ -102,6 +102,16 @@ def event_subject(event: object) -> str:
     session = getattr(event, "session")
     unknown = getattr(event, "lane", None) == "unknown"
     return events_subject(event_lane_token(session if isinstance(session, str) else "", unknown), getattr(event, "type"))
+
+
+def command_subject(lane_tok: str, command_type: str) -> str:
+    """Where a sender publishes a command: ``aep.hermes.<lane token>.<command type>`` (in AEP_EVENTS)."""
+    return events_subject(lane_tok, command_type)
+
+
+def ack_subjects(lane_tok: str) -> tuple[str, str]:
+    """Where the gate acks a command of that lane: ``control.accepted`` / ``control.rejected``."""
+    return events_subject(lane_tok, "control.accepted"), events_subject(lane_tok, "control.rejected")
 
 
 def events_filter(lane_tok: str | None = None) -> str:

@@ -204,7 +204,7 @@ class Gate:
             return info
         for etype in ("run.started", "session.started"):
             try:
-                msg = await self.js.get_last_msg(S.AEP_EVENTS, f"{S.EVENTS_PREFIX}.{token}.{etype}")
+                msg = await self.js.get_last_msg(S.AEP_EVENTS, subj.events_subject(token, etype))
                 return C.SessionInfo(source=decode_event(msg.data).source)
             except Exception:
                 continue
@@ -646,7 +646,7 @@ class Gate:
         raw = await self.js.pull_subscribe("", durable=RAW_DURABLE, stream=S.HERMES_RAW, config=ConsumerConfig(
             durable_name=RAW_DURABLE, description="aep-bridge gate: held calls and session boundaries",
             deliver_policy=DeliverPolicy.NEW, ack_policy=AckPolicy.EXPLICIT, ack_wait=30.0,
-            filter_subjects=[f"{S.RAW_PREFIX}.*.{h}" for h in RAW_HOOKS]))
+            filter_subjects=[subj.raw_filter(hook=h) for h in RAW_HOOKS]))
         commands = await self.js.pull_subscribe("", durable=COMMAND_DURABLE, stream=S.AEP_EVENTS, config=ConsumerConfig(
             durable_name=COMMAND_DURABLE, description="aep-bridge gate: control commands",
             deliver_policy=DeliverPolicy.NEW, ack_policy=AckPolicy.EXPLICIT, ack_wait=30.0,
