@@ -29,6 +29,12 @@ Theory of operation
   batch longer; counted in `aep_bridge_mapper_lane_wait_timeouts_total`).
 * `epoch` = the creation time of HERMES_RAW (milliseconds): it changes, upward, only
   when the stream is recreated, and every replica reads the same value.
+* Every raw message is checked first (`check_raw`: `bad_raw`), its body's instance
+  against the subject's instance token, which the server authorised
+  (`instance_mismatch`); an unknown hook name whose type would exceed the cap is
+  `bad_hook`, an event over max_payload `too_large`. Every subject comes from
+  `bridge.nats.subjects` (bounded): nothing a message contains can make the server
+  close the connection.
 * What cannot be decoded or mapped goes to `bridge.dlq.<reason>` with headers
   naming the reason, raw sequence and error; then the raw message is acked. The
   dead letter's body is the raw message with every string passed through the
