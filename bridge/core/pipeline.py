@@ -29,8 +29,9 @@ class Record:
     edge: dict[str, Any] | None = None
 
 
-def record_from_raw(raw: RawMessage, default_instance: str = "") -> Record:
-    check_raw(raw)  # EnvelopeError('bad_raw') for what the shim could not have written
+def record_from_raw(raw: RawMessage, default_instance: str = "", checked: bool = False) -> Record:
+    if not checked:  # `checked`: the caller ran check_raw already
+        check_raw(raw)  # EnvelopeError('bad_raw') for what the shim could not have written
     env = raw_envelope(raw)  # raises EnvelopeError for the shim's wrapped garbage
     return Record(env, raw.id, raw.ts, raw.instance or default_instance, raw.edge or None)  # type: ignore[arg-type]
 

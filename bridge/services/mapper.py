@@ -283,6 +283,7 @@ class Mapper:
         # One replica then never asks (bench_mapper: 2,061 consumer-info round trips per
         # 50,000 messages before); with several, a gap is another replica's message.
         self._finished: set[int] = set()
+        self._instances: dict[str, str] = {}  # raw subject -> the body instance last found to match it
         # TEST HOOK (tests/test_faults.py): a raw message containing this byte string makes
         # `handle` fail every time, to prove a poisoned message ends in the DLQ after
         # max_deliver while the rest flows. Unset in any real deployment.
@@ -336,13 +337,17 @@ class Mapper:
         try:
             raw = decode_raw(msg.data)
             check_raw(raw)
-            self.check_instance(msg.subject, raw.instance)
+            if self._instances.get(msg.subject) != raw.instance:  # checked once per subject and instance
+                self.check_instance(msg.subject, raw.instance)
+                if len(self._instances) >= 4096:
+                    self._instances.clear()
+                self._instances[msg.subject] = raw.instance
             if raw.ts and self.is_late(msg, raw.ts) and await self.stored_before(msg, raw.id, raw.ts):
                 self.metrics.resends.inc()
                 log.info("resend_dropped", raw_seq=raw_seq, raw_id=raw.id)
                 return [], 0
             self.metrics.hook_in(raw.hook or "unknown").inc()
-            record = record_from_raw(raw)
+            record = record_from_raw(raw, checked=True)
             assert self.lanes is not None
             if not record.envelope.session_id and await self.lanes.prefetch(record.envelope):
                 # Its session is not known (yet): settle every earlier raw message, look again
@@ -390,13 +395,15 @@ class Mapper:
         """``EnvelopeError('too_large')`` when an event would not fit the server's max_payload
         (nats-py would refuse it on every redelivery until max_deliver, hiding why)."""
         limit = getattr(self.nc, "max_payload", 0) or 0
-        if not limit:
+        if not limit or not bodies:
             return
         # Header block: "NATS/1.0\r\n", two "Key: value\r\n" lines, the final "\r\n".
-        overhead = len(hints.encode()) + 26 + len(HINTS_HEADER) + len("Nats-Msg-Id") + 16 + 64
-        for body in bodies:
-            if len(body) + overhead > limit:
-                raise EnvelopeError("too_large", f"an event of {len(body) + overhead} bytes (max_payload {limit})")
+        largest = max(map(len, bodies)) + 26 + len(HINTS_HEADER) + len("Nats-Msg-Id") + 16 + 64
+        if largest + 4 * len(hints) <= limit:  # the usual case, without encoding the hints
+            return
+        size = largest + len(hints.encode())
+        if size > limit:
+            raise EnvelopeError("too_large", f"an event of {size} bytes with its headers (max_payload {limit})")
 
     def _advance_floor(self, server_floor: int = 0) -> None:
         """Move the known floor to the server's (when read) and over what this replica finished."""
