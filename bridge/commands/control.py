@@ -146,6 +146,7 @@ async def send_command(settings: Any, event: Any, timeout: float) -> tuple[str, 
     from bridge.core import control as C
     from bridge.core.aep import encode_event
     from bridge.core.lanes import lane_token
+    from bridge.nats import subjects as subj
     from bridge.nats.connection import quick_connect
 
     token = lane_token(event.session)
@@ -161,11 +162,11 @@ async def send_command(settings: Any, event: Any, timeout: float) -> tuple[str, 
             if cause == event.id and not got.done():
                 got.set_result(msg.data)
 
-        for subject in C.ack_subjects(token):
+        for subject in subj.ack_subjects(token):
             await nc.subscribe(subject, cb=on_ack)
         await nc.flush()
         # No Nats-Msg-Id: a retry under the same id must reach the gate (it re-sends the recorded ack)
-        await nc.jetstream().publish(C.command_subject(token, event.type), encode_event(event), timeout=timeout)
+        await nc.jetstream().publish(subj.command_subject(token, event.type), encode_event(event), timeout=timeout)
         try:
             data = await asyncio.wait_for(got, timeout=timeout)
         except asyncio.TimeoutError:

@@ -102,6 +102,7 @@ from bridge.core import aep
 from bridge.core.capture import NONE, REDACTED, CapturePolicy
 from bridge.core.identity import MAPPED_SLOT, SLOTS, rfc3339, ulid_from
 from bridge.core.lanes import UNKNOWN, lane_from_token
+from bridge.core.lanes import lane_token as _token_of
 from bridge.core.mapping import LEVEL_NAMES, Gate, strip_to_required
 
 # ---------------------------------------------------------------- constants (documented in README/ARCHITECTURE)
@@ -133,15 +134,9 @@ GATE_REPLY_HEADER = "Aep-Gate-Reply"  # on a held raw pre_tool_call: where the d
 GATE_HOLD_HEADER = "Aep-Gate-Hold-Ms"  # and how long the shim waits for it
 
 
-def command_subject(lane_token: str, command_type: str) -> str:
-    """Where a sender publishes a command: ``aep.hermes.<lane token>.<command type>`` (in AEP_EVENTS)."""
-    return f"aep.hermes.{lane_token}.{command_type}"
-
-
-def ack_subjects(lane_token: str) -> tuple[str, str]:
-    return f"aep.hermes.{lane_token}.{ACCEPTED}", f"aep.hermes.{lane_token}.{REJECTED}"
-
-
+# Commands go to ``aep.hermes.<lane token>.<command type>`` (in AEP_EVENTS), acks come back on
+# ``aep.hermes.<lane token>.control.accepted|rejected``: built by bridge.nats.subjects
+# (`command_subject`, `ack_subjects`), like every other subject.
 #: the gate's command consumer filters (acks match the first one too and are skipped)
 COMMAND_FILTERS = ("aep.hermes.*.control.>", "aep.hermes.*.x.*.control.>")
 
@@ -226,6 +221,8 @@ def parse_command(data: bytes, lane_token: str, subject_type: str | None = None)
     if not isinstance(cid, str) or not cid:
         return None, None
     lane = _lane_of(lane_token)
+    if isinstance(obj.get("session"), str) and _token_of(obj["session"]) == lane_token:
+        lane = obj["session"]  # also a long id, whose (hashed) token cannot be reversed
     source = obj.get("source") if isinstance(obj.get("source"), str) else ""
     ctype = obj.get("type") if isinstance(obj.get("type"), str) else ""
     agent = obj.get("agent") if isinstance(obj.get("agent"), str) else ""
@@ -595,7 +592,7 @@ __all__ = [
     "Command", "DEFAULT_DENY_MESSAGE", "DEFAULT_HOLD_MS", "DENY", "DROP_REASON", "DROP_SLOT", "GATE_SLOT",
     "HELLO_SUBJECT", "INSTRUCT", "Instruction", "MAX_QUEUE", "MAX_TEXT", "Position", "REJECTED", "RESPOND", "Reject",
     "SessionInfo", "Verdict", "Where", "accepted_verbs", "ack_payload", "build_event", "card_payload", "command_key",
-    "command_subject", "dedupe_action", "drop_seqs", "gate_command", "gate_id", "gone_trigger", "hello", "instruct_decision",
+    "dedupe_action", "drop_seqs", "gate_command", "gate_id", "gone_trigger", "hello", "instruct_decision",
     "interpret_answer", "joined_context", "next_seq", "parse_command", "respond_decision", "shim_answer",
     "tool_prompt", "transition",
 ]

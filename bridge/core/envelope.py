@@ -12,6 +12,7 @@ The raw message is the shim's wrapper (docs/ARCHITECTURE.md): ``{"v", "id",
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import msgspec
@@ -158,6 +159,35 @@ def decode_raw(data: bytes | str) -> RawMessage:
         return _raw_decoder.decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as exc:
         raise EnvelopeError("bad_raw", str(exc)) from None
+
+
+RAW_VERSION = 1
+TS_MAX_NS = 2**63 - 1  # int64 nanoseconds: what every later stage (ids, times, checkpoints) can hold
+INSTANCE_MAX_CHARS = 256
+_ULID = re.compile(r"[0-7][0-9A-HJKMNP-TV-Z]{25}")  # Crockford base32, 128 bits: what the shim mints
+
+
+def check_raw(raw: RawMessage) -> None:
+    """``EnvelopeError('bad_raw', why)`` unless the raw message is one the shim could have
+    written: ``v`` 1, ``id`` a ULID, ``ts`` integer nanoseconds in 0..2**63-1, ``instance``
+    a non-empty string of at most INSTANCE_MAX_CHARS without control characters, ``hook``
+    non-empty (a hook name nobody knows is judged by its type: ``bad_hook``). The mapper
+    dead-letters what fails, so no later stage meets a value it cannot hold (a ``ts`` of -1
+    once made a pairing checkpoint unserialisable; 2**80 made every time conversion fail)."""
+    if raw.v != RAW_VERSION:
+        raise EnvelopeError("bad_raw", f"v is {raw.v!r}, not {RAW_VERSION}")
+    if not isinstance(raw.id, str) or not _ULID.fullmatch(raw.id):
+        raise EnvelopeError("bad_raw", f"id is not a ULID ({len(raw.id)} characters)")
+    if not 0 <= raw.ts <= TS_MAX_NS:
+        raise EnvelopeError("bad_raw", f"ts {raw.ts} is outside 0..2**63-1 nanoseconds")
+    if not raw.hook:
+        raise EnvelopeError("bad_raw", "hook is empty")
+    if not raw.instance:
+        raise EnvelopeError("bad_raw", "instance is empty")
+    if len(raw.instance) > INSTANCE_MAX_CHARS:
+        raise EnvelopeError("bad_raw", f"instance of {len(raw.instance)} characters (at most {INSTANCE_MAX_CHARS})")
+    if not raw.instance.isprintable():
+        raise EnvelopeError("bad_raw", "instance has control characters")
 
 
 def raw_envelope(raw: RawMessage) -> HermesEnvelope:

@@ -23,6 +23,7 @@ bounded cache.
 from __future__ import annotations
 
 import base64
+import hashlib
 import re
 import zlib
 from collections import OrderedDict
@@ -31,11 +32,15 @@ from typing import Protocol
 
 from bridge.core.envelope import HermesEnvelope
 
-UNKNOWN = "unknown"
+UNKNOWN = "unknown"  # the unknown lane's `session` on the wire (with the attribute `lane: "unknown"`)
 UNKNOWN_TOKEN = "_unknown"
 APPROVAL_HOOKS = frozenset({"pre_approval_request", "post_approval_response"})
 
-_PLAIN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*$")
+# A lane token is at most this many characters (subjects and KV keys stay far below the
+# server's 4 KiB control line; see `lane_token`).
+LANE_TOKEN_MAX = 128
+HASHED_PREFIX = "_h"  # + 32 hex digits: the token of an id too long for the other forms
+_PLAIN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")  # used with fullmatch: "id\n" is not plain
 
 
 class LaneLookup(Protocol):
@@ -130,6 +135,14 @@ def lane_candidates(env: HermesEnvelope) -> Candidates:
 
 
 def resolve_lane(env: HermesEnvelope, lanes: LaneLookup) -> str:
+    """The lane's session id, or ``UNKNOWN`` (which a real session named "unknown" also
+    returns: `lane_of` tells them apart)."""
+    lane = lane_of(env, lanes)
+    return UNKNOWN if lane is None else lane
+
+
+def lane_of(env: HermesEnvelope, lanes: LaneLookup) -> str | None:
+    """The session id ``env`` is filed under, or None for the unknown lane."""
     lane = envelope_lane(env)
     if lane is not None:
         return lane
@@ -143,7 +156,7 @@ def resolve_lane(env: HermesEnvelope, lanes: LaneLookup) -> str:
             session = lanes.task_session(task)
             if session:
                 return session
-    return UNKNOWN
+    return None
 
 
 def learned_from(env: HermesEnvelope) -> Learned:
@@ -157,21 +170,38 @@ def learned_from(env: HermesEnvelope) -> Learned:
 
 
 def lane_token(lane: str) -> str:
-    """A reversible, subject- and KV-key-safe token for a lane.
+    """A subject- and KV-key-safe token for a session id, at most LANE_TOKEN_MAX characters.
 
-    Plain ids (``[A-Za-z0-9][A-Za-z0-9_-]*``) are their own token, the unknown lane
-    is ``_unknown``, anything else is ``=`` + unpadded base64url of its UTF-8.
+    * a plain id (fullmatches ``[A-Za-z0-9][A-Za-z0-9_-]*``) of at most LANE_TOKEN_MAX
+      characters is its own token;
+    * any other id whose ``=`` + unpadded base64url of its UTF-8 fits in LANE_TOKEN_MAX
+      characters is that (reversible: `lane_from_token`);
+    * anything longer is ``_h`` + the first 32 hex digits of SHA-256 of its UTF-8
+      (deterministic, not reversible: the exact id travels in the events).
+
+    The unknown lane is ``UNKNOWN_TOKEN`` (``_unknown``), which no session id can have: the
+    caller that knows an event is in the unknown lane uses it (`event_lane_token`); a real
+    session named "unknown" is the plain token ``unknown``.
     """
-    if lane == UNKNOWN:
-        return UNKNOWN_TOKEN
-    if _PLAIN.match(lane):
+    if len(lane) <= LANE_TOKEN_MAX and _PLAIN.fullmatch(lane):
         return lane
-    return "=" + base64.urlsafe_b64encode(lane.encode("utf-8")).decode("ascii").rstrip("=")
+    data = lane.encode("utf-8", "surrogatepass")  # JSON may carry lone surrogates
+    if 4 * len(data) <= 3 * (LANE_TOKEN_MAX - 1):  # the base64 form fits
+        return "=" + base64.urlsafe_b64encode(data).decode("ascii").rstrip("=")
+    return HASHED_PREFIX + hashlib.sha256(data).hexdigest()[:32]
+
+
+def event_lane_token(session: str, unknown: bool) -> str:
+    """The token of an event's lane: ``_unknown`` for the unknown lane, else `lane_token`."""
+    return UNKNOWN_TOKEN if unknown else lane_token(session)
 
 
 def lane_from_token(token: str) -> str:
+    """The session id of a reversible token (``ValueError`` for a hashed one)."""
     if token == UNKNOWN_TOKEN:
         return UNKNOWN
+    if token.startswith(HASHED_PREFIX):
+        raise ValueError("a hashed lane token cannot be reversed")
     if token.startswith("="):
         body = token[1:]
         return base64.urlsafe_b64decode(body + "=" * (-len(body) % 4)).decode("utf-8")

@@ -39,9 +39,9 @@ from msgspec import UNSET
 
 from bridge.core import aep
 from bridge.core.capture import FULL, NONE, REDACTED, CapturePolicy, digest
-from bridge.core.envelope import HermesEnvelope
+from bridge.core.envelope import EnvelopeError, HermesEnvelope
 from bridge.core.identity import MAPPED_SLOT, MAX_MAPPED, Origin, rfc3339, source_uri
-from bridge.core.lanes import UNKNOWN, LaneLookup, Learned, learned_from, resolve_lane
+from bridge.core.lanes import UNKNOWN, LaneLookup, Learned, lane_of, learned_from
 
 LEVEL_NAMES = ("none", "metadata", "redacted", "full")
 
@@ -427,13 +427,33 @@ HOOKS: dict[str, Builder] = {
 ERROR_TYPES = frozenset({"x.hermes.api.error"})
 
 
+# An event type is at most this long (AEP sets no limit; ours keeps subjects, metric labels
+# and consumers' indexes bounded). Every type the tables make is far shorter; only the
+# fallback of a hook name nobody knows can reach it.
+TYPE_MAX_CHARS = 128
+_TYPE_RE = re.compile(aep.TYPE_PATTERN)
+
+
 def fallback_type(hook: str) -> str:
-    """``x.hermes.<name with _ as .>``, squeezed into the AEP type grammar."""
+    """``x.hermes.<name with _ as .>``, squeezed into the AEP type grammar.
+
+    ``EnvelopeError('bad_hook')`` when the result would be longer than TYPE_MAX_CHARS
+    (a hook name of thousands of ``a_`` would otherwise make a type of thousands of tokens)."""
+    if len(hook) > TYPE_MAX_CHARS:
+        raise EnvelopeError("bad_hook", f"hook_event_name of {len(hook)} characters (at most {TYPE_MAX_CHARS})")
     cleaned = re.sub(r"[^a-z0-9_]+", "_", hook.lower()).strip("_")
     parts = [p for p in cleaned.split("_") if p]
     if len(parts) < 2:
         parts = (parts or ["unnamed"]) + ["event"]
-    return "x.hermes." + ".".join(parts)
+    event_type = "x.hermes." + ".".join(parts)
+    if len(event_type) > TYPE_MAX_CHARS or not _TYPE_RE.match(event_type):
+        raise EnvelopeError("bad_hook", f"no AEP type of at most {TYPE_MAX_CHARS} characters for this hook_event_name")
+    return event_type
+
+
+def valid_type(event_type: str) -> bool:
+    """Does ``event_type`` obey the AEP type grammar (AEP-0001 §6) and our length cap?"""
+    return len(event_type) <= TYPE_MAX_CHARS and _TYPE_RE.match(event_type) is not None
 
 
 def _fallback(env: HermesEnvelope, ctx: Ctx) -> list[Spec]:
@@ -445,9 +465,10 @@ def _fallback(env: HermesEnvelope, ctx: Ctx) -> list[Spec]:
 
 @dataclass
 class MapResult:
-    lane: str
+    lane: str  # the events' session (``UNKNOWN`` in the unknown lane, and for a real session named so)
     events: list[aep.Event]
     learned: Learned
+    unknown: bool = False  # filed under the unknown lane (token ``_unknown``, attribute ``lane``)
     drift: str | None = None
     problems: list[str] = field(default_factory=list)
     #: Pairing keys that the AEP events themselves do not carry (the mapper sends them to
@@ -485,7 +506,9 @@ def strip_to_required(payload: aep._Payload) -> aep._Payload:
 
 
 def map_envelope(env: HermesEnvelope, origin: Origin, lanes: LaneLookup, policy: CapturePolicy) -> MapResult:
-    lane = resolve_lane(env, lanes)
+    filed = lane_of(env, lanes)
+    unknown = filed is None
+    lane = UNKNOWN if filed is None else filed
     specs = map_specs(env, policy)[:MAX_MAPPED]
     drift = env.drift
     run = env.xstr("turn_id") or (env.xstr("parent_turn_id") if env.hook_event_name.startswith("subagent_") else "")
@@ -520,12 +543,13 @@ def map_envelope(env: HermesEnvelope, origin: Origin, lanes: LaneLookup, policy:
                 severity=severity,
                 capture=LEVEL_NAMES[level],  # type: ignore[arg-type]
                 data=aep.payload_to_data(payload),
-                lane="unknown" if lane == UNKNOWN else UNSET,
+                lane="unknown" if unknown else UNSET,
                 drift=drift if drift is not None else UNSET,
             )
         )
     return MapResult(
         lane=lane,
+        unknown=unknown,
         events=events,
         learned=learned_from(env),
         drift=drift,
@@ -540,8 +564,10 @@ __all__ = [
     "MapResult",
     "POST_TOOL_STATUS",
     "clarify_card",
+    "TYPE_MAX_CHARS",
     "fallback_type",
     "flatten_choice",
     "map_envelope",
     "map_specs",
+    "valid_type",
 ]

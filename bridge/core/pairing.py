@@ -166,6 +166,7 @@ from __future__ import annotations
 import gc
 import hashlib
 import heapq
+import re
 from array import array
 from bisect import bisect_left
 from collections import deque
@@ -395,9 +396,34 @@ class _Snapshot(msgspec.Struct, array_like=True):
     sessions: dict[str, _Session]
 
 
-SNAPSHOT_VERSION = 1
+SNAPSHOT_VERSION = 2  # 2: the unknown lane is keyed UNKNOWN_KEY (1, read too: keyed "unknown")
 _snapshot_encoder = msgspec.msgpack.Encoder()
 _snapshot_decoder = msgspec.msgpack.Decoder(_Snapshot)
+
+UNKNOWN_KEY = ""  # the unknown lane's key in the state (events: session "unknown", lane "unknown")
+INT64_MAX = 2**63 - 1
+_ULID = re.compile(r"[0-7][0-9A-HJKMNP-TV-Z]{25}")
+
+
+class PairingInputError(ValueError):
+    """An input the pairing state does not take (nothing of it was kept)."""
+
+
+def check_input(event: Event, hints: dict[str, Any], ts: int) -> None:
+    """Refuse what a checkpoint could not hold, before any of it enters the state: times,
+    seqs and epochs outside int64, and anything msgpack cannot encode (integers past 64
+    bits deep in ``data``, lone surrogates)."""
+    if not 0 <= ts <= INT64_MAX:
+        raise PairingInputError(f"receive time {ts} outside 0..2**63-1 ns")
+    for name in ("seq", "epoch"):
+        value = getattr(event, name)
+        if isinstance(value, int) and not 0 <= value <= INT64_MAX:
+            raise PairingInputError(f"{name} {value} outside 0..2**63-1")
+    try:
+        _snapshot_encoder.encode(event)
+        _snapshot_encoder.encode(hints)
+    except (OverflowError, TypeError, ValueError, UnicodeEncodeError, msgspec.EncodeError) as exc:
+        raise PairingInputError(f"a value no checkpoint can hold: {type(exc).__name__}: {exc}") from None
 
 
 class _DigestRing:
@@ -496,25 +522,32 @@ class PairingState:
     # ------------------------------------------------------------ public API
 
     def process(self, event: Event, hints: dict[str, Any] | None, position: int) -> list[Event]:
-        """Feed one mapped event; return the events to publish, in order."""
+        """Feed one mapped event; return the events to publish, in order.
+
+        ``PairingInputError`` (nothing changed) for an input the state could not keep: a
+        value no checkpoint can hold would otherwise fail every later checkpoint of the
+        partition, and every restart would replay from the last good one."""
         if position <= self.position:
             self._count("replayed")
             return []
+        h = hints or {}
+        ts = h.get("ts")
+        if not isinstance(ts, int) or isinstance(ts, bool) or ts <= 0:
+            ts = ulid_time_ms(event.id) * 1_000_000 if _ULID.fullmatch(event.id) else 0
+        check_input(event, h, ts)
         self.position = position
         self._count("events_in")
         if event.id in self._seen:
             self._count("duplicates")
             return []
         self._remember_id(event.id)
-        h = hints or {}
-        ts = h.get("ts")
-        if not isinstance(ts, int) or isinstance(ts, bool) or ts <= 0:
-            ts = ulid_time_ms(event.id) * 1_000_000
         if ts > self.clock:
             self.clock = ts
-        lane = event.session
-        if lane is UNSET:  # agent.* events: nothing to pair
+        if event.session is UNSET:  # agent.* events: nothing to pair
             return self._emit([event])
+        # The unknown lane is keyed "" (no session id is empty): a real session named
+        # "unknown" is another session.
+        lane = UNKNOWN_KEY if event.lane == "unknown" else event.session
         s = self._sessions.get(lane)  # type: ignore[arg-type]
         if s is None:
             s = self._sessions[lane] = _Session(source=event.source, last=ts)  # type: ignore[index]
@@ -610,7 +643,7 @@ class PairingState:
 
     def _load(self, data: bytes) -> None:
         snap = _snapshot_decoder.decode(data)
-        if snap.version != SNAPSHOT_VERSION:
+        if snap.version not in (1, SNAPSHOT_VERSION):
             raise ValueError(f"unsupported pairing snapshot version {snap.version}")
         self.position = snap.position
         self.clock = snap.clock
@@ -619,6 +652,9 @@ class PairingState:
         self._seen = set(snap.seen)
         self._ended = _DigestRing(self.config.max_ended, snap.ended)
         self._sessions = snap.sessions
+        if UNKNOWN in self._sessions and UNKNOWN_KEY not in self._sessions and snap.version == 1:
+            # Checkpoints written before the unknown lane had its own key held it as "unknown".
+            self._sessions[UNKNOWN_KEY] = self._sessions.pop(UNKNOWN)
         self._open = [0, 0, 0, 0]
         self._heap = []
         self._wake = {}
@@ -1178,7 +1214,7 @@ class PairingState:
             time=time,
             source=source,
             agent="hermes",
-            session=lane,
+            session=UNKNOWN if lane == UNKNOWN_KEY else lane,
             run=run or UNSET,
             seq=(anchor // SLOTS) * SLOTS + slot,
             epoch=epoch,
@@ -1187,7 +1223,7 @@ class PairingState:
             severity=severity or UNSET,  # type: ignore[arg-type]
             capture="none" if lo else "metadata",
             data=data,
-            lane="unknown" if lane == UNKNOWN else UNSET,
+            lane="unknown" if lane == UNKNOWN_KEY else UNSET,
         )
 
     # ------------------------------------------------------------ small helpers

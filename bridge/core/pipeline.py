@@ -10,7 +10,7 @@ from typing import Any
 import msgspec
 
 from bridge.core.capture import CapturePolicy
-from bridge.core.envelope import EnvelopeError, HermesEnvelope, RawMessage, envelope_from_obj, raw_envelope
+from bridge.core.envelope import EnvelopeError, HermesEnvelope, RawMessage, check_raw, envelope_from_obj, raw_envelope
 from bridge.core.identity import Origin
 from bridge.core.lanes import LaneLookup
 from bridge.core.mapping import MapResult, map_envelope
@@ -29,7 +29,9 @@ class Record:
     edge: dict[str, Any] | None = None
 
 
-def record_from_raw(raw: RawMessage, default_instance: str = "") -> Record:
+def record_from_raw(raw: RawMessage, default_instance: str = "", checked: bool = False) -> Record:
+    if not checked:  # `checked`: the caller ran check_raw already
+        check_raw(raw)  # EnvelopeError('bad_raw') for what the shim could not have written
     env = raw_envelope(raw)  # raises EnvelopeError for the shim's wrapped garbage
     return Record(env, raw.id, raw.ts, raw.instance or default_instance, raw.edge or None)  # type: ignore[arg-type]
 

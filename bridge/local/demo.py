@@ -95,7 +95,9 @@ async def collect(nc: Any, source_prefix: str, since: datetime, want: int, timeo
         await queue.put((msg.data, msg.metadata.timestamp))
 
     config = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_TIME, opt_start_time=since)
-    sub = await js.subscribe(f"{S.EVENTS_PREFIX}.>", cb=cb, ordered_consumer=True, config=config)
+    from bridge.nats.subjects import events_filter
+
+    sub = await js.subscribe(events_filter(), cb=cb, ordered_consumer=True, config=config)
     deadline = time.monotonic() + timeout
     last = time.monotonic()
     try:

@@ -16,7 +16,7 @@ from typing import Any, Callable, TextIO
 
 import msgspec
 
-from bridge.core.lanes import UNKNOWN, lane_token
+from bridge.core.lanes import UNKNOWN, UNKNOWN_TOKEN, lane_token
 
 _COLORS = [32, 34, 35, 36, 33, 92, 94, 95, 96, 93]
 _RESET = "\x1b[0m"
@@ -141,7 +141,10 @@ async def tail(
     from bridge.nats import streams as S
 
     js = nc.jetstream()
-    subject = f"{S.EVENTS_PREFIX}.{lane_token(session)}.>" if session else f"{S.EVENTS_PREFIX}.>"
+    from bridge.nats import subjects as subj
+
+    # `--session unknown` follows the unknown lane (as documented), not a session named so.
+    subject = subj.events_filter((UNKNOWN_TOKEN if session == UNKNOWN else lane_token(session)) if session else None)
     kwargs: dict[str, Any] = {"ordered_consumer": True}
     if since is not None:
         kwargs["config"] = _start_time_config(since)

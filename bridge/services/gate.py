@@ -51,9 +51,10 @@ from bridge.core.aep import Event, decode_event, encode_event
 from bridge.core.capture import CapturePolicy
 from bridge.core.envelope import EnvelopeError, decode_raw
 from bridge.core.identity import source_uri
-from bridge.core.lanes import UNKNOWN, lane_token
+from bridge.core.lanes import event_lane_token, lane_token
 from bridge.core.pipeline import map_record, record_from_raw
 from bridge.nats import streams as S
+from bridge.nats import subjects as subj
 from bridge.services.runtime import Health, HttpServer, Stopper
 
 log = structlog.get_logger("aep_bridge.gate")
@@ -191,7 +192,7 @@ class Gate:
                 data, ev = ev, decode_event(ev)
             else:
                 data = encode_event(ev)
-            subject = f"{S.EVENTS_PREFIX}.{lane_token(ev.session)}.{ev.type}"  # type: ignore[arg-type]
+            subject = subj.event_subject(ev)
             await self.js.publish(subject, data, headers={"Nats-Msg-Id": ev.id})
 
     async def session_info(self, token: str, lane: str) -> C.SessionInfo | None:
@@ -203,7 +204,7 @@ class Gate:
             return info
         for etype in ("run.started", "session.started"):
             try:
-                msg = await self.js.get_last_msg(S.AEP_EVENTS, f"{S.EVENTS_PREFIX}.{token}.{etype}")
+                msg = await self.js.get_last_msg(S.AEP_EVENTS, subj.events_subject(token, etype))
                 return C.SessionInfo(source=decode_event(msg.data).source)
             except Exception:
                 continue
@@ -221,6 +222,9 @@ class Gate:
         hook = msg.subject.rsplit(".", 1)[-1]
         try:
             raw = decode_raw(msg.data)
+            tokens = subj.raw_tokens(msg.subject)
+            if tokens is None or subj.token(raw.instance) != tokens[0]:  # a forged instance (mapper: instance_mismatch)
+                raise EnvelopeError("instance_mismatch", "the body's instance is not the subject's")
             record = record_from_raw(raw)
         except EnvelopeError as exc:  # the mapper dead-letters it; nothing to hold or learn
             log.warning("raw_skipped", subject=msg.subject, reason=exc.reason)
@@ -230,12 +234,12 @@ class Gate:
         result = map_record(record, raw_seq, self.epoch, self.lanes.cache, self.config.policy)
         if not result.events:
             return
-        token = lane_token(result.lane)
+        token = event_lane_token(result.lane, result.unknown)
         source = result.events[0].source
         if hook == "on_session_finalize":
             await self.finalize(token, result.lane, source, raw.instance or "", raw_seq)
             return
-        if result.lane != UNKNOWN:
+        if not result.unknown:
             await self.learn(token, source, raw.instance or "")
         reply = (msg.headers or {}).get(C.GATE_REPLY_HEADER)
         if hook == "pre_tool_call" and reply:
@@ -642,7 +646,7 @@ class Gate:
         raw = await self.js.pull_subscribe("", durable=RAW_DURABLE, stream=S.HERMES_RAW, config=ConsumerConfig(
             durable_name=RAW_DURABLE, description="aep-bridge gate: held calls and session boundaries",
             deliver_policy=DeliverPolicy.NEW, ack_policy=AckPolicy.EXPLICIT, ack_wait=30.0,
-            filter_subjects=[f"{S.RAW_PREFIX}.*.{h}" for h in RAW_HOOKS]))
+            filter_subjects=[subj.raw_filter(hook=h) for h in RAW_HOOKS]))
         commands = await self.js.pull_subscribe("", durable=COMMAND_DURABLE, stream=S.AEP_EVENTS, config=ConsumerConfig(
             durable_name=COMMAND_DURABLE, description="aep-bridge gate: control commands",
             deliver_policy=DeliverPolicy.NEW, ack_policy=AckPolicy.EXPLICIT, ack_wait=30.0,

@@ -32,6 +32,12 @@ Theory of operation
   batch longer; counted in `aep_bridge_mapper_lane_wait_timeouts_total`).
 * `epoch` = the creation time of HERMES_RAW (milliseconds): it changes, upward, only
   when the stream is recreated, and every replica reads the same value.
+* Every raw message is checked first (`check_raw`: `bad_raw`), its body's instance
+  against the subject's instance token, which the server authorised
+  (`instance_mismatch`); an unknown hook name whose type would exceed the cap is
+  `bad_hook`, an event over max_payload `too_large`. Every subject comes from
+  `bridge.nats.subjects` (bounded): nothing a message contains can make the server
+  close the connection.
 * What cannot be decoded or mapped goes to `bridge.dlq.<reason>` with headers
   naming the reason, raw sequence and error; then the raw message is acked. The
   dead letter's body is the raw message with every string passed through the
@@ -71,11 +77,12 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from bridge.config import MAPPER_METRICS_PORT, Settings
 from bridge.core.aep import encode_event
 from bridge.core.capture import CapturePolicy
-from bridge.core.envelope import EnvelopeError, decode_raw
-from bridge.core.lanes import UNKNOWN, MemoryLanes, lane_candidates, lane_token, partition_of, resolve_lane
+from bridge.core.envelope import EnvelopeError, check_raw, decode_raw
+from bridge.core.lanes import MemoryLanes, event_lane_token, lane_candidates, lane_of, lane_token, partition_of
 from bridge.core.mapping import MapResult
 from bridge.core.pipeline import map_record, record_from_raw
 from bridge.nats import streams as S
+from bridge.nats import subjects as subj
 from bridge.services.runtime import Health, HttpServer, Stopper, close_connection
 
 log = structlog.get_logger("aep_bridge.mapper")
@@ -221,7 +228,7 @@ class KvLanes:
             value = await self._get("t." + lane_token(task), since)
             if value:
                 self.cache.add_task(task, value.decode())
-        return resolve_lane(env, self.cache) == UNKNOWN
+        return lane_of(env, self.cache) is None
 
     def needs_learning(self, result: MapResult) -> bool:
         """Cheap check on the hot path: does this envelope teach the lane table anything new?"""
@@ -239,12 +246,12 @@ class KvLanes:
         futures: list[asyncio.Future] = []
         if learned.session and not self.cache.is_known_session(learned.session):
             key = "s." + lane_token(learned.session)
-            futures.append(await js.publish_async(f"$KV.{S.LANES_BUCKET}.{key}", b"1"))
+            futures.append(await js.publish_async(subj.kv_subject(S.LANES_BUCKET, key), b"1"))
             self.cache.add_session(learned.session)
             self._missing.pop(key, None)
         if learned.session and learned.task_id and self.cache.task_session(learned.task_id) != learned.session:
             key = "t." + lane_token(learned.task_id)
-            futures.append(await js.publish_async(f"$KV.{S.LANES_BUCKET}.{key}", learned.session.encode()))
+            futures.append(await js.publish_async(subj.kv_subject(S.LANES_BUCKET, key), learned.session.encode()))
             self.cache.add_task(learned.task_id, learned.session)
             self._missing.pop(key, None)
         return futures
@@ -279,6 +286,7 @@ class Mapper:
         # One replica then never asks (bench_mapper: 2,061 consumer-info round trips per
         # 50,000 messages before); with several, a gap is another replica's message.
         self._finished: set[int] = set()
+        self._instances: dict[str, str] = {}  # raw subject -> the body instance last found to match it
         # TEST HOOK (tests/test_faults.py): a raw message containing this byte string makes
         # `handle` fail every time, to prove a poisoned message ends in the DLQ after
         # max_deliver while the rest flows. Unset in any real deployment.
@@ -331,12 +339,18 @@ class Mapper:
             raise RuntimeError("AEP_BRIDGE_TEST_POISON matched this message (test hook)")
         try:
             raw = decode_raw(msg.data)
+            check_raw(raw)
+            if self._instances.get(msg.subject) != raw.instance:  # checked once per subject and instance
+                self.check_instance(msg.subject, raw.instance)
+                if len(self._instances) >= 4096:
+                    self._instances.clear()
+                self._instances[msg.subject] = raw.instance
             if raw.ts and self.is_late(msg, raw.ts) and await self.stored_before(msg, raw.id, raw.ts):
                 self.metrics.resends.inc()
                 log.info("resend_dropped", raw_seq=raw_seq, raw_id=raw.id)
                 return [], 0
             self.metrics.hook_in(raw.hook or "unknown").inc()
-            record = record_from_raw(raw)
+            record = record_from_raw(raw, checked=True)
             assert self.lanes is not None
             if not record.envelope.session_id and await self.lanes.prefetch(record.envelope):
                 # Its session is not known (yet): settle every earlier raw message, look again
@@ -345,24 +359,54 @@ class Mapper:
             started = time.perf_counter()
             result = map_record(record, raw_seq, self.epoch, self.lanes.cache, self.policy)
             self.metrics.latency.observe(time.perf_counter() - started)
-        except EnvelopeError as exc:
+            token = event_lane_token(result.lane, result.unknown)
+            subject = subj.mapped_subject(partition_of(token, self.settings.partitions), token)
+            hints = msgspec.json.encode(result.hints).decode()
+            bodies = [encode_event(event) for event in result.events]
+            self.check_sizes(bodies, hints)
+        except (EnvelopeError, subj.SubjectError) as exc:
             return [await self.dead_letter(msg, exc.reason, str(exc))], 0
         futures = await self.lanes.learn(result, self.js) if self.lanes.needs_learning(result) else []
         if result.drift:
             self.metrics.drift.labels(seen=result.drift[:64]).inc()
         if result.problems:
             self.metrics.problems.inc()
-        token = lane_token(result.lane)
-        subject = f"{S.MAPPED_PREFIX}.{partition_of(token, self.settings.partitions)}.{token}"
-        hints = msgspec.json.encode(result.hints).decode()
         publish = self.js.publish_async
         events = await self.already_mapped(msg, subject, result.events)
-        for event in events:
-            futures.append(await publish(subject, encode_event(event), headers={"Nats-Msg-Id": event.id, HINTS_HEADER: hints}))
+        for event, body in zip(events, bodies[len(bodies) - len(events):]):
+            futures.append(await publish(subject, body, headers={"Nats-Msg-Id": event.id, HINTS_HEADER: hints}))
             self.metrics.event_out(event.type).inc()
-        if result.lane == UNKNOWN:
+        if result.unknown:
             self.metrics.unknown_lane.inc(len(result.events))
         return futures, record.ts_ns
+
+    @staticmethod
+    def check_instance(subject: str, instance: str) -> None:
+        """The instance is the one the server authorised: the subject's instance token (a
+        per-instance NATS user may publish only on ``hermes.raw.<its instance>.>``). A body
+        naming another instance is a forgery (or a misconfigured shim):
+        ``EnvelopeError('instance_mismatch')``. Compared as the shim's token of the body's
+        instance, so names that are not plain still match their own subject."""
+        tokens = subj.raw_tokens(subject)
+        if tokens is None:
+            raise EnvelopeError("bad_raw", "not published on hermes.raw.<instance>.<hook>")
+        if subj.token(instance) != tokens[0]:
+            raise EnvelopeError("instance_mismatch", f"the body names instance token {subj.token(instance)!r}, "
+                                                     f"the subject {tokens[0]!r}")
+
+    def check_sizes(self, bodies: list[bytes], hints: str) -> None:
+        """``EnvelopeError('too_large')`` when an event would not fit the server's max_payload
+        (nats-py would refuse it on every redelivery until max_deliver, hiding why)."""
+        limit = getattr(self.nc, "max_payload", 0) or 0
+        if not limit or not bodies:
+            return
+        # Header block: "NATS/1.0\r\n", two "Key: value\r\n" lines, the final "\r\n".
+        largest = max(map(len, bodies)) + 26 + len(HINTS_HEADER) + len("Nats-Msg-Id") + 16 + 64
+        if largest + 4 * len(hints) <= limit:  # the usual case, without encoding the hints
+            return
+        size = largest + len(hints.encode())
+        if size > limit:
+            raise EnvelopeError("too_large", f"an event of {size} bytes with its headers (max_payload {limit})")
 
     def _advance_floor(self, server_floor: int = 0) -> None:
         """Move the known floor to the server's (when read) and over what this replica finished."""
@@ -522,7 +566,7 @@ class Mapper:
                 headers.setdefault(f"Bridge-Orig-{key}", value)
         self.metrics.dead_letters.labels(reason=reason).inc()
         log.warning("dead_letter", reason=reason, raw_seq=meta.sequence.stream, error=error[:200])
-        return await self.js.publish_async(f"{S.DLQ_PREFIX}.{reason}", body, headers=headers)
+        return await self.js.publish_async(subj.dlq_subject(reason), body, headers=headers)
 
     # ------------------------------------------------------------ the loop
 

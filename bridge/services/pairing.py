@@ -62,9 +62,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from bridge.config import PAIRING_METRICS_PORT, Settings
 from bridge.core.aep import decode_event, encode_event
-from bridge.core.lanes import lane_token
-from bridge.core.pairing import PairingState
+from bridge.core.pairing import PairingInputError, PairingState
 from bridge.nats import streams as S
+from bridge.nats import subjects as subj
 from bridge.services.runtime import Health, HttpServer, Stopper, close_connection
 
 log = structlog.get_logger("aep_bridge.pairing")
@@ -92,7 +92,7 @@ CHECKPOINT_S = 10.0
 # eight partitions polling without one made ~1 pull request per message (CPU for the service
 # and the server); messages arriving meanwhile wait at most this much, none in a catch-up.
 FETCH_PACE_S = 0.02
-TICK_TOKEN = "__tick__"
+TICK_TOKEN = subj.TICK_TOKEN
 
 
 class PairingMetrics:
@@ -295,7 +295,16 @@ class PairingService:
         if part.position == part.checkpointed:
             return
         await self.js.publish_async_completed()
-        blob = zlib.compress(part.state.snapshot(), 1)
+        try:
+            blob = zlib.compress(part.state.snapshot(), 1)
+        except Exception as exc:  # a state no checkpoint can hold: never let it stop the partition
+            # (process() refuses such inputs; this is the last line). The partition goes on, and
+            # tries again after CHECKPOINT_S; a takeover meanwhile replays from the last good one.
+            self.metrics.checkpoint_errors.labels(what="encode").inc()
+            log.error("checkpoint_unencodable", partition=part.number, error=f"{type(exc).__name__}: {exc}")
+            part.since_checkpoint = 0
+            part.last_checkpoint = time.monotonic()
+            return
         name = CHECKPOINT_KEY.format(part.number)
         chunk = min(CHECKPOINT_CHUNK, self.nc.max_payload)
         meta = ObjectMeta(name=name, options=ObjectMetaOptions(max_chunk_size=chunk))
@@ -317,11 +326,34 @@ class PairingService:
 
     async def publish(self, events: list[Any]) -> list[asyncio.Future]:
         futures = []
+        limit = getattr(self.nc, "max_payload", 0) or 0
         for event in events:
-            subject = f"{S.EVENTS_PREFIX}.{lane_token(event.session)}.{event.type}"
-            futures.append(await self.js.publish_async(subject, encode_event(event), headers={"Nats-Msg-Id": event.id}))
+            body = encode_event(event)
+            try:
+                subject = subj.event_subject(event)
+                if limit and len(body) + len(event.id) + 64 > limit:
+                    raise subj.SubjectError("too_large", f"an event of {len(body)} bytes (max_payload {limit})")
+            except subj.SubjectError as exc:  # never onto the wire: nats-server would close the connection
+                futures.append(await self.dead_letter_event(event, body, exc.reason, str(exc)))
+                continue
+            futures.append(await self.js.publish_async(subject, body, headers={"Nats-Msg-Id": event.id}))
             self.metrics.event_out(event.type).inc()
         return futures
+
+    async def dead_letter_event(self, event: Any, body: bytes, reason: str, error: str) -> asyncio.Future:
+        """An output that cannot be published: to the DLQ (its input is consumed as usual)."""
+        self.metrics.dead_letters.labels(reason=reason).inc()
+        log.error("pairing_dead_letter", reason=reason, event_id=event.id, error=error[:200])
+        headers = {
+            "Nats-Msg-Id": f"dlq:{S.AEP_EVENTS}:{event.id}",
+            "Bridge-Dlq-Reason": reason,
+            "Bridge-Dlq-Error": error.replace("\r", " ").replace("\n", " ")[:1000],
+            "Bridge-Stage": "pairing",
+        }
+        limit = getattr(self.nc, "max_payload", 0) or 0
+        if limit and len(body) + 1024 > limit:
+            body = b""  # the event is still in BRIDGE_MAPPED (its input)
+        return await self.js.publish_async(subj.dlq_subject(reason), body, headers=headers)
 
     async def handle(self, part: Partition, msg: Any) -> tuple[list[asyncio.Future], int | None]:
         """Fold one message into the state and start publishing what it yields.
@@ -350,7 +382,8 @@ class PairingService:
                 out = part.state.process(event, hints, position)
                 part.events_in.inc()
         except Exception as exc:  # decode errors, or an input the state machine rejects
-            reason = "bad_mapped" if isinstance(exc, (msgspec.DecodeError, msgspec.ValidationError)) else "pairing_error"
+            reason = "bad_mapped" if isinstance(exc, (msgspec.DecodeError, msgspec.ValidationError, PairingInputError)) \
+                else "pairing_error"
             log.error("pairing_dead_letter", partition=part.number, position=position, error=f"{type(exc).__name__}: {exc}")
             await self.dead_letter(msg, reason, f"{type(exc).__name__}: {exc}")
             return [], None
@@ -373,8 +406,8 @@ class PairingService:
             return events  # a first publish (after `stored`) is inside the window: JetStream dedupes
         missing = []
         for event in events:
-            subject = f"{S.EVENTS_PREFIX}.{lane_token(event.session)}.{event.type}"
             try:
+                subject = subj.event_subject(event)
                 found = await find_msg_id(self.nc, S.AEP_EVENTS, subject, event.id, stored - SERVER_MARGIN_NS,
                                           api_prefix=getattr(self.js, "_prefix", "$JS.API"))
             except Exception as exc:  # let it through: a duplicate at worst, never a loss
@@ -404,7 +437,7 @@ class PairingService:
             part.since_checkpoint += sum(1 for m in msgs if m.metadata.sequence.stream > part.position)
             part.position = last
             if futures:  # every output up to `last` is acked: say so, for a later restore
-                fut = await self.js.publish_async(f"$KV.{S.PAIRING_BUCKET}.{PROGRESS_KEY.format(part.number)}",
+                fut = await self.js.publish_async(subj.kv_subject(S.PAIRING_BUCKET, PROGRESS_KEY.format(part.number)),
                                                   str(last).encode())
                 fut.add_done_callback(lambda f: f.cancelled() or f.exception())
                 # nats-py never times a publish_async future out, and checkpoint() waits for all of
@@ -420,7 +453,7 @@ class PairingService:
             "Bridge-Mapped-Subject": msg.subject,
         }
         self.metrics.dead_letters.labels(reason=reason).inc()
-        await self.js.publish(f"{S.DLQ_PREFIX}.{reason}", msg.data, headers=headers)
+        await self.js.publish(subj.dlq_subject(reason), msg.data, headers=headers)
 
     async def run_partition(self, part: Partition) -> None:
         from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
@@ -433,10 +466,10 @@ class PairingService:
             opt_start_seq=part.position + 1 if part.position else None,
             ack_policy=AckPolicy.NONE,
             inactive_threshold=30.0,
-            filter_subject=f"{S.MAPPED_PREFIX}.{n}.>",
+            filter_subject=subj.mapped_filter(n),
             max_ack_pending=-1,
         )
-        sub = await self.js.pull_subscribe(f"{S.MAPPED_PREFIX}.{n}.>", stream=S.BRIDGE_MAPPED, config=config)
+        sub = await self.js.pull_subscribe(subj.mapped_filter(n), stream=S.BRIDGE_MAPPED, config=config)
         log.info("partition_started", partition=n, from_position=part.position)
         try:
             while not self.stopper.stopping and not part.lost:
@@ -536,7 +569,7 @@ class PairingService:
                 try:
                     slot = now // int(self.tick_s * 1e9)
                     await self.js.publish(
-                        f"{S.MAPPED_PREFIX}.{n}.{TICK_TOKEN}",
+                        subj.tick_subject(n),
                         msgspec.json.encode({"now": now}),
                         headers={"Nats-Msg-Id": f"tick:{n}:{slot}"},
                     )

@@ -88,9 +88,9 @@ def expected_mapped(raw: Any) -> int | str:
 
     try:
         record = record_from_raw(raw)
-    except EnvelopeError as exc:
+        return min(len(map_specs(record.envelope, _count_policy())), MAX_MAPPED)
+    except EnvelopeError as exc:  # also bad_hook, from the mapping itself
         return exc.reason
-    return min(len(map_specs(record.envelope, _count_policy())), MAX_MAPPED)
 
 
 # ---------------------------------------------------------------- reading streams

@@ -16,7 +16,7 @@ from bridge.core.capture import CapturePolicy, Redactor, canonical_json, digest,
 from bridge.core.envelope import EnvelopeError, decode_envelope, envelope_from_obj
 from bridge.core.identity import Origin, event_id, rfc3339, ulid_from, ulid_time_ms
 from bridge.core.lanes import (
-    UNKNOWN, MemoryLanes, lane_candidates, lane_from_token, lane_token, learned_from, partition_of, resolve_lane,
+    LANE_TOKEN_MAX, UNKNOWN, MemoryLanes, event_lane_token, lane_candidates, lane_from_token, lane_token, learned_from, partition_of, resolve_lane,
 )
 from bridge.core.mapping import fallback_type, map_envelope, map_specs
 from tests.corpus import envelopes
@@ -125,6 +125,11 @@ def test_fallback_type_names():
     assert fallback_type("kanban_task_claimed") == "x.hermes.kanban.task.claimed"
     assert fallback_type("Weird Name!") == "x.hermes.weird.name"
     assert fallback_type("x") == "x.hermes.x.event"
+    assert fallback_type("a_" * 59) == "x.hermes." + ".".join("a" * 59)  # 126 characters
+    for hostile in ("a_" * 3000, "a_" * 61, "x" * 129):
+        with pytest.raises(EnvelopeError) as err:
+            fallback_type(hostile)
+        assert err.value.reason == "bad_hook"
 
 
 def test_metadata_clarify_card_has_structural_labels_only():
@@ -245,16 +250,33 @@ def test_lanes_are_bounded():
     assert list(lanes.sessions) == ["s7", "s8", "s9"]
 
 
-@given(st.text(min_size=1, max_size=40))
-def test_lane_tokens_round_trip_and_are_subject_safe(lane):
+@given(st.text(min_size=1, max_size=300))
+def test_lane_tokens_are_bounded_subject_safe_and_round_trip_unless_hashed(lane):
     token = lane_token(lane)
-    assert lane_from_token(token) == lane
-    assert all(c.isalnum() or c in "-_=" for c in token)
+    assert len(token) <= LANE_TOKEN_MAX
+    assert all(c in "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_=" for c in token)
+    if token.startswith("_h"):
+        assert len(lane.encode()) > 95 and token == lane_token(lane)  # deterministic
+    else:
+        assert lane_from_token(token) == lane
+    assert token != "_unknown"
     assert 0 <= partition_of(token, 8) < 8
 
 
+def test_lane_token_forms():
+    assert lane_token("20261130_224954_177c7f") == "20261130_224954_177c7f"  # plain ids keep their token
+    assert lane_token("a:b") == "=YTpi"  # as before: stored streams stay valid
+    assert lane_token("nl-sess\n") == "=bmwtc2Vzcwo"  # a full match: "\n" is not plain
+    assert lane_token("S" * 128) == "S" * 128
+    long = lane_token("S" * 5000)
+    assert long.startswith("_h") and len(long) == 34 and long != lane_token("S" * 4999)
+    assert lane_token("\ud800x").startswith("=")  # a lone surrogate from JSON does not raise
+
+
 def test_unknown_lane_token():
-    assert lane_token(UNKNOWN) == "_unknown" and lane_from_token("_unknown") == UNKNOWN
+    # The unknown lane has its own token; a real session named "unknown" is a plain id.
+    assert event_lane_token(UNKNOWN, unknown=True) == "_unknown" and lane_from_token("_unknown") == UNKNOWN
+    assert lane_token(UNKNOWN) == "unknown" == event_lane_token(UNKNOWN, unknown=False)
 
 
 # ------------------------------------------------------------------- redaction and digests
