@@ -32,7 +32,7 @@ from bench_mapper import BATCH, load, raw_messages, relay  # noqa: E402
 
 from bridge.config import Settings  # noqa: E402
 from bridge.core.capture import CapturePolicy  # noqa: E402
-from bridge.local.server import EmbeddedNats  # noqa: E402
+from bridge.stack.server import EmbeddedNats  # noqa: E402
 
 
 async def fill_mapped(settings: Settings, n: int) -> int:

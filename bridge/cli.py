@@ -16,11 +16,11 @@ import sys
 from bridge import __version__
 
 COMMAND_MODULES = (
-    "bridge.commands.core",  # map, schemas
+    "bridge.commands.mapping",  # map, schemas
     "bridge.commands.shim",  # spool, hermes install/uninstall/doctor
-    "bridge.commands.nats",  # bootstrap
+    "bridge.commands.bootstrap",  # bootstrap
     "bridge.commands.services",  # mapper, pairing
-    "bridge.commands.local",  # up, demo, tail
+    "bridge.commands.stack",  # up, demo, tail
     "bridge.commands.sim",  # simulate, verify
     "bridge.commands.control",  # gate, control respond|instruct|hello|pending
 )

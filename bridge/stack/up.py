@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from bridge.config import MAPPER_METRICS_PORT, PAIRING_METRICS_PORT, Settings, default_state_dir
-from bridge.local.server import EmbeddedNats, free_port, port_is_free, terminate
+from bridge.stack.server import EmbeddedNats, free_port, port_is_free, terminate
 
 
 def state_file(state_dir: Path) -> Path:
@@ -289,8 +289,8 @@ class Up:
             self.say("aep-bridge up: stopped")
 
     async def _demo_then_tail(self, follow: bool, color: bool) -> None:
-        from bridge.local.demo import run_demo
-        from bridge.local.tail import tail
+        from bridge.stack.demo import run_demo
+        from bridge.stack.tail import tail
         from bridge.nats.connection import connect
 
         try:

@@ -23,14 +23,14 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from bridge.config import Settings, default_state_dir
+from bridge.sim.sessions import renamed_corpus
 
 SHIM = Path(__file__).resolve().parent.parent / "shim" / "hook.py"
 
 
 def demo_envelopes(suffix: str) -> list[dict[str, Any]]:
-    from bridge.sim.sessions import _rename, corpus
-
-    return [json.loads(_rename(json.dumps(r["envelope"]), suffix)) for r in corpus()]
+    """The real sessions, every identity suffixed with `suffix` (a fresh run of the same corpus)."""
+    return renamed_corpus(suffix)
 
 
 def expected_mapped(envelopes: list[dict[str, Any]]) -> int:
