@@ -608,7 +608,7 @@ class Instance:
 @lru_cache(maxsize=1)
 def compiled_shim() -> Path:
     """hook.py byte-compiled into a private directory: what `aep-bridge hermes install` registers."""
-    from bridge.shim.install import compile_hook
+    from bridge.hermes.install import compile_hook
 
     out = Path(tempfile.mkdtemp(prefix="aep-sim-shim-")) / "hook.pyc"
     return compile_hook(sys.executable, out)

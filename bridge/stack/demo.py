@@ -50,7 +50,7 @@ def expected_mapped(envelopes: list[dict[str, Any]]) -> int:
 def shim_script() -> Path:
     """The byte-compiled shim, as `aep-bridge hermes install` registers it (a script named on
     the command line is recompiled on every run: ~11 ms here); the source if compiling fails."""
-    from bridge.shim.install import InstallError, compile_hook
+    from bridge.hermes.install import InstallError, compile_hook
 
     try:
         return compile_hook(sys.executable, target=default_state_dir() / "demo-hook.pyc")

@@ -209,7 +209,7 @@ class Up:
     def banner(self) -> None:
         import importlib.util
 
-        from bridge.shim.install import HOOK_SOURCE, build_command
+        from bridge.hermes.install import HOOK_SOURCE, build_command
 
         compiled = Path(importlib.util.cache_from_source(str(HOOK_SOURCE)))
         command = build_command(sys.executable, compiled, Path("~/.hermes/aep-bridge.env"))
@@ -234,7 +234,7 @@ class Up:
         self.say("")
 
     def control_banner(self, command: str) -> None:
-        from bridge.shim.install import gate_timeout_s
+        from bridge.hermes.install import gate_timeout_s
 
         control = self.control() or {}
         shim = control.get("shim_env", {})

@@ -50,7 +50,7 @@ from typing import Any, Iterator
 
 from bridge.config import DEFAULT_DEADLINE_MS, load_environ
 
-HOOK_SOURCE = Path(__file__).resolve().parent / "hook.py"
+HOOK_SOURCE = Path(__file__).resolve().parent.parent / "shim" / "hook.py"
 ALLOWLIST_FILENAME = "shell-hooks-allowlist.json"
 ENV_FILENAME = "aep-bridge.env"
 MANIFEST_FILENAME = "aep-bridge.install.json"
