@@ -11,7 +11,7 @@ import time
 import pytest
 
 from bridge.core.aep import encode_event
-from bridge.services.mapper import epoch_of
+from bridge.nats.lanes import epoch_of
 from tests.corpus import envelopes
 from tests.natsfixture import JetStreamClient
 from tests.support.services import Service, expected_events, publish_all, raw_records, wait_for

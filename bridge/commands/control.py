@@ -193,7 +193,7 @@ def _report(kind: str, data: bytes | None, event: Any, args: argparse.Namespace,
 async def _lookup_session(settings: Any, request_id: str) -> str | None:
     """The session of a held call, from the gate's card (KV aep_control)."""
     from bridge.nats.connection import quick_connect
-    from bridge.services.gate import CONTROL_BUCKET
+    from bridge.nats.streams import CONTROL_BUCKET
 
     nc = await quick_connect(settings, name="aep-bridge-control")
     try:
@@ -286,7 +286,7 @@ def cmd_hello(args: argparse.Namespace) -> int:
 
 def cmd_pending(args: argparse.Namespace) -> int:
     from bridge.nats.connection import NatsConnectError, quick_connect
-    from bridge.services.gate import CONTROL_BUCKET
+    from bridge.nats.streams import CONTROL_BUCKET
 
     async def cards() -> list[dict[str, Any]]:
         nc = await quick_connect(_settings(args), name="aep-bridge-control")

@@ -59,10 +59,6 @@ from bridge.services.runtime import Health, HttpServer, Stopper
 log = structlog.get_logger("aep_bridge.gate")
 
 GATE_METRICS_PORT = 9466
-CONTROL_BUCKET = S.BucketSpec("aep_control", "control plane: commands (cmd.), held calls (card.), seq. and sess. per session",
-                              ttl_s=7 * S.DAY, max_bytes=S.GiB)
-INSTRUCT_BUCKET = S.BucketSpec("aep_instruct", "steering: instruction queues per session (q.<lane token>)",
-                               ttl_s=30 * S.DAY, max_bytes=S.GiB)
 RAW_DURABLE = "gate"
 COMMAND_DURABLE = "gate-commands"
 RAW_HOOKS = ("pre_tool_call", "pre_llm_call", "on_session_start", "on_session_finalize")
@@ -627,15 +623,15 @@ class Gate:
 
         from bridge.nats.bootstrap import default_replicas, ensure_stream
         from bridge.nats.connection import connect_service
-        from bridge.services.mapper import KvLanes, epoch_of
+        from bridge.nats.lanes import KvLanes, epoch_of
 
         self.nc = await connect_service(self.settings, name=f"aep-bridge-gate-{self.settings.instance}")
         self.js = self.nc.jetstream()
         replicas = default_replicas(self.settings)  # AEP_BRIDGE_STREAM_REPLICAS, like `bootstrap`
-        for spec in (CONTROL_BUCKET, INSTRUCT_BUCKET):
+        for spec in S.CONTROL_BUCKETS:
             await ensure_stream(self.js, spec.config(replicas))
-        self.kv = await self.js.key_value(CONTROL_BUCKET.bucket)
-        self.queues = await self.js.key_value(INSTRUCT_BUCKET.bucket)
+        self.kv = await self.js.key_value(S.CONTROL_BUCKET.bucket)
+        self.queues = await self.js.key_value(S.INSTRUCT_BUCKET.bucket)
         self.lanes = KvLanes(await self.js.key_value(S.LANES_BUCKET))
         info = await self.js.stream_info(S.HERMES_RAW)
         self.epoch = epoch_of(info.created)  # the mapper's rule: the session's events share one epoch
@@ -707,4 +703,4 @@ class Gate:
             await self.nc.close()
 
 
-__all__ = ["CONTROL_BUCKET", "GATE_METRICS_PORT", "Gate", "GateConfig", "INSTRUCT_BUCKET"]
+__all__ = ["GATE_METRICS_PORT", "Gate", "GateConfig"]
