@@ -24,7 +24,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from bridge.core.aep import Event, encode_event
-from bridge.core.pairing import HOUR, MINUTE, SECOND, PairingState, check_invariants
+from bridge.core.invariants import check_invariants
+from bridge.core.pairing import HOUR, MINUTE, SECOND, PairingState
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_pairing import BASE_NS, Mk, assert_valid  # noqa: E402
@@ -255,7 +256,7 @@ def test_restart_from_a_checkpoint_anywhere_is_invisible(stream: tuple[list[Mess
         got += f.feed_all(msgs[done:cut])
         done = cut
         snap = f.state.snapshot()
-        restored = PairingState.from_snapshot(snap)
+        restored = PairingState.restore(snap)
         assert restored.snapshot() == snap
         assert restored.position == f.position
         f = Feeder(restored, f.position)

@@ -473,7 +473,7 @@ class PairingService:
         for part in self.partitions.values():
             for k, v in part.state.counters.items():
                 totals[k] = totals.get(k, 0) + int(v)
-            for k, v in part.state.open_counts().items():
+            for k, v in part.state.open_pairs().items():
                 opens[k] = opens.get(k, 0) + int(v)
         orphans: dict[str, int] = {}
         for k, v in totals.items():

@@ -22,7 +22,7 @@ BRIDGE_MAPPED, BRIDGE_DLQ and AEP_EVENTS and check:
    a later one are reported as backfills: AEP allows them (a consumer inserts a
    position below its high-water mark in order), so they are a violation only
    with ``strict_order``; a reused ``(session, epoch, seq)`` is always one.
-4. **Pairing invariants** (``bridge.core.pairing.check_invariants``) over AEP_EVENTS.
+4. **Pairing invariants** (``bridge.core.invariants.check_invariants``) over AEP_EVENTS.
 5. **Schema validity** of every AEP event (``bridge.core.schemas.generate`` + jsonschema).
 6. **No canary** of the manifest anywhere (bodies and headers) in AEP_EVENTS,
    BRIDGE_MAPPED or BRIDGE_DLQ.
@@ -517,7 +517,7 @@ class Verifier:
         return lost, examples, where, expected, in_dlq
 
     def check(self, elapsed: float = 0.0) -> Report:
-        from bridge.core.pairing import check_invariants
+        from bridge.core.invariants import check_invariants
 
         rep = Report(strict_order=self.strict_order, elapsed_s=elapsed)
         rep.manifest_events = len(self.entries)
@@ -583,7 +583,7 @@ def unended_requests(events: list[Any]) -> list[str]:
     end (``session.ended`` / ``x.hermes.session.finalized``) follows it in (epoch, seq). A
     session that never ends (a subagent's own session: Hermes finalizes only the parent) keeps
     its open cards until their TTL, which is not a violation."""
-    from bridge.core.pairing import CARD_ENDINGS, SESSION_ENDS
+    from bridge.core.invariants import CARD_ENDINGS, SESSION_ENDS
 
     ended = {e.subject for e in events if e.type in CARD_ENDINGS and e.subject is not msgspec.UNSET}
     last_end: dict[Any, tuple[int, int]] = {}
