@@ -56,9 +56,8 @@ Theory of operation
 from __future__ import annotations
 
 import asyncio
-import os
 import time
-from typing import Any
+from typing import Any, Callable
 
 import msgspec
 import structlog
@@ -160,7 +159,8 @@ class MapperMetrics:
 
 class Mapper:
     def __init__(self, settings: Settings, policy: CapturePolicy, registry: CollectorRegistry | None = None,
-                 batch: int = 256, durable: str = S.MAPPER_DURABLE) -> None:
+                 batch: int = 256, durable: str = S.MAPPER_DURABLE,
+                 before_map: Callable[[bytes], None] | None = None) -> None:
         self.settings = settings
         self.policy = policy
         self.registry = registry or CollectorRegistry()
@@ -187,11 +187,10 @@ class Mapper:
         # One replica then never asks (bench_mapper: 2,061 consumer-info round trips per
         # 50,000 messages before); with several, a gap is another replica's message.
         self._finished: set[int] = set()
-        # TEST HOOK (tests/test_faults.py): a raw message containing this byte string makes
-        # `handle` fail every time, to prove a poisoned message ends in the DLQ after
-        # max_deliver while the rest flows. Unset in any real deployment.
-        poison = os.environ.get("AEP_BRIDGE_TEST_POISON", "")
-        self._test_poison = poison.encode() if poison else None
+        # Called with each raw message's bytes before it is mapped; an exception it raises is a
+        # failure of that message (retried, dead-lettered after max_deliver). None in the service;
+        # the fault tests inject one that fails on a marker (tests/support/poisoned_mapper.py).
+        self.before_map = before_map
         levels = {policy.default, *policy.overrides.values()}
         # Half of HERMES_RAW's / BRIDGE_MAPPED's duplicate windows (read at bind): older copies are looked up.
         self.late_after_ns = int(S.DUPLICATE_WINDOW_S * 1e9) // 2
@@ -235,8 +234,8 @@ class Mapper:
         """Map one raw message; return the publish futures its ack must wait for, and its receive time."""
         meta = msg.metadata
         raw_seq = meta.sequence.stream
-        if self._test_poison is not None and self._test_poison in msg.data:  # TEST HOOK, see __init__
-            raise RuntimeError("AEP_BRIDGE_TEST_POISON matched this message (test hook)")
+        if self.before_map is not None:
+            self.before_map(msg.data)
         try:
             raw = decode_raw(msg.data)
             if raw.ts and self.is_late(msg, raw.ts) and await self.stored_before(msg, raw.id, raw.ts):

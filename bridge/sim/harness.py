@@ -53,8 +53,10 @@ class Worker:
     """``aep-bridge <kind> --nats URL`` as a child process with a known metrics port."""
 
     def __init__(self, kind: str, url: str, log_dir: Path, name: str, args: list[str] | None = None,
-                 env: dict[str, str] | None = None, python_args: list[str] | None = None) -> None:
+                 env: dict[str, str] | None = None, python_args: list[str] | None = None,
+                 module: str = "bridge.cli") -> None:
         self.kind = kind
+        self.module = module  # the entry point run with -m (tests run a mapper with an injected hook)
         self.python_args = list(python_args or [])  # e.g. ["-m", "cProfile", "-o", FILE]
         self.url = url
         self.name = name
@@ -70,7 +72,7 @@ class Worker:
         self.port = free_port()
         self.starts += 1
         extra = ["--replica", self.name] if self.kind == "pairing" else []
-        cmd = [sys.executable, *self.python_args, "-m", "bridge.cli", self.kind, "--nats", self.url, "--metrics-port", str(self.port),
+        cmd = [sys.executable, *self.python_args, "-m", self.module, self.kind, "--nats", self.url, "--metrics-port", str(self.port),
                *extra, *self.args]
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=ROOT)
@@ -263,9 +265,10 @@ class Pipeline:
     # ------------------------------------------------------------ workers
 
     def add(self, kind: str, name: str | None = None, args: list[str] | None = None,
-            env: dict[str, str] | None = None, python_args: list[str] | None = None) -> Worker:
+            env: dict[str, str] | None = None, python_args: list[str] | None = None,
+            module: str = "bridge.cli") -> Worker:
         name = name or f"{kind}-{sum(1 for w in self.workers if w.kind == kind)}"
-        w = Worker(kind, self.url, self.dir, name, args, {**self.env, **(env or {})}, python_args)
+        w = Worker(kind, self.url, self.dir, name, args, {**self.env, **(env or {})}, python_args, module)
         self.workers.append(w)
         return w.start()
 
