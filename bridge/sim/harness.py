@@ -23,7 +23,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from bridge.services.runtime import rss_kb
+from bridge.services.profiling import rss_kb
 
 ROOT = Path(__file__).resolve().parents[2]
 
