@@ -486,7 +486,7 @@ async def overheard_request_unanswered(requester, role: str, url: str) -> None:
 async def control_plane(url: str, kind: str = "sample") -> None:
     """The gate, an operator and the shim's control moments (after :func:`scenario`)."""
     if Gate is None:  # pragma: no cover
-        pytest.skip("bridge/services/gate.py is not in this checkout")
+        pytest.skip("bridge/services/gate/ is not in this checkout")
     # The real service's start-up as aep-gate: it creates aep_control and aep_instruct,
     # its durables `gate` (HERMES_RAW) and `gate-commands` (AEP_EVENTS), subscribes the
     # hello and instruction-pull services and watches aep_control for open cards.

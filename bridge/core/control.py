@@ -1,7 +1,7 @@
 """The opt-in control plane's protocol logic (AEP-0004 control, AEP-0008 text answers), pure.
 
 Everything here is a function of its arguments: no I/O, no clock, no NATS. The gate
-service (``bridge/services/gate.py``) feeds it what it read (commands, cards, queues,
+service (``bridge/services/gate/``) feeds it what it read (commands, cards, queues,
 the time) and publishes what it returns; the tables below are the whole protocol.
 
 Theory of operation
