@@ -19,6 +19,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from nats.js.api import (
+    AckPolicy,
+    ConsumerConfig,
+    DeliverPolicy,
+    DiscardPolicy,
+    RetentionPolicy,
+    StorageType,
+    StreamConfig,
+)
+
 from bridge.nats.subjects import DLQ_PREFIX, EVENTS_PREFIX, MAPPED_PREFIX, RAW_PREFIX
 
 DAY = 24 * 3600.0
@@ -73,8 +83,6 @@ class StreamSpec:
     discard: str = "old"  # limits: the oldest messages go when max_age/max_bytes is reached
 
     def config(self, replicas: int = 1, duplicate_window_s: float | None = None) -> Any:
-        from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
-
         return StreamConfig(
             name=self.name,
             description=self.description,
@@ -109,8 +117,6 @@ class BucketSpec:
         return f"KV_{self.bucket}"
 
     def config(self, replicas: int = 1) -> Any:
-        from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
-
         return StreamConfig(
             name=self.stream_name,
             description=self.description,
@@ -149,8 +155,6 @@ class ObjectStoreSpec:
         return f"OBJ_{self.bucket}"
 
     def config(self, replicas: int = 1) -> Any:
-        from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
-
         return StreamConfig(
             name=self.stream_name,
             description=self.description,
@@ -228,8 +232,6 @@ def mapper_consumer_config(durable: str = MAPPER_DURABLE) -> Any:
     ``max_deliver`` is above MAPPER_MAX_DELIVER: the mapper dead-letters on that
     delivery itself; the two spare deliveries cover a crash while it does so.
     """
-    from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-
     return ConsumerConfig(
         durable_name=durable,
         description="aep-bridge mapper (shared by every replica)",

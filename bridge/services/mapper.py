@@ -60,6 +60,7 @@ import time
 from typing import Any, Callable
 
 import msgspec
+import nats.errors
 import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -70,7 +71,9 @@ from bridge.core.envelope import EnvelopeError, decode_raw
 from bridge.core.lanes import UNKNOWN, lane_token, partition_of
 from bridge.core.pipeline import map_record, record_from_raw
 from bridge.nats import streams as S
+from bridge.nats.connection import connect_service
 from bridge.nats.lanes import KvLanes, epoch_of
+from bridge.nats.lookup import DEFAULT_MARGIN_NS, SERVER_MARGIN_NS, find_msg_id, stored_ns
 from bridge.services.runtime import Health, HttpServer, Stopper, close_connection
 
 log = structlog.get_logger("aep_bridge.mapper")
@@ -200,8 +203,6 @@ class Mapper:
     # ------------------------------------------------------------ setup
 
     async def connect(self) -> None:
-        from bridge.nats.connection import connect_service
-
         self.nc = await connect_service(self.settings, name=f"aep-bridge-mapper-{self.settings.instance}")
         self.js = self.nc.jetstream(publish_async_max_pending=4096)
 
@@ -329,16 +330,12 @@ class Mapper:
 
     def is_late(self, msg: Any, ts_ns: int) -> bool:
         """Stored so long after its receive time that the duplicate window may not cover a first copy."""
-        from bridge.nats.lookup import stored_ns
-
         stored = stored_ns(msg)
         return stored is not None and stored - ts_ns > self.late_after_ns
 
     async def stored_before(self, msg: Any, raw_id: str, ts_ns: int) -> bool:
         """Is an earlier copy of this raw message (same Nats-Msg-Id, same subject) in HERMES_RAW?
         A first attempt is stored around the shim's receive time, so the search starts there."""
-        from bridge.nats.lookup import DEFAULT_MARGIN_NS, find_msg_id
-
         self.metrics.resend_checks.inc()
         seq = msg.metadata.sequence.stream
         try:
@@ -357,8 +354,6 @@ class Mapper:
         mapper catching up on a backlog would pay for every message); a server that lost the
         consumer's delivery counts in a crash redelivers as a first delivery at once, and those
         copies, close together, are dropped by pairing's dedupe of recent ids."""
-        from bridge.nats.lookup import SERVER_MARGIN_NS, find_msg_id, stored_ns
-
         stored = stored_ns(msg)
         if not events or getattr(msg.metadata, "num_delivered", 1) <= 1 or stored is None \
                 or time.time_ns() - stored <= self.mapped_late_after_ns:
@@ -537,7 +532,6 @@ class Mapper:
         self.health.info.update(epoch=self.epoch, durable=self.durable)
         log.info("mapper_ready", epoch=self.epoch, durable=self.durable)
         watcher = asyncio.create_task(self.watch_consumer(sub))
-        import nats.errors
 
         try:
             while not self.stopper.stopping:

@@ -17,10 +17,15 @@ default), nothing of it runs.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
+import sys
+import tempfile
 import threading
 import time
+import tracemalloc
+from collections import deque
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -58,9 +63,6 @@ def _pymalloc_info() -> dict[str, int]:
     cannot be returned while one block of the arena lives (fragmentation). From
     `sys._debugmallocstats()`, which prints to the C stderr: fd 2 is pointed at a temporary
     file for the call (a log line another thread writes meanwhile lands there too)."""
-    import sys
-    import tempfile
-
     out: dict[str, int] = {}
     with tempfile.TemporaryFile() as tmp:
         sys.stderr.flush()
@@ -116,10 +118,6 @@ def container_census(min_len: int = 1000, top: int = 40) -> dict[str, Any]:
     ``min_len`` items or more, by type. ``lru``: the bridge's `functools.lru_cache`s, [size,
     maxsize]. ``types``: gc-tracked objects by type (the most numerous), ``objects`` their total.
     """
-    import gc
-    import sys
-    from collections import deque
-
     kinds = (dict, list, set, frozenset, deque, bytearray)
     containers: dict[int, Any] = {}
     owners: dict[int, str] = {}
@@ -192,8 +190,6 @@ class AllocationProfiler(threading.Thread):
         self._lock = threading.Lock()
 
     def begin(self) -> "AllocationProfiler":
-        import tracemalloc
-
         os.makedirs(self.dir, exist_ok=True)
         if self.frames > 0 and not tracemalloc.is_tracing():
             tracemalloc.start(self.frames)
@@ -206,8 +202,6 @@ class AllocationProfiler(threading.Thread):
 
     def dump(self) -> str | None:
         """Write one snapshot (atomically: an analysis never reads half a file) and its figures."""
-        import tracemalloc
-
         with self._lock:
             started = time.monotonic()
             now = time.time()
@@ -243,8 +237,6 @@ class AllocationProfiler(threading.Thread):
             return path
 
     def finish(self) -> None:
-        import tracemalloc
-
         self.stopped.set()
         if self.is_alive() and self is not threading.current_thread():
             self.join(timeout=30)

@@ -47,6 +47,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable
 
+from bridge.hermes.install import compile_hook
 from bridge.shim import hook
 from bridge.sim.instances import Canaries, Emitted, Ids, Instance, SimOptions
 
@@ -59,8 +60,6 @@ MARKER_KEY = "x_aep_sim"
 @lru_cache(maxsize=1)
 def compiled_shim() -> Path:
     """hook.py byte-compiled into a private directory: what `aep-bridge hermes install` registers."""
-    from bridge.hermes.install import compile_hook
-
     out = Path(tempfile.mkdtemp(prefix="aep-sim-shim-")) / "hook.pyc"
     return compile_hook(sys.executable, out)
 

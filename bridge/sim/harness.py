@@ -23,6 +23,11 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import nats
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+from bridge.nats import streams as S
+from bridge.nats.bootstrap import bootstrap
 from bridge.services.profiling import rss_kb
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -158,8 +163,6 @@ class Pipeline:
 
     def run(self, coro_fn: Any, timeout: float = 30.0) -> Any:
         """Run ``coro_fn(js)`` on a fresh connection (synchronous helper)."""
-        import nats
-
         async def main() -> Any:
             nc = await nats.connect(self.url, connect_timeout=3, max_reconnect_attempts=2, reconnect_time_wait=0.2)
             try:
@@ -170,8 +173,6 @@ class Pipeline:
         return asyncio.run(main())
 
     def bootstrap(self, duplicate_window_s: float | None = None) -> dict[str, str]:
-        from bridge.nats.bootstrap import bootstrap
-
         return self.run(lambda js: bootstrap(js, None, replicas=1, duplicate_window_s=duplicate_window_s))
 
     def counts(self) -> dict[str, int]:
@@ -186,8 +187,6 @@ class Pipeline:
     def lag(self) -> dict[str, int]:
         """Backlog as the server sees it: the mapper durable's pending + unacked, and the sum of
         num_pending over the pairing partitions' consumers on BRIDGE_MAPPED."""
-        from bridge.nats import streams as S
-
         async def f(js: Any) -> dict[str, int]:
             out = {"mapper_pending": 0, "mapper_ack_pending": 0, "pairing_pending": 0, "pairing_consumers": 0}
             try:
@@ -216,8 +215,6 @@ class Pipeline:
         """Write every stored message of ``streams`` to ``<out_dir>/<STREAM>.jsonl`` (one JSON
         object per message: seq, subject, headers, data as text): the evidence to replay a failed
         run offline (e.g. a pairing partition through `PairingState`)."""
-        from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
 

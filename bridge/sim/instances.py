@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Iterator
 
+from bridge.sim.sessions import corpus
 
 DROP = object()  # a template key to leave out of an envelope
 
@@ -59,8 +60,6 @@ def templates() -> dict[str, dict[str, Any]]:
     Keys: the hook name, ``post_tool_call:<status>``, ``on_session_end:interrupted``,
     ``on_session_reset:gateway``.
     """
-    from bridge.sim.sessions import corpus
-
     out: dict[str, dict[str, Any]] = {}
     for record in corpus():
         env = record["envelope"]

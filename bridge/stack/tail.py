@@ -15,8 +15,10 @@ from datetime import datetime, timedelta, timezone
 from typing import Any, Callable, TextIO
 
 import msgspec
+from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from bridge.core.lanes import UNKNOWN, lane_token
+from bridge.nats import streams as S
 
 _COLORS = [32, 34, 35, 36, 33, 92, 94, 95, 96, 93]
 _RESET = "\x1b[0m"
@@ -136,10 +138,6 @@ async def tail(
     stop: asyncio.Event | None = None,
     on_event: Callable[[dict[str, Any]], None] | None = None,
 ) -> int:
-    from nats.js.api import DeliverPolicy
-
-    from bridge.nats import streams as S
-
     js = nc.jetstream()
     subject = f"{S.EVENTS_PREFIX}.{lane_token(session)}.>" if session else f"{S.EVENTS_PREFIX}.>"
     kwargs: dict[str, Any] = {"ordered_consumer": True}
@@ -188,6 +186,4 @@ async def tail(
 
 
 def _start_time_config(since: datetime) -> Any:
-    from nats.js.api import ConsumerConfig, DeliverPolicy
-
     return ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_TIME, opt_start_time=since)

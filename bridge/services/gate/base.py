@@ -8,9 +8,9 @@ import contextlib
 from typing import Any, AsyncIterator
 
 import msgspec
+import structlog
 from nats.js.errors import KeyDeletedError, KeyNotFoundError
 from prometheus_client import CollectorRegistry
-import structlog
 
 from bridge.config import Settings
 from bridge.core.aep import Event, decode_event, encode_event

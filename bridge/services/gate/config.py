@@ -10,7 +10,6 @@ from bridge.config import load_environ
 from bridge.core.capture import CapturePolicy
 from bridge.core.control import ACK_WINDOW_MS, accepted_verbs
 
-GATE_METRICS_PORT = 9466
 RAW_DURABLE = "gate"
 COMMAND_DURABLE = "gate-commands"
 RAW_HOOKS = ("pre_tool_call", "pre_llm_call", "on_session_start", "on_session_finalize")

@@ -10,9 +10,10 @@ from typing import Any
 
 import msgspec
 import nats.errors
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 import structlog
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
+from bridge.config import GATE_METRICS_PORT
 from bridge.core.control import (
     COMMAND_FILTERS,
     DEFAULT_HOLD_MS,
@@ -42,7 +43,6 @@ from bridge.nats.streams import (
 from bridge.services.gate.commands import Commands
 from bridge.services.gate.config import (
     COMMAND_DURABLE,
-    GATE_METRICS_PORT,
     MAX_DELIVER,
     MAX_HOLD_MS,
     QUEUE_GROUP,
