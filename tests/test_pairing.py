@@ -1008,15 +1008,3 @@ def test_idle_session_footprint_probe_runs() -> None:
     assert got["sessions"] == 300
     assert 0 < got["snapshot_bytes_per_session"] < 1024
     assert got["bytes_per_session"] > 0
-
-
-def test_core_pairing_imports_no_io() -> None:
-    import ast
-    import inspect
-
-    import bridge.core.pairing as mod
-
-    tree = ast.parse(inspect.getsource(mod))
-    names = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-    names |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
-    assert not names & {"asyncio", "nats", "socket", "time", "os", "io", "threading", "random", "uuid"}
