@@ -107,7 +107,7 @@ Invariants (`bridge.core.invariants.check_invariants` checks them over an output
   idle sessions evicted; ended sessions are remembered as 8-byte digests
   (``max_ended``, FIFO) and a session's last ``run_memory`` ended runs as 8-byte
   digests. Exclusivity holds within these bounds (a session evicted and seen again
-  keeps session exclusivity, not its runs'). ``idle_session_footprint`` measures
+  keeps session exclusivity, not its runs'). ``benchmarks/pairing_footprint.py`` measures
   an idle open session (about 0.5 KB).
 
 The clock
