@@ -455,6 +455,18 @@ def _ms(later_ns: int, earlier_ns: int) -> int:
     return max(0, (later_ns - earlier_ns) // 1_000_000)
 
 
+class _At(NamedTuple):
+    """Where an event pairing inserts goes, and the identity it takes."""
+
+    source: str
+    epoch: int
+    anchor: int  # the seq of the event it goes with (its raw position decides the seq)
+    slot: int
+    seed: str  # hashed with the slot into the event id
+    id_ms: int  # time part of the id
+    time: str
+
+
 # ---------------------------------------------------------------- the state machine
 
 
@@ -682,15 +694,10 @@ class PairingState:
         data: dict[str, Any] = {"resolution": resolution}
         if ev.capture != "none":
             data["latency_ms"] = latency_ms
+        at = _At(ev.source, _epoch(ev), _seq(ev), AFTER_INSERT_SLOT, ev.id + "/resolved", ulid_time_ms(ev.id), ev.time)
         return self._insert(
             lane,
-            source=ev.source,
-            epoch=_epoch(ev),
-            anchor=_seq(ev),
-            slot=AFTER_INSERT_SLOT,
-            seed=ev.id + "/resolved",
-            id_ms=ulid_time_ms(ev.id),
-            time=ev.time,
+            at,
             etype="attention.resolved",
             data=data,
             run=_run(ev),
@@ -910,21 +917,8 @@ class PairingState:
         id_ms = ulid_time_ms(ev.id)
         for slot, p in enumerate(victims, start=SWEEP_SLOT):
             self._count(f"swept.{KINDS[p.kind]}")
-            out.append(
-                self._closure(
-                    lane,
-                    s,
-                    p,
-                    "session_end",
-                    source=ev.source,
-                    epoch=_epoch(ev),
-                    anchor=_seq(ev),
-                    slot=slot,
-                    seed=ev.id + "/sweep",
-                    id_ms=id_ms,
-                    time=ev.time,
-                )
-            )
+            at = _At(ev.source, _epoch(ev), _seq(ev), slot, ev.id + "/sweep", id_ms, ev.time)
+            out.append(self._closure(lane, p, "session_end", at))
         return out
 
     # ------------------------------------------------------------ time: ticks
@@ -994,39 +988,12 @@ class PairingState:
         """A TTL or overflow closure: the inserted event sits right after the start."""
         index = min(max(p.seq % SLOTS - MAPPED_SLOT, 0), SLOTS - 1 - CLOSE_SLOT)
         clock_ms = self.clock // 1_000_000
-        return [
-            self._closure(
-                lane,
-                s,
-                p,
-                reason,
-                source=p.src or s.source,
-                epoch=p.epoch,
-                anchor=p.seq,
-                slot=CLOSE_SLOT + index,
-                seed=p.start + "/close",
-                id_ms=clock_ms,
-                time=rfc3339(self.clock),
-            )
-        ]
+        at = _At(p.src or s.source, p.epoch, p.seq, CLOSE_SLOT + index, p.start + "/close", clock_ms, rfc3339(self.clock))
+        return [self._closure(lane, p, reason, at)]
 
-    def _closure(
-        self,
-        lane: str,
-        s: _Session,
-        p: _Pair,
-        reason: str,
-        *,
-        source: str,
-        epoch: int,
-        anchor: int,
-        slot: int,
-        seed: str,
-        id_ms: int,
-        time: str,
-    ) -> Event:
+    def _closure(self, lane: str, p: _Pair, reason: str, at: _At) -> Event:
         """The honest end of an open start: cards are dismissed, the rest orphaned."""
-        age = _ms(id_ms * 1_000_000 if reason == "session_end" else self.clock, p.ts)
+        age = _ms(at.id_ms * 1_000_000 if reason == "session_end" else self.clock, p.ts)
         if RULES[p.kind].dismissed:
             self._count(f"dismissed.{reason}")
             etype = "attention.resolved"
@@ -1043,13 +1010,7 @@ class PairingState:
             data = {k: v for k, v in data.items() if k not in ("latency_ms", "age_ms")}
         event = self._insert(
             lane,
-            source=source,
-            epoch=epoch,
-            anchor=anchor,
-            slot=slot,
-            seed=seed,
-            id_ms=id_ms,
-            time=time,
+            at,
             etype=etype,
             data=data,
             run=p.run,
@@ -1064,14 +1025,8 @@ class PairingState:
     @staticmethod
     def _insert(
         lane: str,
+        at: _At,
         *,
-        source: str,
-        epoch: int,
-        anchor: int,
-        slot: int,
-        seed: str,
-        id_ms: int,
-        time: str,
         etype: str,
         data: dict[str, Any],
         run: str,
@@ -1082,15 +1037,15 @@ class PairingState:
     ) -> Event:
         return Event(
             aep="0.1",
-            id=event_id(seed, slot, id_ms),
+            id=event_id(at.seed, at.slot, at.id_ms),
             type=etype,
-            time=time,
-            source=source,
+            time=at.time,
+            source=at.source,
             agent="hermes",
             session=lane,
             run=run or UNSET,
-            seq=(anchor // SLOTS) * SLOTS + slot,
-            epoch=epoch,
+            seq=(at.anchor // SLOTS) * SLOTS + at.slot,
+            epoch=at.epoch,
             subject=subject or UNSET,
             cause=cause or UNSET,
             severity=severity or UNSET,
