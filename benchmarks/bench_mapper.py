@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from bridge.config import Settings  # noqa: E402
 from bridge.core.capture import CapturePolicy  # noqa: E402
 from bridge.core.identity import event_id  # noqa: E402
-from bridge.local.server import EmbeddedNats  # noqa: E402
+from bridge.stack.server import EmbeddedNats  # noqa: E402
 from bridge.sim.sessions import realistic_envelopes  # noqa: E402
 
 BATCH = 256

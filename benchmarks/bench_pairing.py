@@ -32,7 +32,7 @@ from bench_mapper import BATCH, load, raw_messages, relay  # noqa: E402
 
 from bridge.config import Settings  # noqa: E402
 from bridge.core.capture import CapturePolicy  # noqa: E402
-from bridge.local.server import EmbeddedNats  # noqa: E402
+from bridge.stack.server import EmbeddedNats  # noqa: E402
 
 
 async def fill_mapped(settings: Settings, n: int) -> int:
@@ -78,12 +78,13 @@ async def pairing_run(settings: Settings, js) -> tuple[float, int, int]:  # type
 
 
 def memory() -> None:
-    from bridge.core.pairing import PairingState, _idle_session_inputs, idle_session_footprint
+    from bridge.core.pairing import PairingState
+    from pairing_footprint import idle_session_footprint, idle_session_inputs
 
     fp = idle_session_footprint(10_000)
     print(f"memory per idle open session (tracemalloc, {int(fp['sessions']):,} sessions): {fp['bytes_per_session']:.0f} B "
           f"(target <= 2048); snapshot {fp['snapshot_bytes_per_session']:.0f} B/session")
-    inputs = list(_idle_session_inputs(10_000))
+    inputs = list(idle_session_inputs(10_000))
     gc.collect()
     rss0 = rss_bytes()
     state = PairingState()

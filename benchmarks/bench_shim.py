@@ -39,7 +39,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bridge.shim import install as inst  # noqa: E402
+from bridge.hermes import install as inst  # noqa: E402
 
 BASELINE = "import sys\nsys.stdin.buffer.read()\nsys.stdout.write('{}\\n')\n"
 

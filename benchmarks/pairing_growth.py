@@ -5,7 +5,7 @@
 
 The soak (benchmarks/soak.py) runs in wall time, so a 10-minute run cannot show where
 bounds measured in tens of minutes (idle sessions: ``idle_ttl_ns``, 30 min) stop the
-pairing state. This runs the same simulated fleet (`bridge.sim.fleet`, 1,000 instances)
+pairing state. This runs the same simulated fleet (`bridge.sim.instances`, 1,000 instances)
 through the pure pipeline only: shim record (stamped with a simulated receive time
 ``rate`` events per second apart), the mapping, the lane table, and ONE `PairingState`
 (all lanes in one partition), with a tick every 15 s of stream time as the service
@@ -35,9 +35,9 @@ from bridge.core.envelope import decode_raw  # noqa: E402
 from bridge.core.lanes import MemoryLanes  # noqa: E402
 from bridge.core.pairing import MINUTE, SECOND, PairingState  # noqa: E402
 from bridge.core.pipeline import map_record, record_from_raw  # noqa: E402
-from bridge.services.runtime import rss_kb  # noqa: E402
+from bridge.services.profiling import rss_kb  # noqa: E402
 from bridge.shim import hook  # noqa: E402
-from bridge.sim.fleet import stream_envelopes  # noqa: E402
+from bridge.sim.instances import stream_envelopes  # noqa: E402
 
 TICK_NS = 15 * SECOND  # the pairing service's default tick interval (AEP_BRIDGE_TICK_S)
 

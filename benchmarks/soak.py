@@ -48,7 +48,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from bridge.local.server import EmbeddedNats  # noqa: E402
+from bridge.stack.server import EmbeddedNats  # noqa: E402
 from bridge.sim.fleet import Fleet, FleetConfig  # noqa: E402
 from bridge.sim.harness import Pipeline, rss_kb  # noqa: E402
 

@@ -13,6 +13,8 @@ import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bridge.shim.hook import read_env_file as shim_read_env_file
+
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 DEFAULT_DEADLINE_MS = 250
 DEFAULT_MAX_FIELD_BYTES = 64 * 1024
@@ -22,6 +24,7 @@ DEFAULT_CAPTURE = "metadata"
 DEFAULT_CAPTURE_OVERRIDES = "attention=redacted"
 MAPPER_METRICS_PORT = 9464
 PAIRING_METRICS_PORT = 9465
+GATE_METRICS_PORT = 9466
 
 
 def default_config_path() -> Path:
@@ -39,8 +42,6 @@ def read_env_file(path: Path) -> dict[str, str]:
     The shim's own parser (standard library only, no `os` import) is the one parser, so
     the shim and the services can never read the same file differently.
     """
-    from bridge.shim.hook import read_env_file as shim_read_env_file
-
     return shim_read_env_file(str(path))
 
 

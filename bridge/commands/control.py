@@ -24,7 +24,7 @@ from typing import Any
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from bridge.commands.core import add_capture_args
+    from bridge.commands.mapping import add_capture_args
 
     g = sub.add_parser(
         "gate",
@@ -96,8 +96,8 @@ def _settings(args: argparse.Namespace):  # type: ignore[no-untyped-def]
 
 
 def cmd_gate(args: argparse.Namespace) -> int:
-    from bridge.commands.core import policy_from_args
-    from bridge.commands.services import _run
+    from bridge.commands.mapping import policy_from_args
+    from bridge.commands.services import run_service
     from bridge.services.gate import Gate, GateConfig
     from bridge.services.runtime import configure_logging
 
@@ -110,7 +110,7 @@ def cmd_gate(args: argparse.Namespace) -> int:
     config = GateConfig.from_env(policy=policy_from_args(args, settings))
     if args.probe_ms:
         config.probe_ms = args.probe_ms
-    return _run(Gate(settings, config).run())
+    return run_service(Gate(settings, config).run())
 
 
 # ---------------------------------------------------------------- sending commands
@@ -194,7 +194,7 @@ def _report(kind: str, data: bytes | None, event: Any, args: argparse.Namespace,
 async def _lookup_session(settings: Any, request_id: str) -> str | None:
     """The session of a held call, from the gate's card (KV aep_control)."""
     from bridge.nats.connection import quick_connect
-    from bridge.services.gate import CONTROL_BUCKET
+    from bridge.nats.streams import CONTROL_BUCKET
 
     nc = await quick_connect(settings, name="aep-bridge-control")
     try:
@@ -287,7 +287,7 @@ def cmd_hello(args: argparse.Namespace) -> int:
 
 def cmd_pending(args: argparse.Namespace) -> int:
     from bridge.nats.connection import NatsConnectError, quick_connect
-    from bridge.services.gate import CONTROL_BUCKET
+    from bridge.nats.streams import CONTROL_BUCKET
 
     async def cards() -> list[dict[str, Any]]:
         nc = await quick_connect(_settings(args), name="aep-bridge-control")

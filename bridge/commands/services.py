@@ -15,7 +15,7 @@ def _common(p: argparse.ArgumentParser, default_port: int) -> None:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from bridge.commands.core import add_capture_args
+    from bridge.commands.mapping import add_capture_args
     from bridge.config import MAPPER_METRICS_PORT, PAIRING_METRICS_PORT
 
     m = sub.add_parser("mapper", help="run the stateless mapper: HERMES_RAW -> BRIDGE_MAPPED")
@@ -47,7 +47,7 @@ def settings_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-def
     return s
 
 
-def _run(coro) -> int:  # type: ignore[no-untyped-def]
+def run_service(coro) -> int:  # type: ignore[no-untyped-def]
     try:
         return asyncio.run(coro)
     except KeyboardInterrupt:
@@ -58,14 +58,14 @@ def _run(coro) -> int:  # type: ignore[no-untyped-def]
 
 
 def cmd_mapper(args: argparse.Namespace) -> int:
-    from bridge.commands.core import policy_from_args
+    from bridge.commands.mapping import policy_from_args
     from bridge.services.mapper import Mapper
     from bridge.services.runtime import configure_logging
 
     settings = settings_from_args(args)
     configure_logging(settings.log_format, settings.log_level)
     policy = policy_from_args(args, settings)
-    return _run(Mapper(settings, policy, batch=args.batch).run())
+    return run_service(Mapper(settings, policy, batch=args.batch).run())
 
 
 def cmd_pairing(args: argparse.Namespace) -> int:
@@ -78,4 +78,4 @@ def cmd_pairing(args: argparse.Namespace) -> int:
             raise SystemExit("aep-bridge pairing: --tick-s must be positive")
         settings.tick_s = args.tick_s
     configure_logging(settings.log_format, settings.log_level)
-    return _run(PairingService(settings, replica=args.replica).run())
+    return run_service(PairingService(settings, replica=args.replica).run())

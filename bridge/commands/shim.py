@@ -152,7 +152,7 @@ def cmd_spool_drain(args: argparse.Namespace) -> int:
 
 
 def cmd_install(args: argparse.Namespace) -> int:
-    from bridge.shim.install import InstallError, hermes_home, install
+    from bridge.hermes.install import InstallError, hermes_home, install
 
     events = [e.strip() for chunk in args.events or [] for e in chunk.split(",") if e.strip()] or None
     home = hermes_home(args.hermes_home)
@@ -170,7 +170,7 @@ def cmd_install(args: argparse.Namespace) -> int:
 
 
 def cmd_uninstall(args: argparse.Namespace) -> int:
-    from bridge.shim.install import InstallError, hermes_home, uninstall
+    from bridge.hermes.install import InstallError, hermes_home, uninstall
 
     try:
         done = uninstall(hermes_home(args.hermes_home))
@@ -183,7 +183,7 @@ def cmd_uninstall(args: argparse.Namespace) -> int:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    from bridge.shim.install import doctor, hermes_home
+    from bridge.hermes.install import doctor, hermes_home
 
     failed = False
     for check in doctor(hermes_home(args.hermes_home), nats_timeout=args.timeout):

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from bridge.commands.local import settings_for
+from bridge.commands.stack import settings_for
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -25,6 +25,11 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
+import msgspec
+from msgspec import UNSET
+
+from bridge.core import aep
+
 LEVELS = ("none", "metadata", "redacted", "full")
 NONE, METADATA, REDACTED, FULL = range(4)
 LEVEL_RANK = {name: rank for rank, name in enumerate(LEVELS)}
@@ -213,3 +218,35 @@ class CapturePolicy:
             if category in self.overrides:
                 return LEVEL_RANK[self.overrides[category]]
         return LEVEL_RANK[self.default]
+
+
+# ---------------------------------------------------------------- one event's ceiling
+
+
+@dataclass(frozen=True)
+class Ceiling:
+    """The ceiling of one event and the redaction that goes with it."""
+
+    level: int
+    policy: CapturePolicy
+
+    def admits(self, level: int) -> bool:
+        return self.level >= level
+
+    def text(self, value: Any, level: int = REDACTED) -> Any:
+        """Free text (or a JSON value) admitted at ``level``: UNSET, redacted, or verbatim."""
+        if value is None or not self.admits(level):
+            return UNSET
+        if self.level >= FULL:
+            return value
+        return self.policy.redactor.value(value)
+
+
+def strip_to_required(payload: aep._Payload) -> aep._Payload:
+    """Capture ``none``: keep only the fields a payload schema requires (envelope-level structure)."""
+    kept = {}
+    for f in msgspec.structs.fields(payload):
+        value = getattr(payload, f.name)
+        if f.required:
+            kept[f.name] = strip_to_required(value) if isinstance(value, aep._Payload) else value
+    return type(payload)(**kept)

@@ -1,7 +1,7 @@
 """The opt-in control plane's protocol logic (AEP-0004 control, AEP-0008 text answers), pure.
 
 Everything here is a function of its arguments: no I/O, no clock, no NATS. The gate
-service (``bridge/services/gate.py``) feeds it what it read (commands, cards, queues,
+service (``bridge/services/gate/``) feeds it what it read (commands, cards, queues,
 the time) and publishes what it returns; the tables below are the whole protocol.
 
 Theory of operation
@@ -99,11 +99,10 @@ import msgspec
 from msgspec import UNSET
 
 from bridge.core import aep
-from bridge.core.capture import NONE, REDACTED, CapturePolicy
+from bridge.core.capture import LEVELS, NONE, REDACTED, CapturePolicy, Ceiling, strip_to_required
 from bridge.core.identity import MAPPED_SLOT, SLOTS, rfc3339, ulid_from
 from bridge.core.lanes import UNKNOWN, lane_from_token
 from bridge.core.lanes import lane_token as _token_of
-from bridge.core.mapping import LEVEL_NAMES, Gate, strip_to_required
 
 # ---------------------------------------------------------------- constants (documented in README/ARCHITECTURE)
 
@@ -543,7 +542,7 @@ def build_event(
         epoch=where.epoch,
         subject=subject or UNSET,
         cause=cause or UNSET,
-        capture=LEVEL_NAMES[level],  # type: ignore[arg-type]
+        capture=LEVELS[level],  # type: ignore[arg-type]
         data=aep.payload_to_data(payload),
         lane="unknown" if where.session == UNKNOWN else UNSET,
     )
@@ -552,7 +551,7 @@ def build_event(
 def _text(policy: CapturePolicy, event_type: str, text: str | None) -> Any:
     if not text:
         return UNSET
-    return Gate(policy.ceiling(event_type), policy).text(text, REDACTED)
+    return Ceiling(policy.ceiling(event_type), policy).text(text, REDACTED)
 
 
 def ack_payload(policy: CapturePolicy, ack: str, reject: Reject | None = None) -> tuple[str, aep._Payload]:
@@ -574,7 +573,7 @@ def card_payload(policy: CapturePolicy, kind: str, card: Card, now_ns: int) -> t
         )
     latency = max(0, (now_ns - card.ts) // 1_000_000)
     if kind == "answered":
-        g = Gate(policy.ceiling("attention.answered"), policy)
+        g = Ceiling(policy.ceiling("attention.answered"), policy)
         text = card.answer.get("text")
         answer = aep.Answer(option=card.answer.get("option", card.verdict), text=g.text(text) if text else UNSET)
         return "attention.answered", aep.AttentionAnswered(answer=answer, via="control")

@@ -24,7 +24,7 @@ Beyond the upstream pins, real Hermes sends (HERMES.md) and we map:
 * a missing or unexpected ``telemetry_schema_version`` is mapped as usual and
   every event of it carries the extension attribute ``drift`` (the drift sentinel).
 
-Capture: each builder receives a `Gate` for the event type it builds and adds a
+Capture: each builder receives a `Ceiling` (`bridge.core.capture`) for the event type it builds and adds a
 field only when the ceiling admits it (see `bridge.core.capture`).
 """
 
@@ -38,35 +38,10 @@ import msgspec
 from msgspec import UNSET
 
 from bridge.core import aep
-from bridge.core.capture import FULL, NONE, REDACTED, CapturePolicy, digest
+from bridge.core.capture import FULL, LEVELS, NONE, REDACTED, CapturePolicy, Ceiling, digest, strip_to_required
 from bridge.core.envelope import EnvelopeError, HermesEnvelope
 from bridge.core.identity import MAPPED_SLOT, MAX_MAPPED, Origin, rfc3339, source_uri
 from bridge.core.lanes import UNKNOWN, LaneLookup, Learned, lane_of, learned_from
-
-LEVEL_NAMES = ("none", "metadata", "redacted", "full")
-
-
-# ---------------------------------------------------------------- the gate
-
-
-@dataclass(frozen=True)
-class Gate:
-    """The ceiling of one event and the redaction that goes with it."""
-
-    level: int
-    policy: CapturePolicy
-
-    def admits(self, level: int) -> bool:
-        return self.level >= level
-
-    def text(self, value: Any, level: int = REDACTED) -> Any:
-        """Free text (or a JSON value) gated at ``level``: UNSET, redacted, or verbatim."""
-        if value is None or not self.admits(level):
-            return UNSET
-        if self.level >= FULL:
-            return value
-        return self.policy.redactor.value(value)
-
 
 Spec = tuple[str, aep._Payload, str | None]  # (type, payload, subject)
 Builder = Callable[[HermesEnvelope, "Ctx"], list[Spec]]
@@ -76,8 +51,8 @@ Builder = Callable[[HermesEnvelope, "Ctx"], list[Spec]]
 class Ctx:
     policy: CapturePolicy
 
-    def gate(self, event_type: str) -> Gate:
-        return Gate(self.policy.ceiling(event_type), self.policy)
+    def ceiling(self, event_type: str) -> Ceiling:
+        return Ceiling(self.policy.ceiling(event_type), self.policy)
 
 
 # ---------------------------------------------------------------- small readers
@@ -105,7 +80,7 @@ def _tool(env: HermesEnvelope) -> aep.ToolRef:
 
 
 def _session_start(env: HermesEnvelope, ctx: Ctx) -> list[Spec]:
-    g = ctx.gate("session.started")
+    g = ctx.ceiling("session.started")
     payload = aep.SessionStarted(client=aep.Client(name="hermes"), cwd=g.text(env.cwd or None))
     return [("session.started", payload, None)]
 
@@ -120,7 +95,7 @@ def _session_reset(env: HermesEnvelope, ctx: Ctx) -> list[Spec]:
 
 
 def _run_start(env: HermesEnvelope, ctx: Ctx) -> list[Spec]:
-    g = ctx.gate("run.started")
+    g = ctx.ceiling("run.started")
     message = env.x("user_message")
     payload = aep.RunStarted(
         trigger="user",
@@ -142,7 +117,7 @@ def _run_end(env: HermesEnvelope, ctx: Ctx) -> list[Spec]:
 
 
 def _tool_pre(env: HermesEnvelope, ctx: Ctx) -> list[Spec]:
-    g = ctx.gate("tool.requested")
+    g = ctx.ceiling("tool.requested")
     args = env.tool_input if env.tool_input is not None else {}
     payload = aep.ToolRequested(
         tool=_tool(env),
@@ -156,7 +131,7 @@ def _tool_pre(env: HermesEnvelope, ctx: Ctx) -> list[Spec]:
     return specs
 
 
-def _result_fields(env: HermesEnvelope, g: Gate) -> dict[str, Any]:
+def _result_fields(env: HermesEnvelope, g: Ceiling) -> dict[str, Any]:
     result = env.x("result")
     if result is None:
         return {}
@@ -168,13 +143,13 @@ def _result_fields(env: HermesEnvelope, g: Gate) -> dict[str, Any]:
 
 
 def _post_ok(env: HermesEnvelope, ctx: Ctx) -> list[Spec]:
-    g = ctx.gate("tool.completed")
+    g = ctx.ceiling("tool.completed")
     payload = aep.ToolCompleted(tool=_tool(env), duration_ms=_int(env.x("duration_ms")), **_result_fields(env, g))
     return [("tool.completed", payload, env.tool_name or None)]
 
 
 def _post_error(env: HermesEnvelope, ctx: Ctx, error_type: str | None = None) -> list[Spec]:
-    g = ctx.gate("tool.failed")
+    g = ctx.ceiling("tool.failed")
     error = aep.ErrorInfo(
         type=error_type or _str(env.x("error_type")) or "error",
         message=g.text(_str(env.x("error_message")) or None),
@@ -184,7 +159,7 @@ def _post_error(env: HermesEnvelope, ctx: Ctx, error_type: str | None = None) ->
 
 
 def _post_blocked(env: HermesEnvelope, ctx: Ctx) -> list[Spec]:
-    g = ctx.gate("tool.denied")
+    g = ctx.ceiling("tool.denied")
     payload = aep.ToolDenied(
         tool=_tool(env),
         by="policy",
@@ -236,7 +211,7 @@ APPROVAL_OPTIONS = (
 
 
 def _approval_pre(env: HermesEnvelope, ctx: Ctx) -> list[Spec]:
-    g = ctx.gate("attention.requested")
+    g = ctx.ceiling("attention.requested")
     pattern = env.xstr("pattern_key") or None
     command = env.x("command")
     if g.admits(REDACTED) and isinstance(command, str):
@@ -309,7 +284,7 @@ def _clarify_pre(env: HermesEnvelope, ctx: Ctx) -> list[Spec]:
     if card is None:
         return []
     question, choices = card
-    g = ctx.gate("attention.requested")
+    g = ctx.ceiling("attention.requested")
     real = g.admits(REDACTED)
     label = g.text(question) if real else "question 1"
     if choices:
@@ -362,7 +337,7 @@ def _clarify_post(env: HermesEnvelope, ctx: Ctx, status: str) -> list[Spec]:
     if offered and response in offered:
         values = {"1": str(offered.index(response) + 1)}  # a closed choice: structural
     else:
-        g = ctx.gate("attention.answered")
+        g = ctx.ceiling("attention.answered")
         text = g.text(response)  # free text ("Other"): redacted-gated
         values = {"1": text} if text is not UNSET else UNSET
     return [("attention.answered", aep.AttentionAnswered(answer=aep.Answer(values=values), via="oob"), subject)]
@@ -376,7 +351,7 @@ def _child(env: HermesEnvelope) -> aep.SessionRef:
 
 
 def _subagent_start(env: HermesEnvelope, ctx: Ctx) -> list[Spec]:
-    g = ctx.gate("delegation.subagent.started")
+    g = ctx.ceiling("delegation.subagent.started")
     payload = aep.SubagentStarted(
         child=_child(env), role=_str(env.x("child_role")), goal=g.text(_str(env.x("child_goal")) or None)
     )
@@ -384,7 +359,7 @@ def _subagent_start(env: HermesEnvelope, ctx: Ctx) -> list[Spec]:
 
 
 def _subagent_stop(env: HermesEnvelope, ctx: Ctx) -> list[Spec]:
-    g = ctx.gate("delegation.subagent.stopped")
+    g = ctx.ceiling("delegation.subagent.stopped")
     payload = aep.SubagentStopped(
         child=_child(env),
         status=_str(env.x("child_status")),
@@ -395,7 +370,7 @@ def _subagent_stop(env: HermesEnvelope, ctx: Ctx) -> list[Spec]:
 
 
 def _api_error(env: HermesEnvelope, ctx: Ctx) -> list[Spec]:
-    g = ctx.gate("x.hermes.api.error")
+    g = ctx.ceiling("x.hermes.api.error")
     error = env.x("error")
     error = error if isinstance(error, dict) else {}
     payload = aep.HermesApiError(
@@ -495,16 +470,6 @@ def map_specs(env: HermesEnvelope, policy: CapturePolicy) -> list[Spec]:
     return builder(env, Ctx(policy))
 
 
-def strip_to_required(payload: aep._Payload) -> aep._Payload:
-    """Capture ``none``: keep only the fields a payload schema requires (envelope-level structure)."""
-    kept = {}
-    for f in msgspec.structs.fields(payload):
-        value = getattr(payload, f.name)
-        if f.required:
-            kept[f.name] = strip_to_required(value) if isinstance(value, aep._Payload) else value
-    return type(payload)(**kept)
-
-
 def map_envelope(env: HermesEnvelope, origin: Origin, lanes: LaneLookup, policy: CapturePolicy) -> MapResult:
     filed = lane_of(env, lanes)
     unknown = filed is None
@@ -541,7 +506,7 @@ def map_envelope(env: HermesEnvelope, origin: Origin, lanes: LaneLookup, policy:
                 epoch=origin.epoch,
                 subject=subject or UNSET,
                 severity=severity,
-                capture=LEVEL_NAMES[level],  # type: ignore[arg-type]
+                capture=LEVELS[level],  # type: ignore[arg-type]
                 data=aep.payload_to_data(payload),
                 lane="unknown" if unknown else UNSET,
                 drift=drift if drift is not None else UNSET,
@@ -559,7 +524,6 @@ def map_envelope(env: HermesEnvelope, origin: Origin, lanes: LaneLookup, policy:
 
 
 __all__ = [
-    "Gate",
     "HOOKS",
     "MapResult",
     "POST_TOOL_STATUS",

@@ -90,7 +90,7 @@ subagent    child_session_id (``subject``)               oldest     link        
    ``recent_ns`` are forgotten, sessions idle past ``idle_ttl_ns`` (ended ones: past
    ``recent_ns``) are evicted.
 
-Invariants (tests/test_pairing*.py check them with `check_invariants`)
+Invariants (`bridge.core.invariants.check_invariants` checks them over an output stream)
 ---------------------------------------------------------------------
 * At most one AEP terminal per run: a later one becomes ``x.hermes.run.closed``
   (same id and seq; cause = the run's start when known), counted ``suppressed.run``.
@@ -128,7 +128,7 @@ Invariants (tests/test_pairing*.py check them with `check_invariants`)
   idle sessions evicted; ended sessions are remembered as 8-byte digests
   (``max_ended``, FIFO) and a session's last ``run_memory`` ended runs as 8-byte
   digests. Exclusivity holds within these bounds (a session evicted and seen again
-  keeps session exclusivity, not its runs'). ``idle_session_footprint`` measures
+  keeps session exclusivity, not its runs'). ``benchmarks/pairing_footprint.py`` measures
   an idle open session (about 0.5 KB).
 
 The clock
@@ -150,7 +150,7 @@ or below ``state.position`` returns ``[]`` (counted ``replayed``): publish
 everything a call returned before acking its message; after a publish failure,
 restore the last checkpoint and replay instead of feeding the message again.
 Checkpoint: ``snapshot()`` (msgpack; covers ``state.position``); restart:
-``PairingState.restore(data, config, partition=n)`` (alias ``from_snapshot``), then
+``PairingState.restore(data, config, partition=n)``, then
 replay from ``position + 1``. ``PairingState(config, partition=n)`` starts empty.
 Publish each event with ``Nats-Msg-Id`` = its id: replayed output is byte-identical.
 ``metrics()`` gives the counters (``orphaned.<reason>.<kind>``,
@@ -163,7 +163,6 @@ Publish each event with ``Nats-Msg-Id`` = its id: replayed output is byte-identi
 
 from __future__ import annotations
 
-import gc
 import hashlib
 import heapq
 import re
@@ -171,12 +170,12 @@ from array import array
 from bisect import bisect_left
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, NamedTuple
+from typing import Any, Callable, NamedTuple, Sequence
 
 import msgspec
 from msgspec import UNSET
 
-from bridge.core.aep import Event
+from bridge.core.aep import Event, Severity
 from bridge.core.identity import AFTER_SLOT, MAPPED_SLOT, SLOTS, event_id, rfc3339, ulid_time_ms
 from bridge.core.lanes import UNKNOWN
 
@@ -223,13 +222,13 @@ DELEGATE_TOOL = "delegate_task"  # the Hermes tool whose call starts subagents (
 
 
 def _run_key(ev: Event, h: dict[str, Any]) -> str:
-    return ev.run or ""  # type: ignore[return-value]
+    return _run(ev)
 
 
 def _tool_key(ev: Event, h: dict[str, Any]) -> str:
-    tool = (ev.data or {}).get("tool") or {}
+    tool = _data(ev).get("tool") or {}
     call_id = h.get("tool_call_id") or tool.get("call_id") or ""
-    run = ev.run or ""
+    run = _run(ev)
     if call_id:
         return f"{run}\x1f{call_id}"
     # execute_code calls: no tool_call_id, no turn id; same task, tool and arguments = same call (FIFO)
@@ -238,14 +237,14 @@ def _tool_key(ev: Event, h: dict[str, Any]) -> str:
 
 def _card_key(ev: Event, h: dict[str, Any]) -> str:
     if h.get("hook") in APPROVAL_HOOKS:
-        return f"a\x1f{h.get('session_key', '')}\x1f{h.get('pattern_key') or ev.subject or ''}"
-    return f"c\x1f{ev.run or ''}\x1f{h.get('tool_call_id') or ev.subject or ''}"
+        return f"a\x1f{h.get('session_key', '')}\x1f{h.get('pattern_key') or _subject(ev)}"
+    return f"c\x1f{_run(ev)}\x1f{h.get('tool_call_id') or _subject(ev)}"
 
 
 def _subagent_key(ev: Event, h: dict[str, Any]) -> str:
     if ev.subject:
-        return ev.subject  # type: ignore[return-value]
-    child = (ev.data or {}).get("child") or {}
+        return _subject(ev)
+    child = _data(ev).get("child") or {}
     return child.get("session") or ""
 
 
@@ -343,7 +342,7 @@ class _Pair(msgspec.Struct, array_like=True, gc=False):
     state: int = OPEN
     end: str = ""  # id of the event that closed it
     closed: int = 0  # stream time it closed
-    lo: bool = False  # the start had capture "none": inserted events carry required fields only
+    capture_none: bool = False  # the start had capture "none": inserted events carry required fields only
     late: bool = False  # opened after its session ended (seq below the session.ended): TTL = hold_ns
     # Fields added after the first release (a snapshot without them decodes with these defaults):
     due: int = 0  # a stream-time deadline set by an event (session end, delegate returned); 0 = none
@@ -381,7 +380,7 @@ def _ends(s: _Session) -> list[int]:
     return [s.fin] if s.ended else []
 
 
-def _crosses(ends: list[int], lo: int, hi: int) -> bool:
+def _crosses(ends: Sequence[int], lo: int, hi: int) -> bool:
     """Whether a session end lies between seqs ``lo`` and ``hi`` (a start and its would-be terminal)."""
     return any(lo < e < hi for e in ends)
 
@@ -480,8 +479,27 @@ def _digest8(value: str) -> bytes:
     return hashlib.blake2b(value.encode("utf-8", "surrogatepass"), digest_size=8).digest()
 
 
+# Typed accessors for the optional fields pairing reads (UNSET reads as "" / 0 / {}).
+
+
 def _seq(ev: Event) -> int:
     return ev.seq if isinstance(ev.seq, int) else 0
+
+
+def _epoch(ev: Event) -> int:
+    return ev.epoch or 0
+
+
+def _run(ev: Event) -> str:
+    return ev.run or ""
+
+
+def _subject(ev: Event) -> str:
+    return ev.subject or ""
+
+
+def _data(ev: Event) -> dict[str, Any]:
+    return ev.data or {}
 
 
 def _before(p: _Pair, seq: int, epoch: int) -> bool:
@@ -491,6 +509,18 @@ def _before(p: _Pair, seq: int, epoch: int) -> bool:
 
 def _ms(later_ns: int, earlier_ns: int) -> int:
     return max(0, (later_ns - earlier_ns) // 1_000_000)
+
+
+class _At(NamedTuple):
+    """Where an event pairing inserts goes, and the identity it takes."""
+
+    source: str
+    epoch: int
+    anchor: int  # the seq of the event it goes with (its raw position decides the seq)
+    slot: int
+    seed: str  # hashed with the slot into the event id
+    id_ms: int  # time part of the id
+    time: str
 
 
 # ---------------------------------------------------------------- the state machine
@@ -550,20 +580,20 @@ class PairingState:
         lane = UNKNOWN_KEY if event.lane == "unknown" else event.session
         s = self._sessions.get(lane)  # type: ignore[arg-type]
         if s is None:
-            s = self._sessions[lane] = _Session(source=event.source, last=ts)  # type: ignore[index]
+            s = self._sessions[lane] = _Session(source=event.source, last=ts)
         elif ts > s.last:
             s.last = ts
         if event.type == "session.ended":
-            out = self._session_end(lane, s, event, h, ts)  # type: ignore[arg-type]
+            out = self._session_end(lane, s, event, h, ts)
         else:
             role = ROLES.get(event.type)
             if role is None:
                 out = [event]
             elif role[1] == START:
-                out = self._start(role[0], lane, s, event, h, ts)  # type: ignore[arg-type]
+                out = self._start(role[0], lane, s, event, h, ts)
             else:
-                out = self._end(role[0], lane, s, event, h, ts)  # type: ignore[arg-type]
-        self._schedule(lane, s)  # type: ignore[arg-type]
+                out = self._end(role[0], lane, s, event, h, ts)
+        self._schedule(lane, s)
         return self._emit(out)
 
     def tick(self, now_ns: int, position: int) -> list[Event]:
@@ -600,7 +630,6 @@ class PairingState:
         """Open starts by kind (``run``, ``tool``, ``card``, ``subagent``): a gauge."""
         return {name: self._open[i] for i, name in enumerate(KINDS)}
 
-    open_counts = open_pairs
 
     def metrics(self) -> dict[str, int]:
         """Counters plus gauges, flat (``open.<kind>``, ``sessions``, ``held_now``, ``ended_remembered``)."""
@@ -639,7 +668,6 @@ class PairingState:
         state._load(data)
         return state
 
-    from_snapshot = restore
 
     def _load(self, data: bytes) -> None:
         snap = _snapshot_decoder.decode(data)
@@ -680,7 +708,7 @@ class PairingState:
                 if (p.kind == kind and p.key == key and not p.start and p.state >= UNLINKED and _seq(ev) < p.seq
                         and not _crosses(ends, _seq(ev), p.seq)):
                     return self._late_start(lane, p, ev, ts)
-        if kind == RUN and ev.run and self._run_ended(s, ev.run):  # type: ignore[arg-type]
+        if kind == RUN and ev.run and self._run_ended(s, _run(ev)):
             self._count("late_starts")
             return [ev]
         out: list[Event] = []
@@ -693,11 +721,11 @@ class PairingState:
             start=ev.id,
             seq=_seq(ev),
             ts=ts,
-            epoch=ev.epoch or 0,  # type: ignore[arg-type]
-            run=ev.run or "",  # type: ignore[arg-type]
+            epoch=_epoch(ev),
+            run=_run(ev),
             tie=h.get("tool_call_id", "") if rule.tie else "",
             src="" if ev.source == s.source else ev.source,
-            lo=ev.capture == "none",
+            capture_none=ev.capture == "none",
             late=rule.swept and any(e > _seq(ev) for e in _ends(s)),
         )
         if s.pairs is None:
@@ -724,28 +752,25 @@ class PairingState:
         out = [ev]
         if p.kind == CARD:
             resolution = "answered" if p.state == UNLINKED_ANSWER else "dismissed"
-            data: dict[str, Any] = {"resolution": resolution}
-            if ev.capture != "none":
-                data["latency_ms"] = _ms(p.ts, ts)
-            out.append(
-                self._insert(
-                    lane,
-                    source=ev.source,
-                    epoch=ev.epoch or 0,  # type: ignore[arg-type]
-                    anchor=_seq(ev),
-                    slot=AFTER_INSERT_SLOT,
-                    seed=ev.id + "/resolved",
-                    id_ms=ulid_time_ms(ev.id),
-                    time=ev.time,
-                    etype="attention.resolved",
-                    data=data,
-                    run=ev.run or "",  # type: ignore[arg-type]
-                    subject=ev.id,
-                    cause=p.end,
-                    lo=ev.capture == "none",
-                )
-            )
+            out.append(self._resolved_after(lane, ev, resolution, _ms(p.ts, ts), subject=ev.id, cause=p.end))
         return out
+
+    def _resolved_after(self, lane: str, ev: Event, resolution: str, latency_ms: int, *, subject: str, cause: str) -> Event:
+        """The ``attention.resolved`` pairing inserts right after ``ev`` (no latency at capture none)."""
+        data: dict[str, Any] = {"resolution": resolution}
+        if ev.capture != "none":
+            data["latency_ms"] = latency_ms
+        at = _At(ev.source, _epoch(ev), _seq(ev), AFTER_INSERT_SLOT, ev.id + "/resolved", ulid_time_ms(ev.id), ev.time)
+        return self._insert(
+            lane,
+            at,
+            etype="attention.resolved",
+            data=data,
+            run=_run(ev),
+            subject=subject,
+            cause=cause,
+            capture_none=ev.capture == "none",
+        )
 
     # ------------------------------------------------------------ terminals
 
@@ -766,7 +791,7 @@ class PairingState:
             return self._runless_end(s, ev, ts)
         rule = RULES[kind]
         key = rule.key(ev, h)
-        seq, epoch = _seq(ev), ev.epoch or 0
+        seq, epoch = _seq(ev), _epoch(ev)
         ends = _ends(s) if rule.swept else []  # subagents outlive their parent's end
         match = self._find_open(pairs, kind, key, h.get("tool_call_id", "") if rule.tie else "", seq, epoch, ends)
         if match is not None:
@@ -781,7 +806,7 @@ class PairingState:
             recent = self._find_recent(pairs, kind, key, seq, epoch, ends)
             if recent is not None:
                 return self._link(lane, s, recent, ev, ts, first=False)
-        if kind == RUN and self._run_ended(s, ev.run):  # type: ignore[arg-type]
+        if kind == RUN and self._run_ended(s, _run(ev)):
             self._count("suppressed.run")
             return [self._as_run_closed(ev, None)]
         if held is not None:
@@ -794,7 +819,7 @@ class PairingState:
         return self._release(lane, s, kind, key, ev, ts, h)
 
     @staticmethod
-    def _find_recent(pairs: Any, kind: int, key: str, seq: int, epoch: int, ends: list[int] = ()) -> _Pair | None:  # type: ignore[assignment]
+    def _find_recent(pairs: Any, kind: int, key: str, seq: int, epoch: int, ends: Sequence[int] = ()) -> _Pair | None:
         """The most recently closed pair of this key with a known, earlier start (and no session
         end in ``ends`` between the two)."""
         recent = None
@@ -849,32 +874,12 @@ class PairingState:
         changes: dict[str, Any] = {"cause": p.start}
         if subject:
             changes["subject"] = p.start
-        if field and ev.capture != "none" and field not in (ev.data or {}):
-            changes["data"] = {**(ev.data or {}), field: _ms(ts, p.ts)}
+        if field and ev.capture != "none" and field not in _data(ev):
+            changes["data"] = {**_data(ev), field: _ms(ts, p.ts)}
         out = [msgspec.structs.replace(ev, **changes)]
         resolution = INSERT_AFTER.get(ev.type)
         if resolution and first:
-            data: dict[str, Any] = {"resolution": resolution}
-            if ev.capture != "none":
-                data["latency_ms"] = _ms(ts, p.ts)
-            out.append(
-                self._insert(
-                    lane,
-                    source=ev.source,
-                    epoch=ev.epoch or 0,  # type: ignore[arg-type]
-                    anchor=_seq(ev),
-                    slot=AFTER_INSERT_SLOT,
-                    seed=ev.id + "/resolved",
-                    id_ms=ulid_time_ms(ev.id),
-                    time=ev.time,
-                    etype="attention.resolved",
-                    data=data,
-                    run=ev.run or "",  # type: ignore[arg-type]
-                    subject=p.start,
-                    cause=ev.id,
-                    lo=ev.capture == "none",
-                )
-            )
+            out.append(self._resolved_after(lane, ev, resolution, _ms(ts, p.ts), subject=p.start, cause=ev.id))
         return out
 
     def _delegate_returned(self, s: _Session, run: str, ts: int) -> None:
@@ -888,7 +893,7 @@ class PairingState:
     def _runless_end(self, s: _Session, ev: Event, ts: int) -> list[Event]:
         """``on_session_end`` without a turn id: close the session's latest open run, if any."""
         latest = None
-        seq, epoch = _seq(ev), ev.epoch or 0
+        seq, epoch = _seq(ev), _epoch(ev)
         for p in s.pairs or ():
             if p.kind == RUN and p.state == OPEN and _before(p, seq, epoch) and (latest is None or p.seq > latest.seq):
                 latest = p
@@ -928,14 +933,14 @@ class PairingState:
         as ``x.hermes.attention.unmatched`` (`_unmatched`)."""
         if not ts:
             ts = ulid_time_ms(ev.id) * 1_000_000
-        recent = self._find_recent(s.pairs or (), kind, key, _seq(ev), ev.epoch or 0)  # type: ignore[arg-type]
+        recent = self._find_recent(s.pairs or (), kind, key, _seq(ev), _epoch(ev))
         if recent is not None:
             return self._link(lane, s, recent, ev, ts, first=False)
         if kind == RUN:
-            if self._run_ended(s, ev.run):  # type: ignore[arg-type]
+            if self._run_ended(s, _run(ev)):
                 self._count("suppressed.run")
                 return [self._as_run_closed(ev, None)]
-            self._remember_run(s, ev.run)  # type: ignore[arg-type]
+            self._remember_run(s, _run(ev))
         self._count(f"unmatched.{KINDS[kind]}")
         pair = _Pair(
             kind=kind,
@@ -943,8 +948,8 @@ class PairingState:
             start="",
             seq=_seq(ev),
             ts=ts,
-            epoch=ev.epoch or 0,  # type: ignore[arg-type]
-            run=ev.run or "",  # type: ignore[arg-type]
+            epoch=_epoch(ev),
+            run=_run(ev),
             state=UNLINKED_ANSWER if ev.type == "attention.answered" else UNLINKED,
             end=ev.id,
             closed=self.clock,
@@ -987,7 +992,7 @@ class PairingState:
         out = self._sweep(lane, s, ev, ts)
         if already:  # invariant 2: one session.ended per session
             self._count("suppressed.session")
-            data = {} if ev.capture == "none" or "reason" not in (ev.data or {}) else {"reason": ev.data["reason"]}  # type: ignore[index]
+            data = {} if ev.capture == "none" or "reason" not in _data(ev) else {"reason": _data(ev)["reason"]}
             out.append(
                 msgspec.structs.replace(ev, type="x.hermes.session.finalized", data=data, cause=s.ended or UNSET)
             )
@@ -1029,21 +1034,8 @@ class PairingState:
         id_ms = ulid_time_ms(ev.id)
         for slot, p in enumerate(victims, start=SWEEP_SLOT):
             self._count(f"swept.{KINDS[p.kind]}")
-            out.append(
-                self._closure(
-                    lane,
-                    s,
-                    p,
-                    "session_end",
-                    source=ev.source,
-                    epoch=ev.epoch or 0,  # type: ignore[arg-type]
-                    anchor=_seq(ev),
-                    slot=slot,
-                    seed=ev.id + "/sweep",
-                    id_ms=id_ms,
-                    time=ev.time,
-                )
-            )
+            at = _At(ev.source, _epoch(ev), _seq(ev), slot, ev.id + "/sweep", id_ms, ev.time)
+            out.append(self._closure(lane, p, "session_end", at))
         return out
 
     # ------------------------------------------------------------ time: ticks
@@ -1121,68 +1113,35 @@ class PairingState:
         """A TTL or overflow closure: the inserted event sits right after the start."""
         index = min(max(p.seq % SLOTS - MAPPED_SLOT, 0), SLOTS - 1 - CLOSE_SLOT)
         clock_ms = self.clock // 1_000_000
-        return [
-            self._closure(
-                lane,
-                s,
-                p,
-                reason,
-                source=p.src or s.source,
-                epoch=p.epoch,
-                anchor=p.seq,
-                slot=CLOSE_SLOT + index,
-                seed=p.start + "/close",
-                id_ms=clock_ms,
-                time=rfc3339(self.clock),
-            )
-        ]
+        at = _At(p.src or s.source, p.epoch, p.seq, CLOSE_SLOT + index, p.start + "/close", clock_ms, rfc3339(self.clock))
+        return [self._closure(lane, p, reason, at)]
 
-    def _closure(
-        self,
-        lane: str,
-        s: _Session,
-        p: _Pair,
-        reason: str,
-        *,
-        source: str,
-        epoch: int,
-        anchor: int,
-        slot: int,
-        seed: str,
-        id_ms: int,
-        time: str,
-    ) -> Event:
+    def _closure(self, lane: str, p: _Pair, reason: str, at: _At) -> Event:
         """The honest end of an open start: cards are dismissed, the rest orphaned."""
-        age = _ms(id_ms * 1_000_000 if reason == "session_end" else self.clock, p.ts)
+        age = _ms(at.id_ms * 1_000_000 if reason == "session_end" else self.clock, p.ts)
         if RULES[p.kind].dismissed:
             self._count(f"dismissed.{reason}")
             etype = "attention.resolved"
             data: dict[str, Any] = {"resolution": "dismissed", "latency_ms": age}
             subject = p.start
-            severity = None
+            severity: Severity | None = None
         else:
             self._count(f"orphaned.{reason}.{KINDS[p.kind]}")
             etype = "x.hermes.pairing.orphaned"
             data = {"kind": KINDS[p.kind], "reason": reason, "start": p.start, "age_ms": age}
             subject = ""
             severity = "warning"
-        if p.lo:
+        if p.capture_none:
             data = {k: v for k, v in data.items() if k not in ("latency_ms", "age_ms")}
         event = self._insert(
             lane,
-            source=source,
-            epoch=epoch,
-            anchor=anchor,
-            slot=slot,
-            seed=seed,
-            id_ms=id_ms,
-            time=time,
+            at,
             etype=etype,
             data=data,
             run=p.run,
             subject=subject,
             cause=p.start,
-            lo=p.lo,
+            capture_none=p.capture_none,
             severity=severity,
         )
         self._close(p, event.id, CLOSED)
@@ -1191,37 +1150,31 @@ class PairingState:
     @staticmethod
     def _insert(
         lane: str,
+        at: _At,
         *,
-        source: str,
-        epoch: int,
-        anchor: int,
-        slot: int,
-        seed: str,
-        id_ms: int,
-        time: str,
         etype: str,
         data: dict[str, Any],
         run: str,
         subject: str,
         cause: str,
-        lo: bool,
-        severity: str | None = None,
+        capture_none: bool,
+        severity: Severity | None = None,
     ) -> Event:
         return Event(
             aep="0.1",
-            id=event_id(seed, slot, id_ms),
+            id=event_id(at.seed, at.slot, at.id_ms),
             type=etype,
-            time=time,
-            source=source,
+            time=at.time,
+            source=at.source,
             agent="hermes",
             session=UNKNOWN if lane == UNKNOWN_KEY else lane,
             run=run or UNSET,
-            seq=(anchor // SLOTS) * SLOTS + slot,
-            epoch=epoch,
+            seq=(at.anchor // SLOTS) * SLOTS + at.slot,
+            epoch=at.epoch,
             subject=subject or UNSET,
             cause=cause or UNSET,
-            severity=severity or UNSET,  # type: ignore[arg-type]
-            capture="none" if lo else "metadata",
+            severity=severity or UNSET,
+            capture="none" if capture_none else "metadata",
             data=data,
             lane="unknown" if lane == UNKNOWN_KEY else UNSET,
         )
@@ -1276,200 +1229,10 @@ class PairingState:
         return out
 
 
-# ---------------------------------------------------------------- checking an output stream
-
-#: terminal type -> the start type its cause must name
-START_OF: dict[str, str] = {
-    "run.finished": "run.started",
-    "run.failed": "run.started",
-    "run.cancelled": "run.started",
-    "tool.completed": "tool.requested",
-    "tool.failed": "tool.requested",
-    "tool.denied": "tool.requested",
-    "delegation.subagent.stopped": "delegation.subagent.started",
-}
-RUN_TERMINALS = frozenset({"run.finished", "run.failed", "run.cancelled"})
-SESSION_ENDS = frozenset({"session.ended", "x.hermes.session.finalized"})
-CARD_ENDINGS = frozenset({"attention.resolved", "attention.timeout"})
-CARD_FOLLOW_UPS = CARD_ENDINGS | {"attention.answered"}
-
-
-def check_invariants(
-    events: list[Event], *, complete: bool = True, linked: bool = False, stream_order: bool = True
-) -> list[str]:
-    """The pairing invariants over an output stream, as a list of problems (empty = all hold).
-
-    * every event id appears once; (session, epoch, seq) is unique;
-    * at most one run terminal per (session, run), and it carries ``run``;
-      at most one ``session.ended`` per session;
-    * a terminal's ``cause``, when set, names an event of its start type (same run for runs);
-      with ``linked`` every terminal and attention follow-up must be linked;
-    * every attention follow-up (``answered`` / ``resolved`` / ``timeout``) has ``subject`` =
-      the id of an ``attention.requested`` of its own session (AEP-0002 §7.1);
-    * every ``attention.requested`` ends (``complete``) in ``attention.resolved`` or
-      ``attention.timeout`` with ``subject`` = its id, and before the next session end
-      (``session.ended`` / ``x.hermes.session.finalized``) of its session in (epoch, seq)
-      order, and with ``stream_order`` also in stream order, except a dismissal: a card open
-      at its session's end is dismissed ``hold_ns`` later (its answer may still come);
-    * ``x.hermes.pairing.orphaned`` names an existing start.
-    """
-    problems: list[str] = []
-    by_id: dict[str, Event] = {}
-    seqs: set[tuple[Any, Any, Any]] = set()
-    for i, e in enumerate(events):
-        if e.id in by_id:
-            problems.append(f"{e.id} ({e.type}): appears twice")
-        by_id[e.id] = e
-        if e.session is not UNSET and e.seq is not UNSET:
-            k = (e.session, e.epoch, e.seq)
-            if k in seqs:
-                problems.append(f"{e.id} ({e.type}): seq {e.seq} reused in session {e.session}")
-            seqs.add(k)
-    run_terms: dict[tuple[Any, Any], int] = {}
-    ended: dict[Any, int] = {}
-    for e in events:
-        if e.type in RUN_TERMINALS:
-            if e.run is UNSET:
-                problems.append(f"{e.id} ({e.type}): run terminal without run")
-            k = (e.session, e.run)
-            run_terms[k] = run_terms.get(k, 0) + 1
-            if run_terms[k] == 2:
-                problems.append(f"run {e.run} of {e.session}: two terminals")
-        elif e.type == "session.ended":
-            ended[e.session] = ended.get(e.session, 0) + 1
-            if ended[e.session] == 2:
-                problems.append(f"session {e.session}: two session.ended")
-        start_type = START_OF.get(e.type)
-        if start_type is not None:
-            if e.cause is UNSET:
-                if linked:
-                    problems.append(f"{e.id} ({e.type}): no cause")
-            else:
-                start = by_id.get(e.cause)  # type: ignore[arg-type]
-                if start is None or start.type != start_type:
-                    problems.append(f"{e.id} ({e.type}): cause {e.cause} is not a {start_type}")
-                elif e.type in RUN_TERMINALS and start.run != e.run:
-                    problems.append(f"{e.id} ({e.type}): cause is the start of another run")
-        if e.type == "x.hermes.pairing.orphaned":
-            start = by_id.get((e.data or {}).get("start", ""))
-            if start is None or start.type not in ("run.started", "tool.requested", "delegation.subagent.started"):
-                problems.append(f"{e.id}: orphaned names no start")
-    requests = {e.id: i for i, e in enumerate(events) if e.type == "attention.requested"}
-    first_end: dict[str, int] = {}
-    for i, e in enumerate(events):
-        if e.type in CARD_FOLLOW_UPS:
-            if e.subject not in requests:
-                problems.append(f"{e.id} ({e.type}): subject {e.subject!r} is not a request id")
-                continue
-            if events[requests[e.subject]].session != e.session:  # type: ignore[index]
-                problems.append(f"{e.id} ({e.type}): subject is a request of another session")
-                continue
-            if e.type in CARD_ENDINGS and e.subject not in first_end:
-                first_end[e.subject] = i  # type: ignore[index]
-    ends_by_session: dict[Any, list[int]] = {}
-    for i, e in enumerate(events):
-        if e.type in SESSION_ENDS:
-            ends_by_session.setdefault(e.session, []).append(i)
-    for rid, i in requests.items():
-        r = events[i]
-        j = first_end.get(rid)
-        if j is None:
-            if complete:
-                problems.append(f"request {rid} never ends")
-            continue
-        session_ends = ends_by_session.get(r.session, [])
-        if stream_order and (events[j].data or {}).get("resolution") != "dismissed":
-            nxt = next((k for k in session_ends if k > i), None)
-            if nxt is not None and j > nxt:
-                problems.append(f"request {rid} ends after its session.ended (stream order)")
-        later = [events[k] for k in session_ends if events[k].epoch == r.epoch and events[k].seq > r.seq]  # type: ignore[operator]
-        if later:
-            end_seq = min(x.seq for x in later)  # type: ignore[type-var]
-            if events[j].seq >= end_seq:  # type: ignore[operator]
-                problems.append(f"request {rid} ends after its session.ended (seq order)")
-    return problems
-
-
-# ---------------------------------------------------------------- a footprint probe for the benchmark
-
-
-def _idle_session_inputs(n: int, base_ns: int = 1_764_500_000 * SECOND) -> Iterator[tuple[Event, dict[str, Any]]]:
-    """n sessions that each ran one turn with one tool call and then went quiet (realistic id sizes)."""
-    for i in range(n):
-        lane = f"20261130_{i // 1_000_000:06d}_{i % 1_000_000:06x}"
-        run = f"{lane}:1d62455f-df2f-4c95-934a-{i:012x}:9f0ce0fb"
-        source = f"aep://gateway-{i % 7}.example/agent/hermes/session/{lane}"
-        steps = (
-            ("session.started", None, {"client": {"name": "hermes"}}, {}),
-            ("run.started", run, {"trigger": "user"}, {}),
-            ("tool.requested", run, {"tool": {"name": "terminal", "call_id": "call_0001"}}, {"tool_call_id": "call_0001"}),
-            ("tool.completed", run, {"tool": {"name": "terminal", "call_id": "call_0001"}}, {"tool_call_id": "call_0001"}),
-            ("run.finished", run, {}, {}),
-        )
-        for j, (etype, r, data, extra) in enumerate(steps):
-            raw_seq = i * 8 + j + 1
-            ts = base_ns + raw_seq * 1_000_000
-            ev = Event(
-                aep="0.1",
-                id=event_id(f"probe-{raw_seq}", MAPPED_SLOT, ts // 1_000_000),
-                type=etype,
-                time=rfc3339(ts),
-                source=source,
-                agent="hermes",
-                session=lane,
-                run=r or UNSET,
-                seq=raw_seq * SLOTS + MAPPED_SLOT,
-                epoch=0,
-                capture="metadata",
-                data=data,
-            )
-            yield ev, {"ts": ts, **extra}
-
-
-def idle_session_footprint(n: int = 10_000, config: PairingConfig | None = None) -> dict[str, float]:
-    """Resident bytes per idle open session (tracemalloc) and snapshot bytes per session.
-
-    Builds ``n`` sessions that each ran a turn with a tool call and are still open
-    (no session.ended), ticks past ``recent_ns`` so that only what an idle session
-    keeps remains, and measures what the state retains. Partition-wide overhead
-    (the id ring of ``dedupe_ids``) is included and amortised over ``n``.
-    """
-    import tracemalloc
-
-    cfg = config or PairingConfig()
-    # Encode the input first (outside the traced region), decode it inside, as the service would.
-    encoder = msgspec.msgpack.Encoder()
-    messages = [(encoder.encode(ev), h) for ev, h in _idle_session_inputs(n)]
-    decoder = msgspec.msgpack.Decoder(Event)
-    last_ts = messages[-1][1]["ts"] if messages else 0
-    gc.collect()
-    tracemalloc.start()
-    try:
-        before = tracemalloc.get_traced_memory()[0]
-        state = PairingState(cfg)
-        position = 0
-        for body, h in messages:
-            position += 1
-            state.process(decoder.decode(body), dict(h), position)
-        state.tick(last_ts + cfg.recent_ns + 1, position + 1)
-        gc.collect()
-        retained = tracemalloc.get_traced_memory()[0] - before
-    finally:
-        tracemalloc.stop()
-    open_sessions = state.metrics()["sessions"]
-    return {
-        "sessions": float(open_sessions),
-        "bytes_per_session": retained / max(open_sessions, 1),
-        "snapshot_bytes_per_session": len(state.snapshot()) / max(open_sessions, 1),
-    }
-
-
 __all__ = [
     "KINDS",
-    "check_invariants",
     "LINKS",
     "ROLES",
     "PairingConfig",
     "PairingState",
-    "idle_session_footprint",
 ]

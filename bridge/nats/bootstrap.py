@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 from typing import Any, Callable
 
+from nats.js.errors import APIError, NotFoundError
+
 from bridge.config import Settings, load_environ
 from bridge.nats import streams as S
 
@@ -74,8 +76,6 @@ def differences(current: Any, wanted: Any) -> dict[str, tuple[Any, Any]]:
 
 async def ensure_stream(js: Any, config: Any) -> tuple[str, dict[str, tuple[Any, Any]]]:
     """Create or update one stream. Returns ("created" | "updated" | "unchanged", differences)."""
-    from nats.js.errors import APIError, NotFoundError
-
     try:
         info = await js.stream_info(config.name)
     except NotFoundError:

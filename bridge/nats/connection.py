@@ -12,8 +12,14 @@ and ``AEP_BRIDGE_TLS_KEY`` add a client certificate.
 
 from __future__ import annotations
 
+import asyncio
+import ssl
+import time
 from dataclasses import dataclass
 from typing import Any
+
+import nats
+import nats.errors
 
 from bridge.config import Settings
 from bridge.shim.hook import parse_server_url
@@ -56,7 +62,6 @@ def tls_context(settings: Settings, force: bool = False) -> Any:
     """An SSLContext when TLS is configured (or ``force``), else None."""
     if not (force or settings.tls_ca or settings.tls_cert):
         return None
-    import ssl
 
     ctx = ssl.create_default_context(cafile=settings.tls_ca) if settings.tls_ca else ssl.create_default_context()
     if settings.tls_cert:
@@ -102,9 +107,6 @@ def describe_auth(settings: Settings) -> str:
 async def connect(settings: Settings | None = None, *, name: str | None = None, **overrides: Any) -> Any:
     """``nats.connect`` with the bridge's settings. Raises NatsConnectError naming the
     servers tried, what each said and, for an authorization error, what to set."""
-    import nats
-    import nats.errors
-
     settings = settings or Settings.from_env()
     errors: list[BaseException] = []
     user_cb = overrides.pop("error_cb", None)
@@ -164,9 +166,6 @@ async def connect_service(settings: Settings | None = None, *, name: str | None 
     non-zero: Kubernetes shows it instead of a pod that hangs); an unreachable server is
     retried with backoff for ``wait_s`` (NATS may start after us). Once connected, the
     connection reconnects forever."""
-    import asyncio
-    import time
-
     deadline = time.monotonic() + wait_s
     delay = 0.5
     while True:

@@ -19,6 +19,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from nats.js.api import (
+    AckPolicy,
+    ConsumerConfig,
+    DeliverPolicy,
+    DiscardPolicy,
+    RetentionPolicy,
+    StorageType,
+    StreamConfig,
+)
+
 from bridge.nats.subjects import DLQ_PREFIX, EVENTS_PREFIX, MAPPED_PREFIX, RAW_PREFIX
 
 DAY = 24 * 3600.0
@@ -52,7 +62,8 @@ MAPPER_MAX_ACK_PENDING = 8192
 DUPLICATE_WINDOW_S = 120.0
 
 __all__ = [
-    "AEP_EVENTS", "BRIDGE_DLQ", "BRIDGE_MAPPED", "BUCKETS", "BucketSpec", "CHECKPOINTS_BUCKET", "HERMES_RAW",
+    "AEP_EVENTS", "BRIDGE_DLQ", "BRIDGE_MAPPED", "BUCKETS", "BucketSpec", "CHECKPOINTS_BUCKET", "CONTROL_BUCKET",
+    "CONTROL_BUCKETS", "HERMES_RAW", "INSTRUCT_BUCKET",
     "LANES_BUCKET", "LEASES_BUCKET", "LEASE_TTL_S", "MAPPER_DURABLE", "MAPPER_MAX_DELIVER", "OBJECT_STORES",
     "ObjectStoreSpec", "PAIRING_BUCKET", "STREAMS", "StreamSpec", "all_stream_configs", "mapper_consumer_config",
 ]
@@ -72,8 +83,6 @@ class StreamSpec:
     discard: str = "old"  # limits: the oldest messages go when max_age/max_bytes is reached
 
     def config(self, replicas: int = 1, duplicate_window_s: float | None = None) -> Any:
-        from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
-
         return StreamConfig(
             name=self.name,
             description=self.description,
@@ -108,8 +117,6 @@ class BucketSpec:
         return f"KV_{self.bucket}"
 
     def config(self, replicas: int = 1) -> Any:
-        from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
-
         return StreamConfig(
             name=self.stream_name,
             description=self.description,
@@ -148,8 +155,6 @@ class ObjectStoreSpec:
         return f"OBJ_{self.bucket}"
 
     def config(self, replicas: int = 1) -> Any:
-        from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
-
         return StreamConfig(
             name=self.stream_name,
             description=self.description,
@@ -195,6 +200,13 @@ PAIRING = BucketSpec(
 )
 LEASES = BucketSpec(LEASES_BUCKET, "pairing partition leases (p.<n>)", ttl_s=LEASE_TTL_S, max_bytes=16 * MiB)
 BUCKETS: tuple[BucketSpec, ...] = (LANES, PAIRING, LEASES)
+# The opt-in control plane's buckets: the gate creates them at start (bootstrap does not, so an
+# observe-only deployment has none of them).
+CONTROL_BUCKET = BucketSpec("aep_control", "control plane: commands (cmd.), held calls (card.), seq. and sess. per session",
+                            ttl_s=7 * DAY, max_bytes=GiB)
+INSTRUCT_BUCKET = BucketSpec("aep_instruct", "steering: instruction queues per session (q.<lane token>)",
+                             ttl_s=30 * DAY, max_bytes=GiB)
+CONTROL_BUCKETS: tuple[BucketSpec, ...] = (CONTROL_BUCKET, INSTRUCT_BUCKET)
 # One checkpoint per partition (object p.<n>). At fleet rate a compressed checkpoint grows
 # ~100 B/s per partition until the state's bounds hold it (idle sessions 30 min, 100,000 ended-session
 # digests): a few MB each, so 1 GiB holds every partition's plus the rewrite in flight.
@@ -220,8 +232,6 @@ def mapper_consumer_config(durable: str = MAPPER_DURABLE) -> Any:
     ``max_deliver`` is above MAPPER_MAX_DELIVER: the mapper dead-letters on that
     delivery itself; the two spare deliveries cover a crash while it does so.
     """
-    from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-
     return ConsumerConfig(
         durable_name=durable,
         description="aep-bridge mapper (shared by every replica)",

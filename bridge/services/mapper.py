@@ -65,12 +65,11 @@ Theory of operation
 from __future__ import annotations
 
 import asyncio
-import os
 import time
-from collections import OrderedDict
-from typing import Any
+from typing import Any, Callable
 
 import msgspec
+import nats.errors
 import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -78,24 +77,18 @@ from bridge.config import MAPPER_METRICS_PORT, Settings
 from bridge.core.aep import encode_event
 from bridge.core.capture import CapturePolicy
 from bridge.core.envelope import EnvelopeError, check_raw, decode_raw
-from bridge.core.lanes import MemoryLanes, event_lane_token, lane_candidates, lane_of, lane_token, partition_of
-from bridge.core.mapping import MapResult
+from bridge.core.lanes import event_lane_token, partition_of
 from bridge.core.pipeline import map_record, record_from_raw
 from bridge.nats import streams as S
 from bridge.nats import subjects as subj
+from bridge.nats.connection import connect_service
+from bridge.nats.lanes import KvLanes, epoch_of
+from bridge.nats.lookup import DEFAULT_MARGIN_NS, SERVER_MARGIN_NS, find_msg_id, stored_ns
 from bridge.services.runtime import Health, HttpServer, Stopper, close_connection
 
 log = structlog.get_logger("aep_bridge.mapper")
 
 HINTS_HEADER = "Bridge-Hints"
-NEGATIVE_TTL_S = 2.0  # how long a lanes-KV miss is believed
-NEGATIVE_MAX = 4096  # misses remembered at most
-# Lane cache entries (sessions, and task aliases, each). Sized to the working set, not to every
-# session ever seen: a 1,000-instance fleet at 2,000 events/s starts ~64 sessions/s and has
-# ~3,000-6,000 with an event in the last minute; a session that falls out costs one KV get (an
-# approval) or one idempotent KV put (its next event). At 100,000 the cache grew the mapper
-# by ~0.8 KiB per new session for ~26 minutes of such a fleet (tracemalloc, 2026-12-01).
-LANE_CACHE_ENTRIES = 8192
 RAW_SEQ_HEADER = "Bridge-Raw-Seq"
 # An instance silent this long is taken for gone: its last-seen series is dropped. The
 # AepBridgeHermesInstanceSilent alert (30 min by default) has fired for most of a day by then.
@@ -177,89 +170,10 @@ class MapperMetrics:
         return child
 
 
-def epoch_of(created: Any) -> int:
-    """The AEP epoch: HERMES_RAW's creation time in whole milliseconds. It changes (upward)
-    only when the stream is recreated, every replica reads the same value, and milliseconds
-    make a reuse after a quick delete-and-recreate practically impossible."""
-    return int(created.timestamp() * 1000) if created else 0
-
-
-class KvLanes:
-    """Lane lookups: a bounded cache in front of the `aep_lanes` KV bucket."""
-
-    def __init__(self, kv: Any, cache_size: int = LANE_CACHE_ENTRIES) -> None:
-        self.kv = kv
-        self.cache = MemoryLanes(max_entries=cache_size)
-        # Negative cache: key -> monotonic time the look-up that found nothing was SENT, oldest
-        # first (one TTL for all: insertion order is expiry order).
-        self._missing: OrderedDict[str, float] = OrderedDict()
-
-    async def _get(self, key: str, since: float | None = None) -> bytes | None:
-        """The KV value of ``key``; a miss is remembered for NEGATIVE_TTL_S, and trusted only
-        if that look-up was sent at or after ``since`` (monotonic) when given."""
-        asked = self._missing.get(key)
-        sent = time.monotonic()
-        if asked is not None and sent - asked < NEGATIVE_TTL_S and (since is None or asked >= since):
-            return None
-        try:
-            entry = await self.kv.get(key)
-        except Exception:  # KeyNotFoundError, KeyDeletedError, timeouts: treat as unknown for now
-            missing = self._missing
-            missing.pop(key, None)
-            missing[key] = sent
-            while missing and (len(missing) > NEGATIVE_MAX or sent - next(iter(missing.values())) >= NEGATIVE_TTL_S):
-                missing.popitem(last=False)
-            return None
-        return entry.value if entry is not None else None
-
-    async def prefetch(self, env: Any, since: float | None = None) -> bool:
-        """Load what `resolve_lane` may ask about this envelope into the cache. Returns
-        True when the envelope has look-ups to make and none of them found anything yet
-        (it would land in the unknown lane). ``since``: see `_get`."""
-        candidates = lane_candidates(env)
-        if not candidates:
-            return False
-        for session in candidates.sessions:
-            if not self.cache.is_known_session(session):
-                if await self._get("s." + lane_token(session), since) is not None:
-                    self.cache.add_session(session)
-        task = candidates.task_id
-        if task and self.cache.task_session(task) is None:
-            value = await self._get("t." + lane_token(task), since)
-            if value:
-                self.cache.add_task(task, value.decode())
-        return lane_of(env, self.cache) is None
-
-    def needs_learning(self, result: MapResult) -> bool:
-        """Cheap check on the hot path: does this envelope teach the lane table anything new?"""
-        learned = result.learned
-        if not learned.session:
-            return False
-        if learned.session not in self.cache.sessions:
-            return True
-        return bool(learned.task_id) and self.cache.tasks.get(learned.task_id) != learned.session
-
-    async def learn(self, result: MapResult, js: Any) -> list[asyncio.Future]:
-        """Record what this envelope taught us, pipelined: a KV put is a JetStream publish to
-        `$KV.<bucket>.<key>`, so it is sent with publish_async and its ack awaited with the batch."""
-        learned = result.learned
-        futures: list[asyncio.Future] = []
-        if learned.session and not self.cache.is_known_session(learned.session):
-            key = "s." + lane_token(learned.session)
-            futures.append(await js.publish_async(subj.kv_subject(S.LANES_BUCKET, key), b"1"))
-            self.cache.add_session(learned.session)
-            self._missing.pop(key, None)
-        if learned.session and learned.task_id and self.cache.task_session(learned.task_id) != learned.session:
-            key = "t." + lane_token(learned.task_id)
-            futures.append(await js.publish_async(subj.kv_subject(S.LANES_BUCKET, key), learned.session.encode()))
-            self.cache.add_task(learned.task_id, learned.session)
-            self._missing.pop(key, None)
-        return futures
-
-
 class Mapper:
     def __init__(self, settings: Settings, policy: CapturePolicy, registry: CollectorRegistry | None = None,
-                 batch: int = 256, durable: str = S.MAPPER_DURABLE) -> None:
+                 batch: int = 256, durable: str = S.MAPPER_DURABLE,
+                 before_map: Callable[[bytes], None] | None = None) -> None:
         self.settings = settings
         self.policy = policy
         self.registry = registry or CollectorRegistry()
@@ -287,11 +201,10 @@ class Mapper:
         # 50,000 messages before); with several, a gap is another replica's message.
         self._finished: set[int] = set()
         self._instances: dict[str, str] = {}  # raw subject -> the body instance last found to match it
-        # TEST HOOK (tests/test_faults.py): a raw message containing this byte string makes
-        # `handle` fail every time, to prove a poisoned message ends in the DLQ after
-        # max_deliver while the rest flows. Unset in any real deployment.
-        poison = os.environ.get("AEP_BRIDGE_TEST_POISON", "")
-        self._test_poison = poison.encode() if poison else None
+        # Called with each raw message's bytes before it is mapped; an exception it raises is a
+        # failure of that message (retried, dead-lettered after max_deliver). None in the service;
+        # the fault tests inject one that fails on a marker (tests/support/poisoned_mapper.py).
+        self.before_map = before_map
         levels = {policy.default, *policy.overrides.values()}
         # Half of HERMES_RAW's / BRIDGE_MAPPED's duplicate windows (read at bind): older copies are looked up.
         self.late_after_ns = int(S.DUPLICATE_WINDOW_S * 1e9) // 2
@@ -301,8 +214,6 @@ class Mapper:
     # ------------------------------------------------------------ setup
 
     async def connect(self) -> None:
-        from bridge.nats.connection import connect_service
-
         self.nc = await connect_service(self.settings, name=f"aep-bridge-mapper-{self.settings.instance}")
         self.js = self.nc.jetstream(publish_async_max_pending=4096)
 
@@ -335,8 +246,8 @@ class Mapper:
         """Map one raw message; return the publish futures its ack must wait for, and its receive time."""
         meta = msg.metadata
         raw_seq = meta.sequence.stream
-        if self._test_poison is not None and self._test_poison in msg.data:  # TEST HOOK, see __init__
-            raise RuntimeError("AEP_BRIDGE_TEST_POISON matched this message (test hook)")
+        if self.before_map is not None:
+            self.before_map(msg.data)
         try:
             raw = decode_raw(msg.data)
             check_raw(raw)
@@ -466,16 +377,12 @@ class Mapper:
 
     def is_late(self, msg: Any, ts_ns: int) -> bool:
         """Stored so long after its receive time that the duplicate window may not cover a first copy."""
-        from bridge.nats.lookup import stored_ns
-
         stored = stored_ns(msg)
         return stored is not None and stored - ts_ns > self.late_after_ns
 
     async def stored_before(self, msg: Any, raw_id: str, ts_ns: int) -> bool:
         """Is an earlier copy of this raw message (same Nats-Msg-Id, same subject) in HERMES_RAW?
         A first attempt is stored around the shim's receive time, so the search starts there."""
-        from bridge.nats.lookup import DEFAULT_MARGIN_NS, find_msg_id
-
         self.metrics.resend_checks.inc()
         seq = msg.metadata.sequence.stream
         try:
@@ -494,8 +401,6 @@ class Mapper:
         mapper catching up on a backlog would pay for every message); a server that lost the
         consumer's delivery counts in a crash redelivers as a first delivery at once, and those
         copies, close together, are dropped by pairing's dedupe of recent ids."""
-        from bridge.nats.lookup import SERVER_MARGIN_NS, find_msg_id, stored_ns
-
         stored = stored_ns(msg)
         if not events or getattr(msg.metadata, "num_delivered", 1) <= 1 or stored is None \
                 or time.time_ns() - stored <= self.mapped_late_after_ns:
@@ -674,7 +579,6 @@ class Mapper:
         self.health.info.update(epoch=self.epoch, durable=self.durable)
         log.info("mapper_ready", epoch=self.epoch, durable=self.durable)
         watcher = asyncio.create_task(self.watch_consumer(sub))
-        import nats.errors
 
         try:
             while not self.stopper.stopping:

@@ -57,7 +57,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
+import nats.errors
 import structlog
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, ObjectMeta, ObjectMetaOptions
+from nats.js.errors import KeyNotFoundError, ObjectNotFoundError
+from nats.js.object_store import ObjectStore
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from bridge.config import PAIRING_METRICS_PORT, Settings
@@ -65,6 +69,8 @@ from bridge.core.aep import decode_event, encode_event
 from bridge.core.pairing import PairingInputError, PairingState
 from bridge.nats import streams as S
 from bridge.nats import subjects as subj
+from bridge.nats.connection import connect_service
+from bridge.nats.lookup import SERVER_MARGIN_NS, find_msg_id, stored_ns
 from bridge.services.runtime import Health, HttpServer, Stopper, close_connection
 
 log = structlog.get_logger("aep_bridge.pairing")
@@ -218,9 +224,6 @@ class PairingService:
     async def read_checkpoint(self, n: int) -> bytes | None:
         """The compressed checkpoint of partition `n` from the object store; None when there is
         no object. Raises when it exists and cannot be read (DigestMismatchError, a timeout)."""
-        from nats.js.errors import ObjectNotFoundError
-        from nats.js.object_store import ObjectStore
-
         js = _KeepSubscriptions(self.js)
         store = ObjectStore(name=S.CHECKPOINTS_BUCKET, stream=S.CHECKPOINTS.stream_name, js=js)
         buf = io.BytesIO()  # writeinto: get() otherwise concatenates bytes chunk by chunk (quadratic)
@@ -243,8 +246,6 @@ class PairingService:
         stays unowned (and the "partitions unowned" alert fires) rather than silently
         replaying seven days.
         """
-        from nats.js.errors import KeyNotFoundError
-
         try:
             blob = await self.read_checkpoint(n)
         except Exception as exc:
@@ -290,8 +291,6 @@ class PairingService:
         a purge of the previous chunks: a few round trips for a checkpoint of a few MB,
         every CHECKPOINT_S per partition at most.
         """
-        from nats.js.api import ObjectMeta, ObjectMetaOptions
-
         if part.position == part.checkpointed:
             return
         await self.js.publish_async_completed()
@@ -399,8 +398,6 @@ class PairingService:
     async def not_yet_published(self, msg: Any, events: list[Any]) -> list[Any]:
         """The outputs of a replayed message that a previous owner did not publish, when that
         owner may have published them longer ago than AEP_EVENTS' duplicate window."""
-        from bridge.nats.lookup import SERVER_MARGIN_NS, find_msg_id, stored_ns
-
         stored = stored_ns(msg)
         if not events or stored is None or time.time_ns() - stored <= self.late_after_ns:
             return events  # a first publish (after `stored`) is inside the window: JetStream dedupes
@@ -456,10 +453,6 @@ class PairingService:
         await self.js.publish(subj.dlq_subject(reason), msg.data, headers=headers)
 
     async def run_partition(self, part: Partition) -> None:
-        from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-
-        import nats.errors
-
         n = part.number
         config = ConsumerConfig(
             deliver_policy=DeliverPolicy.BY_START_SEQUENCE if part.position else DeliverPolicy.ALL,
@@ -506,7 +499,7 @@ class PairingService:
         for part in self.partitions.values():
             for k, v in part.state.counters.items():
                 totals[k] = totals.get(k, 0) + int(v)
-            for k, v in part.state.open_counts().items():
+            for k, v in part.state.open_pairs().items():
                 opens[k] = opens.get(k, 0) + int(v)
         orphans: dict[str, int] = {}
         for k, v in totals.items():
@@ -577,8 +570,6 @@ class PairingService:
                     log.warning("tick_failed", partition=n, error=str(exc))
 
     async def connect(self) -> None:
-        from bridge.nats.connection import connect_service
-
         self.nc = await connect_service(self.settings, name=f"aep-bridge-pairing-{self.replica}")
         self.js = self.nc.jetstream(publish_async_max_pending=4096)
         self.leases = await self.js.key_value(S.LEASES_BUCKET)

@@ -72,7 +72,7 @@ and median wall time of 60 spawns; a bare ``python -I -S -c pass`` spawn: ~10 ms
   the documented price of TLS.
 * A script named on the command line is compiled on every run: ~11.5 ms for this file,
   more than everything else the hook does. ``aep-bridge hermes install`` therefore
-  registers the byte-compiled copy of this very file by default (bridge/shim/install.py);
+  registers the byte-compiled copy of this very file by default (bridge/hermes/install.py);
   ``--mode source`` registers this file as is.
 * ``posix._exit`` after writing ``{}``: nothing is buffered (raw fd writes), and skipping
   interpreter finalisation saves ~3 ms (10.2 -> 7.2 ms for an empty program).

@@ -23,7 +23,12 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from bridge.services.runtime import rss_kb
+import nats
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+from bridge.nats import streams as S
+from bridge.nats.bootstrap import bootstrap
+from bridge.services.profiling import rss_kb
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -53,8 +58,10 @@ class Worker:
     """``aep-bridge <kind> --nats URL`` as a child process with a known metrics port."""
 
     def __init__(self, kind: str, url: str, log_dir: Path, name: str, args: list[str] | None = None,
-                 env: dict[str, str] | None = None, python_args: list[str] | None = None) -> None:
+                 env: dict[str, str] | None = None, python_args: list[str] | None = None,
+                 module: str = "bridge.cli") -> None:
         self.kind = kind
+        self.module = module  # the entry point run with -m (tests run a mapper with an injected hook)
         self.python_args = list(python_args or [])  # e.g. ["-m", "cProfile", "-o", FILE]
         self.url = url
         self.name = name
@@ -70,7 +77,7 @@ class Worker:
         self.port = free_port()
         self.starts += 1
         extra = ["--replica", self.name] if self.kind == "pairing" else []
-        cmd = [sys.executable, *self.python_args, "-m", "bridge.cli", self.kind, "--nats", self.url, "--metrics-port", str(self.port),
+        cmd = [sys.executable, *self.python_args, "-m", self.module, self.kind, "--nats", self.url, "--metrics-port", str(self.port),
                *extra, *self.args]
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=ROOT)
@@ -156,8 +163,6 @@ class Pipeline:
 
     def run(self, coro_fn: Any, timeout: float = 30.0) -> Any:
         """Run ``coro_fn(js)`` on a fresh connection (synchronous helper)."""
-        import nats
-
         async def main() -> Any:
             nc = await nats.connect(self.url, connect_timeout=3, max_reconnect_attempts=2, reconnect_time_wait=0.2)
             try:
@@ -168,8 +173,6 @@ class Pipeline:
         return asyncio.run(main())
 
     def bootstrap(self, duplicate_window_s: float | None = None) -> dict[str, str]:
-        from bridge.nats.bootstrap import bootstrap
-
         return self.run(lambda js: bootstrap(js, None, replicas=1, duplicate_window_s=duplicate_window_s))
 
     def counts(self) -> dict[str, int]:
@@ -184,8 +187,6 @@ class Pipeline:
     def lag(self) -> dict[str, int]:
         """Backlog as the server sees it: the mapper durable's pending + unacked, and the sum of
         num_pending over the pairing partitions' consumers on BRIDGE_MAPPED."""
-        from bridge.nats import streams as S
-
         async def f(js: Any) -> dict[str, int]:
             out = {"mapper_pending": 0, "mapper_ack_pending": 0, "pairing_pending": 0, "pairing_consumers": 0}
             try:
@@ -214,8 +215,6 @@ class Pipeline:
         """Write every stored message of ``streams`` to ``<out_dir>/<STREAM>.jsonl`` (one JSON
         object per message: seq, subject, headers, data as text): the evidence to replay a failed
         run offline (e.g. a pairing partition through `PairingState`)."""
-        from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
 
@@ -263,9 +262,10 @@ class Pipeline:
     # ------------------------------------------------------------ workers
 
     def add(self, kind: str, name: str | None = None, args: list[str] | None = None,
-            env: dict[str, str] | None = None, python_args: list[str] | None = None) -> Worker:
+            env: dict[str, str] | None = None, python_args: list[str] | None = None,
+            module: str = "bridge.cli") -> Worker:
         name = name or f"{kind}-{sum(1 for w in self.workers if w.kind == kind)}"
-        w = Worker(kind, self.url, self.dir, name, args, {**self.env, **(env or {})}, python_args)
+        w = Worker(kind, self.url, self.dir, name, args, {**self.env, **(env or {})}, python_args, module)
         self.workers.append(w)
         return w.start()
 

@@ -37,10 +37,14 @@ def _rename(text: str, suffix: str) -> str:
     return _ID.sub(lambda m: f"{m.group(1)}{suffix}", text).replace('"call_', f'"call{suffix}_')
 
 
+def renamed_corpus(suffix: str) -> list[dict[str, Any]]:
+    """The whole corpus, in its recorded order, every identity given the suffix `suffix`."""
+    return [json.loads(_rename(json.dumps(r["envelope"]), suffix)) for r in corpus()]
+
+
 def session_copies(copy: int) -> list[dict[str, Any]]:
     """One copy of the whole corpus, in its recorded order, with fresh identities."""
-    suffix = f"-c{copy}"
-    return [json.loads(_rename(json.dumps(r["envelope"]), suffix)) for r in corpus()]
+    return renamed_corpus(f"-c{copy}")
 
 
 def realistic_envelopes(n: int, seed: int = 0, interleave: int = 8) -> Iterator[dict[str, Any]]:

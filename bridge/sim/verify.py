@@ -22,7 +22,7 @@ BRIDGE_MAPPED, BRIDGE_DLQ and AEP_EVENTS and check:
    a later one are reported as backfills: AEP allows them (a consumer inserts a
    position below its high-water mark in order), so they are a violation only
    with ``strict_order``; a reused ``(session, epoch, seq)`` is always one.
-4. **Pairing invariants** (``bridge.core.pairing.check_invariants``) over AEP_EVENTS;
+4. **Pairing invariants** (``bridge.core.invariants.check_invariants``) over AEP_EVENTS;
    among them: every attention follow-up's ``subject`` is the id of a request of its
    own session (AEP-0002 §7.1).
 4b. **Approvals keep their session and their answer** (`approval_problems`): every
@@ -41,6 +41,7 @@ can wait for the pipeline to settle by collecting again until nothing is missing
 from __future__ import annotations
 
 import asyncio
+import binascii
 import json
 import time
 from collections import Counter
@@ -50,8 +51,18 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+from nats.js.api import ConsumerConfig, DeliverPolicy
 
+from bridge.config import Settings
+from bridge.core.aep import decode_event
+from bridge.core.capture import CapturePolicy
+from bridge.core.envelope import EnvelopeError, decode_raw
 from bridge.core.identity import AFTER_SLOT, MAPPED_SLOT, MAX_MAPPED, SLOTS, event_id
+from bridge.core.invariants import CARD_ENDINGS, SESSION_ENDS, check_invariants
+from bridge.core.mapping import map_specs
+from bridge.core.pipeline import record_from_raw
+from bridge.core.schemas import generate
+from bridge.nats.connection import connect
 
 # Outcomes in the manifest for events the shim believed would reach HERMES_RAW.
 DELIVERED = ("published", "spooled", "unknown")
@@ -63,7 +74,6 @@ MAX_EXAMPLES = 10
 def _validators() -> tuple[Any, dict[str, Any]]:
     import jsonschema
 
-    from bridge.core.schemas import generate
 
     docs = generate()
     env = jsonschema.Draft202012Validator(docs["aep-event.schema.json"])
@@ -73,8 +83,6 @@ def _validators() -> tuple[Any, dict[str, Any]]:
 
 @lru_cache(maxsize=1)
 def _count_policy() -> Any:
-    from bridge.core.capture import CapturePolicy
-
     # The number of events does not depend on the ceiling; `none` skips the redaction work.
     return CapturePolicy(default="none", overrides={})
 
@@ -82,10 +90,6 @@ def _count_policy() -> Any:
 def expected_mapped(raw: Any) -> int | str:
     """How many events the mapper makes of a decoded raw message, or the DLQ reason it
     must be dead-lettered with."""
-    from bridge.core.envelope import EnvelopeError
-    from bridge.core.mapping import map_specs
-    from bridge.core.pipeline import record_from_raw
-
     try:
         record = record_from_raw(raw)
         return min(len(map_specs(record.envelope, _count_policy())), MAX_MAPPED)
@@ -109,8 +113,6 @@ class StreamReader:
         self.count = 0
 
     async def read_new(self, on_msg: Any, stall_s: float = 3.0) -> int:
-        from nats.js.api import ConsumerConfig, DeliverPolicy
-
         info = await self.js.stream_info(self.stream)
         last = info.state.last_seq
         if last <= self.position or not info.state.messages:
@@ -355,8 +357,6 @@ class Verifier:
         blobs = [m.data]
         if b'"raw_encoding":"base64"' in m.data:  # non-UTF-8 input kept as base64: look inside
             try:
-                import binascii
-
                 blobs.append(binascii.a2b_base64(json.loads(m.data)["raw"]))
             except (ValueError, KeyError, TypeError):
                 pass
@@ -372,8 +372,6 @@ class Verifier:
                                                 f"...{blob[max(0, i - 60):i + len(c) + 20].decode('utf-8', 'replace')}...")
 
     def _on_raw(self, m: Any) -> None:
-        from bridge.core.envelope import EnvelopeError, decode_raw
-
         seq = m.metadata.sequence.stream
         try:
             raw = decode_raw(m.data)
@@ -435,8 +433,6 @@ class Verifier:
             self.dlq_raw_seqs[int(h["Bridge-Raw-Seq"])] = reason
 
     def _on_aep(self, m: Any) -> None:
-        from bridge.core.aep import decode_event
-
         self._scan("AEP_EVENTS", m)
         try:
             ev = decode_event(m.data)
@@ -542,8 +538,6 @@ class Verifier:
         return lost, examples, where, expected, in_dlq
 
     def check(self, elapsed: float = 0.0) -> Report:
-        from bridge.core.pairing import check_invariants
-
         rep = Report(strict_order=self.strict_order, elapsed_s=elapsed)
         rep.manifest_events = len(self.entries)
         rep.expected_delivered = sum(1 for e in self.entries if e.get("o") in DELIVERED)
@@ -653,8 +647,6 @@ def unended_requests(events: list[Any]) -> list[str]:
     end (``session.ended`` / ``x.hermes.session.finalized``) follows it in (epoch, seq). A
     session that never ends (a subagent's own session: Hermes finalizes only the parent) keeps
     its open cards until their TTL, which is not a violation."""
-    from bridge.core.pairing import CARD_ENDINGS, SESSION_ENDS
-
     ended = {e.subject for e in events if e.type in CARD_ENDINGS and e.subject is not msgspec.UNSET}
     last_end: dict[Any, tuple[int, int]] = {}
     for e in events:
@@ -711,9 +703,6 @@ async def verify_async(nc: Any, manifest: str | Path, *, wait: float = 0.0, sett
 def verify(target: Any, manifest: str | Path, **kwargs: Any) -> Report:
     """Synchronous wrapper: connect (``target``: a NATS URL or `bridge.config.Settings`) and run
     `verify_async`."""
-    from bridge.config import Settings
-    from bridge.nats.connection import connect
-
     settings = target if isinstance(target, Settings) else Settings(nats_url=target)
 
     async def main() -> Report:

@@ -18,7 +18,8 @@ import pytest
 from bridge.core.aep import Event, encode_event
 from bridge.core.capture import CapturePolicy, Redactor, parse_overrides
 from bridge.core.lanes import MemoryLanes, lane_token, partition_of
-from bridge.core.pairing import HOUR, PairingState, check_invariants
+from bridge.core.invariants import check_invariants
+from bridge.core.pairing import HOUR, PairingState
 from bridge.core.pipeline import map_record, record_from_line
 from bridge.core.schemas import generate
 from tests.corpus import corpus_path

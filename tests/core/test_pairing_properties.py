@@ -22,7 +22,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from bridge.core.aep import Event, encode_event
-from bridge.core.pairing import HOUR, MINUTE, SECOND, PairingState, check_invariants
+from bridge.core.invariants import check_invariants
+from bridge.core.pairing import HOUR, MINUTE, SECOND, PairingState
 from tests.core.test_pairing import BASE_NS, Mk, assert_valid
 
 # a message of the partition stream: an event with its hints, or a tick
@@ -251,7 +252,7 @@ def test_restart_from_a_checkpoint_anywhere_is_invisible(stream: tuple[list[Mess
         got += f.feed_all(msgs[done:cut])
         done = cut
         snap = f.state.snapshot()
-        restored = PairingState.from_snapshot(snap)
+        restored = PairingState.restore(snap)
         assert restored.snapshot() == snap
         assert restored.position == f.position
         f = Feeder(restored, f.position)

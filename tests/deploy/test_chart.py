@@ -755,7 +755,7 @@ def test_values_handed_to_the_nats_subchart_are_self_consistent() -> None:
     jetstream = nats_values["config"]["jetstream"]
     assert jetstream["enabled"] is True
     from bridge.nats.streams import BUCKETS, OBJECT_STORES, STREAMS
-    from bridge.services.gate import CONTROL_BUCKET, INSTRUCT_BUCKET  # the gate creates these at start
+    from bridge.nats.streams import CONTROL_BUCKET, INSTRUCT_BUCKET  # the gate creates these at start
 
     reserved = sum(spec.max_bytes for spec in (*STREAMS, *BUCKETS, *OBJECT_STORES, CONTROL_BUCKET, INSTRUCT_BUCKET))
     assert _quantity(jetstream["fileStore"]["pvc"]["size"]) >= reserved, "JetStream reserves max_bytes up front"

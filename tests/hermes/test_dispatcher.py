@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from bridge.shim import hook
-from bridge.shim import install as inst
+from bridge.hermes import install as inst
 from tests import corpus
 from tests.natsfixture import JetStreamClient, NatsServer
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from bridge.shim import install as inst
+from bridge.hermes import install as inst
 from tests.natsfixture import JetStreamClient, NatsServer, free_port
 from tests.support.shim import dumps, envelope
 

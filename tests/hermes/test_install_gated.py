@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from bridge.shim import install as inst
+from bridge.hermes import install as inst
 
 BASE = {"AEP_BRIDGE_NATS_URL": "nats://127.0.0.1:1", "AEP_BRIDGE_INSTANCE": "gate-test", "AEP_BRIDGE_DEADLINE_MS": "250"}
 EVENTS = ["pre_tool_call", "post_tool_call", "pre_llm_call"]

@@ -527,7 +527,8 @@ def test_the_gate_buckets_take_the_stream_replicas_setting(nats_server_fn, monke
     import asyncio
 
     from bridge.config import Settings
-    from bridge.services.gate import CONTROL_BUCKET, INSTRUCT_BUCKET, Gate
+    from bridge.nats.streams import CONTROL_BUCKET, INSTRUCT_BUCKET
+    from bridge.services.gate import Gate
     from tests.natsfixture import JetStreamClient
 
     client = JetStreamClient(nats_server_fn.url)

@@ -15,7 +15,8 @@ import pytest
 from bridge.config import Settings
 from bridge.core.aep import encode_event
 from bridge.core.capture import CapturePolicy
-from bridge.services.mapper import Mapper, epoch_of
+from bridge.nats.lanes import epoch_of
+from bridge.services.mapper import Mapper
 from tests.corpus import envelopes
 from tests.natsfixture import JetStreamClient
 from tests.support.services import Service, expected_events, publish_all, raw_records, wait_for

@@ -135,20 +135,20 @@ def test_the_lane_caches_are_bounded_to_a_working_set(nats_server_fn):
     sessions a fleet starts (issue 8: at 100,000 entries they grew the mapper for ~26 min)."""
     from bridge.core.lanes import Learned
     from bridge.core.mapping import MapResult
-    from bridge.services import mapper as M
+    from bridge.nats import lanes as L
 
     async def run() -> tuple[int, int, int, int]:
         nc = await nats.connect(nats_server_fn.url)
         js = nc.jetstream()
         await bootstrap(js, None, replicas=1)
-        lanes = M.KvLanes(await js.key_value(S.LANES_BUCKET))
-        n = M.LANE_CACHE_ENTRIES + 2000
+        lanes = L.KvLanes(await js.key_value(S.LANES_BUCKET))
+        n = L.LANE_CACHE_ENTRIES + 2000
         for i in range(n):
             result = MapResult(events=[], lane=f"s{i}", learned=Learned(session=f"s{i}", task_id=f"t{i}"))
             futures = await lanes.learn(result, js)
             if i % 1000 == 999:
                 await asyncio.gather(*futures)
-        for i in range(M.NEGATIVE_MAX + 500):
+        for i in range(L.NEGATIVE_MAX + 500):
             assert await lanes._get(f"s.never-{i}") is None
         kv_has_oldest = (await lanes.kv.get("s.s0")).value == b"1"
         await nc.close()
@@ -157,7 +157,7 @@ def test_the_lane_caches_are_bounded_to_a_working_set(nats_server_fn):
     sessions, tasks, missing, kv_has_oldest = asyncio.run(run())
     assert sessions == tasks == 8192
     # Misses also expire after NEGATIVE_TTL_S, so on a slow machine fewer than the cap remain.
-    assert 0 < missing <= M.NEGATIVE_MAX
+    assert 0 < missing <= L.NEGATIVE_MAX
     assert kv_has_oldest, "what the cache forgets stays in the KV bucket"
 
 

@@ -12,7 +12,8 @@ import msgspec
 import pytest
 
 from bridge.core.aep import decode_event, encode_event
-from bridge.core.pairing import PairingState, check_invariants
+from bridge.core.invariants import check_invariants
+from bridge.core.pairing import PairingState
 from bridge.core.schemas import generate
 from bridge.sim.harness import Pipeline
 from bridge.sim.sessions import realistic_envelopes

@@ -1,4 +1,4 @@
-"""The opt-in allocation profiler of the services (bridge/services/runtime.py, issue 8)."""
+"""The opt-in allocation profiler of the services (bridge/services/profiling.py, issue 8)."""
 
 from __future__ import annotations
 
@@ -8,13 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from bridge.services import runtime
-from bridge.services.runtime import Health, container_census, start_allocation_profiler, stop_allocation_profiler
+from bridge.services import profiling
+from bridge.services.profiling import container_census, start_allocation_profiler, stop_allocation_profiler
+from bridge.services.runtime import Health
 
 
 @pytest.fixture(autouse=True)
 def _no_profiler_left(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
-    for name in (runtime.TRACEMALLOC_ENV, runtime.TRACEMALLOC_EVERY_ENV, runtime.TRACEMALLOC_FRAMES_ENV):
+    for name in (profiling.TRACEMALLOC_ENV, profiling.TRACEMALLOC_EVERY_ENV, profiling.TRACEMALLOC_FRAMES_ENV):
         monkeypatch.delenv(name, raising=False)
     yield
     stop_allocation_profiler()
@@ -29,9 +30,9 @@ def test_off_by_default() -> None:
 
 
 def test_snapshots_and_rows_when_asked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(runtime.TRACEMALLOC_ENV, str(tmp_path))
-    monkeypatch.setenv(runtime.TRACEMALLOC_EVERY_ENV, "3600")
-    monkeypatch.setenv(runtime.TRACEMALLOC_FRAMES_ENV, "2")
+    monkeypatch.setenv(profiling.TRACEMALLOC_ENV, str(tmp_path))
+    monkeypatch.setenv(profiling.TRACEMALLOC_EVERY_ENV, "3600")
+    monkeypatch.setenv(profiling.TRACEMALLOC_FRAMES_ENV, "2")
     health = Health("pairing")
     health.info["state"] = {"sessions": 3}
     profiler = start_allocation_profiler("pairing", health)
@@ -49,8 +50,8 @@ def test_snapshots_and_rows_when_asked(tmp_path: Path, monkeypatch: pytest.Monke
 
 
 def test_census_only_without_tracemalloc(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(runtime.TRACEMALLOC_ENV, str(tmp_path))
-    monkeypatch.setenv(runtime.TRACEMALLOC_FRAMES_ENV, "0")
+    monkeypatch.setenv(profiling.TRACEMALLOC_ENV, str(tmp_path))
+    monkeypatch.setenv(profiling.TRACEMALLOC_FRAMES_ENV, "0")
     profiler = start_allocation_profiler("mapper")
     assert profiler is not None and not tracemalloc.is_tracing()
     assert profiler.dump() is None  # no snapshot, a row

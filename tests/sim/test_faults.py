@@ -83,11 +83,11 @@ def assert_clean(report: Report, pipe: Pipeline) -> None:
 
 
 def pipeline(server: Any, tmp_path: Path, mappers: int = 1, pairings: int = 1, window: float | None = None,
-             mapper_env: dict[str, str] | None = None) -> Pipeline:
+             mapper_env: dict[str, str] | None = None, mapper_module: str = "bridge.cli") -> Pipeline:
     pipe = Pipeline(server.url, tmp_path / "logs")
     pipe.bootstrap(duplicate_window_s=window)
     for _ in range(mappers):
-        pipe.add("mapper", args=["--batch", "64"], env=mapper_env)
+        pipe.add("mapper", args=["--batch", "64"], env=mapper_env, module=mapper_module)
     for i in range(pairings):
         # Ticks every 2 s, not 15: a follow-up held for a start that never comes (its instance
         # lost it, or it is late) is released at its deadline plus at most one tick, and the
@@ -332,7 +332,8 @@ def fleet_manifest(fleet: Fleet) -> list[dict[str, Any]]:
 @pytest.mark.slow
 def test_poisoned_message_is_dead_lettered_after_max_deliver_and_the_rest_flows(nats_server_fn, tmp_path):
     poison = "POISON-" + os.urandom(4).hex()
-    pipe = pipeline(nats_server_fn, tmp_path, mappers=1, pairings=1, mapper_env={"AEP_BRIDGE_TEST_POISON": poison})
+    pipe = pipeline(nats_server_fn, tmp_path, mappers=1, pairings=1, mapper_env={"AEP_BRIDGE_TEST_POISON": poison},
+                    mapper_module="tests.support.poisoned_mapper")
     fleet = fleet_for(nats_server_fn.url, tmp_path, duration=8.0)
     try:
         thread = start(fleet)

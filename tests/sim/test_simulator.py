@@ -28,7 +28,8 @@ from bridge.core.envelope import decode_raw
 from bridge.core.lanes import MemoryLanes
 from bridge.core.pipeline import map_record, record_from_raw
 from bridge.shim import hook
-from bridge.sim.fleet import MARKER_KEY, Canaries, Fleet, FleetConfig, envelopes
+from bridge.sim.fleet import MARKER_KEY, Fleet, FleetConfig
+from bridge.sim.instances import Canaries, envelopes
 from bridge.sim.harness import Pipeline
 from bridge.sim.verify import verify
 from tests.natsfixture import JetStreamClient

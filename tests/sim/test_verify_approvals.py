@@ -15,7 +15,7 @@ from msgspec import UNSET
 
 from bridge.core.aep import Event
 from bridge.core.identity import event_id
-from bridge.core.pairing import check_invariants
+from bridge.core.invariants import check_invariants
 from bridge.sim.verify import approval_problems
 
 S = "20261201_101010_abcdef"

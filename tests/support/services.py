@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from bridge.core.capture import CapturePolicy
-from bridge.local.server import terminate
+from bridge.stack.server import terminate
 from bridge.core.identity import event_id
 from bridge.core.lanes import MemoryLanes
 from bridge.core.pipeline import map_record, record_from_line

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from bridge.local.server import free_port
+from bridge.stack.server import free_port
 from tests.corpus import records
 from tests.support.services import http_json as http_get, wait_for
 

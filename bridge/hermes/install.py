@@ -34,7 +34,9 @@ compiled file is current.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import importlib.util
 import io
 import json
 import math
@@ -48,9 +50,16 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterator
 
-from bridge.config import DEFAULT_DEADLINE_MS, load_environ
+from ruamel.yaml import YAML
+from ruamel.yaml.comments import CommentedMap, CommentedSeq
 
-HOOK_SOURCE = Path(__file__).resolve().parent / "hook.py"
+from bridge.config import DEFAULT_DEADLINE_MS, Settings, load_environ, read_env_file
+from bridge.core.control import DEFAULT_HOLD_MS
+from bridge.nats import streams as S
+from bridge.nats.connection import NatsConnectError, quick_connect
+from bridge.shim.hook import Spool
+
+HOOK_SOURCE = Path(__file__).resolve().parent.parent / "shim" / "hook.py"
 ALLOWLIST_FILENAME = "shell-hooks-allowlist.json"
 ENV_FILENAME = "aep-bridge.env"
 MANIFEST_FILENAME = "aep-bridge.install.json"
@@ -103,7 +112,6 @@ def hold_ms_of(values: dict[str, str]) -> int | None:
     """The gate's hold window when AEP_HERMES_CONTROL is on in ``values`` (the shim's settings), else None."""
     if not _on(values.get("AEP_HERMES_CONTROL")):
         return None
-    from bridge.core.control import DEFAULT_HOLD_MS
 
     raw = values.get("AEP_HERMES_HOLD_MS") or str(DEFAULT_HOLD_MS)
     try:
@@ -176,7 +184,6 @@ def pyc_is_current(pyc: Path, source: Path = HOOK_SOURCE) -> tuple[bool, str]:
         return False, str(exc)
     flags = int.from_bytes(head[4:8], "little")
     if flags & 1:  # hash-based pyc: compare the source hash
-        import importlib.util
 
         ok = head[8:16] == importlib.util.source_hash(source.read_bytes())
         return ok, "source hash " + ("matches" if ok else "differs")
@@ -190,8 +197,6 @@ def pyc_is_current(pyc: Path, source: Path = HOOK_SOURCE) -> tuple[bool, str]:
 
 
 def _yaml() -> Any:
-    from ruamel.yaml import YAML
-
     y = YAML()  # round-trip: comments, key order, quotes and flow style survive
     y.preserve_quotes = True
     y.width = 1 << 16  # never fold a long command line
@@ -231,8 +236,6 @@ def _guess_indent(text: str) -> tuple[int, int, int]:
 
 def load_config_yaml(path: Path) -> tuple[Any, Any]:
     """(document, yaml instance) of a config.yaml; an absent or empty file is an empty map."""
-    from ruamel.yaml.comments import CommentedMap
-
     y = _yaml()
     text = path.read_text(encoding="utf-8") if path.exists() else ""
     m, s, o = _guess_indent(text)
@@ -467,7 +470,6 @@ def install(
     config_path = home / "config.yaml"
     config_created = not config_path.exists() if previous is None else previous.config_created
     doc, y = load_config_yaml(config_path)
-    from ruamel.yaml.comments import CommentedMap, CommentedSeq
 
     manifest = previous or Manifest(command=command)
     manifest.command, manifest.mode, manifest.script, manifest.python = command, mode, str(script), python
@@ -636,8 +638,6 @@ def doctor(home: Path, nats_timeout: float = 2.0) -> list[Check]:
 def _gate_checks(home: Path, cfg: dict[str, Any], command: str) -> list[Check]:
     """With the gate on (in the shim's env file, overlaid by this environment, as the shim reads
     them): is every pre_tool_call timeout of ours above the hold window plus the deadline?"""
-    from bridge.config import read_env_file
-
     values = read_env_file(home / ENV_FILENAME)
     values.update({k: v for k, v in os.environ.items() if k in SHIM_SETTINGS})
     try:
@@ -698,13 +698,6 @@ def _registered_events(home: Path, cfg: dict[str, Any], command: str) -> list[st
 
 
 def _nats_checks(home: Path, timeout: float) -> list[Check]:
-    import asyncio
-
-    from bridge.config import Settings
-    from bridge.nats import streams as S
-    from bridge.nats.connection import NatsConnectError, quick_connect
-    from bridge.shim.hook import Spool
-
     environ = dict(os.environ)
     environ["AEP_BRIDGE_CONFIG"] = str(home / ENV_FILENAME)
     settings = Settings.from_env(environ)

@@ -17,6 +17,7 @@ up.json's ``control`` says what a shim needs to be held and steered by it.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import os
 import signal
@@ -27,8 +28,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from bridge.config import MAPPER_METRICS_PORT, PAIRING_METRICS_PORT, Settings, default_state_dir
-from bridge.local.server import EmbeddedNats, free_port, port_is_free, terminate
+from bridge.config import GATE_METRICS_PORT, MAPPER_METRICS_PORT, PAIRING_METRICS_PORT, Settings, default_state_dir
+from bridge.core.control import DEFAULT_HOLD_MS, accepted_verbs
+from bridge.hermes.install import HOOK_SOURCE, build_command, gate_timeout_s
+from bridge.nats.bootstrap import bootstrap
+from bridge.nats.connection import connect
+from bridge.stack.demo import run_demo
+from bridge.stack.server import EmbeddedNats, free_port, port_is_free, terminate
+from bridge.stack.tail import tail
 
 
 def state_file(state_dir: Path) -> Path:
@@ -88,8 +95,6 @@ class Up:
         self.gate = gate
         self.gate_port = 0
         if gate:
-            from bridge.services.gate import GATE_METRICS_PORT
-
             self.gate_port = gate_port or (GATE_METRICS_PORT if port_is_free(GATE_METRICS_PORT) else free_port())
         self.url = ""
         self.stop_event: asyncio.Event | None = None
@@ -113,9 +118,6 @@ class Up:
         return self.server.url
 
     async def bootstrap(self) -> None:
-        from bridge.nats.bootstrap import bootstrap
-        from bridge.nats.connection import connect
-
         settings = self._settings()
         nc = await connect(settings, name="aep-bridge-up")
         try:
@@ -148,7 +150,6 @@ class Up:
         """With --gate: what the gate accepts and the shim settings that use it (up.json, banner)."""
         if not self.gate:
             return None
-        from bridge.core.control import DEFAULT_HOLD_MS, accepted_verbs
 
         env = self._gate_env()
         on = {k: env[k].strip().lower() in ("1", "true", "yes", "on") for k in ("AEP_HERMES_CONTROL", "AEP_INSTRUCT")}
@@ -207,10 +208,6 @@ class Up:
         os.replace(tmp, path)  # readers (demo, tail, tests) never see a half-written file
 
     def banner(self) -> None:
-        import importlib.util
-
-        from bridge.shim.install import HOOK_SOURCE, build_command
-
         compiled = Path(importlib.util.cache_from_source(str(HOOK_SOURCE)))
         command = build_command(sys.executable, compiled, Path("~/.hermes/aep-bridge.env"))
         self.say("")
@@ -234,8 +231,6 @@ class Up:
         self.say("")
 
     def control_banner(self, command: str) -> None:
-        from bridge.shim.install import gate_timeout_s
-
         control = self.control() or {}
         shim = control.get("shim_env", {})
         accepts = ", ".join(control.get("accepts") or []) or "nothing (AEP_HERMES_CONTROL and AEP_INSTRUCT are off)"
@@ -289,10 +284,6 @@ class Up:
             self.say("aep-bridge up: stopped")
 
     async def _demo_then_tail(self, follow: bool, color: bool) -> None:
-        from bridge.local.demo import run_demo
-        from bridge.local.tail import tail
-        from bridge.nats.connection import connect
-
         try:
             await run_demo(self._settings(), out=self.out, color=color)
         except Exception as exc:  # the demo is a convenience: report, keep the bridge up

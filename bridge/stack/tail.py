@@ -15,8 +15,11 @@ from datetime import datetime, timedelta, timezone
 from typing import Any, Callable, TextIO
 
 import msgspec
+from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from bridge.core.lanes import UNKNOWN, UNKNOWN_TOKEN, lane_token
+from bridge.nats import streams as S
+from bridge.nats import subjects as subj
 
 _COLORS = [32, 34, 35, 36, 33, 92, 94, 95, 96, 93]
 _RESET = "\x1b[0m"
@@ -136,13 +139,7 @@ async def tail(
     stop: asyncio.Event | None = None,
     on_event: Callable[[dict[str, Any]], None] | None = None,
 ) -> int:
-    from nats.js.api import DeliverPolicy
-
-    from bridge.nats import streams as S
-
     js = nc.jetstream()
-    from bridge.nats import subjects as subj
-
     # `--session unknown` follows the unknown lane (as documented), not a session named so.
     subject = subj.events_filter((UNKNOWN_TOKEN if session == UNKNOWN else lane_token(session)) if session else None)
     kwargs: dict[str, Any] = {"ordered_consumer": True}
@@ -191,6 +188,4 @@ async def tail(
 
 
 def _start_time_config(since: datetime) -> Any:
-    from nats.js.api import ConsumerConfig, DeliverPolicy
-
     return ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_TIME, opt_start_time=since)

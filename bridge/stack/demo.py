@@ -22,23 +22,27 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, TextIO
 
+from nats.js.api import ConsumerConfig, DeliverPolicy
+
 from bridge.config import Settings, default_state_dir
+from bridge.core.capture import CapturePolicy
+from bridge.core.lanes import MemoryLanes
+from bridge.core.pipeline import map_record, record_from_line
+from bridge.hermes.install import InstallError, compile_hook
+from bridge.nats import streams as S
+from bridge.nats.connection import connect
+from bridge.sim.sessions import renamed_corpus
 
 SHIM = Path(__file__).resolve().parent.parent / "shim" / "hook.py"
 
 
 def demo_envelopes(suffix: str) -> list[dict[str, Any]]:
-    from bridge.sim.sessions import _rename, corpus
-
-    return [json.loads(_rename(json.dumps(r["envelope"]), suffix)) for r in corpus()]
+    """The real sessions, every identity suffixed with `suffix` (a fresh run of the same corpus)."""
+    return renamed_corpus(suffix)
 
 
 def expected_mapped(envelopes: list[dict[str, Any]]) -> int:
     """How many events the mapping stage makes of these envelopes (pairing adds more)."""
-    from bridge.core.capture import CapturePolicy
-    from bridge.core.lanes import MemoryLanes
-    from bridge.core.pipeline import map_record, record_from_line
-
     lanes, total = MemoryLanes(), 0
     for i, env in enumerate(envelopes, start=1):
         result = map_record(record_from_line(env, i, "demo", 0), i, 0, lanes, CapturePolicy())
@@ -50,8 +54,6 @@ def expected_mapped(envelopes: list[dict[str, Any]]) -> int:
 def shim_script() -> Path:
     """The byte-compiled shim, as `aep-bridge hermes install` registers it (a script named on
     the command line is recompiled on every run: ~11 ms here); the source if compiling fails."""
-    from bridge.shim.install import InstallError, compile_hook
-
     try:
         return compile_hook(sys.executable, target=default_state_dir() / "demo-hook.pyc")
     except (InstallError, OSError):
@@ -83,10 +85,6 @@ def spawn_shims(envelopes: list[dict[str, Any]], env: dict[str, str], out: TextI
 
 async def collect(nc: Any, source_prefix: str, since: datetime, want: int, timeout: float, out: TextIO) -> list[tuple[dict[str, Any], float]]:
     """Read AEP_EVENTS from `since` until `want` events of ours arrived and the stream is quiet."""
-    from nats.js.api import ConsumerConfig, DeliverPolicy
-
-    from bridge.nats import streams as S
-
     js = nc.jetstream()
     got: list[tuple[dict[str, Any], float]] = []
     queue: asyncio.Queue = asyncio.Queue()
@@ -167,8 +165,6 @@ def print_summary(summary: dict[str, dict[str, Any]], out: TextIO) -> None:
 
 async def run_demo(settings: Settings, out: TextIO = sys.stdout, color: bool = False, timeout: float = 60.0,
                    json_summary: Path | None = None) -> dict[str, Any]:
-    from bridge.nats.connection import connect
-
     suffix = f"-d{int(time.time() * 1000) % 10**9}"
     instance = f"demo{suffix}"
     envelopes = demo_envelopes(suffix)

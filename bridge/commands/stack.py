@@ -47,7 +47,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def settings_for(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     """Settings whose NATS URL is `--nats`, else the running `aep-bridge up`'s, else AEP_BRIDGE_NATS_URL."""
     from bridge.config import Settings
-    from bridge.local.up import read_state
+    from bridge.stack.up import read_state
 
     settings = Settings.from_env()
     if args.nats:
@@ -61,7 +61,7 @@ def settings_for(args: argparse.Namespace):  # type: ignore[no-untyped-def]
 
 def cmd_up(args: argparse.Namespace) -> int:
     from bridge.config import Settings, default_state_dir
-    from bridge.local.up import Up
+    from bridge.stack.up import Up
 
     settings = Settings.from_env()
     state_dir = Path(args.state_dir) if args.state_dir else default_state_dir()
@@ -75,7 +75,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from bridge.local.demo import run_demo
+    from bridge.stack.demo import run_demo
 
     settings = settings_for(args)
     try:
@@ -87,7 +87,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_tail(args: argparse.Namespace) -> int:
-    from bridge.local.tail import parse_since, tail
+    from bridge.stack.tail import parse_since, tail
     from bridge.nats.connection import connect
 
     settings = settings_for(args)

@@ -1,0 +1,107 @@
+"""The lane KV (`aep_lanes`): which sessions and task aliases HERMES_RAW has shown so far.
+
+A bounded in-process cache (`bridge.core.lanes.MemoryLanes`) in front of the bucket, with a
+short negative cache, and the pipelined puts that teach it. Used by the mapper (it learns and
+looks up) and the gate (it looks up); `epoch_of` is the AEP epoch rule both share.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict
+from typing import Any
+
+from bridge.core.lanes import MemoryLanes, lane_candidates, lane_of, lane_token
+from bridge.core.mapping import MapResult
+from bridge.nats import streams as S
+from bridge.nats import subjects as subj
+
+NEGATIVE_TTL_S = 2.0  # how long a lanes-KV miss is believed
+NEGATIVE_MAX = 4096  # misses remembered at most
+# Lane cache entries (sessions, and task aliases, each). Sized to the working set, not to every
+# session ever seen: a 1,000-instance fleet at 2,000 events/s starts ~64 sessions/s and has
+# ~3,000-6,000 with an event in the last minute; a session that falls out costs one KV get (an
+# approval) or one idempotent KV put (its next event). At 100,000 the cache grew the mapper
+# by ~0.8 KiB per new session for ~26 minutes of such a fleet (tracemalloc, 2026-12-01).
+LANE_CACHE_ENTRIES = 8192
+
+
+def epoch_of(created: Any) -> int:
+    """The AEP epoch: HERMES_RAW's creation time in whole milliseconds. It changes (upward)
+    only when the stream is recreated, every replica reads the same value, and milliseconds
+    make a reuse after a quick delete-and-recreate practically impossible."""
+    return int(created.timestamp() * 1000) if created else 0
+
+
+class KvLanes:
+    """Lane lookups: a bounded cache in front of the `aep_lanes` KV bucket."""
+
+    def __init__(self, kv: Any, cache_size: int = LANE_CACHE_ENTRIES) -> None:
+        self.kv = kv
+        self.cache = MemoryLanes(max_entries=cache_size)
+        # Negative cache: key -> monotonic time the look-up that found nothing was SENT, oldest
+        # first (one TTL for all: insertion order is expiry order).
+        self._missing: OrderedDict[str, float] = OrderedDict()
+
+    async def _get(self, key: str, since: float | None = None) -> bytes | None:
+        """The KV value of ``key``; a miss is remembered for NEGATIVE_TTL_S, and trusted only
+        if that look-up was sent at or after ``since`` (monotonic) when given."""
+        asked = self._missing.get(key)
+        sent = time.monotonic()
+        if asked is not None and sent - asked < NEGATIVE_TTL_S and (since is None or asked >= since):
+            return None
+        try:
+            entry = await self.kv.get(key)
+        except Exception:  # KeyNotFoundError, KeyDeletedError, timeouts: treat as unknown for now
+            missing = self._missing
+            missing.pop(key, None)
+            missing[key] = sent
+            while missing and (len(missing) > NEGATIVE_MAX or sent - next(iter(missing.values())) >= NEGATIVE_TTL_S):
+                missing.popitem(last=False)
+            return None
+        return entry.value if entry is not None else None
+
+    async def prefetch(self, env: Any, since: float | None = None) -> bool:
+        """Load what `resolve_lane` may ask about this envelope into the cache. Returns
+        True when the envelope has look-ups to make and none of them found anything yet
+        (it would land in the unknown lane). ``since``: see `_get`."""
+        candidates = lane_candidates(env)
+        if not candidates:
+            return False
+        for session in candidates.sessions:
+            if not self.cache.is_known_session(session):
+                if await self._get("s." + lane_token(session), since) is not None:
+                    self.cache.add_session(session)
+        task = candidates.task_id
+        if task and self.cache.task_session(task) is None:
+            value = await self._get("t." + lane_token(task), since)
+            if value:
+                self.cache.add_task(task, value.decode())
+        return lane_of(env, self.cache) is None
+
+    def needs_learning(self, result: MapResult) -> bool:
+        """Cheap check on the hot path: does this envelope teach the lane table anything new?"""
+        learned = result.learned
+        if not learned.session:
+            return False
+        if learned.session not in self.cache.sessions:
+            return True
+        return bool(learned.task_id) and self.cache.tasks.get(learned.task_id) != learned.session
+
+    async def learn(self, result: MapResult, js: Any) -> list[asyncio.Future]:
+        """Record what this envelope taught us, pipelined: a KV put is a JetStream publish to
+        `$KV.<bucket>.<key>`, so it is sent with publish_async and its ack awaited with the batch."""
+        learned = result.learned
+        futures: list[asyncio.Future] = []
+        if learned.session and not self.cache.is_known_session(learned.session):
+            key = "s." + lane_token(learned.session)
+            futures.append(await js.publish_async(subj.kv_subject(S.LANES_BUCKET, key), b"1"))
+            self.cache.add_session(learned.session)
+            self._missing.pop(key, None)
+        if learned.session and learned.task_id and self.cache.task_session(learned.task_id) != learned.session:
+            key = "t." + lane_token(learned.task_id)
+            futures.append(await js.publish_async(subj.kv_subject(S.LANES_BUCKET, key), learned.session.encode()))
+            self.cache.add_task(learned.task_id, learned.session)
+            self._missing.pop(key, None)
+        return futures

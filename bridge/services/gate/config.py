@@ -1,0 +1,61 @@
+"""The gate's settings (`GateConfig`, from the environment), constants and metrics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from bridge.config import load_environ
+from bridge.core.capture import CapturePolicy
+from bridge.core.control import ACK_WINDOW_MS, accepted_verbs
+
+RAW_DURABLE = "gate"
+COMMAND_DURABLE = "gate-commands"
+RAW_HOOKS = ("pre_tool_call", "pre_llm_call", "on_session_start", "on_session_finalize")
+QUEUE_GROUP = "aep-gate"
+SWEEP_S = 0.1
+MAX_DELIVER = 4  # a raw message or command whose handling keeps failing is given up (logged) on this delivery
+MAX_HOLD_MS = 300_000  # Hermes clamps a hook timeout to 300 s
+
+
+def _on(value: str | None) -> bool:
+    return (value or "").strip().lower() in ("1", "true", "yes", "on")
+
+
+@dataclass
+class GateConfig:
+    control: bool = False
+    instruct: bool = False
+    senders: frozenset[str] | None = None  # AEP_CONTROL_SENDERS: allowed command `agent`s (None: any)
+    probe_ms: int = 1000
+    release_timeout_s: float = 5.0  # how long the shim has to confirm a release
+    pull_timeout_s: float = 1.0  # ... an instruction delivery
+    ack_window_ms: int = ACK_WINDOW_MS
+    policy: CapturePolicy = field(default_factory=CapturePolicy)
+
+    @property
+    def accepts(self) -> list[str]:
+        return accepted_verbs(self.control, self.instruct)
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None, policy: CapturePolicy | None = None) -> "GateConfig":
+        env = load_environ(environ)
+        senders = env.get("AEP_CONTROL_SENDERS", "").strip()
+        return cls(
+            control=_on(env.get("AEP_HERMES_CONTROL")),
+            instruct=_on(env.get("AEP_INSTRUCT")),
+            senders=frozenset(s.strip() for s in senders.split(",") if s.strip()) if senders else None,
+            probe_ms=int(env.get("AEP_GATE_PROBE_MS") or 1000),
+            policy=policy or CapturePolicy(),
+        )
+
+
+class GateMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        ns = "aep_bridge_gate"
+        self.commands = Counter(f"{ns}_commands_total", "Commands by type and ack (accepted or the rejection reason; reack, dropped)",
+                                ["type", "ack"], registry=registry)
+        self.cards = Counter(f"{ns}_cards_total", "Held calls by how they ended", ["state"], registry=registry)
+        self.open = Gauge(f"{ns}_open_cards", "Held calls open now", registry=registry)
+        self.instructions = Counter(f"{ns}_instructions_total", "Instructions queued, delivered, dropped", ["event"], registry=registry)

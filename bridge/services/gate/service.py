@@ -1,0 +1,209 @@
+"""The gate service: its inputs (HERMES_RAW, commands, the pull and hello requests), the
+loops that consume them, start-up (buckets, consumers, open cards) and shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from typing import Any
+
+import msgspec
+import nats.errors
+import structlog
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+from bridge.config import GATE_METRICS_PORT
+from bridge.core.control import (
+    COMMAND_FILTERS,
+    DEFAULT_HOLD_MS,
+    GATE_HOLD_HEADER,
+    GATE_REPLY_HEADER,
+    HELLO_SUBJECT,
+    INSTRUCT_PULL_PREFIX,
+    OPEN,
+    RELEASING,
+    Card,
+)
+from bridge.core.envelope import EnvelopeError, decode_raw
+from bridge.core.lanes import event_lane_token
+from bridge.core.pipeline import map_record, record_from_raw
+from bridge.nats import subjects as subj
+from bridge.nats.bootstrap import default_replicas, ensure_stream
+from bridge.nats.connection import connect_service
+from bridge.nats.lanes import KvLanes, epoch_of
+from bridge.nats.streams import (
+    AEP_EVENTS,
+    CONTROL_BUCKET,
+    CONTROL_BUCKETS,
+    HERMES_RAW,
+    INSTRUCT_BUCKET,
+    LANES_BUCKET,
+)
+from bridge.services.gate.commands import Commands
+from bridge.services.gate.config import (
+    COMMAND_DURABLE,
+    MAX_DELIVER,
+    MAX_HOLD_MS,
+    QUEUE_GROUP,
+    RAW_DURABLE,
+    RAW_HOOKS,
+    SWEEP_S,
+)
+from bridge.services.runtime import HttpServer
+
+log = structlog.get_logger("aep_bridge.gate")
+
+
+class Gate(Commands):
+    """`aep-bridge gate`: held calls, commands and steering, served from NATS."""
+
+    async def handle_raw(self, msg: Any) -> None:
+        hook = msg.subject.rsplit(".", 1)[-1]
+        try:
+            raw = decode_raw(msg.data)
+            tokens = subj.raw_tokens(msg.subject)
+            if tokens is None or subj.token(raw.instance) != tokens[0]:  # a forged instance (mapper: instance_mismatch)
+                raise EnvelopeError("instance_mismatch", "the body's instance is not the subject's")
+            record = record_from_raw(raw)
+        except EnvelopeError as exc:  # the mapper dead-letters it; nothing to hold or learn
+            log.warning("raw_skipped", subject=msg.subject, reason=exc.reason)
+            return
+        await self.lanes.prefetch(record.envelope)
+        raw_seq = msg.metadata.sequence.stream
+        result = map_record(record, raw_seq, self.epoch, self.lanes.cache, self.config.policy)
+        if not result.events:
+            return
+        token = event_lane_token(result.lane, result.unknown)
+        source = result.events[0].source
+        if hook == "on_session_finalize":
+            await self.finalize(token, result.lane, source, raw.instance or "", raw_seq)
+            return
+        if not result.unknown:
+            await self.learn(token, source, raw.instance or "")
+        reply = (msg.headers or {}).get(GATE_REPLY_HEADER)
+        if hook == "pre_tool_call" and reply:
+            tool_event = next((e for e in result.events if e.type == "tool.requested"), result.events[0])
+            try:
+                hold_ms = min(MAX_HOLD_MS, max(1, int((msg.headers or {}).get(GATE_HOLD_HEADER) or DEFAULT_HOLD_MS)))
+            except ValueError:
+                hold_ms = DEFAULT_HOLD_MS
+            await self.open_card(token, result.lane, tool_event, raw.id, raw_seq, raw.ts, hold_ms, reply)
+
+    async def handle_hello(self, msg: Any) -> None:
+        if msg.reply:
+            await msg.respond(json.dumps(self.hello).encode())
+
+    async def consume(self, sub: Any, handler: Any, what: str) -> None:
+        while not self.stopper.stopping:
+            self.health.beat()
+            try:
+                msgs = await sub.fetch(64, timeout=0.5)
+            except (nats.errors.TimeoutError, asyncio.TimeoutError):
+                continue
+            except Exception as exc:
+                self.health.set_ready(False, f"{what} fetch failed: {exc}")
+                log.warning("fetch_failed", what=what, error=f"{type(exc).__name__}: {exc}")
+                await self.stopper.sleep(1.0)
+                continue
+            self.health.set_ready(True)
+            for msg in msgs:
+                try:
+                    await handler(msg)
+                except Exception as exc:  # retried (handling is idempotent), then given up: never stops the loop
+                    delivered = msg.metadata.num_delivered or 1
+                    log.error("handle_failed", what=what, subject=msg.subject, delivered=delivered,
+                              error=f"{type(exc).__name__}: {exc}")
+                    if delivered < MAX_DELIVER:
+                        with contextlib.suppress(Exception):
+                            await msg.nak(delay=0.5 * delivered)
+                        continue
+                with contextlib.suppress(Exception):
+                    await msg.ack()
+
+    async def sweep_loop(self) -> None:
+        while not self.stopper.stopping:
+            try:
+                await self.sweep()
+            except Exception as exc:
+                log.warning("sweep_failed", error=f"{type(exc).__name__}: {exc}")
+            if await self.stopper.sleep(SWEEP_S):
+                return
+
+    async def connect(self) -> tuple[Any, Any]:
+        self.nc = await connect_service(self.settings, name=f"aep-bridge-gate-{self.settings.instance}")
+        self.js = self.nc.jetstream()
+        replicas = default_replicas(self.settings)  # AEP_BRIDGE_STREAM_REPLICAS, like `bootstrap`
+        for spec in CONTROL_BUCKETS:
+            await ensure_stream(self.js, spec.config(replicas))
+        self.kv = await self.js.key_value(CONTROL_BUCKET.bucket)
+        self.queues = await self.js.key_value(INSTRUCT_BUCKET.bucket)
+        self.lanes = KvLanes(await self.js.key_value(LANES_BUCKET))
+        info = await self.js.stream_info(HERMES_RAW)
+        self.epoch = epoch_of(info.created)  # the mapper's rule: the session's events share one epoch
+        raw = await self.js.pull_subscribe("", durable=RAW_DURABLE, stream=HERMES_RAW, config=ConsumerConfig(
+            durable_name=RAW_DURABLE, description="aep-bridge gate: held calls and session boundaries",
+            deliver_policy=DeliverPolicy.NEW, ack_policy=AckPolicy.EXPLICIT, ack_wait=30.0,
+            filter_subjects=[subj.raw_filter(hook=h) for h in RAW_HOOKS]))
+        commands = await self.js.pull_subscribe("", durable=COMMAND_DURABLE, stream=AEP_EVENTS, config=ConsumerConfig(
+            durable_name=COMMAND_DURABLE, description="aep-bridge gate: control commands",
+            deliver_policy=DeliverPolicy.NEW, ack_policy=AckPolicy.EXPLICIT, ack_wait=30.0,
+            filter_subjects=list(COMMAND_FILTERS)))
+        await self.nc.subscribe(HELLO_SUBJECT, queue=QUEUE_GROUP, cb=self.handle_hello)
+        await self.nc.subscribe(f"{INSTRUCT_PULL_PREFIX}.*", queue=QUEUE_GROUP, cb=self.handle_pull)
+        await self.load_cards()
+        return raw, commands
+
+    async def load_cards(self) -> None:
+        """After a restart: sweep the cards that were open (they live in KV)."""
+        watcher = await self.kv.watch("card.*", ignore_deletes=True)
+        try:
+            async for entry in watcher:
+                if entry is None:
+                    break
+                try:
+                    card = msgspec.json.decode(entry.value, type=Card)
+                except Exception:
+                    continue
+                if card.state in (OPEN, RELEASING):
+                    self.cards[card.id] = (card.lane, card.expires)
+        finally:
+            with contextlib.suppress(Exception):
+                await watcher.stop()
+        self.metrics.open.set(len(self.cards))
+
+    async def run(self, http_port: int | None = None) -> int:
+        self.stopper.install()
+        port = http_port if http_port is not None else (GATE_METRICS_PORT if self.settings.metrics_port is None else self.settings.metrics_port)
+        http = HttpServer(self.health, self.registry, port=port).start()
+        log.info("gate_starting", metrics_port=http.port, accepts=self.config.accepts)
+        try:
+            raw, commands = await self.connect()
+        except Exception as exc:
+            log.error("gate_start_failed", error=f"{type(exc).__name__}: {exc}")
+            http.stop()
+            await self.close()
+            raise
+        self.health.set_ready(True)
+        log.info("gate_ready", accepts=self.config.accepts, epoch=self.epoch, open_cards=len(self.cards))
+        tasks = [
+            asyncio.create_task(self.consume(raw, self.handle_raw, "raw")),
+            asyncio.create_task(self.consume(commands, self.handle_command, "commands")),
+            asyncio.create_task(self.sweep_loop()),
+        ]
+        try:
+            await self.stopper.event.wait()
+        finally:
+            log.info("gate_stopping", signal=self.stopper.signal)
+            done, pending = await asyncio.wait(tasks, timeout=10)
+            for t in pending:
+                t.cancel()
+            await self.close()
+            http.stop()
+        return 0
+
+    async def close(self) -> None:
+        if self.nc is not None and not self.nc.is_closed:
+            with contextlib.suppress(Exception):
+                await self.nc.flush(timeout=3)
+            await self.nc.close()

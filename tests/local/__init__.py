@@ -1,1 +1,0 @@
-"""Tests of the one-machine stack (bridge/local): `aep-bridge up`, `demo` and `tail`."""

@@ -1,0 +1,1 @@
+"""Tests of the one-machine stack (bridge/stack): `aep-bridge up`, `demo` and `tail`."""
