@@ -29,7 +29,6 @@ from bridge.core.capture import CapturePolicy
 from bridge.core.lanes import MemoryLanes
 from bridge.core.pipeline import map_record, record_from_line
 from bridge.hermes.install import InstallError, compile_hook
-from bridge.nats import streams as S
 from bridge.nats.connection import connect
 from bridge.sim.sessions import renamed_corpus
 
