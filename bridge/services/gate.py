@@ -54,7 +54,7 @@ from bridge.core.identity import source_uri
 from bridge.core.lanes import UNKNOWN, lane_token
 from bridge.core.pipeline import map_record, record_from_raw
 from bridge.nats import streams as S
-from bridge.services.runtime import Health, HttpServer, Stopper
+from bridge.services.runtime import Health, HttpServer, Stopper, watch_connection
 
 log = structlog.get_logger("aep_bridge.gate")
 
@@ -238,6 +238,11 @@ class Gate:
         if result.lane != UNKNOWN:
             await self.learn(token, source, raw.instance or "")
         reply = (msg.headers or {}).get(C.GATE_REPLY_HEADER)
+        if hook == "pre_tool_call" and reply and not C.shim_reply_ok(reply, msg.subject.split(".")[2], "g"):
+            # Only the publisher's own inbox space: never a stream, a bucket or another role's inbox.
+            self.metrics.cards.labels(state="bad_reply").inc()
+            log.warning("gate_reply_refused", subject=msg.subject, raw_seq=raw_seq, reply=reply[:120])
+            return
         if hook == "pre_tool_call" and reply:
             tool_event = next((e for e in result.events if e.type == "tool.requested"), result.events[0])
             try:
@@ -251,7 +256,7 @@ class Gate:
         if not self.config.control:  # the shim holds, this gate does not take answers: let the call go now
             log.warning("held_call_without_control", lane=lane, inbox=inbox)
             with contextlib.suppress(Exception):
-                await self.nc.request(inbox, json.dumps({"op": "release", "decision": "allow"}).encode(),
+                await self.nc.request(inbox, json.dumps({"op": "release", "decision": "allow", "id": raw_id}).encode(),
                                       timeout=self.config.release_timeout_s)
             return
         tool = (tool_event.data or {}).get("tool") or {}
@@ -266,6 +271,10 @@ class Gate:
             if existing is not None:  # a redelivered raw message: the card exists already
                 if existing.state in (C.OPEN, C.RELEASING):
                     self.cards[card.id] = (token, existing.expires)
+                return
+            if not await self.claim_inbox(inbox, card.id):  # one card per held call's inbox
+                self.metrics.cards.labels(state="bad_reply").inc()
+                log.warning("gate_reply_reused", card=card.id, lane=lane, raw_seq=raw_seq)
                 return
             now = time.time_ns()
             expired = now >= card.expires - self.grace_ns(card)
@@ -285,6 +294,20 @@ class Gate:
                 self.cards[card.id] = (token, card.expires)
                 self.metrics.open.set(len(self.cards))
         log.info("card_opened", card=card.id, lane=lane, tool=card.tool, hold_ms=hold_ms, state=card.state)
+
+    async def claim_inbox(self, inbox: str, card_id: str) -> bool:
+        """Bind a held call's inbox to the card it opened (KV create): a later raw message naming
+        the same inbox (copied by someone who overheard it) opens no card, so an answer to
+        another card can never reach this call."""
+        import hashlib
+
+        key = "inbox." + hashlib.sha256(inbox.encode()).hexdigest()[:32]
+        try:
+            await self.kv.create(key, card_id.encode())
+            return True
+        except Exception:
+            entry = await self.kv.get(key)
+            return entry is not None and entry.value == card_id.encode()  # a redelivery of the same call
 
     def grace_ns(self, card: C.Card) -> int:
         """How close to the end of the hold window a vanished shim counts as the expiry."""
@@ -391,7 +414,7 @@ class Gate:
         """Send the decision; True when the shim confirmed it (then it applies it)."""
         import nats.errors
 
-        body = {"op": "release", "decision": card.verdict}
+        body = {"op": "release", "decision": card.verdict, "id": card.raw_id}  # the shim checks the id
         if card.verdict == C.DENY:
             body["message"] = card.message or C.DEFAULT_DENY_MESSAGE
         try:
@@ -518,7 +541,7 @@ class Gate:
         """The shim's pre_llm_call: deliver the session's queue, or answer {}."""
         import nats.errors
 
-        if not msg.reply:
+        if not msg.reply or not C.shim_pull_reply_ok(msg.reply):  # answers go to a shim's inbox only
             return
         try:
             body = json.loads(msg.data)
@@ -581,7 +604,7 @@ class Gate:
     # ------------------------------------------------------------ loops
 
     async def handle_hello(self, msg: Any) -> None:
-        if msg.reply:
+        if msg.reply and C.requester_reply_ok(msg.reply):  # an inbox: never a stream or bucket subject
             await msg.respond(json.dumps(self.hello).encode())
 
     async def consume(self, sub: Any, handler: Any, what: str) -> None:
@@ -629,7 +652,7 @@ class Gate:
         from bridge.nats.connection import connect_service
         from bridge.services.mapper import KvLanes, epoch_of
 
-        self.nc = await connect_service(self.settings, name=f"aep-bridge-gate-{self.settings.instance}")
+        self.nc = await connect_service(self.settings, name=f"aep-bridge-gate-{self.settings.instance}", role="gate")
         self.js = self.nc.jetstream()
         replicas = default_replicas(self.settings)  # AEP_BRIDGE_STREAM_REPLICAS, like `bootstrap`
         for spec in (CONTROL_BUCKET, INSTRUCT_BUCKET):
@@ -673,7 +696,7 @@ class Gate:
     async def run(self, http_port: int | None = None) -> int:
         self.stopper.install()
         port = http_port if http_port is not None else (GATE_METRICS_PORT if self.settings.metrics_port is None else self.settings.metrics_port)
-        http = HttpServer(self.health, self.registry, port=port).start()
+        http = HttpServer(self.health, self.registry, host=self.settings.metrics_host, port=port).start()
         log.info("gate_starting", metrics_port=http.port, accepts=self.config.accepts)
         try:
             raw, commands = await self.connect()
@@ -682,23 +705,25 @@ class Gate:
             http.stop()
             await self.close()
             raise
+        self.health.connection = self.nc
         self.health.set_ready(True)
         log.info("gate_ready", accepts=self.config.accepts, epoch=self.epoch, open_cards=len(self.cards))
         tasks = [
             asyncio.create_task(self.consume(raw, self.handle_raw, "raw")),
             asyncio.create_task(self.consume(commands, self.handle_command, "commands")),
             asyncio.create_task(self.sweep_loop()),
+            asyncio.create_task(watch_connection(self.nc, self.stopper, self.health, log)),
         ]
         try:
             await self.stopper.event.wait()
         finally:
-            log.info("gate_stopping", signal=self.stopper.signal)
+            log.info("gate_stopping", signal=self.stopper.signal, failed=self.stopper.failed)
             done, pending = await asyncio.wait(tasks, timeout=10)
             for t in pending:
                 t.cancel()
             await self.close()
             http.stop()
-        return 0
+        return self.stopper.exit_code
 
     async def close(self) -> None:
         if self.nc is not None and not self.nc.is_closed:

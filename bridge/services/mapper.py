@@ -73,7 +73,7 @@ from bridge.core.lanes import UNKNOWN, MemoryLanes, lane_candidates, lane_token,
 from bridge.core.mapping import MapResult
 from bridge.core.pipeline import map_record, record_from_raw
 from bridge.nats import streams as S
-from bridge.services.runtime import Health, HttpServer, Stopper, close_connection
+from bridge.services.runtime import Health, HttpServer, Stopper, close_connection, watch_connection
 
 log = structlog.get_logger("aep_bridge.mapper")
 
@@ -292,7 +292,7 @@ class Mapper:
     async def connect(self) -> None:
         from bridge.nats.connection import connect_service
 
-        self.nc = await connect_service(self.settings, name=f"aep-bridge-mapper-{self.settings.instance}")
+        self.nc = await connect_service(self.settings, name=f"aep-bridge-mapper-{self.settings.instance}", role="mapper")
         self.js = self.nc.jetstream(publish_async_max_pending=4096)
 
     async def bind(self) -> Any:
@@ -613,7 +613,7 @@ class Mapper:
     async def run(self, http_port: int | None = None) -> int:
         self.stopper.install()
         port = http_port if http_port is not None else (MAPPER_METRICS_PORT if self.settings.metrics_port is None else self.settings.metrics_port)
-        http = HttpServer(self.health, self.registry, port=port).start()
+        http = HttpServer(self.health, self.registry, host=self.settings.metrics_host, port=port).start()
         log.info("mapper_starting", metrics_port=http.port, nats=self.settings.servers, partitions=self.settings.partitions)
         try:
             await self.connect()
@@ -623,10 +623,12 @@ class Mapper:
             http.stop()
             await self.close()
             raise
+        self.health.connection = self.nc
         self.health.set_ready(True)
         self.health.info.update(epoch=self.epoch, durable=self.durable)
         log.info("mapper_ready", epoch=self.epoch, durable=self.durable)
         watcher = asyncio.create_task(self.watch_consumer(sub))
+        conn_watch = asyncio.create_task(watch_connection(self.nc, self.stopper, self.health, log))
         import nats.errors
 
         try:
@@ -651,11 +653,12 @@ class Mapper:
                 self.health.set_ready(True)
                 await self.process_batch(msgs)
         finally:
-            log.info("mapper_stopping", signal=self.stopper.signal)
+            log.info("mapper_stopping", signal=self.stopper.signal, failed=self.stopper.failed)
             watcher.cancel()
+            conn_watch.cancel()
             await self.close()
             http.stop()
-        return 0
+        return self.stopper.exit_code
 
     async def close(self) -> None:
         await close_connection(self.nc)
