@@ -238,3 +238,96 @@ def test_a_card_releases_only_the_call_that_opened_it(url: str, tmp_path: Path) 
             await gate.close()
 
     asyncio.run(asyncio.wait_for(main(), 90))
+
+
+# ---------------------------------------------------------------- finding 17: `aep-bridge up`
+
+
+def _listening(port: int) -> set[str]:
+    """The local addresses a TCP socket listens on for ``port`` (from /proc/net/tcp{,6})."""
+    import ipaddress
+
+    found = set()
+    for table, width in (("/proc/net/tcp", 4), ("/proc/net/tcp6", 16)):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            local, state = line.split()[1], line.split()[3]
+            host, hexport = local.split(":")
+            if state != "0A" or int(hexport, 16) != port:  # 0A: LISTEN
+                continue
+            raw = bytes.fromhex(host)
+            if width == 4:
+                found.add(str(ipaddress.IPv4Address(raw[::-1])))
+            else:  # four little-endian 32-bit words
+                found.add(str(ipaddress.IPv6Address(b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4)))))
+    return found
+
+
+def test_up_listens_on_loopback_only_and_requires_its_generated_credential(tmp_path: Path) -> None:
+    """Finding 17. Before the fix `up`'s NATS took any local client without credentials (read
+    HERMES_RAW, delete streams, answer held calls) and its workers' HTTP ports listened on every
+    interface."""
+    import os
+    import stat
+
+    import nats
+
+    from tests.support.shim import run_hook
+    from tests.test_local import cli, running_up
+
+    with running_up(tmp_path) as (proc, env, info, tmp):
+        url = info["nats_url"]
+        port = int(url.rsplit(":", 1)[1])
+
+        async def anonymous() -> str:
+            try:
+                nc = await nats.connect(url, connect_timeout=2, allow_reconnect=False, max_reconnect_attempts=0)
+            except Exception as exc:
+                return f"{type(exc).__name__}: {exc}"
+            await nc.close()
+            return "connected"
+
+        assert "authorization" in asyncio.run(anonymous()).lower(), "up's NATS takes clients without credentials"
+        shim = info.get("shim_env") or {}
+        assert shim.get("AEP_BRIDGE_NATS_USER") and len(shim.get("AEP_BRIDGE_NATS_PASSWORD", "")) >= 24, info
+        state = tmp / "state" / "aep-bridge" / "up.json"
+        assert stat.S_IMODE(state.stat().st_mode) == 0o600, "up.json holds the credential: owner only"
+        deadline = time.monotonic() + 30
+        while "Ctrl-C" not in (tmp / "up.out").read_text() and time.monotonic() < deadline:
+            time.sleep(0.1)  # the banner comes right after up.json
+        banner = (tmp / "up.out").read_text()
+        assert shim["AEP_BRIDGE_NATS_PASSWORD"] in banner
+        assert (f"AEP_BRIDGE_NATS_URL={url} AEP_BRIDGE_NATS_USER={shim['AEP_BRIDGE_NATS_USER']} "
+                f"AEP_BRIDGE_NATS_PASSWORD={shim['AEP_BRIDGE_NATS_PASSWORD']} aep-bridge hermes install") in banner
+
+        for name, metrics in info["metrics"].items():
+            mport = int(metrics.split(":")[2].split("/")[0])
+            wait_for_listen = time.monotonic() + 30
+            while not _listening(mport) and time.monotonic() < wait_for_listen:
+                time.sleep(0.1)
+            assert _listening(mport) <= {"127.0.0.1", "::1"} and _listening(mport), (name, _listening(mport))
+        assert _listening(port) == {"127.0.0.1"}, _listening(port)
+
+        # The shim configured as up says, then `tail` (which reads up.json) sees its event.
+        r = run_hook(dumps(envelope("on_session_start", session="s-up-17")),
+                     {**shim_env(url, tmp / "spool", "gw-17", DEADLINE_MS="3000"), **shim})
+        assert r.answered_empty_object and r.stderr == b"", r.stderr
+        clean = {k: v for k, v in env.items() if not k.startswith("AEP_BRIDGE_NATS_")}
+        tail = cli("tail", "--all", "--json", "--session", "s-up-17", "--count", "1", "--idle-exit", "30", env=clean)
+        assert tail.returncode == 0 and '"session.started"' in tail.stdout, tail.stdout + tail.stderr
+        os.kill(proc.pid, 0)
+
+
+def test_the_sample_nats_conf_serves_monitoring_on_loopback_only(url: str, tmp_path_factory) -> None:  # type: ignore[no-untyped-def]
+    """Finding 17: `/connz`, `/subsz`, `/jsz` have no authentication; the sample bound them to
+    every interface (http_port: 8222)."""
+    from tests.test_deploy_nats_permissions import SAMPLE_CONF
+
+    text = "\n".join(line.split("#", 1)[0] for line in SAMPLE_CONF.read_text().splitlines())
+    assert "http_port" not in text and "monitor_port" not in text
+    assert 'http: "127.0.0.1:8222"' in text
+    logs = list(tmp_path_factory.getbasetemp().glob("nats-hostile-roles*/server.log"))
+    assert logs and "Starting http monitor on 127.0.0.1:" in logs[0].read_text()
