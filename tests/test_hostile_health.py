@@ -107,18 +107,18 @@ def _send(url: str, tmp: Path, password: str, session: str) -> None:
 
 
 def test_a_connection_closed_by_the_server_is_replaced_and_the_stream_continues(tmp_path: Path) -> None:
-    """Before the fix: after the server closed the connections, both workers stayed up
-    (mapper: `fetch_failed` forever; pairing: every partition ended), /healthz said ok, and the
-    event sent after the credential was right again was never mapped."""
+    """Before the fix: after the server closed the connections, every worker stayed up
+    (mapper: `fetch_failed` forever; pairing: every partition ended; the gate: `fetch_failed`),
+    /healthz said ok, and the event sent after the credential was right again was never mapped."""
     server = AuthServer(tmp_path, "pw-1").start()
-    mapper_port, pairing_port = free_port(), free_port()
+    mapper_port, pairing_port, gate_port = free_port(), free_port(), free_port()
     out = open(tmp_path / "up.out", "w")
     up = subprocess.Popen([sys.executable, "-m", "bridge.cli", "up", "--nats", server.url, "--mapper-port", str(mapper_port),
-                           "--pairing-port", str(pairing_port)], env=_env(tmp_path, "pw-1"), stdout=out,
-                          stderr=subprocess.STDOUT, cwd=ROOT)
+                           "--pairing-port", str(pairing_port), "--gate", "--gate-port", str(gate_port)],
+                          env=_env(tmp_path, "pw-1"), stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
     state = tmp_path / "state" / "aep-bridge" / "up.json"
     try:
-        for port in (mapper_port, pairing_port):
+        for port in (mapper_port, pairing_port, gate_port):
             wait_for(lambda port=port: http_json(f"http://127.0.0.1:{port}/readyz")[0] == 200, 60, what="workers ready")
         _send(server.url, tmp_path, "pw-1", "s-before")
         assert asyncio.run(_session_started(server.url, "pw-1", "s-before", 30)), "the pipeline flows"
@@ -133,12 +133,14 @@ def test_a_connection_closed_by_the_server_is_replaced_and_the_stream_continues(
             "the stream did not continue after the server closed the connections:\n"
             + (tmp_path / "up.out").read_text()[-2000:])
         after = json.loads(state.read_text())["workers"]
-        assert all(after[name] != before[name] for name in ("mapper", "pairing")), (before, after)
-        for port in (mapper_port, pairing_port):
+        assert all(after[name] != before[name] for name in ("mapper", "pairing", "gate")), (before, after)
+        for port in (mapper_port, pairing_port, gate_port):
+            wait_for(lambda port=port: http_json(f"http://127.0.0.1:{port}/readyz")[0] == 200, 60, what="ready again")
             status, health = http_json(f"http://127.0.0.1:{port}/healthz")
             assert status == 200 and health["nats"] == "connected", health
         printed = (tmp_path / "up.out").read_text()
-        assert "mapper exited with code 1" in printed and "pairing exited with code 1" in printed, printed
+        for name in ("mapper", "pairing", "gate"):
+            assert f"{name} exited with code 1" in printed, printed
         logs = (tmp_path / "state" / "aep-bridge" / "logs" / "mapper.log").read_text()
         assert "nats_connection_lost" in logs
     finally:

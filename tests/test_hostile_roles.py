@@ -102,6 +102,25 @@ def _held_call(instance: str, session: str, call: str) -> tuple[str, bytes, str]
     return record
 
 
+@pytest.mark.parametrize(("reply", "ok"), [
+    ("_INBOX.hermes.gateway-3.0123456789abcdef012345.g", True),  # the shim's own form
+    ("_INBOX.hermes.gateway-3.x.g", True),
+    ("_INBOX.hermes.gateway-4.0123456789abcdef012345.g", False),  # another instance
+    ("_INBOX.hermes.gateway-3.0123456789abcdef012345.i", False),  # not a decision's inbox
+    ("_INBOX.hermes.gateway-3.*.g", False),  # a wildcard
+    ("_INBOX.hermes.gateway-3..g", False),
+    ("_INBOX.hermes.gateway-3.g", False),
+    ("_INBOX.aep-operator.x.g", False),  # another role
+    ("aep.hermes.victim.control.accepted", False),  # a stream
+    ("$KV.aep_control.seq.victim", False),  # a bucket
+    ("_INBOX.hermes.gateway-3." + "a" * 600 + ".g", False),
+])
+def test_a_held_calls_reply_must_be_an_inbox_of_its_own_instance(reply: str, ok: bool) -> None:
+    from bridge.core import control as C
+
+    assert C.shim_reply_ok(reply, "gateway-3", "g") is ok
+
+
 def test_the_gate_replies_only_inside_the_publishers_inbox_space(url: str) -> None:
     """Finding 5. Before the fix the gate probed (and would release to) whatever subject a raw
     message's Aep-Gate-Reply named, with its own rights: a ping stored on AEP_EVENTS as

@@ -148,9 +148,9 @@ def shim_reply_ok(reply: str, instance_token: str, suffix: str) -> bool:
     if len(reply) > 512 or not instance_token or not set(instance_token) <= _TOKEN_CHARS:
         return False
     head = SHIM_INBOX_PREFIX + instance_token + "."
-    if not reply.startswith(head) or not reply.endswith("." + suffix):
+    if not reply.startswith(head) or not reply.endswith("." + suffix) or len(reply) < len(head) + len(suffix) + 2:
         return False
-    return _plain_tokens(reply[len(head):])
+    return _plain_tokens(reply[len(head):-len(suffix) - 1])  # the inbox's own tokens, at least one
 
 
 def shim_pull_reply_ok(reply: str) -> bool:
