@@ -75,6 +75,10 @@ class Settings:
     capture_overrides: str = DEFAULT_CAPTURE_OVERRIDES
     redact_names: tuple[str, ...] = ()
     metrics_port: int | None = None
+    #: where /metrics, /healthz, /readyz listen: every interface by default (Kubernetes probes
+    #: and Prometheus reach the pod's IP; the chart's NetworkPolicy limits who may); `aep-bridge
+    #: up` sets 127.0.0.1 for its workers
+    metrics_host: str = "0.0.0.0"
     #: mapper: how long a session-less event whose session is not known yet waits for every
     #: earlier raw message to be mapped (their lanes learned) before it falls back to `unknown`
     lane_wait_ms: int = 2000  # see docs/ARCHITECTURE.md "Lanes"
@@ -84,6 +88,8 @@ class Settings:
     tick_s: float = 15.0
     log_format: str = "json"
     log_level: str = "info"
+    #: nats-py inbox prefix; None: the role's own (bridge.nats.connection.ROLE_INBOX)
+    inbox_prefix: str | None = None
 
     @property
     def servers(self) -> list[str]:
@@ -137,8 +143,10 @@ class Settings:
             raise ValueError(f"AEP_BRIDGE_TICK_S must be positive, got {tick!r}")
         port = get("METRICS_PORT")
         s.metrics_port = int(port) if port else None
+        s.metrics_host = get("METRICS_HOST") or "0.0.0.0"
         s.log_format = get("LOG_FORMAT") or "json"
         s.log_level = get("LOG_LEVEL") or "info"
+        s.inbox_prefix = get("INBOX_PREFIX")
         return s
 
     def secret_values(self, environ: dict[str, str] | None = None) -> tuple[str, ...]:

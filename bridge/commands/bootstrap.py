@@ -41,7 +41,7 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
         print(f"{name:<16} {outcome}" + (f" ({detail})" if detail else ""))
 
     async def run() -> int:
-        nc = await quick_connect(settings, name="aep-bridge-bootstrap", timeout=args.timeout)
+        nc = await quick_connect(settings, name="aep-bridge-bootstrap", timeout=args.timeout, role="bootstrap")
         try:
             await bootstrap(nc.jetstream(), settings, replicas=args.replicas, report=report)
         finally:

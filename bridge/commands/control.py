@@ -83,13 +83,19 @@ def _common(p: argparse.ArgumentParser, session_required: bool = False) -> None:
     p.add_argument("--json", action="store_true", help="print the ack event")
 
 
-def _settings(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+def _settings(args: argparse.Namespace, use_up: bool = True):  # type: ignore[no-untyped-def]
+    """--nats, else the environment; for an operator's commands, else the running `aep-bridge up`
+    (its URL and generated credential, from up.json)."""
     from bridge.config import Settings
+    from bridge.stack.up import apply_up_credentials, read_state
 
     s = Settings.from_env()
+    state = read_state() if use_up else None
     if getattr(args, "nats", None):
         s.nats_url = args.nats
-    return s
+    elif state and "AEP_BRIDGE_NATS_URL" not in os.environ:
+        s.nats_url = state["nats_url"]
+    return apply_up_credentials(s, state)  # up's generated credential, for up's server
 
 
 # ---------------------------------------------------------------- gate
@@ -101,7 +107,7 @@ def cmd_gate(args: argparse.Namespace) -> int:
     from bridge.services.gate import Gate, GateConfig
     from bridge.services.runtime import configure_logging
 
-    settings = _settings(args)
+    settings = _settings(args, use_up=False)
     if args.metrics_port is not None:
         settings.metrics_port = args.metrics_port
     if args.log_format:
@@ -150,7 +156,7 @@ async def send_command(settings: Any, event: Any, timeout: float) -> tuple[str, 
     from bridge.nats.connection import quick_connect
 
     token = lane_token(event.session)
-    nc = await quick_connect(settings, name="aep-bridge-control")
+    nc = await quick_connect(settings, name="aep-bridge-control", role="operator")
     try:
         got: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
 
@@ -196,7 +202,7 @@ async def _lookup_session(settings: Any, request_id: str) -> str | None:
     from bridge.nats.connection import quick_connect
     from bridge.nats.streams import CONTROL_BUCKET
 
-    nc = await quick_connect(settings, name="aep-bridge-control")
+    nc = await quick_connect(settings, name="aep-bridge-control", role="operator")
     try:
         kv = await nc.jetstream().key_value(CONTROL_BUCKET.bucket)
         entry = await kv.get(f"card.{request_id}")
@@ -265,7 +271,7 @@ def cmd_hello(args: argparse.Namespace) -> int:
     async def ask() -> bytes | None:
         import nats.errors
 
-        nc = await quick_connect(_settings(args), name="aep-bridge-control")
+        nc = await quick_connect(_settings(args), name="aep-bridge-control", role="operator")
         try:
             return (await nc.request(HELLO_SUBJECT, b"", timeout=args.timeout)).data
         except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
@@ -290,7 +296,7 @@ def cmd_pending(args: argparse.Namespace) -> int:
     from bridge.nats.streams import CONTROL_BUCKET
 
     async def cards() -> list[dict[str, Any]]:
-        nc = await quick_connect(_settings(args), name="aep-bridge-control")
+        nc = await quick_connect(_settings(args), name="aep-bridge-control", role="operator")
         out = []
         try:
             kv = await nc.jetstream().key_value(CONTROL_BUCKET.bucket)

@@ -47,16 +47,15 @@ def register(sub: argparse._SubParsersAction) -> None:
 def settings_for(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     """Settings whose NATS URL is `--nats`, else the running `aep-bridge up`'s, else AEP_BRIDGE_NATS_URL."""
     from bridge.config import Settings
-    from bridge.stack.up import read_state
+    from bridge.stack.up import apply_up_credentials, read_state
 
     settings = Settings.from_env()
+    state = read_state()
     if args.nats:
         settings.nats_url = args.nats
-    else:
-        state = read_state()
-        if state and "AEP_BRIDGE_NATS_URL" not in os.environ:
-            settings.nats_url = state["nats_url"]
-    return settings
+    elif state and "AEP_BRIDGE_NATS_URL" not in os.environ:
+        settings.nats_url = state["nats_url"]
+    return apply_up_credentials(settings, state)  # up's generated credential, for up's server
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -99,7 +98,7 @@ def cmd_tail(args: argparse.Namespace) -> int:
     color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty() and not args.json)
 
     async def main() -> int:
-        nc = await connect(settings, name="aep-bridge-tail")
+        nc = await connect(settings, name="aep-bridge-tail", role="consumer")
         try:
             await tail(nc, session=args.session, type_pattern=args.type_pattern, since=since, all_events=args.all,
                        as_json=args.json, color=color, count=args.count, idle_exit=args.idle_exit)

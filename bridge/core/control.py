@@ -131,6 +131,43 @@ HELLO_SUBJECT = "aep.gate.hello"
 INSTRUCT_PULL_PREFIX = "aep.gate.instruct"  # .<subject token of the session>: the shim's pre_llm_call pull
 GATE_REPLY_HEADER = "Aep-Gate-Reply"  # on a held raw pre_tool_call: where the decision goes
 GATE_HOLD_HEADER = "Aep-Gate-Hold-Ms"  # and how long the shim waits for it
+SHIM_INBOX_PREFIX = "_INBOX.hermes."  # + <instance token>.<22 hex>: a shim's inbox (bridge/shim/hook.py)
+_TOKEN_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")
+
+
+def _plain_tokens(rest: str) -> bool:
+    return all(t and set(t) <= _TOKEN_CHARS for t in rest.split("."))
+
+
+def shim_reply_ok(reply: str, instance_token: str, suffix: str) -> bool:
+    """Is ``reply`` a subject inside the inbox space of the instance ``instance_token`` (the
+    token of the subject the server let its publisher use), ending in ``.<suffix>`` (``g``: a
+    held call's decision)? The shim's own is ``_INBOX.hermes.<token>.<22 hex>.g``. The gate
+    sends nothing anywhere else on a shim's word: not into a stream, a KV bucket, another
+    instance's inbox or another role's."""
+    if len(reply) > 512 or not instance_token or not set(instance_token) <= _TOKEN_CHARS:
+        return False
+    head = SHIM_INBOX_PREFIX + instance_token + "."
+    if not reply.startswith(head) or not reply.endswith("." + suffix) or len(reply) < len(head) + len(suffix) + 2:
+        return False
+    return _plain_tokens(reply[len(head):-len(suffix) - 1])  # the inbox's own tokens, at least one
+
+
+def shim_pull_reply_ok(reply: str) -> bool:
+    """An instruction pull's reply subject: inside some shim's inbox space (the pull names a
+    session, not an instance)."""
+    if len(reply) > 512 or not reply.startswith(SHIM_INBOX_PREFIX):
+        return False
+    rest = reply[len(SHIM_INBOX_PREFIX):]
+    return rest.count(".") >= 1 and _plain_tokens(rest)
+
+
+def requester_reply_ok(reply: str) -> bool:
+    """A hello request's reply subject: an inbox (``_INBOX.`` + plain tokens), never a stream
+    or bucket subject, never a wildcard."""
+    if not reply.startswith("_INBOX.") or len(reply) > 512:
+        return False
+    return _plain_tokens(reply[len("_INBOX."):])
 
 
 # Commands go to ``aep.hermes.<lane token>.<command type>`` (in AEP_EVENTS), acks come back on

@@ -704,7 +704,7 @@ def _nats_checks(home: Path, timeout: float) -> list[Check]:
     checks: list[Check] = []
 
     async def probe() -> None:
-        nc = await quick_connect(settings, name="aep-bridge-doctor", timeout=timeout)
+        nc = await quick_connect(settings, name="aep-bridge-doctor", timeout=timeout, role="shim")
         try:
             checks.append(Check(True, f"NATS answers at {nc.connected_url.netloc if nc.connected_url else '?'}"))
             try:

@@ -22,7 +22,29 @@ import nats
 import nats.errors
 
 from bridge.config import Settings
-from bridge.shim.hook import parse_server_url
+from bridge.shim.hook import parse_server_url, shim_inbox_prefix
+
+#: The inbox prefix of each role (nats-py ``inbox_prefix``): publish acks, JetStream API
+#: answers and pulled messages arrive under it, so each role's NATS user may subscribe to
+#: its own prefix only and no role hears what another pulls (deploy/nats/nats.conf).
+ROLE_INBOX = {
+    "bootstrap": "_INBOX.aep-bootstrap",
+    "mapper": "_INBOX.aep-mapper",
+    "pairing": "_INBOX.aep-pairing",
+    "consumer": "_INBOX.aep-consumer",  # tail, demo, verify: readers of AEP_EVENTS
+    "gate": "_INBOX.aep-gate",
+    "operator": "_INBOX.aep-operator",  # aep-bridge control
+}
+
+
+def inbox_prefix(settings: Settings, role: str | None) -> str | None:
+    """``AEP_BRIDGE_INBOX_PREFIX`` when set, else the role's own prefix (``shim``: the
+    shim's, which names its instance), else None (nats-py's ``_INBOX``)."""
+    if settings.inbox_prefix:
+        return settings.inbox_prefix
+    if role == "shim":
+        return shim_inbox_prefix(settings.instance)
+    return ROLE_INBOX.get(role or "")
 
 
 class NatsConnectError(RuntimeError):
@@ -69,11 +91,15 @@ def tls_context(settings: Settings, force: bool = False) -> Any:
     return ctx
 
 
-def connect_options(settings: Settings, *, name: str | None = None, **overrides: Any) -> dict[str, Any]:
-    """Keyword arguments for ``nats.connect`` (``overrides`` win)."""
+def connect_options(settings: Settings, *, name: str | None = None, role: str | None = None,
+                    **overrides: Any) -> dict[str, Any]:
+    """Keyword arguments for ``nats.connect`` (``overrides`` win). ``role``: see ROLE_INBOX."""
     servers = server_list(settings)
     # Servers are tried in the order given (as the shim does), not shuffled.
     opts: dict[str, Any] = {"servers": servers.urls, "name": name or f"aep-bridge-{settings.instance}", "dont_randomize": True}
+    prefix = inbox_prefix(settings, role)
+    if prefix:
+        opts["inbox_prefix"] = prefix
     ctx = tls_context(settings, force=servers.tls)
     if ctx is not None:
         opts["tls"] = ctx
@@ -104,7 +130,8 @@ def describe_auth(settings: Settings) -> str:
     return "no credentials"
 
 
-async def connect(settings: Settings | None = None, *, name: str | None = None, **overrides: Any) -> Any:
+async def connect(settings: Settings | None = None, *, name: str | None = None, role: str | None = None,
+                  **overrides: Any) -> Any:
     """``nats.connect`` with the bridge's settings. Raises NatsConnectError naming the
     servers tried, what each said and, for an authorization error, what to set."""
     settings = settings or Settings.from_env()
@@ -116,7 +143,7 @@ async def connect(settings: Settings | None = None, *, name: str | None = None, 
         if user_cb is not None:
             await user_cb(exc)
 
-    opts = connect_options(settings, name=name, error_cb=error_cb, **overrides)
+    opts = connect_options(settings, name=name, role=role, error_cb=error_cb, **overrides)
     try:
         return await nats.connect(**opts)
     except (nats.errors.NoServersError, nats.errors.Error, OSError, TimeoutError) as exc:
@@ -143,11 +170,13 @@ def explain_failure(settings: Settings, exc: BaseException, errors: list[BaseExc
     return message
 
 
-async def quick_connect(settings: Settings | None = None, *, name: str | None = None, timeout: float = 2.0) -> Any:
+async def quick_connect(settings: Settings | None = None, *, name: str | None = None, timeout: float = 2.0,
+                        role: str | None = None) -> Any:
     """For one-shot commands (bootstrap, doctor, drain): fail within seconds, not minutes."""
     return await connect(
         settings,
         name=name,
+        role=role,
         connect_timeout=timeout,
         max_reconnect_attempts=1,
         reconnect_time_wait=0.2,
@@ -161,7 +190,7 @@ def is_auth_failure(exc: BaseException) -> bool:
 
 
 async def connect_service(settings: Settings | None = None, *, name: str | None = None, wait_s: float = 60.0,
-                          **overrides: Any) -> Any:
+                          role: str | None = None, **overrides: Any) -> Any:
     """For the long-running services: refused credentials fail at once (a clear error, exit
     non-zero: Kubernetes shows it instead of a pod that hangs); an unreachable server is
     retried with backoff for ``wait_s`` (NATS may start after us). Once connected, the
@@ -170,7 +199,7 @@ async def connect_service(settings: Settings | None = None, *, name: str | None 
     delay = 0.5
     while True:
         try:
-            nc = await connect(settings, name=name, allow_reconnect=False, connect_timeout=3, **overrides)
+            nc = await connect(settings, name=name, role=role, allow_reconnect=False, connect_timeout=3, **overrides)
         except NatsConnectError as exc:
             if is_auth_failure(exc) or time.monotonic() + delay > deadline:
                 raise

@@ -84,7 +84,7 @@ from bridge.nats import subjects as subj
 from bridge.nats.connection import connect_service
 from bridge.nats.lanes import KvLanes, epoch_of
 from bridge.nats.lookup import DEFAULT_MARGIN_NS, SERVER_MARGIN_NS, find_msg_id, stored_ns
-from bridge.services.runtime import Health, HttpServer, Stopper, close_connection
+from bridge.services.runtime import Health, HttpServer, Stopper, close_connection, watch_connection
 
 log = structlog.get_logger("aep_bridge.mapper")
 
@@ -214,7 +214,7 @@ class Mapper:
     # ------------------------------------------------------------ setup
 
     async def connect(self) -> None:
-        self.nc = await connect_service(self.settings, name=f"aep-bridge-mapper-{self.settings.instance}")
+        self.nc = await connect_service(self.settings, name=f"aep-bridge-mapper-{self.settings.instance}", role="mapper")
         self.js = self.nc.jetstream(publish_async_max_pending=4096)
 
     async def bind(self) -> Any:
@@ -565,7 +565,7 @@ class Mapper:
     async def run(self, http_port: int | None = None) -> int:
         self.stopper.install()
         port = http_port if http_port is not None else (MAPPER_METRICS_PORT if self.settings.metrics_port is None else self.settings.metrics_port)
-        http = HttpServer(self.health, self.registry, port=port).start()
+        http = HttpServer(self.health, self.registry, host=self.settings.metrics_host, port=port).start()
         log.info("mapper_starting", metrics_port=http.port, nats=self.settings.servers, partitions=self.settings.partitions)
         try:
             await self.connect()
@@ -575,10 +575,12 @@ class Mapper:
             http.stop()
             await self.close()
             raise
+        self.health.connection = self.nc
         self.health.set_ready(True)
         self.health.info.update(epoch=self.epoch, durable=self.durable)
         log.info("mapper_ready", epoch=self.epoch, durable=self.durable)
         watcher = asyncio.create_task(self.watch_consumer(sub))
+        conn_watch = asyncio.create_task(watch_connection(self.nc, self.stopper, self.health, log))
 
         try:
             while not self.stopper.stopping:
@@ -602,11 +604,12 @@ class Mapper:
                 self.health.set_ready(True)
                 await self.process_batch(msgs)
         finally:
-            log.info("mapper_stopping", signal=self.stopper.signal)
+            log.info("mapper_stopping", signal=self.stopper.signal, failed=self.stopper.failed)
             watcher.cancel()
+            conn_watch.cancel()
             await self.close()
             http.stop()
-        return 0
+        return self.stopper.exit_code
 
     async def close(self) -> None:
         await close_connection(self.nc)

@@ -71,7 +71,7 @@ from bridge.nats import streams as S
 from bridge.nats import subjects as subj
 from bridge.nats.connection import connect_service
 from bridge.nats.lookup import SERVER_MARGIN_NS, find_msg_id, stored_ns
-from bridge.services.runtime import Health, HttpServer, Stopper, close_connection
+from bridge.services.runtime import Health, HttpServer, Stopper, close_connection, watch_connection
 
 log = structlog.get_logger("aep_bridge.pairing")
 
@@ -196,13 +196,31 @@ class PairingService:
         self.checkpoints: Any = None  # the aep_checkpoints object store
         self.pairing_kv: Any = None  # the aep_pairing KV bucket: progress q.<n>, checkpoints of older releases
         self.late_after_ns = int(S.DUPLICATE_WINDOW_S * 1e9) // 2  # half of AEP_EVENTS' duplicate window (read at connect)
+        # Partitions this replica should own and does not (its lease was free or is its own, and
+        # taking it or restoring it failed): why. Not empty -> /readyz is false. A partition a
+        # live lease of another replica holds is not ours to own (a standby owns none, ready).
+        self.unowned: dict[int, str] = {}
 
     # ------------------------------------------------------------ leases
 
     async def try_acquire(self, n: int) -> int | None:
+        from nats.js.errors import KeyWrongLastSequenceError
+
         try:
             return int(await self.leases.create(f"p.{n}", self.replica.encode()))
-        except Exception:  # KeyWrongLastSequenceError: someone holds it
+        except KeyWrongLastSequenceError:  # someone holds it: another replica, or an earlier us
+            try:
+                entry = await self.leases.get(f"p.{n}")
+            except Exception:  # gone meanwhile, or no answer: the next round tells
+                return None
+            if entry is not None and entry.value == self.replica.encode():
+                self.unowned.setdefault(n, "its lease is held under this replica's name (an earlier process "
+                                           "that did not release it, or a failed restore): taken when it expires")
+            else:
+                self.unowned.pop(n, None)
+            return None
+        except Exception as exc:  # no answer: we cannot tell who owns it
+            self.unowned[n] = f"lease: {type(exc).__name__}: {exc}"
             return None
 
     async def renew(self, part: Partition) -> bool:
@@ -529,6 +547,7 @@ class PairingService:
                 if part.task is not None and part.task.done():
                     exc = part.task.exception() if not part.task.cancelled() else None
                     log.error("partition_task_ended", partition=n, error=str(exc))
+                    self.unowned[n] = f"its loop ended: {type(exc).__name__}: {exc}"
                     await self.release(part)
                     del self.partitions[n]
                     self.metrics.owned_by_partition.labels(partition=str(n)).set(0)
@@ -543,7 +562,13 @@ class PairingService:
             revision = await self.try_acquire(n)
             if revision is None:
                 continue
-            part = await self.restore(n)
+            try:
+                part = await self.restore(n)
+            except Exception as exc:  # e.g. CheckpointUnreadable: stays unowned, and not ready
+                self.unowned[n] = f"restore: {type(exc).__name__}: {exc}"
+                log.error("partition_restore_failed", partition=n, error=self.unowned[n])
+                continue
+            self.unowned.pop(n, None)
             part.revision = revision
             part.task = asyncio.create_task(self.run_partition(part))
             self.partitions[n] = part
@@ -551,6 +576,11 @@ class PairingService:
             self.metrics.takeovers.inc()
             log.info("partition_acquired", partition=n, replica=self.replica, position=part.position)
         self.health.info["partitions"] = sorted(self.partitions)
+        self.health.info["unowned"] = {str(n): why[:200] for n, why in sorted(self.unowned.items())}
+        if self.unowned:
+            self.health.set_ready(False, f"partitions {sorted(self.unowned)} should be owned here and are not")
+        else:
+            self.health.set_ready(True)
         self.export_state()
 
     async def tick_loop(self) -> None:
@@ -570,7 +600,7 @@ class PairingService:
                     log.warning("tick_failed", partition=n, error=str(exc))
 
     async def connect(self) -> None:
-        self.nc = await connect_service(self.settings, name=f"aep-bridge-pairing-{self.replica}")
+        self.nc = await connect_service(self.settings, name=f"aep-bridge-pairing-{self.replica}", role="pairing")
         self.js = self.nc.jetstream(publish_async_max_pending=4096)
         self.leases = await self.js.key_value(S.LEASES_BUCKET)
         self.pairing_kv = await self.js.key_value(S.PAIRING_BUCKET)
@@ -584,7 +614,7 @@ class PairingService:
     async def run(self, http_port: int | None = None) -> int:
         self.stopper.install()
         port = http_port if http_port is not None else (PAIRING_METRICS_PORT if self.settings.metrics_port is None else self.settings.metrics_port)
-        http = HttpServer(self.health, self.registry, port=port).start()
+        http = HttpServer(self.health, self.registry, host=self.settings.metrics_host, port=port).start()
         log.info("pairing_starting", replica=self.replica, metrics_port=http.port, partitions=self.settings.partitions)
         try:
             await self.connect()
@@ -593,20 +623,25 @@ class PairingService:
             http.stop()
             await self.close()
             raise
+        self.health.connection = self.nc
         self.health.set_ready(True)
         ticker = asyncio.create_task(self.tick_loop())
+        conn_watch = asyncio.create_task(watch_connection(self.nc, self.stopper, self.health, log))
         try:
             while not self.stopper.stopping:
                 self.health.beat()
                 try:
                     await self.maintain()
                 except Exception as exc:
+                    self.health.set_ready(False, f"maintain failed: {type(exc).__name__}: {exc}")
                     log.warning("maintain_failed", error=f"{type(exc).__name__}: {exc}")
                 if await self.stopper.sleep(RENEW_S):
                     break
         finally:
-            log.info("pairing_stopping", signal=self.stopper.signal, partitions=sorted(self.partitions))
+            log.info("pairing_stopping", signal=self.stopper.signal, partitions=sorted(self.partitions),
+                     failed=self.stopper.failed)
             ticker.cancel()
+            conn_watch.cancel()
             # Partition loops see `stopping`, finish the batch in hand, checkpoint and return.
             tasks = [p.task for p in self.partitions.values() if p.task]
             done, still = await asyncio.wait(tasks, timeout=20) if tasks else (set(), set())
@@ -616,7 +651,7 @@ class PairingService:
                 await self.release(part)
             await self.close()
             http.stop()
-        return 0
+        return self.stopper.exit_code
 
     async def close(self) -> None:
         await close_connection(self.nc)

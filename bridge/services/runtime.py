@@ -3,11 +3,17 @@
 * Logs: structlog, JSON lines on stderr by default (`AEP_BRIDGE_LOG_FORMAT=console`
   for people), one processor chain visible in `configure_logging`.
 * HTTP (one port per service): `/metrics` (Prometheus text), `/healthz` (the
-  process loop is alive), `/readyz` (connected to NATS and consuming). Served by
+  process loop is alive and its NATS connection is not closed for good; `nats` says the
+  connection's state), `/readyz` (connected to NATS and consuming). Served by
   the standard library's WSGI server in a daemon thread, so a busy event loop
   cannot make a liveness probe time out, with prometheus-client's own WSGI app.
 * Signals: SIGTERM/SIGINT set `stopping`; the service stops fetching, finishes
   and acks the batch in hand, then exits 0.
+* A NATS connection closed for good (nats-py never reconnects a connection the server
+  closed with an error, e.g. after a credential rotation or a protocol violation) or
+  refused its credentials while reconnecting: `watch_connection` stops the service the same
+  way and it exits 1, so a supervisor (Kubernetes, `aep-bridge up`) starts it again on a
+  new connection instead of leaving a process that consumes nothing and looks healthy.
 * Allocation profiling (opt-in, `AEP_BRIDGE_TRACEMALLOC=<dir>`): started and stopped with
   the HTTP server; it lives in `bridge.services.profiling`.
 """
@@ -59,6 +65,8 @@ class Health:
     #: the loop is considered dead when its heartbeat is older than this
     stall_after_s: float = 120.0
     info: dict[str, Any] = field(default_factory=dict)
+    #: the service's NATS connection (nats-py Client), once connected: its state is reported
+    connection: Any = None
 
     def beat(self) -> None:
         self.heartbeat = time.monotonic()
@@ -66,8 +74,31 @@ class Health:
     def set_ready(self, ready: bool, reason: str = "") -> None:
         self.ready, self.reason = ready, reason or ("ready" if ready else "not ready")
 
+    def nats_state(self) -> str:
+        """``connected``, ``reconnecting`` (the server is away: nats-py retries), ``closed``
+        (for good), ``connecting``, ``draining`` or ``none`` (not connected yet)."""
+        nc = self.connection
+        if nc is None:
+            return "none"
+        for state in ("closed", "reconnecting", "connected", "connecting", "draining"):
+            if getattr(nc, f"is_{state}", False):
+                return state
+        return "disconnected"
+
     def alive(self) -> bool:
-        return time.monotonic() - self.heartbeat < self.stall_after_s
+        return time.monotonic() - self.heartbeat < self.stall_after_s and self.nats_state() != "closed"
+
+    def healthz(self) -> tuple[bool, dict[str, Any]]:
+        nats = self.nats_state()
+        ok = self.alive()
+        status = "ok" if ok else ("nats_closed" if nats == "closed" else "stalled")
+        return ok, {"status": status, "service": self.name, "nats": nats, **self.info}
+
+    def readyz(self) -> tuple[bool, dict[str, Any]]:
+        nats = self.nats_state()
+        ok = self.ready and self.alive() and nats == "connected"
+        reason = self.reason if nats in ("connected", "none") else f"nats {nats}"
+        return ok, {"ready": ok, "reason": reason, "service": self.name, "nats": nats}
 
 
 class _QuietHandler(WSGIRequestHandler):
@@ -85,11 +116,11 @@ class HttpServer:
         def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> list[bytes]:
             path = environ.get("PATH_INFO", "")
             if path == "/healthz":
-                ok = health.alive()
-                return self._json(start_response, ok, {"status": "ok" if ok else "stalled", "service": health.name, **health.info})
+                ok, body = health.healthz()
+                return self._json(start_response, ok, body)
             if path == "/readyz":
-                ok = health.ready and health.alive()
-                return self._json(start_response, ok, {"ready": ok, "reason": health.reason, "service": health.name})
+                ok, body = health.readyz()
+                return self._json(start_response, ok, body)
             if path in ("/metrics", "/metrics/"):
                 return metrics_app(environ, start_response)  # type: ignore[no-any-return]
             start_response("404 Not Found", [("Content-Type", "text/plain")])
@@ -135,6 +166,18 @@ class Stopper:
         self.signal = why
         self.event.set()
 
+    #: why the service must stop and exit non-zero (None: a requested stop, exit 0)
+    failed: str | None = None
+
+    def fail(self, why: str) -> None:
+        if not self.event.is_set():
+            self.failed = why
+        self.trigger(why)
+
+    @property
+    def exit_code(self) -> int:
+        return 1 if self.failed else 0
+
     @property
     def stopping(self) -> bool:
         return self.event.is_set()
@@ -146,6 +189,28 @@ class Stopper:
         except asyncio.TimeoutError:
             return False
         return True
+
+
+async def watch_connection(nc: Any, stopper: Stopper, health: Health, log: Any, every_s: float = 0.5) -> None:
+    """Stop the service (exit 1) when its connection is unusable for good: closed (nats-py
+    does not reconnect a connection the server closed with an error), or its credentials
+    refused while reconnecting. A server that is merely away is retried by nats-py forever
+    (`/readyz` is false meanwhile, `/healthz` says `reconnecting`)."""
+    health.connection = nc
+    while not stopper.stopping:
+        why = None
+        last = getattr(nc, "last_error", None)
+        if nc.is_closed:
+            why = f"NATS connection closed ({type(last).__name__}: {last})" if last else "NATS connection closed"
+        elif nc.is_reconnecting and last is not None and "authoriz" in f"{type(last).__name__} {last}".lower():
+            why = f"NATS refused the credentials while reconnecting ({type(last).__name__}: {last})"
+        if why is not None:
+            if not stopper.stopping:
+                log.error("nats_connection_lost", error=why, action="exit 1: a supervisor starts the service again")
+                stopper.fail(why)
+            return
+        if await stopper.sleep(every_s):
+            return
 
 
 async def close_connection(nc: Any) -> None:

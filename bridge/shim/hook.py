@@ -262,6 +262,17 @@ def token(value):
     return "".join([c if c in ok else "_" for c in value])
 
 
+SHIM_INBOX_PREFIX = "_INBOX.hermes."
+
+
+def shim_inbox_prefix(instance):
+    """The shim's inbox space: ``_INBOX.hermes.<instance token>`` (the token of its raw
+    subject). A shim user may subscribe to its own instance's space only
+    (deploy/nats/nats.conf), and the gate sends a held call's decision only inside the space
+    of the instance whose subject carried it."""
+    return SHIM_INBOX_PREFIX + token(instance)
+
+
 def raw_subject(instance, hook):
     return RAW_SUBJECT_PREFIX + token(instance) + "." + token(hook)
 
@@ -691,13 +702,13 @@ def parse_server_url(url):
 class NatsConnection:
     """A minimal NATS client: one connection, JetStream publishes with acks, nothing else."""
 
-    def __init__(self, sock, info, server):
+    def __init__(self, sock, info, server, instance=""):
         self.sock = sock
         self.info = info
         self.server = server
         self.max_payload = int(info.get("max_payload") or DEFAULT_MAX_PAYLOAD)
         self.buf = b""
-        self.inbox = "_INBOX." + posix.urandom(11).hex()
+        self.inbox = shim_inbox_prefix(instance) + "." + posix.urandom(11).hex()
         self.error = None  # why the last publish() came back short
         self.pending = b""  # CONNECT + SUB, sent with the first publish (one write, one round trip)
         self.next = 0
@@ -741,7 +752,7 @@ class NatsConnection:
                 sock.setsockopt(_socket.IPPROTO_TCP, _socket.TCP_NODELAY, 1)
             except OSError:
                 pass
-            conn = cls(sock, {}, server)
+            conn = cls(sock, {}, server, cfg.instance)
             line = conn._read_line(deadline)
             if not line.startswith(b"INFO "):
                 raise NatsError("%s: expected INFO, got %r" % (server, line[:80]))
@@ -1414,15 +1425,17 @@ class _Control:
     """The one moment the control plane changes: a held pre_tool_call (``gate``) or the
     pre_llm_call instruction pull (``instruct``), run on the live connection."""
 
-    __slots__ = ("mode", "hold_ms", "session", "answer")
+    __slots__ = ("mode", "hold_ms", "session", "answer", "raw_id")
 
     def __init__(self, mode, hold_ms, session=None):
         self.mode = mode
         self.hold_ms = hold_ms
         self.session = session
         self.answer = None
+        self.raw_id = None
 
     def prepare(self, record, conn):
+        self.raw_id = record.id
         if self.mode == "gate":  # where the decision goes, and how long we wait for it
             record.extra = (
                 "%s: %s.g\r\n%s: %d\r\n" % (GATE_REPLY_HEADER, conn.inbox, GATE_HOLD_HEADER, self.hold_ms)
@@ -1431,7 +1444,7 @@ class _Control:
     def run(self, conn, cfg, started):
         try:
             if self.mode == "gate":
-                self.answer = _hold(conn, started + self.hold_ms / 1000.0)
+                self.answer = _hold(conn, started + self.hold_ms / 1000.0, self.raw_id)
             else:
                 self.answer = _pull(conn, self.session, started + cfg.deadline_ms / 1000.0)
         except (OSError, NatsError, ValueError) as exc:  # a broken connection releases with {}
@@ -1486,11 +1499,13 @@ def _reply(conn, reply, data, deadline):
                 return True
 
 
-def _hold(conn, until):
+def _hold(conn, until, raw_id=None):
     """Wait for the gate's decision on ``<inbox>.g`` until ``until`` (the hold window).
     ``{"op": "ping"}`` is answered (the gate's is-the-hook-still-there probe);
-    ``{"op": "release", "decision": "allow"|"deny", "message": ...}`` is confirmed to its
-    reply subject, then applied. Expiry or a broken connection: None (Hermes proceeds)."""
+    ``{"op": "release", "decision": "allow"|"deny", "id": <raw id>, "message": ...}`` is
+    confirmed to its reply subject, then applied, only when ``id`` is this call's raw message
+    id: a card opened by anything else (a raw message that copied this inbox) can never
+    release this call. Expiry or a broken connection: None (Hermes proceeds)."""
     gate = (conn.inbox + ".g").encode("ascii")
     while True:
         m = _next_msg(conn, until)
@@ -1510,7 +1525,7 @@ def _hold(conn, until):
                     conn.sock.sendall(b"PUB %s 4\r\npong\r\n" % reply)
                 except OSError:
                     return None
-        elif op == "release" and msg.get("decision") in ("allow", "deny") and reply:
+        elif op == "release" and msg.get("decision") in ("allow", "deny") and reply and msg.get("id") == raw_id:
             if not _reply(conn, reply, b"ok", until):
                 return None
             if msg["decision"] == "allow":

@@ -176,12 +176,16 @@ async def run_demo(settings: Settings, out: TextIO = sys.stdout, color: bool = F
         "AEP_BRIDGE_SPOOL_DIR": str(default_state_dir() / "demo-spool"),
         "AEP_BRIDGE_CONFIG": os.devnull,
     })
+    for key, value in (("AEP_BRIDGE_NATS_USER", settings.nats_user), ("AEP_BRIDGE_NATS_PASSWORD", settings.nats_password),
+                       ("AEP_BRIDGE_NATS_TOKEN", settings.nats_token)):
+        if value:  # the shim connects as the demo does (e.g. `aep-bridge up`'s generated credential)
+            env[key] = value
     since = datetime.now(timezone.utc)
     failures, durations = await asyncio.to_thread(spawn_shims, envelopes, env, out)
     durations.sort()
     print(f"aep-bridge demo: shim answered {{}} {len(envelopes) - failures}/{len(envelopes)} times; "
           f"hook run time median {durations[len(durations) // 2]:.1f} ms, max {durations[-1]:.1f} ms", file=out)
-    nc = await connect(settings, name="aep-bridge-demo")
+    nc = await connect(settings, name="aep-bridge-demo", role="consumer")
     try:
         events = await collect(nc, f"aep://{instance}/", since, want, timeout, out)
     finally:

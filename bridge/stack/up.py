@@ -12,6 +12,16 @@ tells `demo` and `tail` where the server is.
 both commands (``AEP_HERMES_CONTROL=1``, ``AEP_INSTRUCT=1`` unless the environment
 says otherwise); its log, metrics URL and pid are kept like the others', and
 up.json's ``control`` says what a shim needs to be held and steered by it.
+
+Exposure (issue 13, finding 17): everything listens on loopback only (the embedded server
+with ``-a 127.0.0.1``, the workers' HTTP ports via ``AEP_BRIDGE_METRICS_HOST=127.0.0.1``;
+the embedded server has no monitoring port), and the embedded server requires a user
+``aep-local`` with a password generated at each start (its config file and ``up.json`` are
+mode 0600 in a 0700 state directory). The banner prints the shim settings with that
+credential, ``up.json`` records it (``shim_env``), and ``demo``, ``tail`` and ``control``
+read it from there, so any other local user can neither read HERMES_RAW, delete streams nor
+answer held calls. With ``--nats URL`` the server and its credentials are the caller's
+(``AEP_BRIDGE_NATS_*`` from the environment).
 """
 
 from __future__ import annotations
@@ -37,9 +47,28 @@ from bridge.stack.demo import run_demo
 from bridge.stack.server import EmbeddedNats, free_port, port_is_free, terminate
 from bridge.stack.tail import tail
 
+LOCAL_USER = "aep-local"
+CREDENTIAL_KEYS = ("AEP_BRIDGE_NATS_USER", "AEP_BRIDGE_NATS_PASSWORD", "AEP_BRIDGE_NATS_TOKEN",
+                   "AEP_BRIDGE_NATS_CREDS", "AEP_BRIDGE_NATS_NKEY_SEED")
+
 
 def state_file(state_dir: Path) -> Path:
     return state_dir / "up.json"
+
+
+def apply_up_credentials(settings: Settings, state: dict[str, Any] | None, environ: dict[str, str] | None = None) -> Settings:
+    """When ``settings`` point at the running `aep-bridge up`'s server and the environment names
+    no credentials of its own, use the ones `up` generated (up.json ``shim_env``)."""
+    env = os.environ if environ is None else environ
+    shim_env = (state or {}).get("shim_env") or {}
+    if not shim_env.get("AEP_BRIDGE_NATS_USER") or any(env.get(k) for k in CREDENTIAL_KEYS):
+        return settings
+    if settings.nats_url != state.get("nats_url"):  # type: ignore[union-attr]
+        return settings
+    settings.nats_user = shim_env["AEP_BRIDGE_NATS_USER"]
+    settings.nats_password = shim_env.get("AEP_BRIDGE_NATS_PASSWORD")
+    settings.nats_token = None
+    return settings
 
 
 def read_state(state_dir: Path | None = None) -> dict[str, Any] | None:
@@ -98,6 +127,7 @@ class Up:
             self.gate_port = gate_port or (GATE_METRICS_PORT if port_is_free(GATE_METRICS_PORT) else free_port())
         self.url = ""
         self.stop_event: asyncio.Event | None = None
+        self.password: str | None = None  # of LOCAL_USER on the embedded server (generated at start)
 
     def say(self, text: str) -> None:
         print(text, file=self.out, flush=True)
@@ -108,9 +138,22 @@ class Up:
         if self.external_url:
             self.say(f"aep-bridge up: using the NATS server at {self.external_url}")
             return self.external_url
+        import secrets
+
         port = self.port if self.port is not None else (4222 if port_is_free(4222) else free_port())
+        self.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        os.chmod(self.state_dir, 0o700)
         (self.state_dir / "logs").mkdir(parents=True, exist_ok=True)
-        self.server = EmbeddedNats(self.state_dir / "nats", port=port, log_file=self.state_dir / "logs" / "nats-server.log")
+        # A credential of this run: only whoever can read the 0600 files below may connect.
+        self.password = secrets.token_urlsafe(24)
+        conf = self.state_dir / "nats-auth.conf"
+        fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write("# written by `aep-bridge up` at each start: the local user and its generated password\n"
+                    f"authorization {{ user: {json.dumps(LOCAL_USER)}, password: {json.dumps(self.password)} }}\n")
+        os.chmod(conf, 0o600)
+        self.server = EmbeddedNats(self.state_dir / "nats", port=port, config_file=conf,
+                                   log_file=self.state_dir / "logs" / "nats-server.log")
         started = time.monotonic()
         self.server.start()
         self.say(f"aep-bridge up: embedded nats-server with JetStream on {self.server.url} "
@@ -119,7 +162,7 @@ class Up:
 
     async def bootstrap(self) -> None:
         settings = self._settings()
-        nc = await connect(settings, name="aep-bridge-up")
+        nc = await connect(settings, name="aep-bridge-up", role="bootstrap")
         try:
             started = time.monotonic()
             self.say("aep-bridge up: bootstrapping streams and buckets ...")
@@ -131,12 +174,26 @@ class Up:
     def _settings(self) -> Settings:
         s = Settings.from_env()
         s.nats_url = self.url
+        if self.password is not None:
+            s.nats_user, s.nats_password, s.nats_token, s.nats_creds, s.nats_nkey_seed = (
+                LOCAL_USER, self.password, None, None, None)
         return s
+
+    def credential_env(self) -> dict[str, str]:
+        """The NATS settings a client of this `up` needs (the shim's included)."""
+        env = {"AEP_BRIDGE_NATS_URL": self.url}
+        if self.password is not None:
+            env.update(AEP_BRIDGE_NATS_USER=LOCAL_USER, AEP_BRIDGE_NATS_PASSWORD=self.password)
+        return env
 
     def _env(self) -> dict[str, str]:
         env = dict(os.environ)
-        env["AEP_BRIDGE_NATS_URL"] = self.url
+        if self.password is not None:
+            for key in CREDENTIAL_KEYS:
+                env.pop(key, None)
+        env.update(self.credential_env())
         env.setdefault("AEP_BRIDGE_LOG_FORMAT", "json")
+        env["AEP_BRIDGE_METRICS_HOST"] = "127.0.0.1"  # the workers' HTTP ports: loopback only
         return env
 
     def _gate_env(self) -> dict[str, str]:
@@ -156,7 +213,8 @@ class Up:
         hold = os.environ.get("AEP_HERMES_HOLD_MS") or str(DEFAULT_HOLD_MS)
         return {
             "accepts": accepted_verbs(on["AEP_HERMES_CONTROL"], on["AEP_INSTRUCT"]),
-            "shim_env": {"AEP_HERMES_CONTROL": "1", "AEP_HERMES_HOLD_MS": hold, "AEP_INSTRUCT": "1"},
+            "shim_env": {**self.credential_env(), "AEP_HERMES_CONTROL": "1", "AEP_HERMES_HOLD_MS": hold,
+                         "AEP_INSTRUCT": "1"},
         }
 
     def start_workers(self) -> None:
@@ -200,18 +258,27 @@ class Up:
             "embedded": self.server is not None,
             "metrics": metrics,
             "workers": {w.name: (w.proc.pid if w.proc else None) for w in self.workers},
+            # what a shim (and demo, tail, control) needs to connect: the generated credential
+            "shim_env": self.credential_env(),
         }
         if self.gate:
             metrics["gate"] = f"http://127.0.0.1:{self.gate_port}/metrics"
             state["control"] = self.control()
-        tmp.write_text(json.dumps(state, indent=2))
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # it holds the password
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(state, indent=2))
+        os.chmod(tmp, 0o600)
         os.replace(tmp, path)  # readers (demo, tail, tests) never see a half-written file
 
     def banner(self) -> None:
         compiled = Path(importlib.util.cache_from_source(str(HOOK_SOURCE)))
         command = build_command(sys.executable, compiled, Path("~/.hermes/aep-bridge.env"))
+        settings = " ".join(f"{k}={v}" for k, v in self.credential_env().items())
         self.say("")
-        self.say("  NATS           " + self.url)
+        self.say("  NATS           " + self.url + ("   (loopback only)" if self.server is not None else ""))
+        if self.password is not None:
+            self.say(f"  credential     user {LOCAL_USER}, password {self.password}   (generated for this run; "
+                     f"also in {state_file(self.state_dir)}, mode 0600)")
         self.say(f"  mapper         http://127.0.0.1:{self.mapper_port}/metrics   /healthz   /readyz")
         self.say(f"  pairing        http://127.0.0.1:{self.pairing_port}/metrics   /healthz   /readyz")
         if self.gate:
@@ -219,7 +286,7 @@ class Up:
         self.say(f"  logs           {self.state_dir / 'logs'}")
         self.say("  watch          aep-bridge tail            (or: aep-bridge tail --json)")
         self.say("  replay a demo  aep-bridge demo")
-        self.say("  wire Hermes    AEP_BRIDGE_NATS_URL=" + self.url + " aep-bridge hermes install")
+        self.say("  wire Hermes    " + settings + " aep-bridge hermes install")
         self.say("                 (writes hooks like this into ~/.hermes/config.yaml and records consent:)")
         self.say("                   hooks:")
         self.say("                     pre_tool_call:")
@@ -238,7 +305,7 @@ class Up:
         nats = f"AEP_BRIDGE_NATS_URL={self.url}"
         self.say(f"  control plane  the gate accepts {accepts}")
         self.say("                 a shim opts in (hold pre_tool_call for an answer; pull instructions before a turn):")
-        self.say(f"                   {nats} " + " ".join(f"{k}={v}" for k, v in shim.items()) + " aep-bridge hermes install")
+        self.say("                   " + " ".join(f"{k}={v}" for k, v in shim.items()) + " aep-bridge hermes install")
         self.say(f"                 (the pre_tool_call hook then gets timeout: {timeout}, above the hold window)")
         self.say(f"                 answer / steer: {nats} aep-bridge control pending | respond REQUEST_ID allow|deny")
         self.say("                                 | instruct --session SESSION TEXT | hello")
@@ -292,7 +359,7 @@ class Up:
         if not follow:
             return
         self.say("aep-bridge up: following AEP_EVENTS (Ctrl-C to stop) ...")
-        nc = await connect(self._settings(), name="aep-bridge-up-tail")
+        nc = await connect(self._settings(), name="aep-bridge-up-tail", role="consumer")
         try:
             await tail(nc, color=color, out=self.out, stop=self.stop_event)
         finally:

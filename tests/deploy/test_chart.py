@@ -779,7 +779,9 @@ def test_values_handed_to_the_nats_subchart_are_self_consistent() -> None:
         # allow_responses: only the control-enabled shim (it confirms the gate's requests);
         # the observe-only hermes-shim has no control right.
         assert permissions.keys() == {"publish", "subscribe"} | ({"allow_responses"} if role == "shim-control" else set()), user
-        assert "_INBOX.>" in permissions["subscribe"]["allow"], user
+        # its own inbox prefix only (bridge.nats.connection.ROLE_INBOX), never _INBOX.>
+        inbox = "_INBOX.hermes.>" if user.startswith("hermes-") else f"_INBOX.{user}.>"
+        assert inbox in permissions["subscribe"]["allow"] and "_INBOX.>" not in permissions["subscribe"]["allow"], user
         assert permissions["publish"]["allow"], user
     assert referenced == container_env.keys(), "no unused or missing password variable"
     assert users["hermes-shim"]["permissions"]["publish"]["allow"] == ["hermes.raw.>"], "observe-only"

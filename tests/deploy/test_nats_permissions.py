@@ -81,6 +81,14 @@ USERS = {
     "operator": ("aep-operator", "operator-pw"),
     "shim-control": ("hermes-shim-control", "shim-control-pw"),
 }
+#: each role's own inbox prefix (bridge.nats.connection.ROLE_INBOX; the shim's names its
+#: instance): its user may subscribe there only
+INBOX = {
+    "bootstrap": "_INBOX.aep-bootstrap", "mapper": "_INBOX.aep-mapper", "pairing": "_INBOX.aep-pairing",
+    "consumer": "_INBOX.aep-consumer", "gate": "_INBOX.aep-gate", "operator": "_INBOX.aep-operator",
+    "shim": "_INBOX.hermes.gateway-0", "shim-control": "_INBOX.hermes.gateway-0",
+    "gateway-0": "_INBOX.hermes.gateway-0",
+}
 DENY_WAIT = 0.3  # seconds to wait for a refused request (the server refuses at once)
 
 
@@ -169,7 +177,7 @@ class Client:
         self.js = nc.jetstream(timeout=2)
 
     @classmethod
-    async def connect(cls, url: str, role: str, password: str | None = None) -> "Client":
+    async def connect(cls, url: str, role: str, password: str | None = None, inbox_prefix: str | None = None) -> "Client":
         user, pw = USERS[role]
         errors: list[str] = []
 
@@ -178,7 +186,7 @@ class Client:
 
         nc = await nats.connect(
             url, user=user, password=password or pw, error_cb=on_error,
-            allow_reconnect=False, connect_timeout=2,
+            allow_reconnect=False, connect_timeout=2, inbox_prefix=inbox_prefix or INBOX[role],
         )
         return cls(nc, errors)
 
@@ -412,7 +420,7 @@ async def overheard_request_unanswered(requester, role: str, url: str) -> None:
     requester hears nothing."""
     eaves = await Client.connect(url, role)
     try:
-        victim = "_INBOX.victim-" + role
+        victim = "_INBOX.hermes.gateway-0.victim-" + role  # inside the space it may hear
         replies: list[str] = []
 
         async def answer(m) -> None:  # type: ignore[no-untyped-def]
@@ -623,10 +631,20 @@ def test_sample_and_values_grant_the_same_permissions() -> None:
     for user, rules in values.items():
         assert sample[user] == rules, user
     # The shim users: observe-only, except hermes-shim-control (fleets that run the gate).
-    assert sample["hermes-gateway-0"][1:] == ({"hermes.raw.gateway-0.>"}, {"_INBOX.>"}, False)
-    assert sample["hermes-shim"][1:] == ({"hermes.raw.>"}, {"_INBOX.>"}, False)
+    assert sample["hermes-gateway-0"][1:] == ({"hermes.raw.gateway-0.>"}, {"_INBOX.hermes.gateway-0.>"}, False)
+    assert sample["hermes-shim"][1:] == ({"hermes.raw.>"}, {"_INBOX.hermes.>"}, False)
     assert sample["hermes-shim-control"] == (
-        "AEP_SHIM_CONTROL_PASSWORD", {"hermes.raw.>", "aep.gate.instruct.*"}, {"_INBOX.>"}, True)
+        "AEP_SHIM_CONTROL_PASSWORD", {"hermes.raw.>", "aep.gate.instruct.*"}, {"_INBOX.hermes.>"}, True)
+    # Each role hears its own inbox prefix only: nobody may subscribe to _INBOX.> (what the
+    # mapper pulls is the raw stream); only the gate publishes into inboxes (the shims' and
+    # the operators' hello answers).
+    for user, (_, publish, subscribe, _) in sample.items():
+        assert not {"_INBOX.>", ">", "_INBOX.*"} & (publish | subscribe), user
+        assert {s for s in subscribe if s.startswith("_INBOX.")} == (
+            {"_INBOX.hermes.gateway-0.>"} if user == "hermes-gateway-0"
+            else {"_INBOX.hermes.>"} if user.startswith("hermes-") else {f"_INBOX.{user}.>"}), user
+    assert {user for user, rules in sample.items() if any(p.startswith("_INBOX.") for p in rules[1])} == {"aep-gate"}
+    assert {p for p in sample["aep-gate"][1] if p.startswith("_INBOX.")} == {"_INBOX.hermes.>", "_INBOX.aep-operator.>"}
     # Only the control-enabled shim answers requests (the gate's) and pulls instructions.
     assert {user for user, rules in sample.items() if rules[3]} == {"hermes-shim-control"}
     assert {user for user, rules in sample.items() if "aep.gate.instruct.*" in rules[1]} == {"hermes-shim-control"}

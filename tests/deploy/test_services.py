@@ -72,7 +72,8 @@ def test_chart_environment_runs_the_pipeline_with_authentication(secured):
         for e in corpus:
             assert run_hook(json.dumps(e), shim, script=compiled_hook()).answered_empty_object
         assert not list((tmp / "spool").glob("*.spool")) or all(p.stat().st_size == 0 for p in (tmp / "spool").glob("*.spool")), "nothing spooled: every publish was acked"
-        consumer = JetStreamClient(url, user="aep-consumer", password=PASSWORDS["AEP_CONSUMER_PASSWORD"])
+        consumer = JetStreamClient(url, user="aep-consumer", password=PASSWORDS["AEP_CONSUMER_PASSWORD"],
+                                   inbox_prefix="_INBOX.aep-consumer")  # the only inbox it may hear
         try:
             wait_for(lambda: consumer.stream_info("AEP_EVENTS").state.messages >= len(corpus), 60,
                      what="events on AEP_EVENTS through the authenticated pipeline")
@@ -81,7 +82,8 @@ def test_chart_environment_runs_the_pipeline_with_authentication(secured):
         # pairing's tick (bridge.mapped.<n>.__tick__, what drives TTL orphan closure) is
         # stored in BRIDGE_MAPPED: aep-pairing may publish it. Read as aep-pairing (it may
         # read BRIDGE_MAPPED's info).
-        reader = JetStreamClient(url, user="aep-pairing", password=PASSWORDS["AEP_PAIRING_PASSWORD"])
+        reader = JetStreamClient(url, user="aep-pairing", password=PASSWORDS["AEP_PAIRING_PASSWORD"],
+                                 inbox_prefix="_INBOX.aep-pairing")
         ticks: dict = {}
 
         def ticked() -> bool:

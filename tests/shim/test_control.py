@@ -94,7 +94,9 @@ async def scripted_gate(client: JetStreamClient, inst: str, answer: dict[str, An
             return
         try:
             seen["pong"] = (await nc.request(inbox, b'{"op":"ping"}', timeout=2)).data
-            seen["confirm"] = (await nc.request(inbox, json.dumps(answer).encode(), timeout=2)).data
+            # a release names the raw message that opened its card: the shim applies only its own
+            release = {**answer, "id": json.loads(msg.data)["id"]}
+            seen["confirm"] = (await nc.request(inbox, json.dumps(release).encode(), timeout=2)).data
         except Exception as exc:  # a callback's exception is swallowed: keep it for the assertion
             seen["error"] = f"{type(exc).__name__}: {exc}"
 
@@ -123,7 +125,9 @@ def test_held_call_waits_for_the_release(nats_server: NatsServer, jetstream: Jet
     assert json.loads(out) == printed and err == b"", seen
     assert elapsed < 5  # released long before the 10 s window
     assert seen["headers"][C.GATE_HOLD_HEADER] == "10000"
-    assert seen["headers"][C.GATE_REPLY_HEADER].startswith("_INBOX.") and seen["headers"][C.GATE_REPLY_HEADER].endswith(".g")
+    # the shim's inbox is in its instance's inbox space (the only one its NATS user may hear)
+    assert seen["headers"][C.GATE_REPLY_HEADER].startswith(f"_INBOX.hermes.{inst}.") and seen["headers"][C.GATE_REPLY_HEADER].endswith(".g")
+    assert C.shim_reply_ok(seen["headers"][C.GATE_REPLY_HEADER], inst, "g")
     assert seen["pong"] == b"pong" and seen["confirm"] == b"ok"
     (msg,) = jetstream.fetch(f"hermes.raw.{inst}.>", expected=1)
     assert msg.headers == {"Nats-Msg-Id": msg.json()["id"], **{k: seen["headers"][k] for k in (C.GATE_REPLY_HEADER, C.GATE_HOLD_HEADER)}}
@@ -155,7 +159,8 @@ def test_an_unpublished_call_is_released_at_once(tmp_path: Path) -> None:
 
 def test_a_stray_message_is_ignored_and_a_release_without_reply_is_not_applied(nats_server: NatsServer, jetstream: JetStreamClient,
                                                                               tmp_path: Path) -> None:
-    """Only a confirmable release counts: garbage and an unconfirmable release leave the hold to expire."""
+    """Only a confirmable release of this very call counts: garbage, an unconfirmable release and
+    a release naming another raw message leave the hold to expire."""
     inst = instance()
     env = held_env(nats_server.url, tmp_path, inst, AEP_HERMES_HOLD_MS="1500")
 
@@ -167,6 +172,9 @@ def test_a_stray_message_is_ignored_and_a_release_without_reply_is_not_applied(n
             await nc.publish(inbox, b"not json")
             await nc.publish(inbox, b'{"op":"release","decision":"maybe"}', reply="_INBOX.x")
             await nc.publish(inbox, b'{"op":"release","decision":"deny","message":"x"}')  # no reply subject
+            # a confirmable release that names another call (a card opened on a copied inbox)
+            await nc.publish(inbox, b'{"op":"release","decision":"deny","id":"01KOTHERCALL0000000000000"}',
+                             reply="_INBOX.x")
 
         sub = await nc.subscribe(f"hermes.raw.{inst}.pre_tool_call", cb=on_raw)
         try:
@@ -237,7 +245,7 @@ def test_a_gate_message_that_overtakes_the_puback_is_kept_for_the_hold() -> None
     try:
         conn = hook.NatsConnection(ours, {"max_payload": 1 << 20}, "test")
         record = hook.Record("01TESTID", "hermes.raw.i.pre_tool_call", b"{}")
-        release = json.dumps({"op": "release", "decision": "deny", "message": "overtaken"}).encode()
+        release = json.dumps({"op": "release", "decision": "deny", "message": "overtaken", "id": "01TESTID"}).encode()
         ack = b'{"stream":"HERMES_RAW","seq":7}'
         server.sendall(b"MSG %s.g 1 _INBOX.gate.r1 %d\r\n%s\r\n" % (conn.inbox.encode(), len(release), release)
                        + b"MSG %s.0 1 %d\r\n%s\r\n" % (conn.inbox.encode(), len(ack), ack))
@@ -255,7 +263,7 @@ def test_a_gate_message_that_overtakes_the_puback_is_kept_for_the_hold() -> None
 
         t = threading.Thread(target=confirm)
         t.start()
-        answer = hook._hold(conn, time.monotonic() + 2)
+        answer = hook._hold(conn, time.monotonic() + 2, "01TESTID")
         t.join(5)
         assert answer == {"action": "block", "message": "overtaken"}
     finally:

@@ -177,15 +177,19 @@ def test_up_gate_runs_the_control_plane_and_stops_it_with_the_rest(tmp_path):
         assert set(info["workers"]) == {"mapper", "pairing", "gate"}
         assert info["metrics"]["gate"] == f"http://127.0.0.1:{gate_port}/metrics"
         accepts = ["control.attention.respond", "x.hermes.control.instruct"]
+        # the shim settings carry up's generated NATS credential (finding 17 of issue 13)
         assert info["control"] == {"accepts": accepts, "shim_env": {
-            "AEP_HERMES_CONTROL": "1", "AEP_HERMES_HOLD_MS": "55000", "AEP_INSTRUCT": "1"}}
+            **info["shim_env"], "AEP_HERMES_CONTROL": "1", "AEP_HERMES_HOLD_MS": "55000", "AEP_INSTRUCT": "1"}}
+        assert info["shim_env"]["AEP_BRIDGE_NATS_URL"] == url and info["shim_env"]["AEP_BRIDGE_NATS_PASSWORD"]
         wait_for(lambda: http_get(f"http://127.0.0.1:{gate_port}/readyz")[0] == 200, 30, what="the gate's /readyz")
         status, health = http_get(f"http://127.0.0.1:{gate_port}/healthz")
         assert status == 200 and health["service"] == "gate" and health["control"]["accepts"] == accepts
         assert (state / "logs" / "gate.log").stat().st_size > 0
+        wait_for(lambda: "Ctrl-C" in (tmp / "up.out").read_text(), 30, what="the banner")
         banner = (tmp / "up.out").read_text()
         assert f"http://127.0.0.1:{gate_port}/metrics" in banner
-        assert (f"AEP_BRIDGE_NATS_URL={url} AEP_HERMES_CONTROL=1 AEP_HERMES_HOLD_MS=55000 AEP_INSTRUCT=1 "
+        nats = " ".join(f"{k}={v}" for k, v in info["shim_env"].items())
+        assert (f"{nats} AEP_HERMES_CONTROL=1 AEP_HERMES_HOLD_MS=55000 AEP_INSTRUCT=1 "
                 "aep-bridge hermes install") in banner
         assert "aep-bridge control pending" in banner
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import time
 
@@ -42,7 +43,7 @@ class Cards(GateBase):
         if not self.config.control:  # the shim holds, this gate does not take answers: let the call go now
             log.warning("held_call_without_control", lane=lane, inbox=inbox)
             with contextlib.suppress(Exception):
-                await self.nc.request(inbox, json.dumps({"op": "release", "decision": "allow"}).encode(),
+                await self.nc.request(inbox, json.dumps({"op": "release", "decision": "allow", "id": raw_id}).encode(),
                                       timeout=self.config.release_timeout_s)
             return
         tool = (tool_event.data or {}).get("tool") or {}
@@ -57,6 +58,10 @@ class Cards(GateBase):
             if existing is not None:  # a redelivered raw message: the card exists already
                 if existing.state in (OPEN, RELEASING):
                     self.cards[card.id] = (token, existing.expires)
+                return
+            if not await self.claim_inbox(inbox, card.id):  # one card per held call's inbox
+                self.metrics.cards.labels(state="bad_reply").inc()
+                log.warning("gate_reply_reused", card=card.id, lane=lane, raw_seq=raw_seq)
                 return
             now = time.time_ns()
             expired = now >= card.expires - self.grace_ns(card)
@@ -76,6 +81,18 @@ class Cards(GateBase):
                 self.cards[card.id] = (token, card.expires)
                 self.metrics.open.set(len(self.cards))
         log.info("card_opened", card=card.id, lane=lane, tool=card.tool, hold_ms=hold_ms, state=card.state)
+
+    async def claim_inbox(self, inbox: str, card_id: str) -> bool:
+        """Bind a held call's inbox to the card it opened (KV create): a later raw message naming
+        the same inbox (copied by someone who overheard it) opens no card, so an answer to
+        another card can never reach this call."""
+        key = "inbox." + hashlib.sha256(inbox.encode()).hexdigest()[:32]
+        try:
+            await self.kv.create(key, card_id.encode())
+            return True
+        except Exception:
+            entry = await self.kv.get(key)
+            return entry is not None and entry.value == card_id.encode()  # a redelivery of the same call
 
     def grace_ns(self, card: Card) -> int:
         """How close to the end of the hold window a vanished shim counts as the expiry."""
@@ -172,7 +189,7 @@ class Cards(GateBase):
 
     async def release(self, card: Card) -> bool:
         """Send the decision; True when the shim confirmed it (then it applies it)."""
-        body = {"op": "release", "decision": card.verdict}
+        body = {"op": "release", "decision": card.verdict, "id": card.raw_id}  # the shim checks the id
         if card.verdict == DENY:
             body["message"] = card.message or DEFAULT_DENY_MESSAGE
         try:

@@ -24,6 +24,8 @@ from bridge.core.control import (
     OPEN,
     RELEASING,
     Card,
+    requester_reply_ok,
+    shim_reply_ok,
 )
 from bridge.core.envelope import EnvelopeError, decode_raw
 from bridge.core.lanes import event_lane_token
@@ -50,7 +52,7 @@ from bridge.services.gate.config import (
     RAW_HOOKS,
     SWEEP_S,
 )
-from bridge.services.runtime import HttpServer
+from bridge.services.runtime import HttpServer, watch_connection
 
 log = structlog.get_logger("aep_bridge.gate")
 
@@ -82,6 +84,11 @@ class Gate(Commands):
         if not result.unknown:
             await self.learn(token, source, raw.instance or "")
         reply = (msg.headers or {}).get(GATE_REPLY_HEADER)
+        if hook == "pre_tool_call" and reply and not shim_reply_ok(reply, msg.subject.split(".")[2], "g"):
+            # Only the publisher's own inbox space: never a stream, a bucket or another role's inbox.
+            self.metrics.cards.labels(state="bad_reply").inc()
+            log.warning("gate_reply_refused", subject=msg.subject, raw_seq=raw_seq, reply=reply[:120])
+            return
         if hook == "pre_tool_call" and reply:
             tool_event = next((e for e in result.events if e.type == "tool.requested"), result.events[0])
             try:
@@ -91,7 +98,7 @@ class Gate(Commands):
             await self.open_card(token, result.lane, tool_event, raw.id, raw_seq, raw.ts, hold_ms, reply)
 
     async def handle_hello(self, msg: Any) -> None:
-        if msg.reply:
+        if msg.reply and requester_reply_ok(msg.reply):  # an inbox: never a stream or bucket subject
             await msg.respond(json.dumps(self.hello).encode())
 
     async def consume(self, sub: Any, handler: Any, what: str) -> None:
@@ -131,7 +138,7 @@ class Gate(Commands):
                 return
 
     async def connect(self) -> tuple[Any, Any]:
-        self.nc = await connect_service(self.settings, name=f"aep-bridge-gate-{self.settings.instance}")
+        self.nc = await connect_service(self.settings, name=f"aep-bridge-gate-{self.settings.instance}", role="gate")
         self.js = self.nc.jetstream()
         replicas = default_replicas(self.settings)  # AEP_BRIDGE_STREAM_REPLICAS, like `bootstrap`
         for spec in CONTROL_BUCKETS:
@@ -175,7 +182,7 @@ class Gate(Commands):
     async def run(self, http_port: int | None = None) -> int:
         self.stopper.install()
         port = http_port if http_port is not None else (GATE_METRICS_PORT if self.settings.metrics_port is None else self.settings.metrics_port)
-        http = HttpServer(self.health, self.registry, port=port).start()
+        http = HttpServer(self.health, self.registry, host=self.settings.metrics_host, port=port).start()
         log.info("gate_starting", metrics_port=http.port, accepts=self.config.accepts)
         try:
             raw, commands = await self.connect()
@@ -184,23 +191,25 @@ class Gate(Commands):
             http.stop()
             await self.close()
             raise
+        self.health.connection = self.nc
         self.health.set_ready(True)
         log.info("gate_ready", accepts=self.config.accepts, epoch=self.epoch, open_cards=len(self.cards))
         tasks = [
             asyncio.create_task(self.consume(raw, self.handle_raw, "raw")),
             asyncio.create_task(self.consume(commands, self.handle_command, "commands")),
             asyncio.create_task(self.sweep_loop()),
+            asyncio.create_task(watch_connection(self.nc, self.stopper, self.health, log)),
         ]
         try:
             await self.stopper.event.wait()
         finally:
-            log.info("gate_stopping", signal=self.stopper.signal)
+            log.info("gate_stopping", signal=self.stopper.signal, failed=self.stopper.failed)
             done, pending = await asyncio.wait(tasks, timeout=10)
             for t in pending:
                 t.cancel()
             await self.close()
             http.stop()
-        return 0
+        return self.stopper.exit_code
 
     async def close(self) -> None:
         if self.nc is not None and not self.nc.is_closed:

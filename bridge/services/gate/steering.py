@@ -23,6 +23,7 @@ from bridge.core.control import (
     gate_id,
     instruct_decision,
     joined_context,
+    shim_pull_reply_ok,
 )
 from bridge.core.identity import source_uri
 from bridge.core.lanes import lane_token
@@ -57,7 +58,7 @@ class Steering(GateBase):
 
     async def handle_pull(self, msg: Any) -> None:
         """The shim's pre_llm_call: deliver the session's queue, or answer {}."""
-        if not msg.reply:
+        if not msg.reply or not shim_pull_reply_ok(msg.reply):  # answers go to a shim's inbox only
             return
         try:
             body = json.loads(msg.data)
