@@ -30,7 +30,7 @@ from tests.support.services import Service, http_json, wait_for
 from tests.support.shim import dumps, envelope, run_hook, shim_env
 from tests.deploy.test_nats_permissions import nats_server_binary
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 USER = "svc"
 
 

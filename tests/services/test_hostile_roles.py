@@ -28,7 +28,7 @@ from tests.deploy.test_nats_permissions import (
     USERS, Client, configured_server, ensure_streams, role_settings, sample_nats_conf,
 )
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CANARY = "AKIAHOSTILEROLES0001"
 
 
@@ -245,7 +245,8 @@ def test_a_card_releases_only_the_call_that_opened_it(url: str, tmp_path: Path) 
                     await answer(card["id"], "deny")
             await asyncio.sleep(1.0)
             assert victim.poll() is None, f"another card released the call: {victim.communicate()}"
-            assert "accepted" in await answer(mine["id"], "allow")
+            said = await answer(mine["id"], "allow")
+            assert "accepted" in said, said
             out, err = await asyncio.to_thread(victim.communicate, timeout=30)
             assert out == b"{}\n", err
         finally:
