@@ -1,0 +1,222 @@
+"""Hostile input against the capture policy (issue 13, findings 8, 9, 16, 18).
+
+* 9: the redaction pipeline at `redacted` (the vendored AEP-0003 §9.4 corpus is the
+  oracle, plus the gaps the issue found: `curl -u`, `mysql -p`, bearer tokens without a
+  digit, values under secret-named keys, a PEM block cut before its END line, `AKIA…`
+  after `_`), adversarial megabyte strings (they must complete: no catastrophic regex),
+  and the ceiling: `--capture L` is the most any event carries; an override above it is
+  clamped, with a warning.
+* 16: `aep-bridge map` reports a line it cannot map (line number, reason) and goes on.
+* 8 and 18 need NATS: the dead letter carries no more than the ceiling allows, and the
+  metrics' label sets stay bounded whatever the raw stream holds (real nats-server, real
+  mapper and pairing processes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from bridge.core.capture import CapturePolicy, Redactor
+from bridge.core.lanes import MemoryLanes
+from bridge.core.pipeline import map_record, record_from_line
+from tests.corpus import corpus_path
+
+CASES = json.loads((Path(__file__).parent / "fixtures" / "aep" / "redaction-cases.json").read_text())
+SECRET = "[REDACTED:secret]"
+
+
+def redactor_for(opts: dict) -> Redactor:
+    return Redactor(secret_values=tuple(opts.get("secretValues", ())), home=opts.get("home", ""), pii=opts.get("pii", True))
+
+
+# ---------------------------------------------------------------- 9: the AEP corpus as oracle
+
+
+@pytest.mark.parametrize("case", CASES["text_cases"], ids=[c["name"] for c in CASES["text_cases"]])
+def test_aep_redaction_corpus_text(case):
+    out = redactor_for(case.get("opts", {})).text(case["input"])
+    for gone in case.get("must_not_contain", []):
+        assert gone not in out, out
+    for kept in case.get("must_contain", []):
+        assert kept in out, out
+
+
+@pytest.mark.parametrize("case", CASES["value_cases"], ids=[c["name"] for c in CASES["value_cases"]])
+def test_aep_redaction_corpus_values(case):
+    out = json.dumps(redactor_for(case.get("opts", {})).value(case["input"]))
+    for gone in case.get("must_not_contain", []):
+        assert gone not in out, out
+    for kept in case.get("must_contain", []):
+        assert kept in out, out
+
+
+# ---------------------------------------------------------------- 9: the gaps the issue found
+
+GAPS = [
+    ("curl -u", "curl -u deploy:Hunter2Pass https://api.example.test/v1", "Hunter2Pass", "curl -u deploy:"),
+    ("curl --user=", "curl --user=deploy:Hunter2Pass https://x.test", "Hunter2Pass", "https://x.test"),
+    ("mysql -p", "mysql -h db -u root -pSECRETPASS mydb", "SECRETPASS", "mydb"),
+    ("mysqldump -p quoted", "mysqldump -uroot -p'S3cret pass' db > x.sql", "S3cret pass", "db > x.sql"),
+    ("bearer without a digit", "curl -H 'Authorization: Bearer abcdefghijklmnopqrstuvwx' https://x.test", "abcdefghijklmnopqrstuvwx", "curl"),
+    ("bare Bearer without a digit", "use Bearer ZmFrZXRva2VudmFsdWVzaGFwZQ for it", "ZmFrZXRva2VudmFsdWVzaGFwZQ", "for it"),
+    ("Basic without a digit", "Authorization: Basic dXNlcjpwYXNz", "dXNlcjpwYXNz", "Authorization"),
+    ("X-Api-Key header", "curl -H 'X-Api-Key: plainkeyvalue' https://x.test", "plainkeyvalue", "https://x.test"),
+    ("AWS secret env", "AWS_SECRET_ACCESS_KEY=wJalrXUtnFEMIK7MDENGbPxRfiCYEXAMPLEKEY aws s3 ls", "wJalrXUtnFEMIK7MDENGbPxRfiCYEXAMPLEKEY", "aws s3 ls"),
+    ("JSON in a string", '{"password": "correct horse battery", "user": "bob"}', "correct horse battery", "bob"),
+    ("JSON authorization in a string", '{"authorization": "Basic dXNlcjpwYXNz"}', "dXNlcjpwYXNz", "authorization"),
+    ("PEM cut before END", "key:\n-----BEGIN OPENSSH PRIVATE KEY-----\nb3BlbnNzaC1rZXktdjEAAAAA\nQUJDREVGR0hJSktM", "b3BlbnNzaC1rZXktdjEAAAAA", "key:"),
+    ("PEM cut, second line", "-----BEGIN RSA PRIVATE KEY-----\nMIIEowIBAAKCAQEA7bq\nZzz999ZZ", "Zzz999ZZ", SECRET),
+    ("AKIA after _", "AWS_KEY_AKIAIOSFODNN7EXAMPLE set", "AKIAIOSFODNN7EXAMPLE", "set"),
+    ("AKIA before _", "id=AKIAIOSFODNN7EXAMPLE_old", "AKIAIOSFODNN7EXAMPLE", "id"),
+    ("URL credentials", "git clone https://bob:Sup3rS3cret@git.example.test/r.git", "Sup3rS3cret", "git.example.test/r.git"),
+    ("password flag with a space", "docker login -u bob --password Tr0ub4dor registry.test", "Tr0ub4dor", "registry.test"),
+]
+
+
+@pytest.mark.parametrize("name,text,gone,kept", GAPS, ids=[g[0] for g in GAPS])
+def test_redaction_gaps(name, text, gone, kept):
+    out = Redactor().text(text)
+    assert gone not in out, out
+    assert kept in out, out
+
+
+SECRET_KEYS = ["password", "secret", "token", "api_key", "X-Api-Key", "authorization", "AWS_SECRET_ACCESS_KEY",
+               "client_secret", "Passwd", "privateKey", "accessToken", "Cookie"]
+
+
+def test_values_under_secret_named_keys_are_redacted():
+    value = {"args": {k: f"plain{i}value" for i, k in enumerate(SECRET_KEYS)}, "region": "eu-west-1",
+             "headers": [{"name": "X-Api-Key", "value": "headerlistvalue"}, {"name": "Accept", "value": "text/html"}],
+             "nested": {"credentials": {"user": "bob", "pass": "deepvalue"}, "secrets": ["listvalue"]},
+             "usage": {"input_tokens": 512, "max_tokens": 1024}}
+    out = json.dumps(Redactor().value(value))
+    for i in range(len(SECRET_KEYS)):
+        assert f"plain{i}value" not in out, (SECRET_KEYS[i], out)
+    for gone in ("headerlistvalue", "deepvalue", "listvalue"):
+        assert gone not in out, out
+    for kept in ("eu-west-1", "text/html", "512", "1024"):
+        assert kept in out, out
+
+
+def test_a_mapped_event_at_redacted_keeps_no_secret():
+    """Through the mapping itself: tool arguments at `redacted`."""
+    env = {"hook_event_name": "pre_tool_call", "session_id": "s1", "tool_name": "terminal",
+           "tool_input": {"command": "curl -u ops:Hunter2Pass https://x.test && mysql -pSECRETPASS",
+                          "env": {"API_KEY": "plainkeyvalue", "AWS_SECRET_ACCESS_KEY": "awsplainvalue"}},
+           "extra": {"telemetry_schema_version": "hermes.observer.v1"}}
+    policy = CapturePolicy(default="redacted", overrides={})
+    result = map_record(record_from_line(env, 1, "i", 0), 1, 0, MemoryLanes(), policy)
+    out = json.dumps([json.loads(__import__("msgspec").json.encode(e)) for e in result.events])
+    assert "curl -u ops:" in out, "the command stays readable"
+    for gone in ("Hunter2Pass", "SECRETPASS", "plainkeyvalue", "awsplainvalue"):
+        assert gone not in out, out
+
+
+def test_deep_structures_are_redacted_without_recursion_errors():
+    deep: object = {"password": "deepsecretvalue"}
+    for _ in range(5000):
+        deep = {"k": [deep]}
+    out = json.dumps(Redactor().value(deep))
+    assert "deepsecretvalue" not in out
+
+
+ADVERSARIAL = {
+    "letters": "a" * 1_000_000,
+    "dash-eyJ": "eyJ-" * 250_000,
+    "dot-eyJ": "eyJa." * 200_000,
+    "email-local": "a." * 500_000 + "@",
+    "email-domain": "a@" + "a." * 500_000,
+    "pem-labels": "-----BEGIN " + "KEY " * 250_000,
+    "pem-begins": "-----BEGIN RSA PRIVATE KEY-----\n" * 30_000,
+    "pem-ends": ("QUJDREVGR0hJSktMTU5PUA==\n" * 20 + "-----END X-----\n") * 2_000,
+    "base64-lines": "QUJDREVGR0hJSktMTU5PUA==\n" * 40_000,
+    "kv-quotes": 'password="' * 100_000,
+    "kv-spaces": "password" + " " * 1_000_000,
+    "bearer": "bearer " * 150_000,
+    "home": "/home/" + "." * 1_000_000,
+    "url": "https://" + "a:" * 500_000,
+    "curl-u": "-u a:" * 200_000,
+    "mysql": "mysql " + "-p" * 500_000,
+    "digits": "1 " * 500_000,
+    "underscores": "_" * 1_000_000,
+    "akia": "_AKIA" * 200_000,
+}
+
+
+@pytest.mark.parametrize("name", sorted(ADVERSARIAL))
+def test_megabyte_adversarial_strings_complete(name):
+    """Runs the pipeline on 1 MB built to make a backtracking regex quadratic; it must just
+    finish (the figure is printed, not asserted)."""
+    text = ADVERSARIAL[name]
+    started = time.perf_counter()
+    out = Redactor().text(text)
+    print(f"{name}: {len(text)} chars redacted in {time.perf_counter() - started:.3f} s")
+    assert isinstance(out, str) and len(out) > 0
+
+
+# ---------------------------------------------------------------- 9: the ceiling
+
+
+def run_map(*args: str, input_path: Path | None = None, env: dict | None = None) -> tuple[list[dict], str, int]:
+    import os
+
+    proc = subprocess.run([sys.executable, "-m", "bridge.cli", "map", str(input_path or corpus_path()), *args],
+                          capture_output=True, env={**os.environ, "AEP_BRIDGE_CONFIG": os.devnull, **(env or {})})
+    events = [json.loads(line) for line in proc.stdout.splitlines()]
+    return events, proc.stderr.decode(), proc.returncode
+
+
+def test_capture_none_is_a_ceiling_the_default_override_cannot_beat():
+    events, err, rc = run_map("--capture", "none")
+    assert rc == 0, err
+    assert any(e["type"].startswith("attention.") for e in events)
+    assert {e["capture"] for e in events} == {"none"}, "attention=redacted (the default override) went above --capture none"
+
+
+def test_capture_metadata_set_explicitly_means_no_free_text_anywhere():
+    events, err, rc = run_map(env={"AEP_BRIDGE_CAPTURE": "metadata"})
+    assert rc == 0, err
+    assert {e["capture"] for e in events} == {"metadata"}
+
+
+def test_an_override_above_the_ceiling_is_clamped_with_a_warning():
+    events, err, rc = run_map("--capture", "metadata", "--capture-override", "tool=full")
+    assert rc == 0, err
+    tools = [e for e in events if e["type"].startswith("tool.")]
+    assert tools and {e["capture"] for e in tools} == {"metadata"}
+    assert "tool=full" in err and "ceiling" in err, err
+
+
+def test_the_default_posture_is_unchanged():
+    events, err, rc = run_map()
+    assert rc == 0 and "warning" not in err, err
+    assert {e["capture"] for e in events if e["type"].startswith("attention.")} == {"redacted"}
+    assert {e["capture"] for e in events if not e["type"].startswith("attention.")} == {"metadata"}
+
+
+# ---------------------------------------------------------------- 16: `aep-bridge map` on hostile lines
+
+
+def test_map_reports_a_bad_line_and_goes_on(tmp_path):
+    path = tmp_path / "hostile.jsonl"
+    raw_huge_ts = {"v": 1, "id": "01JZZZZZZZZZZZZZZZZZZZZZZZ", "instance": "i", "ts": 2**80, "hook": "on_session_start",
+                   "envelope": {"hook_event_name": "on_session_start", "session_id": "s1"}}
+    deep = '{"hook_event_name":"on_session_start","session_id":"s2","extra":' + "[" * 100_000 + "]" * 100_000 + "}"
+    good = {"hook_event_name": "on_session_start", "session_id": "s3"}
+    path.write_text("\n".join([json.dumps(raw_huge_ts), deep, json.dumps(good), "{not json"]) + "\n")
+    events, err, rc = run_map(input_path=path)
+    assert "Traceback" not in err, err
+    assert rc == 1, "some lines failed: exit 1"
+    assert [e["session"] for e in events] == ["s3"], "the good line after the bad ones is mapped"
+    for n in (1, 2, 4):
+        assert re.search(rf"line {n}: [a-z_]+: ", err), err
+    assert "3 line(s) could not be mapped" in err
