@@ -45,27 +45,30 @@ def add_capture_args(p: argparse.ArgumentParser) -> None:
         "--capture",
         default=None,
         choices=["none", "metadata", "redacted", "full"],
-        help="capture ceiling (default: AEP_BRIDGE_CAPTURE or metadata)",
+        help="capture ceiling: no event carries more (default: AEP_BRIDGE_CAPTURE, or unset: metadata with attention at redacted)",
     )
     p.add_argument(
         "--capture-override",
         action="append",
         default=None,
         metavar="CATEGORY=LEVEL",
-        help="per-category ceiling, repeatable, applied over the default attention=redacted",
+        help="per-category level, repeatable, applied over AEP_BRIDGE_CAPTURE_OVERRIDES (default attention=redacted); at most the ceiling (clamped, with a warning)",
     )
 
 
 def policy_from_args(args: argparse.Namespace, settings=None):  # type: ignore[no-untyped-def]
+    """The capture policy of the flags and settings; warnings (an override clamped to the
+    ceiling) go to stderr once, at start."""
     from bridge.config import Settings
-    from bridge.core.capture import CapturePolicy, Redactor, parse_overrides
+    from bridge.core.capture import Redactor, configure
 
     settings = settings or Settings.from_env()
-    overrides = parse_overrides(settings.capture_overrides)
-    if getattr(args, "capture_override", None):
-        overrides.update(parse_overrides(args.capture_override))
     redactor = Redactor(secret_values=settings.secret_values(), home=os.path.expanduser("~"))
-    return CapturePolicy(default=getattr(args, "capture", None) or settings.capture, overrides=overrides, redactor=redactor)
+    policy, warnings = configure(getattr(args, "capture", None) or settings.capture, settings.capture_overrides,
+                                 getattr(args, "capture_override", None) or (), redactor)
+    for warning in warnings:
+        print(f"aep-bridge: warning: {warning}", file=sys.stderr)
+    return policy
 
 
 def cmd_map(args: argparse.Namespace) -> int:
