@@ -17,8 +17,10 @@ def register(sub: argparse._SubParsersAction) -> None:
             "Read Hermes hook envelopes as JSON Lines (bare envelopes, corpus records with an "
             "'envelope' key, or raw messages as the shim publishes them) and write one AEP event "
             "per line. Lanes are learned from the sessions seen earlier in the same input; the raw "
-            "sequence is the line number. A malformed line is reported on stderr and skipped; the "
-            "exit code is then 1."
+            "sequence is the line number. A line that cannot be mapped (not JSON, nested too deep, "
+            "no hook, a value out of range) is reported on stderr as 'line N: <reason>: <detail>' "
+            "and skipped, and the run goes on; the exit status is then 1 (0: every line mapped; "
+            "2: bad arguments or settings)."
         ),
     )
     p.add_argument("input", nargs="?", default="-", help="input file (default: stdin)")
@@ -71,12 +73,29 @@ def policy_from_args(args: argparse.Namespace, settings=None):  # type: ignore[n
     return policy
 
 
+def line_error(exc: BaseException) -> str:
+    """`<reason>: <detail>` for a line `map` could not map: the EnvelopeError reason, `not_json`,
+    `too_deep` (nesting past the decoder's or the mapping's recursion limit), else
+    `unmappable` with the exception's type (a value the mapping cannot represent, such as a
+    receive time past year 9999)."""
+    import msgspec
+
+    from bridge.core.envelope import EnvelopeError
+
+    if isinstance(exc, EnvelopeError):
+        return f"{exc.reason}: {exc.detail}"
+    if isinstance(exc, RecursionError):
+        return "too_deep: nested deeper than the decoder or the mapping can follow"
+    if isinstance(exc, msgspec.DecodeError):
+        return f"not_json: {exc}"
+    return f"unmappable: {type(exc).__name__}: {str(exc)[:200]}"
+
+
 def cmd_map(args: argparse.Namespace) -> int:
     import msgspec
 
     from bridge.config import Settings
     from bridge.core.aep import encode_event
-    from bridge.core.envelope import EnvelopeError
     from bridge.core.lanes import MemoryLanes
     from bridge.core.pipeline import map_record, record_from_line
 
@@ -105,10 +124,9 @@ def cmd_map(args: argparse.Namespace) -> int:
                 obj = decoder.decode(line)
                 record = record_from_line(obj, line_no, instance, args.base_time_ms * 1_000_000)
                 result = map_record(record, line_no, args.epoch, lanes, policy)
-            except (msgspec.DecodeError, EnvelopeError) as exc:
+            except Exception as exc:  # one line's problem, never the run's: report it, go on
                 failures += 1
-                reason = exc.reason if isinstance(exc, EnvelopeError) else "not_json"
-                print(f"aep-bridge map: line {line_no}: {reason}: {exc}", file=sys.stderr)
+                print(f"aep-bridge map: line {line_no}: {line_error(exc)}", file=sys.stderr)
                 continue
             lanes.learn(result.learned)
             for event in result.events:
