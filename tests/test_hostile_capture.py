@@ -220,3 +220,183 @@ def test_map_reports_a_bad_line_and_goes_on(tmp_path):
     for n in (1, 2, 4):
         assert re.search(rf"line {n}: [a-z_]+: ", err), err
     assert "3 line(s) could not be mapped" in err
+
+
+# ---------------------------------------------------------------- 8: dead letters and the ceiling
+
+
+def test_a_dead_letter_keeps_no_more_than_the_ceiling_allows(nats_server_fn, tmp_path):
+    """Real nats-server, real mapper and pairing at the default capture: a raw message the
+    mapper cannot map, one with a held call's reply inbox in its headers, and a mapped
+    message pairing cannot read are dead-lettered with their reason and position, and no
+    free text, secret or inbox of theirs reaches BRIDGE_DLQ."""
+    from tests.natsfixture import JetStreamClient
+    from tests.support.services import Service, wait_for
+
+    client = JetStreamClient(nats_server_fn.url)
+    client.bootstrap()
+    mapper = Service("mapper", nats_server_fn.url, tmp_path).start()
+    (tmp_path / "p").mkdir()
+    pairing = Service("pairing", nats_server_fn.url, tmp_path / "p").start()
+    now = time.time_ns()
+    invalid = {"v": 1, "id": "01JHOSTILE0000000000000001", "instance": "gw1", "ts": now, "hook": "_invalid",
+               "error": "not_json: Expecting value",
+               "raw": "my plan CANARY-PLAN-1, https://bob:CANARYPASS1@git.test and password=CANARYPW1",
+               "raw_encoding": "utf-8", "raw_bytes": 90}
+    no_hook = {"v": 1, "id": "01JHOSTILE0000000000000002", "instance": "gw1", "ts": now, "hook": "pre_tool_call",
+               "envelope": {"tool_name": "terminal", "tool_input": {"password": "CANARYPW2", "command": "echo CANARY-CMD-2"},
+                            "extra": {"user_message": "free text CANARY-MSG-2", "result": "tool output CANARY-RES-2"}}}
+    held = {"Nats-Msg-Id": no_hook["id"], "Aep-Gate-Reply": "_INBOX.abcdefabcdef.g", "Aep-Gate-Hold-Ms": "55000",
+            "X-Reply-To": "_INBOX.zzz", "X-Note": "CANARY-HDR-2"}
+    try:
+        client.run(client.js.publish("hermes.raw.gw1._invalid", json.dumps(invalid).encode(), headers={"Nats-Msg-Id": invalid["id"]}))
+        client.run(client.js.publish("hermes.raw.gw1.pre_tool_call", json.dumps(no_hook).encode(), headers=held))
+        client.run(client.js.publish("bridge.mapped.0.s1", b"not an event CANARY-MAPPED-3"))
+        wait_for(lambda: client.stream_info("BRIDGE_DLQ").state.messages >= 3, 60, what="three dead letters")
+        dlq = client.fetch("bridge.dlq.>", stream="BRIDGE_DLQ", expected=3, timeout=10)
+        raw = {m.seq: m for m in client.fetch("hermes.raw.>", expected=2, timeout=10)}
+        for m in dlq:
+            everything = m.data + json.dumps(dict(m.headers or {})).encode()
+            assert b"CANARY" not in everything, everything
+            assert b"_INBOX" not in everything and b"Aep-Gate-Reply" not in everything, everything
+            letter = json.loads(m.data)
+            assert letter["reason"] == m.headers["Bridge-Dlq-Reason"] and letter["capture"] == "metadata"
+            assert "content" not in letter and "content_text" not in letter
+            assert letter["original"]["bytes"] > 0 and len(letter["original"]["sha256"]) == 32
+        by_reason = {m.headers["Bridge-Dlq-Reason"]: m for m in dlq}
+        assert set(by_reason) == {"shim_not_json", "no_hook", "bad_mapped"}
+        for reason, rid in (("shim_not_json", invalid["id"]), ("no_hook", no_hook["id"])):
+            m = by_reason[reason]
+            letter = json.loads(m.data)
+            seq = int(m.headers["Bridge-Raw-Seq"])
+            assert letter["original"] | {"seq": seq, "id": rid, "stream": "HERMES_RAW"} == letter["original"]
+            assert letter["original"]["subject"] == m.headers["Bridge-Raw-Subject"] == raw[seq].subject
+            assert letter["original"]["sha256"] == __import__("hashlib").sha256(raw[seq].data).hexdigest()[:32]
+            assert m.headers["Bridge-Raw-Id"] == rid
+        assert by_reason["no_hook"].headers["Bridge-Orig-Aep-Gate-Hold-Ms"] == "55000"
+        assert by_reason["bad_mapped"].headers["Bridge-Stage"] == "pairing"
+        assert json.loads(by_reason["bad_mapped"].data)["original"]["stream"] == "BRIDGE_MAPPED"
+        assert mapper.alive() and pairing.alive()
+    finally:
+        assert mapper.terminate() == 0, mapper.log()
+        pairing.terminate()
+        client.close()
+
+
+@pytest.mark.parametrize("level", ["none", "metadata", "redacted", "full"])
+def test_dead_letter_levels(level):
+    from bridge.core import deadletter
+    from bridge.core.capture import configure
+
+    policy, _ = configure(level, "")
+    data = json.dumps({"v": 1, "id": "01JX", "hook": "_invalid", "raw": "say hi; password=pw12345678 to bob@example.test"}).encode()
+    headers = {"Nats-Msg-Id": "01JX", "Aep-Gate-Reply": "_INBOX.x.g", "Reply-Inbox": "y", "X-Other": "_inbox.z",
+               "Aep-Gate-Hold-Ms": "1000", "X-Note": "note text"}
+    letter = deadletter.build("mapper", "shim_not_json", "shim_not_json", "not_json: at 'password=pw12345678'",
+                              deadletter.Original("HERMES_RAW", 9, "hermes.raw.i._invalid", data, headers), policy)
+    body = json.loads(letter.body)
+    assert body["capture"] == level and body["original"]["id"] == "01JX" and body["original"]["seq"] == 9
+    copied = {k for k in letter.headers if k.startswith("Bridge-Orig-")}
+    assert not any(re.search("reply|inbox", k, re.I) or re.search("inbox", v, re.I) for k, v in letter.headers.items() if k in copied)
+    everything = json.dumps([body, letter.headers])
+    if level in ("none", "metadata"):
+        assert "content" not in body and "say hi" not in everything and "note text" not in everything
+        assert body["error"] == "shim_not_json" and copied == {"Bridge-Orig-Aep-Gate-Hold-Ms"}
+    elif level == "redacted":
+        assert "say hi" in body["content"]["raw"] and "pw12345678" not in everything and "bob@example.test" not in everything
+        assert "Bridge-Orig-X-Note" in copied
+    else:
+        assert body["content"] == json.loads(data) and "pw12345678" in body["error"]
+
+
+# ---------------------------------------------------------------- 18: metric label cardinality
+
+
+def series(text: str, name: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith(name + "{")]
+
+
+def test_metric_labels_stay_bounded_whatever_the_raw_stream_holds(nats_server_fn, tmp_path):
+    """5,000 raw messages, each with its own instance, hook name and drift value, and 100
+    distinct shim error codes: the mapper's series stay bounded (known values, a few
+    admitted, the rest `other`)."""
+    from bridge.core.aep import PAYLOAD_TYPES
+    from bridge.core.mapping import HOOKS
+    from bridge.local.server import free_port
+    from bridge.services import mapper as mapper_service
+    from tests.natsfixture import JetStreamClient
+    from tests.support.services import Service, wait_for
+
+    client = JetStreamClient(nats_server_fn.url)
+    client.bootstrap()
+    port = free_port()
+    mapper = Service("mapper", nats_server_fn.url, tmp_path, "--metrics-port", str(port)).start()
+    MAX_INSTANCE_SERIES = getattr(mapper_service, "MAX_INSTANCE_SERIES", 4096)
+    n, now = MAX_INSTANCE_SERIES + 904, time.time_ns()
+
+    async def load() -> None:
+        futures = []
+        for i in range(n):
+            env = {"hook_event_name": f"hook_{i}_x", "session_id": f"s{i}", "extra": {"telemetry_schema_version": f"v{i}"}}
+            body = {"v": 1, "id": f"01JCARD{i:019d}", "instance": f"inst{i}", "ts": now + i, "hook": env["hook_event_name"], "envelope": env}
+            futures.append(await client.js.publish_async(f"hermes.raw.inst{i}.hook_{i}_x", json.dumps(body).encode()))
+        for i in range(100):
+            body = {"v": 1, "id": f"01JBAD{i:020d}", "instance": "bad", "ts": now, "hook": "_invalid", "error": f"zz{i}: x",
+                    "raw": "x", "raw_encoding": "utf-8", "raw_bytes": 1}
+            futures.append(await client.js.publish_async("hermes.raw.bad._invalid", json.dumps(body).encode()))
+        await asyncio.gather(*futures)
+
+    def metrics() -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+            return r.read().decode()
+
+    def raw_total() -> float:
+        try:
+            return sum(float(line.rsplit(" ", 1)[1]) for line in series(metrics(), "aep_bridge_mapper_raw_messages_total"))
+        except OSError:
+            return 0.0
+
+    try:
+        client.run(load())
+        wait_for(lambda: raw_total() >= n, 120, what=f"{n} raw messages counted")
+        wait_for(lambda: len(series(metrics(), "aep_bridge_dead_letters_total")) > 0, 30, what="dead letters counted")
+        text = metrics()
+        hooks = series(text, "aep_bridge_mapper_raw_messages_total")
+        types = series(text, "aep_bridge_mapper_events_total")
+        drift = series(text, "aep_bridge_mapper_drift_total")
+        instances = series(text, "aep_bridge_mapper_hermes_instance_last_seen_timestamp_seconds")
+        reasons = series(text, "aep_bridge_dead_letters_total")
+        print(f"series: hooks {len(hooks)}, types {len(types)}, drift {len(drift)}, instances {len(instances)}, reasons {len(reasons)}")
+        assert len(hooks) <= len(HOOKS) + 1 + 16 + 1 and any('hook="other"' in s for s in hooks)
+        assert len(types) <= len(PAYLOAD_TYPES) + 1 and any('type="other"' in s for s in types)
+        assert len(drift) <= 1 + 8 + 1 and any('seen="other"' in s for s in drift)
+        assert len(instances) <= MAX_INSTANCE_SERIES + 1 and any('hermes_instance="other"' in s for s in instances)
+        assert len(reasons) <= 16 + 1 + 1, reasons
+        assert mapper.alive()
+    finally:
+        assert mapper.terminate() == 0, mapper.log()
+        client.close()
+
+
+def test_pairing_and_gate_metric_labels_are_bounded():
+    from prometheus_client import CollectorRegistry
+
+    from bridge.core.aep import PAYLOAD_TYPES
+    from bridge.services.gate import GateMetrics
+    from bridge.services.pairing import PairingMetrics
+
+    registry = CollectorRegistry()
+    pairing = PairingMetrics(registry, 8)
+    gate = GateMetrics(registry)
+    for i in range(1000):
+        pairing.event_out(f"x.hermes.hook{i}").inc()
+    pairing.event_out("tool.requested").inc()
+    text = __import__("prometheus_client").generate_latest(registry).decode()
+    assert len(series(text, "aep_bridge_pairing_events_total")) == 2, "tool.requested and other"
+    for i in range(1000):
+        pairing.dead_letter(f"reason_{i}").inc()
+        gate.command(f"x.evil.control.c{i}", "dropped").inc()
+    text = __import__("prometheus_client").generate_latest(registry).decode()
+    assert len(series(text, "aep_bridge_dead_letters_total")) <= 17
+    assert len(series(text, "aep_bridge_gate_commands_total")) == 1
+    assert len(PAYLOAD_TYPES) > 10

@@ -18,6 +18,7 @@ import time
 import pytest
 
 from bridge.config import Settings
+from bridge.core import deadletter
 from bridge.core.capture import CapturePolicy
 from bridge.nats.lookup import find_msg_id, parse_rfc3339_ns, rfc3339_ns
 from bridge.services.mapper import Mapper
@@ -33,30 +34,35 @@ def mapper(policy: CapturePolicy | None = None) -> Mapper:
     return Mapper(Settings(), policy or CapturePolicy())
 
 
+def letter(policy: CapturePolicy, data: bytes) -> dict:
+    original = deadletter.Original("HERMES_RAW", 7, "hermes.raw.i._invalid", data)
+    return json.loads(deadletter.build("mapper", "shim_not_json", "shim_not_json", "not_json: ...", original, policy).body)
+
+
 def test_dead_letter_bodies_are_redacted_unless_everything_is_full():
-    m = mapper()
+    """(Since issue 13: below `redacted` a dead letter has no content at all; see
+    tests/test_hostile_capture.py.) At `redacted` its content is redacted."""
+    redacted = CapturePolicy(default="redacted", overrides={})
     raw = {"v": 1, "id": "X", "instance": "i", "ts": 1, "hook": "_invalid", "error": "not_json: ...",
            "raw": f"{{broken json with key {SECRET} and password=hunter2xx", "raw_encoding": "utf-8", "raw_bytes": 50}
-    body, redacted = m.dlq_body(json.dumps(raw).encode())
-    assert redacted and SECRET.encode() not in body and b"hunter2xx" not in body
-    assert json.loads(body)["id"] == "X" and json.loads(body)["error"] == "not_json: ..."  # structure kept
-
-    clean = json.dumps({"v": 1, "id": "Y", "hook": "_invalid", "raw": "nothing secret"}).encode()
-    assert m.dlq_body(clean) == (clean, False)  # untouched bytes when nothing needs redacting
+    body = letter(redacted, json.dumps(raw).encode())
+    assert SECRET not in json.dumps(body) and "hunter2xx" not in json.dumps(body)
+    assert body["content"]["id"] == "X" and body["content"]["error"] == "not_json: ..."  # structure kept
+    assert body["original"]["id"] == "X" and body["capture"] == "redacted"
 
     text = f"not json at all, token {SECRET}".encode()
-    body, redacted = m.dlq_body(text)
-    assert redacted and SECRET.encode() not in body
+    body = letter(redacted, text)
+    assert SECRET not in body["content_text"] and "not json at all" in body["content_text"]
 
     hidden = base64.b64encode(b"\xff\xfe" + f"export KEY={SECRET}".encode() + b"\x80").decode()
     raw_b64 = json.dumps({"v": 1, "id": "Z", "hook": "_invalid", "raw": hidden, "raw_encoding": "base64"}).encode()
-    body, redacted = m.dlq_body(raw_b64)
-    assert redacted and SECRET.encode() not in body and hidden.encode() not in body
-    assert json.loads(body)["raw_encoding"] == "utf-8-replaced"
+    body = letter(redacted, raw_b64)
+    assert SECRET not in json.dumps(body) and hidden not in json.dumps(body)
+    assert body["content"]["raw_encoding"] == "utf-8-replaced"
 
-    full = mapper(CapturePolicy(default="full", overrides={}))
-    assert full.dlq_body(json.dumps(raw).encode()) == (json.dumps(raw).encode(), False)
-    assert mapper(CapturePolicy(default="full")).dlq_body(json.dumps(raw).encode())[1], \
+    assert letter(CapturePolicy(default="full", overrides={}), json.dumps(raw).encode())["content"] == raw
+    assert "content" in letter(CapturePolicy(default="full"), json.dumps(raw).encode()) and \
+        SECRET not in json.dumps(letter(CapturePolicy(default="full"), json.dumps(raw).encode())), \
         "attention=redacted (the default override) keeps dead letters redacted"
 
 

@@ -54,7 +54,7 @@ from bridge.core.identity import source_uri
 from bridge.core.lanes import UNKNOWN, lane_token
 from bridge.core.pipeline import map_record, record_from_raw
 from bridge.nats import streams as S
-from bridge.services.runtime import Health, HttpServer, Stopper
+from bridge.services.runtime import BoundedLabel, Health, HttpServer, Stopper
 
 log = structlog.get_logger("aep_bridge.gate")
 
@@ -112,6 +112,11 @@ class GateMetrics:
         self.cards = Counter(f"{ns}_cards_total", "Held calls by how they ended", ["state"], registry=registry)
         self.open = Gauge(f"{ns}_open_cards", "Held calls open now", registry=registry)
         self.instructions = Counter(f"{ns}_instructions_total", "Instructions queued, delivered, dropped", ["event"], registry=registry)
+        # A command's type comes from the wire: the known ones by name, the rest `other`.
+        self.type_label = BoundedLabel(known=(C.RESPOND, C.INSTRUCT, "control.cancel", "control.pause", "control.resume"))
+
+    def command(self, command_type: str, ack: str) -> Any:
+        return self.commands.labels(type=self.type_label(command_type), ack=ack)
 
 
 class Gate:
@@ -343,7 +348,7 @@ class Gate:
             self.metrics.open.set(len(self.cards))
             self.metrics.cards.labels(state=t.state).inc()
         if ack is not None and cmd is not None:
-            self.metrics.commands.labels(type=cmd.type, ack=t.ack).inc()
+            self.metrics.command(cmd.type, t.ack).inc()
         log.info("card_settled", card=card.id, trigger=trigger, state=t.state, command=cmd.id if cmd else None)
         return True
 
@@ -411,7 +416,7 @@ class Gate:
             return  # our own acks match the filter too
         cmd, malformed = C.parse_command(msg.data, token, ctype)
         if cmd is None:
-            self.metrics.commands.labels(type=ctype[:64], ack="dropped").inc()
+            self.metrics.command(ctype, "dropped").inc()
             log.warning("command_dropped", subject=msg.subject, why="not JSON or no id: cannot be acked")
             return
         stream_seq = msg.metadata.sequence.stream
@@ -420,7 +425,7 @@ class Gate:
             action = C.dedupe_action(record, stream_seq)
             if action == "reack":
                 await self.publish([record.ack.encode()])
-                self.metrics.commands.labels(type=cmd.type, ack="reack").inc()
+                self.metrics.command(cmd.type, "reack").inc()
             elif action == "republish":
                 await self.publish([e.encode() for e in record.events])
             elif action == "resume":
@@ -465,7 +470,7 @@ class Gate:
         ack = self.ack_event(where, cmd, seq, now, reject)
         await self.record(cmd, token, "", ack, [ack], stream_seq)
         await self.publish([ack])
-        self.metrics.commands.labels(type=cmd.type[:64], ack=reject.reason if reject else "accepted").inc()
+        self.metrics.command(cmd.type, reject.reason if reject else "accepted").inc()
 
     async def record(self, cmd: C.Command, token: str, card: str, ack: Event, events: list[Event],
                      stream_seq: int | None) -> None:
@@ -510,7 +515,7 @@ class Gate:
         await self.record(cmd, token, "", ack, [ack], stream_seq)
         await self.kv_put(self.queues, f"q.{token}", queue, revision=rev)
         await self.publish([ack])
-        self.metrics.commands.labels(type=cmd.type, ack="accepted").inc()
+        self.metrics.command(cmd.type, "accepted").inc()
         self.metrics.instructions.labels(event="queued").inc()
         return None
 

@@ -27,6 +27,7 @@ import asyncio
 import json
 import logging
 import os
+import re
 import signal
 import sys
 import threading
@@ -37,6 +38,33 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 import structlog
 from prometheus_client import CollectorRegistry, make_wsgi_app
+
+
+OTHER = "other"
+
+
+class BoundedLabel:
+    """Label values that come from the wire (hook names, drift values, instances, DLQ
+    reasons), bounded so no input can grow a metric's series without limit: a ``known``
+    value is its own label; up to ``cap`` further values that fullmatch ``shape`` are
+    admitted first come (``forget`` frees a slot); everything else is ``other``."""
+
+    def __init__(self, known: Any = (), cap: int = 0, shape: str = r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}") -> None:
+        self.known = frozenset(known)
+        self.cap = cap
+        self.shape = re.compile(shape)
+        self.admitted: set[str] = set()
+
+    def __call__(self, value: str) -> str:
+        if value in self.known or value in self.admitted:
+            return value
+        if len(self.admitted) < self.cap and isinstance(value, str) and self.shape.fullmatch(value):
+            self.admitted.add(value)
+            return value
+        return OTHER
+
+    def forget(self, value: str) -> None:
+        self.admitted.discard(value)
 
 
 def configure_logging(fmt: str = "json", level: str = "info") -> None:
