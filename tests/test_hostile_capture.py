@@ -246,17 +246,20 @@ def test_a_dead_letter_keeps_no_more_than_the_ceiling_allows(nats_server_fn, tmp
     no_hook = {"v": 1, "id": "01JHOSTILE0000000000000002", "instance": "gw1", "ts": now, "hook": "pre_tool_call",
                "envelope": {"tool_name": "terminal", "tool_input": {"password": "CANARYPW2", "command": "echo CANARY-CMD-2"},
                             "extra": {"user_message": "free text CANARY-MSG-2", "result": "tool output CANARY-RES-2"}}}
+    # The shim's error code names the DLQ subject: a publisher's text there must not.
+    coded = {**invalid, "id": "01JHOSTILE0000000000000004", "error": "password=CANARYPW4: x"}
     held = {"Nats-Msg-Id": no_hook["id"], "Aep-Gate-Reply": "_INBOX.abcdefabcdef.g", "Aep-Gate-Hold-Ms": "55000",
             "X-Reply-To": "_INBOX.zzz", "X-Note": "CANARY-HDR-2"}
     try:
         client.run(client.js.publish("hermes.raw.gw1._invalid", json.dumps(invalid).encode(), headers={"Nats-Msg-Id": invalid["id"]}))
         client.run(client.js.publish("hermes.raw.gw1.pre_tool_call", json.dumps(no_hook).encode(), headers=held))
+        client.run(client.js.publish("hermes.raw.gw1._invalid", json.dumps(coded).encode(), headers={"Nats-Msg-Id": coded["id"]}))
         client.run(client.js.publish("bridge.mapped.0.s1", b"not an event CANARY-MAPPED-3"))
-        wait_for(lambda: client.stream_info("BRIDGE_DLQ").state.messages >= 3, 60, what="three dead letters")
-        dlq = client.fetch("bridge.dlq.>", stream="BRIDGE_DLQ", expected=3, timeout=10)
-        raw = {m.seq: m for m in client.fetch("hermes.raw.>", expected=2, timeout=10)}
+        wait_for(lambda: client.stream_info("BRIDGE_DLQ").state.messages >= 4, 60, what="four dead letters")
+        dlq = client.fetch("bridge.dlq.>", stream="BRIDGE_DLQ", expected=4, timeout=10)
+        raw = {m.seq: m for m in client.fetch("hermes.raw.>", expected=3, timeout=10)}
         for m in dlq:
-            everything = m.data + json.dumps(dict(m.headers or {})).encode()
+            everything = m.subject.encode() + m.data + json.dumps(dict(m.headers or {})).encode()
             assert b"CANARY" not in everything, everything
             assert b"_INBOX" not in everything and b"Aep-Gate-Reply" not in everything, everything
             letter = json.loads(m.data)
@@ -264,8 +267,8 @@ def test_a_dead_letter_keeps_no_more_than_the_ceiling_allows(nats_server_fn, tmp
             assert "content" not in letter and "content_text" not in letter
             assert letter["original"]["bytes"] > 0 and len(letter["original"]["sha256"]) == 32
         by_reason = {m.headers["Bridge-Dlq-Reason"]: m for m in dlq}
-        assert set(by_reason) == {"shim_not_json", "no_hook", "bad_mapped"}
-        for reason, rid in (("shim_not_json", invalid["id"]), ("no_hook", no_hook["id"])):
+        assert set(by_reason) == {"shim_not_json", "shim_invalid", "no_hook", "bad_mapped"}
+        for reason, rid in (("shim_not_json", invalid["id"]), ("no_hook", no_hook["id"]), ("shim_invalid", coded["id"])):
             m = by_reason[reason]
             letter = json.loads(m.data)
             seq = int(m.headers["Bridge-Raw-Seq"])
