@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import re
 import subprocess
@@ -23,7 +24,9 @@ import time
 import urllib.request
 from pathlib import Path
 
+import msgspec
 import pytest
+from prometheus_client import CollectorRegistry, generate_latest
 
 from bridge.core.capture import CapturePolicy, Redactor
 from bridge.core.lanes import MemoryLanes
@@ -115,7 +118,7 @@ def test_a_mapped_event_at_redacted_keeps_no_secret():
            "extra": {"telemetry_schema_version": "hermes.observer.v1"}}
     policy = CapturePolicy(default="redacted", overrides={})
     result = map_record(record_from_line(env, 1, "i", 0), 1, 0, MemoryLanes(), policy)
-    out = json.dumps([json.loads(__import__("msgspec").json.encode(e)) for e in result.events])
+    out = b"".join(msgspec.json.encode(e) for e in result.events).decode()
     assert "curl -u ops:" in out, "the command stays readable"
     for gone in ("Hunter2Pass", "SECRETPASS", "plainkeyvalue", "awsplainvalue"):
         assert gone not in out, out
@@ -274,7 +277,7 @@ def test_a_dead_letter_keeps_no_more_than_the_ceiling_allows(nats_server_fn, tmp
             seq = int(m.headers["Bridge-Raw-Seq"])
             assert letter["original"] | {"seq": seq, "id": rid, "stream": "HERMES_RAW"} == letter["original"]
             assert letter["original"]["subject"] == m.headers["Bridge-Raw-Subject"] == raw[seq].subject
-            assert letter["original"]["sha256"] == __import__("hashlib").sha256(raw[seq].data).hexdigest()[:32]
+            assert letter["original"]["sha256"] == hashlib.sha256(raw[seq].data).hexdigest()[:32]
             assert m.headers["Bridge-Raw-Id"] == rid
         assert by_reason["no_hook"].headers["Bridge-Orig-Aep-Gate-Hold-Ms"] == "55000"
         assert by_reason["bad_mapped"].headers["Bridge-Stage"] == "pairing"
@@ -382,8 +385,6 @@ def test_metric_labels_stay_bounded_whatever_the_raw_stream_holds(nats_server_fn
 
 
 def test_pairing_and_gate_metric_labels_are_bounded():
-    from prometheus_client import CollectorRegistry
-
     from bridge.core.aep import PAYLOAD_TYPES
     from bridge.services.gate import GateMetrics
     from bridge.services.pairing import PairingMetrics
@@ -394,12 +395,12 @@ def test_pairing_and_gate_metric_labels_are_bounded():
     for i in range(1000):
         pairing.event_out(f"x.hermes.hook{i}").inc()
     pairing.event_out("tool.requested").inc()
-    text = __import__("prometheus_client").generate_latest(registry).decode()
+    text = generate_latest(registry).decode()
     assert len(series(text, "aep_bridge_pairing_events_total")) == 2, "tool.requested and other"
     for i in range(1000):
         pairing.dead_letter(f"reason_{i}").inc()
         gate.command(f"x.evil.control.c{i}", "dropped").inc()
-    text = __import__("prometheus_client").generate_latest(registry).decode()
+    text = generate_latest(registry).decode()
     assert len(series(text, "aep_bridge_dead_letters_total")) <= 17
     assert len(series(text, "aep_bridge_gate_commands_total")) == 1
     assert len(PAYLOAD_TYPES) > 10
