@@ -81,6 +81,7 @@ GAPS = [
     ("AKIA after _", "AWS_KEY_AKIAIOSFODNN7EXAMPLE set", "AKIAIOSFODNN7EXAMPLE", "set"),
     ("AKIA before _", "id=AKIAIOSFODNN7EXAMPLE_old", "AKIAIOSFODNN7EXAMPLE", "id"),
     ("URL credentials", "git clone https://bob:Sup3rS3cret@git.example.test/r.git", "Sup3rS3cret", "git.example.test/r.git"),
+    ("X-Authorization", 'curl -H "X-Authorization: plainheadervalue" https://x.test', "plainheadervalue", "https://x.test"),
     ("password flag with a space", "docker login -u bob --password Tr0ub4dor registry.test", "Tr0ub4dor", "registry.test"),
 ]
 
@@ -100,13 +101,13 @@ def test_values_under_secret_named_keys_are_redacted():
     value = {"args": {k: f"plain{i}value" for i, k in enumerate(SECRET_KEYS)}, "region": "eu-west-1",
              "headers": [{"name": "X-Api-Key", "value": "headerlistvalue"}, {"name": "Accept", "value": "text/html"}],
              "nested": {"credentials": {"user": "bob", "pass": "deepvalue"}, "secrets": ["listvalue"]},
-             "usage": {"input_tokens": 512, "max_tokens": 1024}}
+             "usage": {"input_tokens": 512, "max_tokens": 1024}, "access_tokens": ["tokenlistvalue"], "tokenizer": "cl100k"}
     out = json.dumps(Redactor().value(value))
     for i in range(len(SECRET_KEYS)):
         assert f"plain{i}value" not in out, (SECRET_KEYS[i], out)
-    for gone in ("headerlistvalue", "deepvalue", "listvalue"):
+    for gone in ("headerlistvalue", "deepvalue", "listvalue", "tokenlistvalue"):
         assert gone not in out, out
-    for kept in ("eu-west-1", "text/html", "512", "1024"):
+    for kept in ("eu-west-1", "text/html", "512", "1024", "cl100k"):
         assert kept in out, out
 
 

@@ -131,9 +131,9 @@ _KEYWORDS = (r"(?:passw(?:or)?d|passphrase|pwd|secret|api[_-]?key|apikey|access[
 # (substitution, pattern): the substitution keeps the named group `pre` and replaces `val`.
 _KEEP_PRE = "pre"
 _SECRET_PATTERNS: list[tuple[str | None, re.Pattern[str]]] = [
-    # Authorization / Cookie headers: the whole value (scheme and token, or cookie pairs).
+    # Authorization / Cookie values (also Proxy-Authorization, X-Authorization, Set-Cookie): all of it.
     (_KEEP_PRE, re.compile(
-        r"""(?i)(?P<pre>(?<![\w-])(?:proxy-)?(?:authorization|cookie|set-cookie)["']?[ \t]*[:=][ \t]*)"""
+        r"""(?i)(?P<pre>(?<![A-Za-z0-9])(?:authorization|cookie)["']?[ \t]*[:=][ \t]*)"""
         r"""(?P<val>"[^"\n]*"|'[^'\n]*'|[^\n'"]+)""")),
     # key=value / key: value / "key": "value" credentials (the key may go on: AWS_SECRET_ACCESS_KEY,
     # X-Api-Key, db_password); the value may sit on the next line.
@@ -220,9 +220,12 @@ PIPELINE: tuple[Processor, ...] = (_redact_secrets, _redact_names, _redact_home,
 # digits removed: X-Api-Key -> xapikey, AWS_SECRET_ACCESS_KEY -> awssecretaccesskey.
 _SECRET_KEY_PARTS = ("password", "passwd", "passphrase", "secret", "apikey", "accesskey", "privatekey",
                      "authorization", "credential", "cookie", "token", "signature")
-_SECRET_KEY_EXACT = frozenset({"pwd", "auth", "pass", "pin"})
-# Usage figures, not secrets: input_tokens, max_tokens, token_count.
-_NOT_SECRET_KEY = re.compile(r"tokens$|tokens?(?:count|usage|limit|budget|used|total)|(?:max|num|total)tokens?")
+_SECRET_KEY_EXACT = frozenset({"pwd", "auth", "pass"})
+# Usage figures and tokenizer names, not secrets: input_tokens, max_tokens, token_count, tokenizer.
+_USAGE_KEY = re.compile(
+    r"(?:input|output|total|max|min|prompt|completion|cached|cache|creation|read|reasoning|num|context|estimated"
+    r"|used|remaining|audio|text|image|accepted|rejected|prediction)*"
+    r"tokens?(?:count|counts|usage|limit|budget|used|total|remaining|details|izer|ization|ized)?")
 _NON_ALNUM = re.compile(r"[^a-z0-9]")
 
 
@@ -232,9 +235,10 @@ def is_secret_key(key: str) -> bool:
     k = _NON_ALNUM.sub("", key.lower()[:128])
     if k in _SECRET_KEY_EXACT or k.endswith("pwd"):
         return True
-    if not any(part in k for part in _SECRET_KEY_PARTS):
+    parts = [part for part in _SECRET_KEY_PARTS if part in k]
+    if not parts:
         return False
-    return not _NOT_SECRET_KEY.search(k) or any(p in k for p in _SECRET_KEY_PARTS if p != "token")
+    return not (parts == ["token"] and k not in ("token", "tokens") and _USAGE_KEY.fullmatch(k))
 
 
 @dataclass(frozen=True)
