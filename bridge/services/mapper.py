@@ -65,13 +65,12 @@ import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from bridge.config import MAPPER_METRICS_PORT, Settings
-from bridge.core.aep import encode_event
 from bridge.core import deadletter
+from bridge.core.aep import PAYLOAD_TYPES, encode_event
 from bridge.core.capture import CapturePolicy
+from bridge.core.deadletter import KNOWN_REASONS as DLQ_REASONS
 from bridge.core.envelope import EnvelopeError, decode_raw
 from bridge.core.lanes import UNKNOWN, MemoryLanes, lane_candidates, lane_token, partition_of, resolve_lane
-from bridge.core.aep import PAYLOAD_TYPES
-from bridge.core.deadletter import KNOWN_REASONS as DLQ_REASONS
 from bridge.core.mapping import HOOKS, MapResult
 from bridge.core.pipeline import map_record, record_from_raw
 from bridge.nats import streams as S
