@@ -71,8 +71,10 @@ class Settings:
     max_field_bytes: int = DEFAULT_MAX_FIELD_BYTES
     spool_max_bytes: int = DEFAULT_SPOOL_MAX_BYTES
     partitions: int = DEFAULT_PARTITIONS
-    capture: str = DEFAULT_CAPTURE
-    capture_overrides: str = DEFAULT_CAPTURE_OVERRIDES
+    #: the capture ceiling; None: the default posture (metadata, attention at redacted)
+    capture: str | None = None
+    #: per-category levels, at most the ceiling; None: the built-in DEFAULT_CAPTURE_OVERRIDES
+    capture_overrides: str | None = None
     redact_names: tuple[str, ...] = ()
     metrics_port: int | None = None
     #: where /metrics, /healthz, /readyz listen: every interface by default (Kubernetes probes
@@ -129,8 +131,8 @@ class Settings:
         s.max_field_bytes = get_int("MAX_FIELD_BYTES", DEFAULT_MAX_FIELD_BYTES)
         s.spool_max_bytes = get_int("SPOOL_MAX_BYTES", DEFAULT_SPOOL_MAX_BYTES)
         s.partitions = get_int("PARTITIONS", DEFAULT_PARTITIONS)
-        s.capture = get("CAPTURE") or DEFAULT_CAPTURE
-        s.capture_overrides = get("CAPTURE_OVERRIDES") or DEFAULT_CAPTURE_OVERRIDES
+        s.capture = get("CAPTURE")
+        s.capture_overrides = get("CAPTURE_OVERRIDES")
         names = get("REDACT_NAMES")
         s.redact_names = tuple(n.strip() for n in names.split(",") if n.strip()) if names else ()
         s.lane_wait_ms = get_int("LANE_WAIT_MS", 2000)

@@ -17,8 +17,10 @@ def register(sub: argparse._SubParsersAction) -> None:
             "Read Hermes hook envelopes as JSON Lines (bare envelopes, corpus records with an "
             "'envelope' key, or raw messages as the shim publishes them) and write one AEP event "
             "per line. Lanes are learned from the sessions seen earlier in the same input; the raw "
-            "sequence is the line number. A malformed line is reported on stderr and skipped; the "
-            "exit code is then 1."
+            "sequence is the line number. A line that cannot be mapped (not JSON, nested too deep, "
+            "no hook, a value out of range) is reported on stderr as 'line N: <reason>: <detail>' "
+            "and skipped, and the run goes on; the exit status is then 1 (0: every line mapped; "
+            "2: bad arguments or settings)."
         ),
     )
     p.add_argument("input", nargs="?", default="-", help="input file (default: stdin)")
@@ -45,27 +47,48 @@ def add_capture_args(p: argparse.ArgumentParser) -> None:
         "--capture",
         default=None,
         choices=["none", "metadata", "redacted", "full"],
-        help="capture ceiling (default: AEP_BRIDGE_CAPTURE or metadata)",
+        help="capture ceiling: no event carries more (default: AEP_BRIDGE_CAPTURE, or unset: metadata with attention at redacted)",
     )
     p.add_argument(
         "--capture-override",
         action="append",
         default=None,
         metavar="CATEGORY=LEVEL",
-        help="per-category ceiling, repeatable, applied over the default attention=redacted",
+        help="per-category level, repeatable, applied over AEP_BRIDGE_CAPTURE_OVERRIDES (default attention=redacted); at most the ceiling (clamped, with a warning)",
     )
 
 
 def policy_from_args(args: argparse.Namespace, settings=None):  # type: ignore[no-untyped-def]
+    """The capture policy of the flags and settings; warnings (an override clamped to the
+    ceiling) go to stderr once, at start."""
     from bridge.config import Settings
-    from bridge.core.capture import CapturePolicy, Redactor, parse_overrides
+    from bridge.core.capture import Redactor, configure
 
     settings = settings or Settings.from_env()
-    overrides = parse_overrides(settings.capture_overrides)
-    if getattr(args, "capture_override", None):
-        overrides.update(parse_overrides(args.capture_override))
     redactor = Redactor(secret_values=settings.secret_values(), home=os.path.expanduser("~"))
-    return CapturePolicy(default=getattr(args, "capture", None) or settings.capture, overrides=overrides, redactor=redactor)
+    policy, warnings = configure(getattr(args, "capture", None) or settings.capture, settings.capture_overrides,
+                                 getattr(args, "capture_override", None) or (), redactor)
+    for warning in warnings:
+        print(f"aep-bridge: warning: {warning}", file=sys.stderr)
+    return policy
+
+
+def line_error(exc: BaseException) -> str:
+    """`<reason>: <detail>` for a line `map` could not map: the EnvelopeError reason, `not_json`,
+    `too_deep` (nesting past the decoder's or the mapping's recursion limit), else
+    `unmappable` with the exception's type (a value the mapping cannot represent, such as a
+    receive time past year 9999)."""
+    import msgspec
+
+    from bridge.core.envelope import EnvelopeError
+
+    if isinstance(exc, EnvelopeError):
+        return f"{exc.reason}: {exc.detail}"
+    if isinstance(exc, RecursionError):
+        return "too_deep: nested deeper than the decoder or the mapping can follow"
+    if isinstance(exc, msgspec.DecodeError):
+        return f"not_json: {exc}"
+    return f"unmappable: {type(exc).__name__}: {str(exc)[:200]}"
 
 
 def cmd_map(args: argparse.Namespace) -> int:
@@ -73,7 +96,6 @@ def cmd_map(args: argparse.Namespace) -> int:
 
     from bridge.config import Settings
     from bridge.core.aep import encode_event
-    from bridge.core.envelope import EnvelopeError
     from bridge.core.lanes import MemoryLanes
     from bridge.core.pipeline import map_record, record_from_line
 
@@ -102,10 +124,9 @@ def cmd_map(args: argparse.Namespace) -> int:
                 obj = decoder.decode(line)
                 record = record_from_line(obj, line_no, instance, args.base_time_ms * 1_000_000)
                 result = map_record(record, line_no, args.epoch, lanes, policy)
-            except (msgspec.DecodeError, EnvelopeError) as exc:
+            except Exception as exc:  # one line's problem, never the run's: report it, go on
                 failures += 1
-                reason = exc.reason if isinstance(exc, EnvelopeError) else "not_json"
-                print(f"aep-bridge map: line {line_no}: {reason}: {exc}", file=sys.stderr)
+                print(f"aep-bridge map: line {line_no}: {line_error(exc)}", file=sys.stderr)
                 continue
             lanes.learn(result.learned)
             for event in result.events:

@@ -23,6 +23,7 @@ import hashlib
 import json
 import re
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any, Callable, Iterable
 
 import msgspec
@@ -75,41 +76,110 @@ def digest(value: Any) -> str:
 
 SECRET = "[REDACTED:secret]"
 PII = "[REDACTED:pii]"
+TOO_DEEP = "[REDACTED:too-deep]"
+#: nesting a structure may have before what lies deeper is replaced by TOO_DEEP (the
+#: walk is recursive; Python's own limit is 1000 frames)
+MAX_DEPTH = 200
 
-_SECRET_PATTERNS = [
-    # (a) PEM blocks, any label.
-    re.compile(r"-----BEGIN [A-Z0-9 ]*?(?:PRIVATE KEY|CERTIFICATE|KEY)[A-Z0-9 ]*-----.*?-----END [A-Z0-9 ]*-----", re.S),
-    # key=value / key: value / "key": "value" credentials; the value may sit on the next line.
-    re.compile(
-        r"""(?ix)
-        (?P<key>["']?\b[\w.-]*(?:password|passwd|pwd|secret|api[_-]?key|apikey|access[_-]?key|private[_-]?key
-            |auth[_-]?token|token|credentials?)["']?)
-        (?P<sep>\s*[=:]\s*)
-        (?P<val>"[^"\n]*"|'[^'\n]*'|[^\s,;&|'"}]+)
-        """
-    ),
-    # Authorization schemes (RFC 6750: case-insensitive), only when followed by a token-looking value.
-    re.compile(r"(?i)\b(bearer|basic|token)\s+(?=[A-Za-z0-9._~+/=-]*\d)[A-Za-z0-9._~+/=-]{8,}"),
-    re.compile(r"\bAKIA[0-9A-Z]{16}\b"),
-    re.compile(r"\beyJ[A-Za-z0-9_-]{2,}\.[A-Za-z0-9_-]{2,}\.[A-Za-z0-9_-]{2,}"),  # JWT shapes
-    re.compile(r"\bgh[pousr]_[A-Za-z0-9]{20,}\b"),  # GitHub tokens
-    re.compile(r"\bgithub_pat_[A-Za-z0-9_]{20,}\b"),
-    re.compile(r"\bglpat-[A-Za-z0-9_-]{16,}\b"),  # GitLab
-    re.compile(r"\bxox[abposr]-[A-Za-z0-9-]{10,}\b"),  # Slack
-    re.compile(r"\bsk-(?:proj-|live-|test-)?[A-Za-z0-9_-]{16,}\b"),  # OpenAI-style
-    re.compile(r"\bsk_(?:live|test)_[A-Za-z0-9]{10,}\b"),  # Stripe-style
-    re.compile(r"\bAIza[0-9A-Za-z_-]{35}\b"),  # Google API keys
+# Every pattern below is linear on hostile input (tests/services/test_hostile_capture.py runs 1 MB
+# strings built against each): quantifiers are bounded or start where a run starts, so no
+# start position rescans what an earlier one failed on.
+
+# (a) PEM blocks, any label; a block cut before its END line is redacted to the end of the
+# text, and an END line whose BEGIN was cut off takes the base64 lines before it along.
+_PEM_BEGIN = re.compile(r"-----BEGIN [A-Z0-9 ]{1,64}-----")
+_PEM_END = re.compile(r"-----END [A-Z0-9 ]{1,64}-----")
+_B64_LINE = re.compile(r"[A-Za-z0-9+/=]+")
+
+
+def _orphan_pem_ends(text: str) -> str:
+    if "-----END " not in text:
+        return text
+    out: list[str] = []
+    pos = 0
+    for m in _PEM_END.finditer(text):
+        lines = text[pos:m.start()].split("\n")
+        k = len(lines)
+        if not lines[-1].strip() or _B64_LINE.fullmatch(lines[-1].strip()):
+            k -= 1  # END's own line, before it
+            while k > 0 and lines[k - 1].strip() and _B64_LINE.fullmatch(lines[k - 1].strip()):
+                k -= 1
+        kept = "\n".join(lines[:k])
+        if 0 < k < len(lines):
+            kept += "\n"  # the line break before the first redacted line
+        out.append(kept + SECRET)
+        pos = m.end()
+    out.append(text[pos:])
+    return "".join(out)
+
+
+def _redact_pem(text: str) -> str:
+    if "-----" not in text:
+        return text
+    out: list[str] = []
+    pos, n = 0, len(text)
+    while pos < n:
+        begin = _PEM_BEGIN.search(text, pos)
+        if begin is None:
+            out.append(_orphan_pem_ends(text[pos:]))
+            break
+        out.append(_orphan_pem_ends(text[pos:begin.start()]))
+        out.append(SECRET)
+        end = _PEM_END.search(text, begin.end())
+        pos = end.end() if end is not None else n
+    return "".join(out)
+
+
+_KEYWORDS = (r"(?:passw(?:or)?d|passphrase|pwd|secret|api[_-]?key|apikey|access[_-]?key|private[_-]?key"
+             r"|auth[_-]?token|token|credentials?)")
+
+# (substitution, pattern): the substitution keeps the named group `pre` and replaces `val`.
+_KEEP_PRE = "pre"
+_SECRET_PATTERNS: list[tuple[str | None, re.Pattern[str]]] = [
+    # Authorization / Cookie values (also Proxy-Authorization, X-Authorization, Set-Cookie): all of it.
+    (_KEEP_PRE, re.compile(
+        r"""(?i)(?P<pre>(?<![A-Za-z0-9])(?:authorization|cookie)["']?[ \t]*[:=][ \t]*)"""
+        r"""(?P<val>"[^"\n]*"|'[^'\n]*'|[^\n'"]+)""")),
+    # key=value / key: value / "key": "value" credentials (the key may go on: AWS_SECRET_ACCESS_KEY,
+    # X-Api-Key, db_password); the value may sit on the next line.
+    (_KEEP_PRE, re.compile(
+        rf"""(?i)(?P<pre>{_KEYWORDS}[\w.-]{{0,40}}?["']?\s*[=:]\s*)(?P<val>"[^"\n]*"|'[^'\n]*'|\S+)""")),
+    # --password VALUE, --api-key VALUE (a flag and its argument).
+    (_KEEP_PRE, re.compile(rf"(?i)(?P<pre>(?<![\w-])--?[\w-]{{0,30}}?{_KEYWORDS}[ \t]+)(?P<val>(?!-)\S+)")),
+    # curl -u user:password, --user, --proxy-user: the password part.
+    (_KEEP_PRE, re.compile(
+        r"""(?P<pre>(?<![\w-])(?:-u|-U|--user|--proxy-user)(?:[ \t]+|=)?["']?[^\s:'"]{0,256}:)(?P<val>[^\s'"]+)""")),
+    # mysql -pSECRET (the password glued to -p; `-p` alone prompts), sshpass -p SECRET.
+    (_KEEP_PRE, re.compile(
+        r"""(?P<pre>\b(?:mysql[\w-]*|mariadb[\w-]*)\b[^\n|;&]{0,200}?[ \t]-p)(?P<val>'[^'\n]*'|"[^"\n]*"|[^\s'"]+)""")),
+    (_KEEP_PRE, re.compile(r"(?P<pre>\bsshpass[ \t]+-p[ \t]*)(?P<val>\S+)")),
+    # URL credentials: scheme://user:password@host.
+    (_KEEP_PRE, re.compile(r"(?i)(?P<pre>\b[a-z][a-z0-9+.-]{0,20}://[^\s/:@]{0,256}:)(?P<val>[^\s/@]{1,512})(?=@)")),
+    # Authorization schemes (RFC 6750: case-insensitive): a token-looking value (a digit or a
+    # token68 symbol, or 20+ characters), or anything after the canonical `Bearer`.
+    (None, re.compile(r"(?i)\b(?:bearer|basic|token)[ \t]+(?:(?=[A-Za-z0-9._~+/=-]{0,4096}[\d._~+/=])[A-Za-z0-9._~+/=-]{8,}|[A-Za-z0-9._~+/=-]{20,})")),
+    (None, re.compile(r"\bBearer[ \t]+[A-Za-z0-9._~+/=-]{8,}")),
+    # AWS access key ids (also glued to `_`: AWS_KEY_AKIA...).
+    (None, re.compile(r"(?<![A-Za-z0-9])(?:AKIA|ASIA|ABIA|ACCA|AGPA|AIDA|AIPA|ANPA|ANVA|AROA|APKA)[0-9A-Z]{16}(?![A-Za-z0-9])")),
+    (None, re.compile(r"(?<![A-Za-z0-9_-])eyJ[A-Za-z0-9_-]{2,}\.[A-Za-z0-9_-]{2,}\.[A-Za-z0-9_-]{2,}")),  # JWT shapes
+    (None, re.compile(r"(?<![A-Za-z0-9])gh[pousr]_[A-Za-z0-9]{20,}")),  # GitHub tokens
+    (None, re.compile(r"(?<![A-Za-z0-9])github_pat_[A-Za-z0-9_]{20,}")),
+    (None, re.compile(r"(?<![A-Za-z0-9])glpat-[A-Za-z0-9_-]{16,}")),  # GitLab
+    (None, re.compile(r"(?<![A-Za-z0-9])xox[abposr]-[A-Za-z0-9-]{10,}")),  # Slack
+    (None, re.compile(r"(?<![A-Za-z0-9])sk-(?:proj-|live-|test-)?[A-Za-z0-9_-]{16,}")),  # OpenAI-style
+    (None, re.compile(r"(?<![A-Za-z0-9])sk_(?:live|test)_[A-Za-z0-9]{10,}")),  # Stripe-style
+    (None, re.compile(r"(?<![A-Za-z0-9])AIza[0-9A-Za-z_-]{35}")),  # Google API keys
 ]
 
-_KV_INDEX = 1  # the key=value pattern keeps its key and separator
+
+def _keep_pre(m: re.Match[str]) -> str:
+    return m.group("pre") + SECRET
 
 
 def _redact_secrets(text: str, _cfg: "Redactor") -> str:
-    for i, pattern in enumerate(_SECRET_PATTERNS):
-        if i == _KV_INDEX:
-            text = pattern.sub(lambda m: m.group("key") + m.group("sep") + SECRET, text)
-        else:
-            text = pattern.sub(SECRET, text)
+    text = _redact_pem(text)
+    for keep, pattern in _SECRET_PATTERNS:
+        text = pattern.sub(_keep_pre if keep else SECRET, text)
     return text
 
 
@@ -120,7 +190,7 @@ def _redact_names(text: str, cfg: "Redactor") -> str:
     return text
 
 
-_HOME_ANY = re.compile(r"(?:/home|/Users)/[^/\s'\"]+(?=/|\b)")
+_HOME_ANY = re.compile(r"(?:/home|/Users)/[^/\s'\"]{1,255}(?=/|\b)")
 
 
 def _redact_home(text: str, cfg: "Redactor") -> str:
@@ -131,14 +201,17 @@ def _redact_home(text: str, cfg: "Redactor") -> str:
     return text
 
 
-_EMAIL = re.compile(r"[A-Za-z0-9._%+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,}")
+# An address starts where a run of address characters starts (no rescanning inside a run).
+_EMAIL = re.compile(
+    r"(?<![A-Za-z0-9._%+-])[A-Za-z0-9._%+-]{1,64}@[A-Za-z0-9-]{1,63}(?:\.[A-Za-z0-9-]{1,63}){0,8}\.[A-Za-z]{2,24}(?![A-Za-z])")
 _PHONE = re.compile(r"(?<![\w/.-])(?:\+\d{1,3}[\s.-]?)?(?:\(\d{2,4}\)[\s.-]?|\d{2,4}[\s.-])\d{3,4}[\s.-]\d{3,4}(?![\w/-])")
 
 
 def _redact_pii(text: str, cfg: "Redactor") -> str:
     if not cfg.pii:
         return text
-    text = _EMAIL.sub(PII, text)
+    if "@" in text:
+        text = _EMAIL.sub(PII, text)
     return _PHONE.sub(PII, text)
 
 
@@ -146,6 +219,31 @@ Processor = Callable[[str, "Redactor"], str]
 
 #: AEP-0003 §9.4 order: (a) secrets, (b) operator-listed names, (c) home prefix, (d) PII.
 PIPELINE: tuple[Processor, ...] = (_redact_secrets, _redact_names, _redact_home, _redact_pii)
+
+# Structure keys whose values are secrets whatever they look like (the text patterns see a
+# value without its key). Matched on the key lower-cased with everything but letters and
+# digits removed: X-Api-Key -> xapikey, AWS_SECRET_ACCESS_KEY -> awssecretaccesskey.
+_SECRET_KEY_PARTS = ("password", "passwd", "passphrase", "secret", "apikey", "accesskey", "privatekey",
+                     "authorization", "credential", "cookie", "token", "signature")
+_SECRET_KEY_EXACT = frozenset({"pwd", "auth", "pass"})
+# Usage figures and tokenizer names, not secrets: input_tokens, max_tokens, token_count, tokenizer.
+_USAGE_KEY = re.compile(
+    r"(?:input|output|total|max|min|prompt|completion|cached|cache|creation|read|reasoning|num|context|estimated"
+    r"|used|remaining|audio|text|image|accepted|rejected|prediction)*"
+    r"tokens?(?:count|counts|usage|limit|budget|used|total|remaining|details|izer|ization|ized)?")
+_NON_ALNUM = re.compile(r"[^a-z0-9]")
+
+
+@lru_cache(maxsize=4096)
+def is_secret_key(key: str) -> bool:
+    """Does a structure key (a JSON object key, a header name) name a secret?"""
+    k = _NON_ALNUM.sub("", key.lower()[:128])
+    if k in _SECRET_KEY_EXACT or k.endswith("pwd"):
+        return True
+    parts = [part for part in _SECRET_KEY_PARTS if part in k]
+    if not parts:
+        return False
+    return not (parts == ["token"] and k not in ("token", "tokens") and _USAGE_KEY.fullmatch(k))
 
 
 @dataclass(frozen=True)
@@ -163,15 +261,31 @@ class Redactor:
         return text
 
     def value(self, value: Any) -> Any:
-        """Redact every string inside a JSON value (keys are structural and kept)."""
+        """Redact every string inside a JSON value. Keys are structural and kept, but a value
+        under a secret-named key (`password`, `api_key`, `X-Api-Key`, `authorization`, ...,
+        or `{"name": "<secret name>", "value": ...}`) is a secret whatever it looks like;
+        nesting deeper than MAX_DEPTH is replaced by TOO_DEEP."""
+        return self._walk(value, False, 0)
+
+    def _walk(self, value: Any, secret: bool, depth: int) -> Any:
         if isinstance(value, str):
-            return self.text(value)
+            return (SECRET if value else value) if secret else self.text(value)
+        if isinstance(value, (bool, type(None))):
+            return value
+        if isinstance(value, (int, float)):
+            return SECRET if secret else value
+        if depth >= MAX_DEPTH:
+            return TOO_DEEP
         if isinstance(value, dict):
             if is_stub(value):
                 return {"digest": value["digest"], "bytes": value.get("bytes")}
-            return {k: self.value(v) for k, v in value.items()}
+            named = value.get("name", value.get("key"))
+            pair_secret = isinstance(named, str) and "value" in value and is_secret_key(named)
+            return {k: self._walk(v, secret or (isinstance(k, str) and is_secret_key(k))
+                                  or (pair_secret and k == "value"), depth + 1)
+                    for k, v in value.items()}
         if isinstance(value, list):
-            return [self.value(v) for v in value]
+            return [self._walk(v, secret, depth + 1) for v in value]
         return value
 
 
@@ -198,26 +312,80 @@ def parse_overrides(spec: str | Iterable[str]) -> dict[str, str]:
 @dataclass(frozen=True)
 class CapturePolicy:
     """Ceilings per event category. Categories are the first type segment, or for
-    vendor types `x.hermes.<category>` the segment after the vendor."""
+    vendor types `x.hermes.<category>` the segment after the vendor.
+
+    ``default`` is the level of a category without an override; ``limit`` (when set) is
+    the global ceiling: no category gets more, whatever its override says. `configure`
+    builds the policy the operator's settings ask for."""
 
     default: str = "metadata"
     overrides: dict[str, str] = field(default_factory=lambda: {"attention": "redacted"})
     redactor: Redactor = field(default_factory=Redactor)
+    limit: str | None = None
 
     def __post_init__(self) -> None:
         level_rank(self.default)
         for level in self.overrides.values():
             level_rank(level)
+        if self.limit is not None:
+            level_rank(self.limit)
 
     def ceiling(self, event_type: str) -> int:
         parts = event_type.split(".")
         candidates = [parts[0]]
         if parts[0] == "x" and len(parts) > 2:
             candidates = [".".join(parts[:3]), parts[2]]
+        rank = LEVEL_RANK[self.default]
         for category in candidates:
             if category in self.overrides:
-                return LEVEL_RANK[self.overrides[category]]
-        return LEVEL_RANK[self.default]
+                rank = LEVEL_RANK[self.overrides[category]]
+                break
+        return rank if self.limit is None else min(rank, LEVEL_RANK[self.limit])
+
+    def lowest(self) -> int:
+        """The lowest ceiling of any category: what content of unknown category (a dead
+        letter) may carry."""
+        rank = min(LEVEL_RANK[level] for level in (self.default, *self.overrides.values()))
+        return rank if self.limit is None else min(rank, LEVEL_RANK[self.limit])
+
+
+#: The built-in per-category override (AEP-0003 §9.1's recommendation: prompts stay readable).
+DEFAULT_OVERRIDES = "attention=redacted"
+
+
+def configure(capture: str | None = None, overrides: str | None = None, extra: Iterable[str] = (),
+              redactor: Redactor | None = None) -> tuple[CapturePolicy, list[str]]:
+    """The policy of the operator's settings, and the warnings to show at start.
+
+    * ``capture`` (`AEP_BRIDGE_CAPTURE`, `--capture`) is the ceiling: no event carries more,
+      and it is the level of every category without an override. Unset (None), the bridge
+      runs the default posture: `metadata`, with `attention` at `redacted` (its ceiling).
+    * ``overrides`` (`AEP_BRIDGE_CAPTURE_OVERRIDES`; None: the built-in `attention=redacted`)
+      and ``extra`` (`--capture-override`, applied over them) may only lower a category's
+      level: one above the ceiling is clamped to it, with a warning. The built-in override
+      is clamped silently (`--capture none` means none: the operator did not ask for it).
+    """
+    if capture is None:
+        default, limit = "metadata", "redacted"
+    else:
+        level_rank(capture)
+        default = limit = capture
+    top = LEVEL_RANK[limit]
+    levels: dict[str, str] = {}
+    if overrides is None:
+        for category, level in parse_overrides(DEFAULT_OVERRIDES).items():
+            levels[category] = LEVELS[min(LEVEL_RANK[level], top)]
+    asked = parse_overrides(overrides) if overrides is not None else {}
+    asked.update(parse_overrides(list(extra)))
+    warnings: list[str] = []
+    for category, level in asked.items():
+        if LEVEL_RANK[level] > top:
+            why = "the default posture's ceiling (AEP_BRIDGE_CAPTURE is unset)" if capture is None else "the capture ceiling"
+            warnings.append(f"capture override {category}={level} is above {why} {limit}: clamped to {limit}"
+                            + (f" (set AEP_BRIDGE_CAPTURE={level} to allow it)" if capture is None else ""))
+            level = limit
+        levels[category] = level
+    return CapturePolicy(default=default, overrides=levels, redactor=redactor or Redactor(), limit=limit), warnings
 
 
 # ---------------------------------------------------------------- one event's ceiling

@@ -151,6 +151,8 @@ class RawMessage(Struct, omit_defaults=True, kw_only=True):
 
 
 _raw_decoder = msgspec.json.Decoder(RawMessage)
+#: the shim's error codes for input that is not a JSON object (docs/ARCHITECTURE.md)
+SHIM_ERROR_CODES = frozenset({"empty", "not_json", "not_object", "not_utf8"})
 
 
 def decode_raw(data: bytes | str) -> RawMessage:
@@ -193,8 +195,10 @@ def check_raw(raw: RawMessage) -> None:
 def raw_envelope(raw: RawMessage) -> HermesEnvelope:
     """The envelope inside a raw message, or the shim's own reason it could not be read."""
     if raw.error is not UNSET:
-        code = str(raw.error).split(":", 1)[0].strip() or "invalid"
-        raise EnvelopeError(f"shim_{code}", str(raw.error))
+        # The code names the DLQ subject, metric label and dead letter: only the shim's own
+        # codes, never text a publisher put there.
+        code = str(raw.error).split(":", 1)[0].strip()
+        raise EnvelopeError(f"shim_{code if code in SHIM_ERROR_CODES else 'invalid'}", str(raw.error))
     if raw.envelope is UNSET:
         raise EnvelopeError("bad_raw", "raw message has neither envelope nor error")
     return envelope_from_obj(raw.envelope)

@@ -38,16 +38,15 @@ Theory of operation
   `bad_hook`, an event over max_payload `too_large`. Every subject comes from
   `bridge.nats.subjects` (bounded): nothing a message contains can make the server
   close the connection.
-* What cannot be decoded or mapped goes to `bridge.dlq.<reason>` with headers
-  naming the reason, raw sequence and error; then the raw message is acked. The
-  dead letter's body is the raw message with every string passed through the
-  redaction pipeline (secrets, listed values, home prefixes, PII; header
-  `Bridge-Dlq-Body: redacted`), or the original bytes when nothing needed redacting
-  or every capture ceiling is `full` (`original`): the DLQ is kept for 30 days and
-  browsed by operators, so it holds no more than the capture policy lets through.
-  The exact original stays in HERMES_RAW at `Bridge-Raw-Seq` for its retention. A message that keeps failing for a reason we did not
-  foresee is retried with backoff and dead-lettered once it has been delivered
-  `max_deliver` times. Nothing a message contains can stop the loop.
+* What cannot be decoded or mapped goes to `bridge.dlq.<reason>`, then the raw message
+  is acked. The dead letter (`bridge.core.deadletter`) carries no more than the capture
+  policy lets through: the reason, the error's type, the raw message's position
+  (`Bridge-Raw-Seq`, subject, id), size and digest; its content only at `redacted`
+  (redacted) or `full`; never a reply subject. The DLQ is kept for 30 days and browsed
+  by operators; the exact original stays in HERMES_RAW at `Bridge-Raw-Seq` for its
+  retention. A message that keeps failing for a reason we did not foresee is
+  retried with backoff and dead-lettered once it has been delivered `max_deliver`
+  times. Nothing a message contains can stop the loop.
 * Resends past the duplicate window (`bridge.nats.lookup`). A shim that sent a
   message but never saw its ack spools it and sends it again later with the same
   id; within HERMES_RAW's duplicate window JetStream drops the copy, after a longer
@@ -74,17 +73,20 @@ import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from bridge.config import MAPPER_METRICS_PORT, Settings
-from bridge.core.aep import encode_event
+from bridge.core import deadletter
+from bridge.core.aep import PAYLOAD_TYPES, encode_event
 from bridge.core.capture import CapturePolicy
+from bridge.core.deadletter import KNOWN_REASONS as DLQ_REASONS
 from bridge.core.envelope import EnvelopeError, check_raw, decode_raw
 from bridge.core.lanes import event_lane_token, partition_of
+from bridge.core.mapping import HOOKS
 from bridge.core.pipeline import map_record, record_from_raw
 from bridge.nats import streams as S
 from bridge.nats import subjects as subj
 from bridge.nats.connection import connect_service
 from bridge.nats.lanes import KvLanes, epoch_of
 from bridge.nats.lookup import DEFAULT_MARGIN_NS, SERVER_MARGIN_NS, find_msg_id, stored_ns
-from bridge.services.runtime import Health, HttpServer, Stopper, close_connection, watch_connection
+from bridge.services.runtime import OTHER, BoundedLabel, Health, HttpServer, Stopper, close_connection, watch_connection
 
 log = structlog.get_logger("aep_bridge.mapper")
 
@@ -93,6 +95,8 @@ RAW_SEQ_HEADER = "Bridge-Raw-Seq"
 # An instance silent this long is taken for gone: its last-seen series is dropped. The
 # AepBridgeHermesInstanceSilent alert (30 min by default) has fired for most of a day by then.
 INSTANCE_FORGET_S = 24 * 3600.0
+# Hermes instances with their own last-seen series; more share the series `other`.
+MAX_INSTANCE_SERIES = 4096
 FINISHED_MAX = 16384  # finished raw seqs remembered above the known ack floor
 
 
@@ -134,14 +138,35 @@ class MapperMetrics:
             f"{ns}_ack_floor_reads_total", "Lane waits that asked the server for the consumer's ack floor", registry=registry,
         )
         self.epoch = Gauge(f"{ns}_epoch", "The AEP epoch in use (HERMES_RAW creation time)", registry=registry)
+        # Label values from the wire are bounded (`BoundedLabel`): a hostile raw stream must not
+        # grow the series (and the process) without limit.
+        self.hook_label = BoundedLabel(known=(*HOOKS, "unknown"), cap=16, shape=r"[a-z][a-z0-9_]{0,47}")
+        self.type_label = BoundedLabel(known=PAYLOAD_TYPES)
+        self.drift_label = BoundedLabel(known=("missing",), cap=8)
+        self.reason_label = BoundedLabel(known=DLQ_REASONS, cap=16, shape=r"[a-z][a-z0-9_]{0,39}")
+        self.instance_label = BoundedLabel(cap=MAX_INSTANCE_SERIES, shape=r"[A-Za-z0-9_-]{1,128}")
         self._hooks: dict[str, Any] = {}
         self._types: dict[str, Any] = {}
-        self._instances: dict[str, float] = {}  # instance -> monotonic time of its last message here
+        self._instances: dict[str, float] = {}  # instance label -> monotonic time of its last message here
+        self._other_ts = 0.0  # the last-seen time of the series `other`
         self._next_forget = 0.0
 
     def instance_seen(self, instance: str, ts_s: float, now: float) -> None:
-        self.last_seen.labels(hermes_instance=instance).set(ts_s)
-        self._instances[instance] = now
+        """An instance's last-seen time; past MAX_INSTANCE_SERIES instances they share the
+        series `other` (the latest time of any of them)."""
+        label = self.instance_label(instance)
+        self._instances[label] = now
+        if label == OTHER:
+            if ts_s <= self._other_ts:
+                return
+            self._other_ts = ts_s
+        self.last_seen.labels(hermes_instance=label).set(ts_s)
+
+    def drift_seen(self, seen: str) -> Any:
+        return self.drift.labels(seen=self.drift_label(seen))
+
+    def dead_letter(self, reason: str) -> Any:
+        return self.dead_letters.labels(reason=self.reason_label(reason))
 
     def forget_silent_instances(self, now: float, after_s: float = INSTANCE_FORGET_S) -> list[str]:
         """Drop the last-seen series of instances this replica has not heard from for ``after_s``
@@ -154,19 +179,25 @@ class MapperMetrics:
         for instance in gone:
             del self._instances[instance]
             self.last_seen.remove(instance)
+            self.instance_label.forget(instance)
+            if instance == OTHER:
+                self._other_ts = 0.0
         return gone
 
-    # Labelled children cached per value: `labels()` costs ~2 us, on the per-event path.
+    # Labelled children cached per label (not per raw value: the cache is bounded too);
+    # `labels()` costs ~2 us, on the per-event path.
     def hook_in(self, hook: str) -> Any:
-        child = self._hooks.get(hook)
+        label = self.hook_label(hook)
+        child = self._hooks.get(label)
         if child is None:
-            child = self._hooks[hook] = self.raw_in.labels(hook=hook[:64])
+            child = self._hooks[label] = self.raw_in.labels(hook=label)
         return child
 
     def event_out(self, event_type: str) -> Any:
-        child = self._types.get(event_type)
+        label = self.type_label(event_type)
+        child = self._types.get(label)
         if child is None:
-            child = self._types[event_type] = self.events_out.labels(type=event_type)
+            child = self._types[label] = self.events_out.labels(type=label)
         return child
 
 
@@ -205,11 +236,9 @@ class Mapper:
         # failure of that message (retried, dead-lettered after max_deliver). None in the service;
         # the fault tests inject one that fails on a marker (tests/support/poisoned_mapper.py).
         self.before_map = before_map
-        levels = {policy.default, *policy.overrides.values()}
         # Half of HERMES_RAW's / BRIDGE_MAPPED's duplicate windows (read at bind): older copies are looked up.
         self.late_after_ns = int(S.DUPLICATE_WINDOW_S * 1e9) // 2
         self.mapped_late_after_ns = int(S.DUPLICATE_WINDOW_S * 1e9) // 2
-        self._dlq_verbatim = levels == {"full"}  # every ceiling is `full`: dead letters keep the raw bytes
 
     # ------------------------------------------------------------ setup
 
@@ -276,10 +305,10 @@ class Mapper:
             bodies = [encode_event(event) for event in result.events]
             self.check_sizes(bodies, hints)
         except (EnvelopeError, subj.SubjectError) as exc:
-            return [await self.dead_letter(msg, exc.reason, str(exc))], 0
+            return [await self.dead_letter(msg, exc.reason, exc)], 0
         futures = await self.lanes.learn(result, self.js) if self.lanes.needs_learning(result) else []
         if result.drift:
-            self.metrics.drift.labels(seen=result.drift[:64]).inc()
+            self.metrics.drift_seen(result.drift).inc()
         if result.problems:
             self.metrics.problems.inc()
         publish = self.js.publish_async
@@ -425,53 +454,16 @@ class Mapper:
             self.metrics.resends.inc(done)
         return events[done:]
 
-    def dlq_body(self, data: bytes) -> tuple[bytes, bool]:
-        """What a dead letter may keep of a raw message: (body, redacted?). Every string of a
-        JSON body (keys are structure) or the text of a non-JSON one goes through the
-        redaction pipeline; bytes that need no redaction are kept as they are."""
-        if self._dlq_verbatim:
-            return data, False
-        redactor = self.policy.redactor
-        try:
-            obj = msgspec.json.decode(data)
-        except (msgspec.DecodeError, UnicodeDecodeError):
-            text = data.decode("utf-8", "replace")
-            red = redactor.text(text)
-            return (data, False) if red == text and text.encode() == data else (red.encode(), True)
-        red_obj = redactor.value(obj)
-        if isinstance(obj, dict) and obj.get("raw_encoding") == "base64" and isinstance(obj.get("raw"), str):
-            # Input that was not UTF-8 travels as base64: look inside it too.
-            import binascii
-
-            try:
-                text = binascii.a2b_base64(obj["raw"]).decode("utf-8", "replace")
-            except (binascii.Error, ValueError):
-                text = ""
-            red = redactor.text(text)
-            if red != text:
-                red_obj["raw"], red_obj["raw_encoding"] = red, "utf-8-replaced"
-        return (data, False) if red_obj == obj else (msgspec.json.encode(red_obj), True)
-
-    async def dead_letter(self, msg: Any, reason: str, error: str) -> asyncio.Future:
+    async def dead_letter(self, msg: Any, reason: str, error: BaseException | str) -> asyncio.Future:
+        """Publish the dead letter of a raw message (`bridge.core.deadletter`: no more than
+        the capture policy lets through, no reply subject) to `bridge.dlq.<reason>`."""
         meta = msg.metadata
-        body, redacted = self.dlq_body(msg.data)
-        if not self._dlq_verbatim:
-            error = self.policy.redactor.text(error)
-        headers = {
-            "Nats-Msg-Id": f"dlq:{S.HERMES_RAW}:{meta.sequence.stream}",
-            "Bridge-Dlq-Reason": reason,
-            "Bridge-Dlq-Error": error.replace("\r", " ").replace("\n", " ")[:1000],
-            "Bridge-Dlq-Body": "redacted" if redacted else "original",
-            RAW_SEQ_HEADER: str(meta.sequence.stream),
-            "Bridge-Raw-Subject": msg.subject,
-            "Bridge-Stage": "mapper",
-        }
-        for key, value in (msg.headers or {}).items():
-            if key != "Nats-Msg-Id":
-                headers.setdefault(f"Bridge-Orig-{key}", value)
-        self.metrics.dead_letters.labels(reason=reason).inc()
-        log.warning("dead_letter", reason=reason, raw_seq=meta.sequence.stream, error=error[:200])
-        return await self.js.publish_async(subj.dlq_subject(reason), body, headers=headers)
+        error_type, detail = deadletter.error_parts(error, reason)
+        original = deadletter.Original(S.HERMES_RAW, meta.sequence.stream, msg.subject, msg.data, msg.headers)
+        letter = deadletter.build("mapper", reason, error_type, detail, original, self.policy)
+        self.metrics.dead_letter(reason).inc()
+        log.warning("dead_letter", reason=reason, raw_seq=meta.sequence.stream, error=letter.headers["Bridge-Dlq-Error"][:200])
+        return await self.js.publish_async(subj.dlq_subject(reason), letter.body, headers=letter.headers)
 
     # ------------------------------------------------------------ the loop
 
@@ -536,7 +528,7 @@ class Mapper:
         delivered = msg.metadata.num_delivered
         if delivered >= S.MAPPER_MAX_DELIVER:
             try:
-                fut = await self.dead_letter(msg, "max_deliver", f"{type(exc).__name__}: {exc}")
+                fut = await self.dead_letter(msg, "max_deliver", exc)
                 await asyncio.wait_for(fut, timeout=10)
                 await msg.ack()
             except Exception as inner:

@@ -65,13 +65,16 @@ from nats.js.object_store import ObjectStore
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from bridge.config import PAIRING_METRICS_PORT, Settings
-from bridge.core.aep import decode_event, encode_event
+from bridge.core import deadletter
+from bridge.core.aep import PAYLOAD_TYPES, decode_event, encode_event
+from bridge.core.capture import CapturePolicy, Redactor, configure
+from bridge.core.deadletter import KNOWN_REASONS as DLQ_REASONS
 from bridge.core.pairing import PairingInputError, PairingState
 from bridge.nats import streams as S
 from bridge.nats import subjects as subj
 from bridge.nats.connection import connect_service
 from bridge.nats.lookup import SERVER_MARGIN_NS, find_msg_id, stored_ns
-from bridge.services.runtime import Health, HttpServer, Stopper, close_connection, watch_connection
+from bridge.services.runtime import BoundedLabel, Health, HttpServer, Stopper, close_connection, watch_connection
 
 log = structlog.get_logger("aep_bridge.pairing")
 
@@ -131,12 +134,19 @@ class PairingMetrics:
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60), registry=registry,
         )
         self._types: dict[str, Any] = {}
+        # Types and reasons come from the mapped stream: bounded (`BoundedLabel`).
+        self.type_label = BoundedLabel(known=PAYLOAD_TYPES)
+        self.reason_label = BoundedLabel(known=DLQ_REASONS, cap=16, shape=r"[a-z][a-z0-9_]{0,39}")
 
     def event_out(self, event_type: str) -> Any:
-        child = self._types.get(event_type)
+        label = self.type_label(event_type)
+        child = self._types.get(label)
         if child is None:
-            child = self._types[event_type] = self.events_out.labels(type=event_type)
+            child = self._types[label] = self.events_out.labels(type=label)
         return child
+
+    def dead_letter(self, reason: str) -> Any:
+        return self.dead_letters.labels(reason=self.reason_label(reason))
 
 
 class CheckpointUnreadable(RuntimeError):
@@ -180,8 +190,11 @@ class Partition:
 
 class PairingService:
     def __init__(self, settings: Settings, replica: str | None = None, registry: CollectorRegistry | None = None,
-                 lease_ttl_s: float | None = None, tick_s: float | None = None) -> None:
+                 lease_ttl_s: float | None = None, tick_s: float | None = None, policy: CapturePolicy | None = None) -> None:
         self.settings = settings
+        # Only for dead letters (the mapped events are capture-gated by the mapper already).
+        self.policy = policy or configure(settings.capture, settings.capture_overrides, (), Redactor(
+            secret_values=settings.secret_values(), home=os.path.expanduser("~")))[0]
         self.replica = replica or f"{socket.gethostname()}-{os.getpid()}"
         self.registry = registry or CollectorRegistry()
         self.metrics = PairingMetrics(self.registry, settings.partitions)
@@ -401,8 +414,8 @@ class PairingService:
         except Exception as exc:  # decode errors, or an input the state machine rejects
             reason = "bad_mapped" if isinstance(exc, (msgspec.DecodeError, msgspec.ValidationError, PairingInputError)) \
                 else "pairing_error"
-            log.error("pairing_dead_letter", partition=part.number, position=position, error=f"{type(exc).__name__}: {exc}")
-            await self.dead_letter(msg, reason, f"{type(exc).__name__}: {exc}")
+            log.error("pairing_dead_letter", partition=part.number, position=position, error=type(exc).__name__)
+            await self.dead_letter(msg, reason, exc)
             return [], None
         if position <= part.published:  # the previous owner published these and saw the acks
             if out:
@@ -459,16 +472,14 @@ class PairingService:
                 # them: one whose ack was lost with a dying server must not hang the partition.
                 asyncio.get_running_loop().call_later(10.0, lambda: fut.done() or fut.cancel())
 
-    async def dead_letter(self, msg: Any, reason: str, error: str) -> None:
-        headers = {
-            "Nats-Msg-Id": f"dlq:{S.BRIDGE_MAPPED}:{msg.metadata.sequence.stream}",
-            "Bridge-Dlq-Reason": reason,
-            "Bridge-Dlq-Error": error.replace("\n", " ")[:1000],
-            "Bridge-Stage": "pairing",
-            "Bridge-Mapped-Subject": msg.subject,
-        }
-        self.metrics.dead_letters.labels(reason=reason).inc()
-        await self.js.publish(subj.dlq_subject(reason), msg.data, headers=headers)
+    async def dead_letter(self, msg: Any, reason: str, error: BaseException | str) -> None:
+        """Publish the dead letter of a mapped message (`bridge.core.deadletter`: no more than
+        the capture policy lets through) to `bridge.dlq.<reason>`."""
+        error_type, detail = deadletter.error_parts(error, reason)
+        original = deadletter.Original(S.BRIDGE_MAPPED, msg.metadata.sequence.stream, msg.subject, msg.data)
+        letter = deadletter.build("pairing", reason, error_type, detail, original, self.policy)
+        self.metrics.dead_letter(reason).inc()
+        await self.js.publish(subj.dlq_subject(reason), letter.body, headers=letter.headers)
 
     async def run_partition(self, part: Partition) -> None:
         n = part.number

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import signal
 import sys
 import threading
@@ -35,6 +36,33 @@ import structlog
 from prometheus_client import CollectorRegistry, make_wsgi_app
 
 from bridge.services.profiling import start_allocation_profiler, stop_allocation_profiler
+
+
+OTHER = "other"
+
+
+class BoundedLabel:
+    """Label values that come from the wire (hook names, drift values, instances, DLQ
+    reasons), bounded so no input can grow a metric's series without limit: a ``known``
+    value is its own label; up to ``cap`` further values that fullmatch ``shape`` are
+    admitted first come (``forget`` frees a slot); everything else is ``other``."""
+
+    def __init__(self, known: Any = (), cap: int = 0, shape: str = r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}") -> None:
+        self.known = frozenset(known)
+        self.cap = cap
+        self.shape = re.compile(shape)
+        self.admitted: set[str] = set()
+
+    def __call__(self, value: str) -> str:
+        if value in self.known or value in self.admitted:
+            return value
+        if len(self.admitted) < self.cap and isinstance(value, str) and self.shape.fullmatch(value):
+            self.admitted.add(value)
+            return value
+        return OTHER
+
+    def forget(self, value: str) -> None:
+        self.admitted.discard(value)
 
 
 def configure_logging(fmt: str = "json", level: str = "info") -> None:

@@ -355,10 +355,14 @@ class Verifier:
         if not self.canaries:
             return
         blobs = [m.data]
-        if b'"raw_encoding":"base64"' in m.data:  # non-UTF-8 input kept as base64: look inside
+        if b'"raw_encoding":"base64"' in m.data or b'"content_base64"' in m.data:  # kept as base64: look inside
             try:
-                blobs.append(binascii.a2b_base64(json.loads(m.data)["raw"]))
-            except (ValueError, KeyError, TypeError):
+                doc = json.loads(m.data)
+                inner = doc.get("content") if isinstance(doc.get("content"), dict) else doc  # a dead letter's content
+                for b64 in (inner.get("raw"), doc.get("content_base64")):
+                    if isinstance(b64, str):
+                        blobs.append(binascii.a2b_base64(b64))
+            except (ValueError, KeyError, TypeError, AttributeError):
                 pass
         if m.headers:
             blobs.extend(v.encode("utf-8", "replace") for v in m.headers.values() if isinstance(v, str))
@@ -423,10 +427,12 @@ class Verifier:
         reason = h.get("Bridge-Dlq-Reason", m.subject.rsplit(".", 1)[-1])
         self.dlq_reasons[reason] += 1
         if h.get("Bridge-Stage") == "pairing":
-            try:
-                eid = json.loads(m.data).get("id")
-            except ValueError:
-                return
+            eid = h.get("Bridge-Event-Id")  # the event's id (bridge.core.deadletter); its body holds no event
+            if eid is None:
+                try:
+                    eid = (json.loads(m.data).get("original") or {}).get("id")
+                except (ValueError, AttributeError):
+                    return
             if isinstance(eid, str):
                 self.dlq_event_ids[eid] = reason
         elif h.get("Bridge-Raw-Seq", "").isdigit():

@@ -4,6 +4,7 @@ and what it writes to the dead-letter stream."""
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import random
 import subprocess
@@ -13,6 +14,7 @@ import time
 import pytest
 
 from bridge.config import Settings
+from bridge.core import deadletter
 from bridge.core.aep import encode_event
 from bridge.core.capture import CapturePolicy
 from bridge.nats.lanes import epoch_of
@@ -68,13 +70,17 @@ def test_two_mappers_produce_exactly_what_map_gives(nats_server_fn, tmp_path):
         approvals = [e for e in by_type if e["type"] == "attention.requested" and "20261130_224954_177c7f" in e.get("run", "")]
         assert approvals and all(e["session"] == "20261130_224954_177c7f" for e in approvals)
 
-        # The garbage landed in the DLQ with its reason, original bytes kept.
+        # The garbage landed in the DLQ with its reason and the position of the original
+        # (at the default capture, none of its content: docs/ARCHITECTURE.md "Dead letters").
         dlq = client.fetch("bridge.dlq.>", stream="BRIDGE_DLQ", expected=1, timeout=10)
         assert len(dlq) == 1
         assert dlq[0].subject == "bridge.dlq.shim_not_utf8"
         assert dlq[0].headers["Bridge-Dlq-Reason"] == "shim_not_utf8"
         assert int(dlq[0].headers["Bridge-Raw-Seq"]) == raw[-1].seq
-        assert dlq[0].data == raw[-1].data
+        letter = json.loads(dlq[0].data)
+        assert letter["original"]["seq"] == raw[-1].seq and letter["original"]["bytes"] == len(raw[-1].data)
+        assert letter["original"]["sha256"] == hashlib.sha256(raw[-1].data).hexdigest()[:32]
+        assert letter["original"]["id"] == json.loads(raw[-1].data)["id"] and "content" not in letter
         assert all(m.alive() for m in mappers), "no consumer loop died"
     finally:
         for m in mappers:
@@ -165,34 +171,34 @@ def test_recreating_the_raw_stream_raises_the_epoch(nats_server_fn, tmp_path):
 SECRET = "AKIAABCDEFGHIJKLMNOP"
 
 
-def dlq_mapper(policy: CapturePolicy | None = None) -> Mapper:
-    return Mapper(Settings(), policy or CapturePolicy())
+def letter(policy: CapturePolicy, data: bytes) -> dict:
+    original = deadletter.Original("HERMES_RAW", 7, "hermes.raw.i._invalid", data)
+    return json.loads(deadletter.build("mapper", "shim_not_json", "shim_not_json", "not_json: ...", original, policy).body)
 
 
 def test_dead_letter_bodies_are_redacted_unless_everything_is_full():
-    """Dead letters kept planted secrets verbatim for 30 days (found by the fleet simulator, issue 8):
-    the mapper redacts the body (and the error header) unless every capture ceiling is `full`."""
-    m = dlq_mapper()
+    """Dead letters kept planted secrets verbatim for 30 days (found by the fleet simulator, issue 8).
+    Since issue 13, below `redacted` a dead letter has no content at all (see
+    tests/services/test_hostile_capture.py); at `redacted` its content is redacted."""
+    redacted = CapturePolicy(default="redacted", overrides={})
     raw = {"v": 1, "id": "X", "instance": "i", "ts": 1, "hook": "_invalid", "error": "not_json: ...",
            "raw": f"{{broken json with key {SECRET} and password=hunter2xx", "raw_encoding": "utf-8", "raw_bytes": 50}
-    body, redacted = m.dlq_body(json.dumps(raw).encode())
-    assert redacted and SECRET.encode() not in body and b"hunter2xx" not in body
-    assert json.loads(body)["id"] == "X" and json.loads(body)["error"] == "not_json: ..."  # structure kept
-
-    clean = json.dumps({"v": 1, "id": "Y", "hook": "_invalid", "raw": "nothing secret"}).encode()
-    assert m.dlq_body(clean) == (clean, False)  # untouched bytes when nothing needs redacting
+    body = letter(redacted, json.dumps(raw).encode())
+    assert SECRET not in json.dumps(body) and "hunter2xx" not in json.dumps(body)
+    assert body["content"]["id"] == "X" and body["content"]["error"] == "not_json: ..."  # structure kept
+    assert body["original"]["id"] == "X" and body["capture"] == "redacted"
 
     text = f"not json at all, token {SECRET}".encode()
-    body, redacted = m.dlq_body(text)
-    assert redacted and SECRET.encode() not in body
+    body = letter(redacted, text)
+    assert SECRET not in body["content_text"] and "not json at all" in body["content_text"]
 
     hidden = base64.b64encode(b"\xff\xfe" + f"export KEY={SECRET}".encode() + b"\x80").decode()
     raw_b64 = json.dumps({"v": 1, "id": "Z", "hook": "_invalid", "raw": hidden, "raw_encoding": "base64"}).encode()
-    body, redacted = m.dlq_body(raw_b64)
-    assert redacted and SECRET.encode() not in body and hidden.encode() not in body
-    assert json.loads(body)["raw_encoding"] == "utf-8-replaced"
+    body = letter(redacted, raw_b64)
+    assert SECRET not in json.dumps(body) and hidden not in json.dumps(body)
+    assert body["content"]["raw_encoding"] == "utf-8-replaced"
 
-    full = dlq_mapper(CapturePolicy(default="full", overrides={}))
-    assert full.dlq_body(json.dumps(raw).encode()) == (json.dumps(raw).encode(), False)
-    assert dlq_mapper(CapturePolicy(default="full")).dlq_body(json.dumps(raw).encode())[1], \
+    assert letter(CapturePolicy(default="full", overrides={}), json.dumps(raw).encode())["content"] == raw
+    assert "content" in letter(CapturePolicy(default="full"), json.dumps(raw).encode()) and \
+        SECRET not in json.dumps(letter(CapturePolicy(default="full"), json.dumps(raw).encode())), \
         "attention=redacted (the default override) keeps dead letters redacted"

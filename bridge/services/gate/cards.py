@@ -145,7 +145,7 @@ class Cards(GateBase):
             self.metrics.open.set(len(self.cards))
             self.metrics.cards.labels(state=t.state).inc()
         if ack is not None and cmd is not None:
-            self.metrics.commands.labels(type=cmd.type, ack=t.ack).inc()
+            self.metrics.command(cmd.type, t.ack).inc()
         log.info("card_settled", card=card.id, trigger=trigger, state=t.state, command=cmd.id if cmd else None)
         return True
 

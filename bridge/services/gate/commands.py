@@ -45,7 +45,7 @@ class Commands(Cards, Steering):
             return  # our own acks match the filter too
         cmd, malformed = parse_command(msg.data, token, ctype)
         if cmd is None:
-            self.metrics.commands.labels(type=ctype[:64], ack="dropped").inc()
+            self.metrics.command(ctype, "dropped").inc()
             log.warning("command_dropped", subject=msg.subject, why="not JSON or no id: cannot be acked")
             return
         stream_seq = msg.metadata.sequence.stream
@@ -54,7 +54,7 @@ class Commands(Cards, Steering):
             action = dedupe_action(record, stream_seq)
             if action == "reack":
                 await self.publish([record.ack.encode()])
-                self.metrics.commands.labels(type=cmd.type, ack="reack").inc()
+                self.metrics.command(cmd.type, "reack").inc()
             elif action == "republish":
                 await self.publish([e.encode() for e in record.events])
             elif action == "resume":
@@ -99,7 +99,7 @@ class Commands(Cards, Steering):
         ack = self.ack_event(where, cmd, seq, now, reject)
         await self.record(cmd, token, "", ack, [ack], stream_seq)
         await self.publish([ack])
-        self.metrics.commands.labels(type=cmd.type[:64], ack=reject.reason if reject else "accepted").inc()
+        self.metrics.command(cmd.type, reject.reason if reject else "accepted").inc()
 
     async def resume(self, token: str, cmd: Command) -> None:
         """The gate stopped while releasing this command's card: finish what it started."""

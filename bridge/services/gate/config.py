@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from bridge.config import load_environ
 from bridge.core.capture import CapturePolicy
-from bridge.core.control import ACK_WINDOW_MS, accepted_verbs
+from bridge.core.control import ACK_WINDOW_MS, INSTRUCT, RESPOND, accepted_verbs
+from bridge.services.runtime import BoundedLabel
 
 RAW_DURABLE = "gate"
 COMMAND_DURABLE = "gate-commands"
@@ -59,3 +61,8 @@ class GateMetrics:
         self.cards = Counter(f"{ns}_cards_total", "Held calls by how they ended", ["state"], registry=registry)
         self.open = Gauge(f"{ns}_open_cards", "Held calls open now", registry=registry)
         self.instructions = Counter(f"{ns}_instructions_total", "Instructions queued, delivered, dropped", ["event"], registry=registry)
+        # A command's type comes from the wire: the known ones by name, the rest `other`.
+        self.type_label = BoundedLabel(known=(RESPOND, INSTRUCT, "control.cancel", "control.pause", "control.resume"))
+
+    def command(self, command_type: str, ack: str) -> Any:
+        return self.commands.labels(type=self.type_label(command_type), ack=ack)

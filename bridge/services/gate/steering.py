@@ -52,7 +52,7 @@ class Steering(GateBase):
         await self.record(cmd, token, "", ack, [ack], stream_seq)
         await self.kv_put(self.queues, f"q.{token}", queue, revision=rev)
         await self.publish([ack])
-        self.metrics.commands.labels(type=cmd.type, ack="accepted").inc()
+        self.metrics.command(cmd.type, "accepted").inc()
         self.metrics.instructions.labels(event="queued").inc()
         return None
 
