@@ -243,15 +243,15 @@ def test_a_dead_letter_keeps_no_more_than_the_ceiling_allows(nats_server_fn, tmp
     (tmp_path / "p").mkdir()
     pairing = Service("pairing", nats_server_fn.url, tmp_path / "p").start()
     now = time.time_ns()
-    invalid = {"v": 1, "id": "01JHOSTILE0000000000000001", "instance": "gw1", "ts": now, "hook": "_invalid",
+    invalid = {"v": 1, "id": "01JH0ST1EE0000000000000001", "instance": "gw1", "ts": now, "hook": "_invalid",
                "error": "not_json: Expecting value",
                "raw": "my plan CANARY-PLAN-1, https://bob:CANARYPASS1@git.test and password=CANARYPW1",
                "raw_encoding": "utf-8", "raw_bytes": 90}
-    no_hook = {"v": 1, "id": "01JHOSTILE0000000000000002", "instance": "gw1", "ts": now, "hook": "pre_tool_call",
+    no_hook = {"v": 1, "id": "01JH0ST1EE0000000000000002", "instance": "gw1", "ts": now, "hook": "pre_tool_call",
                "envelope": {"tool_name": "terminal", "tool_input": {"password": "CANARYPW2", "command": "echo CANARY-CMD-2"},
                             "extra": {"user_message": "free text CANARY-MSG-2", "result": "tool output CANARY-RES-2"}}}
     # The shim's error code names the DLQ subject: a publisher's text there must not.
-    coded = {**invalid, "id": "01JHOSTILE0000000000000004", "error": "password=CANARYPW4: x"}
+    coded = {**invalid, "id": "01JH0ST1EE0000000000000004", "error": "password=CANARYPW4: x"}
     held = {"Nats-Msg-Id": no_hook["id"], "Aep-Gate-Reply": "_INBOX.abcdefabcdef.g", "Aep-Gate-Hold-Ms": "55000",
             "X-Reply-To": "_INBOX.zzz", "X-Note": "CANARY-HDR-2"}
     try:
@@ -329,7 +329,7 @@ def test_metric_labels_stay_bounded_whatever_the_raw_stream_holds(nats_server_fn
     admitted, the rest `other`)."""
     from bridge.core.aep import PAYLOAD_TYPES
     from bridge.core.mapping import HOOKS
-    from bridge.local.server import free_port
+    from bridge.stack.server import free_port
     from bridge.services import mapper as mapper_service
     from tests.natsfixture import JetStreamClient
     from tests.support.services import Service, wait_for
@@ -387,7 +387,7 @@ def test_metric_labels_stay_bounded_whatever_the_raw_stream_holds(nats_server_fn
 
 def test_pairing_and_gate_metric_labels_are_bounded():
     from bridge.core.aep import PAYLOAD_TYPES
-    from bridge.services.gate import GateMetrics
+    from bridge.services.gate.config import GateMetrics
     from bridge.services.pairing import PairingMetrics
 
     registry = CollectorRegistry()
