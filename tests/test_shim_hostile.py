@@ -182,7 +182,7 @@ def test_unwritable_spool_dir_falls_back_and_drops_are_visible(nats_server_fn: N
     instance = unique("fallback")
     tmpdir = tmp_path / "tmp"
     tmpdir.mkdir()
-    env = shim_env(nats_server_fn.url, blocker / "spool", instance, spool_max_bytes=3000)
+    env = shim_env(nats_server_fn.url, blocker / "spool", instance, spool_max_bytes=1000)
     env["TMPDIR"] = str(tmpdir)
     runs = [run_hook(numbered(i), env) for i in range(6)]
     assert all(r.answered_empty_object for r in runs), runs

@@ -131,6 +131,10 @@ class MapperMetrics:
             f"{ns}_ack_floor_reads_total", "Lane waits that asked the server for the consumer's ack floor", registry=registry,
         )
         self.epoch = Gauge(f"{ns}_epoch", "The AEP epoch in use (HERMES_RAW creation time)", registry=registry)
+        self.shim_dropped = Counter(
+            "aep_bridge_shim_spool_dropped", "Events the shims dropped at the edge (spool full or unwritable), "
+            "as reported in a later raw message's edge.spool_dropped", registry=registry,
+        )
         self._hooks: dict[str, Any] = {}
         self._types: dict[str, Any] = {}
         self._instances: dict[str, float] = {}  # instance -> monotonic time of its last message here
@@ -152,6 +156,14 @@ class MapperMetrics:
             del self._instances[instance]
             self.last_seen.remove(instance)
         return gone
+
+    def edge_seen(self, raw: Any) -> None:
+        """Count what a shim reports in ``edge.spool_dropped`` (the shim reports each drop once)."""
+        edge = raw.edge if isinstance(raw.edge, dict) else None
+        if edge and isinstance(edge.get("spool_dropped"), dict):
+            n = edge["spool_dropped"].get("records")
+            if type(n) is int and 0 < n < 1 << 40:
+                self.shim_dropped.inc(n)
 
     # Labelled children cached per value: `labels()` costs ~2 us, on the per-event path.
     def hook_in(self, hook: str) -> Any:
@@ -333,6 +345,8 @@ class Mapper:
                 log.info("resend_dropped", raw_seq=raw_seq, raw_id=raw.id)
                 return [], 0
             self.metrics.hook_in(raw.hook or "unknown").inc()
+            if raw.edge:
+                self.metrics.edge_seen(raw)
             record = record_from_raw(raw)
             assert self.lanes is not None
             if not record.envelope.session_id and await self.lanes.prefetch(record.envelope):
