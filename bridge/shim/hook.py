@@ -8,11 +8,14 @@ NATS answers, without ever losing the event silently.
 
 Theory of operation
 -------------------
-1. Read all of stdin (bytes). Stamp a ULID ``id`` (time part = receive time),
-   ``ts`` (receive time, ns) and ``instance``; wrap the envelope in the raw
-   message of docs/ARCHITECTURE.md. Input that is empty, not UTF-8, not JSON
-   or not an object is published too, as ``hook: "_invalid"`` with the reason
-   and the raw text (base64 when not UTF-8).
+1. Read all of stdin (bytes) until EOF, the deadline (a pipe that never closes is cut by
+   SIGALRM: ``stdin_timeout``) or 128 MiB (``truncated``). Stamp a ULID ``id`` (time
+   part = receive time), ``ts`` (receive time, ns) and ``instance``; wrap the envelope
+   in the raw message of docs/ARCHITECTURE.md. Input that is empty, incomplete, not
+   UTF-8, not JSON or not an object is published too, as ``hook: "_invalid"`` with the
+   reason and the raw text (base64 when not UTF-8). The values of the variables named by
+   ``AEP_BRIDGE_REDACT_NAMES`` are replaced first (``edge.redacted``); NaN/Infinity
+   become null (``edge.nonfinite``): the body is always RFC 8259 JSON.
 2. Edge trimming: drop ``extra.conversation_history`` and the API bodies;
    replace the digest-bearing fields (``tool_input``, ``extra.result``, ...)
    whole, and any other single string, by ``{"$aep_stub": true, "digest",
@@ -40,20 +43,28 @@ Theory of operation
    lock is a torn tail: it is moved to ``<token>.torn-<ns>``; a line failing
    its CRC goes to ``<token>.corrupt``; a message JetStream rejects for good
    (4xx) goes to ``<token>.rejected``. None is ever replayed as garbage.
-   Every invocation first replays what it can within its deadline, then
-   publishes its own event, or appends it behind the remaining spool (order).
-   ``Nats-Msg-Id`` makes a resend after a lost ack a no-op within the stream's
-   duplicate window. Past ``AEP_BRIDGE_SPOOL_MAX_BYTES`` of pending records a
-   new record is dropped, counted in ``<token>.dropped`` and reported on stderr
-   (and by ``aep-bridge spool status``); an unwritable spool is reported on
-   stderr too, and the hook still answers ``{}`` in time.
+   Every invocation first replays what it can within its deadline (a record over
+   max(max_payload, 1 MiB), which only older shims wrote, is left for ``spool drain``),
+   then publishes its own event, or appends it behind the remaining spool (order). A
+   record is fitted to 1 MiB before it is spooled: nothing is spooled that cannot be
+   published. ``Nats-Msg-Id`` makes a resend after a lost ack a no-op within the stream's
+   duplicate window. Spool files are opened ``O_NOFOLLOW|O_NONBLOCK`` and used only when
+   they are regular files of our uid. When the spool directory cannot be written, the
+   private ``$TMPDIR/aep-bridge-<uid>`` (0700, owner-checked) takes the records, and keeps
+   them while it holds any (order); replay drains the primary first. Past
+   ``AEP_BRIDGE_SPOOL_MAX_BYTES`` of pending records, or with no writable spool, a record
+   is dropped, counted in ``<token>.dropped`` (``aep-bridge spool status``), reported on
+   stderr and, once, in the next message's ``edge.spool_dropped`` (a mapper counter).
+   The hook still answers ``{}`` in time.
 5. Always write ``{}`` to stdout and exit 0 (diagnostics go to stderr, which
    Hermes logs at debug level; a non-zero exit would only add warnings).
 
 Configuration: the ``AEP_BRIDGE_*`` variables of docs/ARCHITECTURE.md, from the
 environment (inherited from Hermes) over the optional ``KEY=VALUE`` file named by
 ``AEP_BRIDGE_CONFIG`` (default ``~/.config/aep-bridge/env``; ``aep-bridge hermes
-install`` writes it). Same names and precedence as ``bridge/config.py``.
+install`` writes it). Same names and precedence as ``bridge/config.py``. Odd values
+(out-of-range numbers, a settings file that is not a small regular file: ``/dev/zero``, a
+FIFO) are reported on stderr and replaced by the defaults; they never crash or hang the hook.
 
 Why it looks like this (measured on the 2-core dev box, Python 3.11, ``-X importtime``
 and median wall time of 60 spawns; a bare ``python -I -S -c pass`` spawn: ~10 ms):
