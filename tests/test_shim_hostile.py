@@ -393,3 +393,16 @@ def test_redact_names_values_are_replaced_at_the_edge(nats_server: NatsServer, j
 
 def test_redact_marker_matches_the_core() -> None:
     assert hook.SECRET_MARK == SECRET
+
+
+def test_redact_names_reach_invalid_input_and_the_hook_name() -> None:
+    secret = "pw-9f8e7d6c5b"
+    cfg = hook.Config({"AEP_BRIDGE_CONFIG": "/nonexistent", "AEP_BRIDGE_INSTANCE": "unit",
+                       "AEP_BRIDGE_REDACT_NAMES": "PW", "PW": secret})
+    bad = hook.build_record(f"not json {secret}".encode(), cfg)
+    msg = json.loads(bad.body)
+    assert msg["hook"] == "_invalid" and secret not in bad.body.decode()
+    assert msg["raw"] == f"not json {SECRET}" and msg["edge"] == {"redacted": ["raw"]}
+    named = hook.build_record(json.dumps({"hook_event_name": f"x_{secret}", "session_id": "s"}).encode(), cfg)
+    assert secret not in named.body.decode() and secret not in named.subject
+    assert json.loads(named.body)["edge"]["redacted"] == ["hook_event_name"]

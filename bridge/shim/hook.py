@@ -391,7 +391,8 @@ class Config:
             except ValueError:
                 value = None
             if value is None or not lo <= value <= hi:
-                _warn("AEP_BRIDGE_%s=%.40r is not an integer in [%d, %d]; using the default %d" % (name, raw, lo, hi, default))
+                _warn("AEP_BRIDGE_%s=%.40r is not an integer in [%d, %d]; using the default %d"
+                      % (name, raw, lo, hi, default))
                 return default
             return value
 
@@ -1937,8 +1938,12 @@ class _StdinTimeout(Exception):
     pass
 
 
+_reading = [False]
+
+
 def _on_alarm(signum, frame):
-    raise _StdinTimeout()
+    if _reading[0]:  # a late alarm after the read loop must not break what follows
+        raise _StdinTimeout()
 
 
 def read_stdin(deadline=None):
@@ -1955,8 +1960,8 @@ def read_stdin(deadline=None):
             import _signal
 
             _signal.signal(_signal.SIGALRM, _on_alarm)
+            _reading[0] = timer = True
             _signal.setitimer(_signal.ITIMER_REAL, max(deadline - t0, 0.001))
-            timer = True
         while total <= STDIN_MAX_BYTES:
             b = posix.read(0, 1 << 20)
             if not b:
@@ -1965,11 +1970,13 @@ def read_stdin(deadline=None):
             total += len(b)
         else:
             why = "truncated: input over %d bytes; the rest was not read" % STDIN_MAX_BYTES
+        _reading[0] = False
     except _StdinTimeout:
         why = "stdin_timeout: no end of input after %d ms (%d bytes read)" % ((time.monotonic() - t0) * 1000, total)
     except OSError:
         pass
     finally:
+        _reading[0] = False
         if timer:
             _signal.setitimer(_signal.ITIMER_REAL, 0)
     return b"".join(chunks), why
