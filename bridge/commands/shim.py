@@ -93,13 +93,17 @@ def cmd_spool_status(args: argparse.Namespace) -> int:
     from bridge.shim import hook
 
     cfg = _shim_config(args)
-    st = hook.Spool(cfg.spool_dir, cfg.instance, cfg.spool_max_bytes).status()
+    st = hook.spool_for(cfg).status()
     if args.json:
         print(json.dumps(st, indent=2, sort_keys=True))
         return 0
     print(f"spool          {st['path']}")
     print(f"pending        {st['pending_records']} record(s), {st['pending_bytes']} bytes (cap {st['max_bytes']})")
-    print(f"dropped        {st['dropped_records']} record(s), {st['dropped_bytes']} bytes over the cap")
+    fb = st.get("fallback")
+    if fb and (fb["pending_records"] or fb["file_bytes"] or fb["torn_tail_bytes"]):
+        print(f"fallback       {fb['path']}: {fb['pending_records']} record(s), {fb['pending_bytes']} bytes "
+              f"(spooled while {cfg.spool_dir} could not be written)")
+    print(f"dropped        {st['dropped_records']} record(s), {st['dropped_bytes']} bytes (spool full or unwritable)")
     if st["torn_tail_bytes"]:
         print(f"torn tail      {st['torn_tail_bytes']} bytes (set aside at the next replay)")
     aside = st["set_aside_files"]
@@ -112,10 +116,11 @@ def cmd_spool_drain(args: argparse.Namespace) -> int:
     from bridge.shim import hook
 
     cfg = _shim_config(args)
-    spool = hook.Spool(cfg.spool_dir, cfg.instance, cfg.spool_max_bytes)
+    spool = hook.spool_for(cfg)
     start = spool.status()
-    total = start["pending_records"]
-    if not total and not start["torn_tail_bytes"]:
+    fb = start.get("fallback") or {"pending_records": 0, "torn_tail_bytes": 0}
+    total = start["pending_records"] + fb["pending_records"]
+    if not total and not start["torn_tail_bytes"] and not fb["torn_tail_bytes"]:
         print(f"spool {spool.path}: nothing to drain")
         return 0
     last = [0.0]

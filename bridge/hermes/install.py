@@ -57,7 +57,7 @@ from bridge.config import DEFAULT_DEADLINE_MS, Settings, load_environ, read_env_
 from bridge.core.control import DEFAULT_HOLD_MS
 from bridge.nats import streams as S
 from bridge.nats.connection import NatsConnectError, quick_connect
-from bridge.shim.hook import Spool
+from bridge.shim.hook import Spool, fallback_spool_dir
 
 HOOK_SOURCE = Path(__file__).resolve().parent.parent / "shim" / "hook.py"
 ALLOWLIST_FILENAME = "shell-hooks-allowlist.json"
@@ -719,12 +719,15 @@ def _nats_checks(home: Path, timeout: float) -> list[Check]:
         asyncio.run(probe())
     except NatsConnectError as exc:
         checks.append(Check(False, str(exc) + " (events are spooled meanwhile)"))
-    spool = Spool(str(settings.spool_dir), settings.instance, settings.spool_max_bytes)
+    spool = Spool(str(settings.spool_dir), settings.instance, settings.spool_max_bytes,
+                  fallback_spool_dir(os.environ))
     st = spool.status()
-    if st["pending_records"] or st["dropped_records"]:
+    pending = st["pending_records"] + st.get("fallback", {}).get("pending_records", 0)
+    if pending or st["dropped_records"]:
+        where = st["path"] + (f" (and {st['fallback']['path']})" if st.get("fallback", {}).get("pending_records") else "")
         checks.append(Check(
             False,
-            f"spool {st['path']}: {st['pending_records']} pending, {st['dropped_records']} dropped "
+            f"spool {where}: {pending} pending, {st['dropped_records']} dropped "
             "(`aep-bridge spool drain` / `status`)",
             warning=not st["dropped_records"],
         ))

@@ -145,6 +145,10 @@ class MapperMetrics:
         self.drift_label = BoundedLabel(known=("missing",), cap=8)
         self.reason_label = BoundedLabel(known=DLQ_REASONS, cap=16, shape=r"[a-z][a-z0-9_]{0,39}")
         self.instance_label = BoundedLabel(cap=MAX_INSTANCE_SERIES, shape=r"[A-Za-z0-9_-]{1,128}")
+        self.shim_dropped = Counter(
+            "aep_bridge_shim_spool_dropped", "Events the shims dropped at the edge (spool full or unwritable), "
+            "as reported in a later raw message's edge.spool_dropped", registry=registry,
+        )
         self._hooks: dict[str, Any] = {}
         self._types: dict[str, Any] = {}
         self._instances: dict[str, float] = {}  # instance label -> monotonic time of its last message here
@@ -183,6 +187,14 @@ class MapperMetrics:
             if instance == OTHER:
                 self._other_ts = 0.0
         return gone
+
+    def edge_seen(self, raw: Any) -> None:
+        """Count what a shim reports in ``edge.spool_dropped`` (the shim reports each drop once)."""
+        edge = raw.edge if isinstance(raw.edge, dict) else None
+        if edge and isinstance(edge.get("spool_dropped"), dict):
+            n = edge["spool_dropped"].get("records")
+            if type(n) is int and 0 < n < 1 << 40:
+                self.shim_dropped.inc(n)
 
     # Labelled children cached per label (not per raw value: the cache is bounded too);
     # `labels()` costs ~2 us, on the per-event path.
@@ -290,6 +302,8 @@ class Mapper:
                 log.info("resend_dropped", raw_seq=raw_seq, raw_id=raw.id)
                 return [], 0
             self.metrics.hook_in(raw.hook or "unknown").inc()
+            if raw.edge:
+                self.metrics.edge_seen(raw)
             record = record_from_raw(raw, checked=True)
             assert self.lanes is not None
             if not record.envelope.session_id and await self.lanes.prefetch(record.envelope):

@@ -8,11 +8,14 @@ NATS answers, without ever losing the event silently.
 
 Theory of operation
 -------------------
-1. Read all of stdin (bytes). Stamp a ULID ``id`` (time part = receive time),
-   ``ts`` (receive time, ns) and ``instance``; wrap the envelope in the raw
-   message of docs/ARCHITECTURE.md. Input that is empty, not UTF-8, not JSON
-   or not an object is published too, as ``hook: "_invalid"`` with the reason
-   and the raw text (base64 when not UTF-8).
+1. Read all of stdin (bytes) until EOF, the deadline (a pipe that never closes is cut by
+   SIGALRM: ``stdin_timeout``) or 128 MiB (``truncated``). Stamp a ULID ``id`` (time
+   part = receive time), ``ts`` (receive time, ns) and ``instance``; wrap the envelope
+   in the raw message of docs/ARCHITECTURE.md. Input that is empty, incomplete, not
+   UTF-8, not JSON or not an object is published too, as ``hook: "_invalid"`` with the
+   reason and the raw text (base64 when not UTF-8). The values of the variables named by
+   ``AEP_BRIDGE_REDACT_NAMES`` are replaced first (``edge.redacted``); NaN/Infinity
+   become null (``edge.nonfinite``): the body is always RFC 8259 JSON.
 2. Edge trimming: drop ``extra.conversation_history`` and the API bodies;
    replace the digest-bearing fields (``tool_input``, ``extra.result``, ...)
    whole, and any other single string, by ``{"$aep_stub": true, "digest",
@@ -40,20 +43,28 @@ Theory of operation
    lock is a torn tail: it is moved to ``<token>.torn-<ns>``; a line failing
    its CRC goes to ``<token>.corrupt``; a message JetStream rejects for good
    (4xx) goes to ``<token>.rejected``. None is ever replayed as garbage.
-   Every invocation first replays what it can within its deadline, then
-   publishes its own event, or appends it behind the remaining spool (order).
-   ``Nats-Msg-Id`` makes a resend after a lost ack a no-op within the stream's
-   duplicate window. Past ``AEP_BRIDGE_SPOOL_MAX_BYTES`` of pending records a
-   new record is dropped, counted in ``<token>.dropped`` and reported on stderr
-   (and by ``aep-bridge spool status``); an unwritable spool is reported on
-   stderr too, and the hook still answers ``{}`` in time.
+   Every invocation first replays what it can within its deadline (a record over
+   max(max_payload, 1 MiB), which only older shims wrote, is left for ``spool drain``),
+   then publishes its own event, or appends it behind the remaining spool (order). A
+   record is fitted to 1 MiB before it is spooled: nothing is spooled that cannot be
+   published. ``Nats-Msg-Id`` makes a resend after a lost ack a no-op within the stream's
+   duplicate window. Spool files are opened ``O_NOFOLLOW|O_NONBLOCK`` and used only when
+   they are regular files of our uid. When the spool directory cannot be written, the
+   private ``$TMPDIR/aep-bridge-<uid>`` (0700, owner-checked) takes the records, and keeps
+   them while it holds any (order); replay drains the primary first. Past
+   ``AEP_BRIDGE_SPOOL_MAX_BYTES`` of pending records, or with no writable spool, a record
+   is dropped, counted in ``<token>.dropped`` (``aep-bridge spool status``), reported on
+   stderr and, once, in the next message's ``edge.spool_dropped`` (a mapper counter).
+   The hook still answers ``{}`` in time.
 5. Always write ``{}`` to stdout and exit 0 (diagnostics go to stderr, which
    Hermes logs at debug level; a non-zero exit would only add warnings).
 
 Configuration: the ``AEP_BRIDGE_*`` variables of docs/ARCHITECTURE.md, from the
 environment (inherited from Hermes) over the optional ``KEY=VALUE`` file named by
 ``AEP_BRIDGE_CONFIG`` (default ``~/.config/aep-bridge/env``; ``aep-bridge hermes
-install`` writes it). Same names and precedence as ``bridge/config.py``.
+install`` writes it). Same names and precedence as ``bridge/config.py``. Odd values
+(out-of-range numbers, a settings file that is not a small regular file: ``/dev/zero``, a
+FIFO) are reported on stderr and replaced by the defaults; they never crash or hang the hook.
 
 Why it looks like this (measured on the 2-core dev box, Python 3.11, ``-X importtime``
 and median wall time of 60 spawns; a bare ``python -I -S -c pass`` spawn: ~10 ms):
@@ -127,6 +138,16 @@ RAW_SUBJECT_PREFIX = "hermes.raw."
 INVALID_HOOK = "_invalid"
 UNKNOWN_HOOK = "_unknown"
 TOKEN_MAX_CHARS = 200  # keeps the HPUB control line far below the server's 4 KiB limit
+STDIN_MAX_BYTES = 128 * 1024 * 1024  # more is not a hook envelope: the rest is not read ("truncated")
+CONFIG_MAX_BYTES = 1024 * 1024  # a settings file larger than this is ignored
+SECRET_MARK = "[REDACTED:secret]"  # keep in step with bridge/core/capture.py SECRET (a test compares them)
+# Accepted ranges; anything else is warned about and replaced by the default.
+LIMITS = {
+    "DEADLINE_MS": (1, 60_000),
+    "MAX_FIELD_BYTES": (1024, 64 * 1024 * 1024),
+    "SPOOL_MAX_BYTES": (0, 1 << 40),
+}
+HOLD_MS_MAX = 24 * 3600 * 1000
 
 # Dropped before publishing: no mapping needs them, they are big and hold conversation content.
 DROP_EXTRA = ("conversation_history", "request", "response", "request_messages", "response_messages")
@@ -184,6 +205,11 @@ _scan = _json.make_scanner(_ScanContext())
 _enc = _json.make_encoder(None, _no_default, _json.encode_basestring, None, ":", ",", False, False, True)
 _enc_ascii = _json.make_encoder(None, _no_default, _json.encode_basestring_ascii, None, ":", ",", False, False, True)
 _enc_canon = _json.make_encoder(None, _no_default, _json.encode_basestring, None, ":", ",", True, False, True)
+# What goes on the wire is RFC 8259 JSON: NaN/Infinity raise ValueError (build_record normalises them).
+_enc_strict = _json.make_encoder(None, _no_default, _json.encode_basestring, None, ":", ",", False, False, False)
+_enc_ascii_strict = _json.make_encoder(
+    None, _no_default, _json.encode_basestring_ascii, None, ":", ",", False, False, False
+)
 _WS = " \t\n\r"
 
 
@@ -202,11 +228,12 @@ def dumps(obj):
 
 
 def encode(obj):
-    """Compact JSON bytes; falls back to ASCII escapes when a string holds a lone surrogate."""
+    """Compact RFC 8259 JSON bytes (ValueError on NaN/Infinity); falls back to ASCII escapes
+    when a string holds a lone surrogate."""
     try:
-        return "".join(_enc(obj, 0)).encode("utf-8")
+        return "".join(_enc_strict(obj, 0)).encode("utf-8")
     except UnicodeEncodeError:
-        return "".join(_enc_ascii(obj, 0)).encode("ascii")
+        return "".join(_enc_ascii_strict(obj, 0)).encode("ascii")
 
 
 def canonical(obj):
@@ -297,18 +324,30 @@ def _expand_user(path, env):
 def read_env_file(path):
     """``KEY=VALUE`` lines (``#`` comments, optional ``export``, optional quotes), as bridge/config.py."""
     values = {}
-    try:
-        fd = posix.open(path, posix.O_RDONLY | _O_CLOEXEC)
+    try:  # O_NONBLOCK: opening a FIFO must not wait for a writer
+        fd = posix.open(path, posix.O_RDONLY | posix.O_NONBLOCK | _O_CLOEXEC)
     except OSError:
         return values
     try:
+        st = posix.fstat(fd)
+        if st.st_mode & 0o170000 != 0o100000:
+            if path == "/dev/null":  # the documented way to say "no settings file"
+                return values
+            _warn("settings file %s is not a regular file; ignored, using the defaults" % path)
+            return values
+        if st.st_size > CONFIG_MAX_BYTES:
+            _warn("settings file %s is over %d bytes; ignored, using the defaults" % (path, CONFIG_MAX_BYTES))
+            return values
         chunks = []
-        while True:
-            b = posix.read(fd, 65536)
+        left = CONFIG_MAX_BYTES + 1
+        while left > 0:
+            b = posix.read(fd, min(65536, left))
             if not b:
                 break
             chunks.append(b)
-    except OSError:
+            left -= len(b)
+    except OSError as exc:
+        _warn("settings file %s cannot be read (%s); ignored, using the defaults" % (path, exc))
         return values
     finally:
         posix.close(fd)
@@ -340,7 +379,7 @@ class Config:
     __slots__ = (
         "servers", "user", "password", "token", "tls_ca", "tls_cert", "tls_key", "instance",
         "spool_dir", "deadline_ms", "max_field_bytes", "spool_max_bytes",
-        "control", "instruct", "gate_tools", "hold_ms",
+        "control", "instruct", "gate_tools", "hold_ms", "redact_values", "fallback_dir",
     )
 
     def __init__(self, environ=None, config_path=None):
@@ -354,11 +393,19 @@ class Config:
             return v if v else None
 
         def get_int(name, default):
-            try:
-                return int(get(name) or default)
-            except ValueError:
-                _warn("AEP_BRIDGE_%s is not an integer; using %d" % (name, default))
+            raw = get(name)
+            if raw is None:
                 return default
+            lo, hi = LIMITS[name]
+            try:
+                value = int(raw.strip()) if len(raw) < 40 else None
+            except ValueError:
+                value = None
+            if value is None or not lo <= value <= hi:
+                _warn("AEP_BRIDGE_%s=%.40r is not an integer in [%d, %d]; using the default %d"
+                      % (name, raw, lo, hi, default))
+                return default
+            return value
 
         url = get("NATS_URL") or DEFAULT_NATS_URL
         self.servers = [s.strip() for s in url.split(",") if s.strip()]
@@ -374,19 +421,33 @@ class Config:
             state = merged.get("XDG_STATE_HOME") or _expand_user("~/.local/state", merged)
             spool = state + "/aep-bridge/spool"
         self.spool_dir = _expand_user(spool, merged)
-        self.deadline_ms = max(1, get_int("DEADLINE_MS", DEFAULT_DEADLINE_MS))
-        self.max_field_bytes = max(MIN_FIT_LIMIT, get_int("MAX_FIELD_BYTES", DEFAULT_MAX_FIELD_BYTES))
+        self.fallback_dir = fallback_spool_dir(merged)
+        self.deadline_ms = get_int("DEADLINE_MS", DEFAULT_DEADLINE_MS)
+        self.max_field_bytes = get_int("MAX_FIELD_BYTES", DEFAULT_MAX_FIELD_BYTES)
         self.spool_max_bytes = get_int("SPOOL_MAX_BYTES", DEFAULT_SPOOL_MAX_BYTES)
+        # AEP_BRIDGE_REDACT_NAMES: the values of these variables (Hermes's environment, which the
+        # hook inherits, over the settings file) are replaced here, before anything leaves the host.
+        names = get("REDACT_NAMES")
+        self.redact_values = ()
+        if names:
+            values = [merged.get(n.strip()) for n in names.split(",") if n.strip()]
+            self.redact_values = tuple(sorted({v for v in values if v}, key=len, reverse=True))
         # The opt-in control plane (off unless set): see "Control plane" below.
         self.control = merged.get("AEP_HERMES_CONTROL", "").strip().lower() in _ON
         self.instruct = merged.get("AEP_INSTRUCT", "").strip().lower() in _ON
         self.gate_tools = merged.get("AEP_HERMES_GATE_TOOLS") or None
         self.hold_ms = DEFAULT_HOLD_MS
         if self.control:
+            raw = merged.get("AEP_HERMES_HOLD_MS") or ""
             try:
-                self.hold_ms = max(1, int(merged.get("AEP_HERMES_HOLD_MS") or DEFAULT_HOLD_MS))
+                hold = int(raw) if raw and len(raw) < 40 else DEFAULT_HOLD_MS
             except ValueError:
-                _warn("AEP_HERMES_HOLD_MS is not an integer; using %d" % DEFAULT_HOLD_MS)
+                hold = 0
+            if 1 <= hold <= HOLD_MS_MAX:
+                self.hold_ms = hold
+            else:
+                _warn("AEP_HERMES_HOLD_MS=%.40r is not an integer in [1, %d]; using the default %d"
+                      % (raw, HOLD_MS_MAX, DEFAULT_HOLD_MS))
 
 
 def _warn(message):
@@ -517,16 +578,20 @@ def _invalid_message(rid, instance, ts, code, detail, data, limit):
     return msg
 
 
-def build_record(data, cfg, now_ns=None, rand=None):
-    """Stamp and trim one stdin payload (bytes) into a Record. Never raises on any input."""
+def build_record(data, cfg, now_ns=None, rand=None, stdin_error=None):
+    """Stamp and trim one stdin payload (bytes) into a Record. Never raises on any input.
+    ``stdin_error`` ("<code>: <detail>"): the input is incomplete; published as ``_invalid``."""
     if now_ns is None:
         now_ns = time.time_ns()
     rid = ulid(now_ns // 1_000_000, rand)
     instance = cfg.instance
     limit = cfg.max_field_bytes
+    secrets = cfg.redact_values
     env = None
     code = detail = None
-    if not data.strip(b" \t\n\r"):
+    if stdin_error is not None:
+        code, _, detail = stdin_error.partition(": ")
+    elif not data.strip(b" \t\n\r"):
         code, detail = "empty", "no input on stdin" if not data else "only whitespace on stdin"
     else:
         try:
@@ -549,18 +614,104 @@ def build_record(data, cfg, now_ns=None, rand=None):
                     code, detail = "not_object", "the input is a JSON %s" % _json_type(env)
                     env = None
     if env is None:
-        msg = _invalid_message(rid, instance, now_ns, code, detail, data, limit)
-        return Record(rid, raw_subject(instance, INVALID_HOOK), encode(msg), msg)
+        return _invalid_record(rid, instance, now_ns, code, detail, data, limit, secrets)
     hook = env.get("hook_event_name")
     if not isinstance(hook, str) or not hook:
         hook = UNKNOWN_HOOK
     try:
-        msg = _envelope_message(rid, instance, now_ns, hook, env, limit, len(data))
-        body = encode(msg)
+        note = None
+        if secrets:
+            env, paths = _redacted(env, secrets)
+            if paths:
+                note = {"redacted": paths}
+                if isinstance(env.get("hook_event_name"), str):
+                    hook = env["hook_event_name"] or UNKNOWN_HOOK
+        msg = _envelope_message(rid, instance, now_ns, hook, env, limit, len(data), note)
+        try:
+            body = encode(msg)
+        except ValueError:  # NaN/Infinity (Python's json.dumps writes them): null, and say where
+            env, paths = _finite(env)
+            note = dict(note or {})
+            note["nonfinite"] = paths
+            msg = _envelope_message(rid, instance, now_ns, hook, env, limit, len(data), note)
+            body = encode(msg)
     except RecursionError:  # deeper than our walk can go: publish it as text, nothing lost
-        msg = _invalid_message(rid, instance, now_ns, "not_json", "nested too deeply", data, limit)
-        return Record(rid, raw_subject(instance, INVALID_HOOK), encode(msg), msg)
+        return _invalid_record(rid, instance, now_ns, "not_json", "nested too deeply", data, limit, secrets)
     return Record(rid, raw_subject(instance, hook), body, msg, env)
+
+
+def _invalid_record(rid, instance, now_ns, code, detail, data, limit, secrets):
+    redacted = False
+    for value in secrets:
+        b = value.encode("utf-8", "surrogateescape")
+        if b in data:
+            data = data.replace(b, SECRET_MARK.encode("ascii"))
+            redacted = True
+    msg = _invalid_message(rid, instance, now_ns, code, detail, data, limit)
+    if redacted:
+        msg.setdefault("edge", {})["redacted"] = ["raw"]
+    return Record(rid, raw_subject(instance, INVALID_HOOK), encode(msg), msg)
+
+
+def _walk_strings(value, fn, path, paths):
+    """``value`` with ``fn`` applied to every string value (new containers only where changed);
+    the paths of changed strings are appended to ``paths``."""
+    if isinstance(value, str):
+        new = fn(value)
+        if new is not value:
+            paths.append(path)
+        return new
+    if isinstance(value, dict):
+        out = None
+        for k, v in value.items():
+            nv = _walk_strings(v, fn, path + "." + k if path else k, paths)
+            if nv is not v:
+                if out is None:
+                    out = dict(value)
+                out[k] = nv
+        return value if out is None else out
+    if isinstance(value, list):
+        out = None
+        for i, v in enumerate(value):
+            nv = _walk_strings(v, fn, path + "." + str(i) if path else str(i), paths)
+            if nv is not v:
+                if out is None:
+                    out = list(value)
+                out[i] = nv
+        return value if out is None else out
+    return value
+
+
+def _redacted(env, secrets):
+    """The envelope with every operator-listed secret value replaced by SECRET_MARK in its strings."""
+    def fn(s):
+        out = s
+        for value in secrets:
+            if value in out:
+                out = out.replace(value, SECRET_MARK)
+        return out
+
+    paths = []
+    return _walk_strings(env, fn, "", paths), paths
+
+
+def _finite(value, path="", paths=None):
+    """``value`` with NaN/Infinity floats replaced by None; returns (value, their paths)."""
+    top = paths is None
+    if top:
+        paths = []
+    if type(value) is float:
+        if value != value or value in (_INF, -_INF):
+            paths.append(path)
+            value = None
+    elif isinstance(value, dict):
+        value = {k: _finite(v, path + "." + k if path else k, paths)[0] for k, v in value.items()}
+    elif isinstance(value, list):
+        value = [_finite(v, path + "." + str(i) if path else str(i), paths)[0] for i, v in enumerate(value)]
+    return value, paths
+
+
+_INF = float("inf")
 
 
 def _json_type(v):
@@ -573,17 +724,28 @@ def _json_type(v):
     return "number"
 
 
-def _envelope_message(rid, instance, ts, hook, env, limit, input_bytes=None):
+def _envelope_message(rid, instance, ts, hook, env, limit, input_bytes=None, note=None):
+    """The raw message; ``note``: more ``edge`` entries (redacted, nonfinite, spool_dropped)."""
     trimmed, dropped, stubbed = trim_envelope(env, limit, input_bytes)
     msg = {"v": 1, "id": rid, "instance": instance, "ts": ts, "hook": hook, "envelope": trimmed}
-    if dropped or stubbed:
+    if dropped or stubbed or note:
         edge = {}
         if dropped:
             edge["dropped"] = dropped
         if stubbed:
             edge["stubbed"] = stubbed
+        if note:
+            edge.update(note)
         msg["edge"] = edge
     return msg
+
+
+def _edge_note(msg):
+    """The ``edge`` entries of ``msg`` that trimming does not recompute."""
+    edge = msg.get("edge")
+    if not isinstance(edge, dict):
+        return None
+    return {k: v for k, v in edge.items() if k not in ("dropped", "stubbed")} or None
 
 
 def _headers(rid, extra=b""):
@@ -599,7 +761,7 @@ def fit(record, max_payload, limit):
     msg = record.message
     if msg is None:  # read back from the spool
         try:
-            msg = loads(record.body.decode("utf-8"))
+            msg = _finite(loads(record.body.decode("utf-8")))[0]  # an older shim may have spooled NaN
         except Exception:
             msg = None
         if not isinstance(msg, dict):
@@ -610,20 +772,23 @@ def fit(record, max_payload, limit):
         if isinstance(raw, str):
             msg = dict(msg)
             msg["raw"] = stub(raw)
-            msg["edge"] = {"stubbed": ["raw"]}
+            msg["edge"] = {**(_edge_note(msg) or {}), "stubbed": ["raw"]}
         record.body, record.message = encode(msg), msg
         return record
     head = (msg["id"], msg["instance"], msg["ts"], msg["hook"])
+    note = _edge_note(msg)
     lim = min(limit, room) // 2
+    if len(record.body) > max(8 * room, 4 * DEFAULT_MAX_PAYLOAD):
+        lim = 0  # megabytes of small fields: each halving pass costs a walk of it all, in vain
     while lim >= MIN_FIT_LIMIT:
-        new = _envelope_message(*head, original, lim)
+        new = _envelope_message(*head, original, lim, None, note)
         body = encode(new)
         if len(body) <= room:
             record.body, record.message = body, new
             return record
         lim //= 2
     # Too many small fields: keep the routing keys, stub the rest.
-    new = _envelope_message(*head, original, MIN_FIT_LIMIT)
+    new = _envelope_message(*head, original, MIN_FIT_LIMIT, None, note)
     env = new["envelope"]
     small = {k: env[k] for k in ("hook_event_name", "tool_name", "session_id", "cwd") if k in env}
     stubbed = new.setdefault("edge", {}).setdefault("stubbed", [])
@@ -696,6 +861,8 @@ def parse_server_url(url):
             port = int(p)
     else:
         host = rest
+    if not 0 < port < 65536:
+        raise ValueError("%s: port %d out of range" % (url.strip()[:100], port))
     return scheme, host or "127.0.0.1", port, user, password, tok
 
 
@@ -1004,6 +1171,56 @@ def _makedirs(path):
             pass
 
 
+_O_NOFOLLOW = getattr(posix, "O_NOFOLLOW", 0)
+_S_IFMT, _S_IFREG, _S_IFDIR, _S_IFLNK = 0o170000, 0o100000, 0o040000, 0o120000
+
+
+def _why_not_ours(st, path):
+    """None when ``st`` (an lstat/fstat) is a regular file of ours, else why it is not."""
+    kind = st.st_mode & _S_IFMT
+    if kind == _S_IFLNK:
+        return "spool file %s is a symlink" % path
+    if kind != _S_IFREG:
+        return "spool file %s is not a regular file" % path
+    if st.st_uid != posix.geteuid():
+        return "spool file %s is not owned by uid %d" % (path, posix.geteuid())
+    return None
+
+
+def _open_own(path, flags):
+    """Open a spool file: never through a symlink (O_NOFOLLOW), never a FIFO or device
+    (O_NONBLOCK, then fstat), only a file this uid owns. OSError otherwise."""
+    try:
+        fd = posix.open(path, flags | _O_NOFOLLOW | posix.O_NONBLOCK | _O_CLOEXEC, 0o600)
+    except OSError:
+        try:
+            st = posix.lstat(path)
+        except OSError:
+            raise
+        why = _why_not_ours(st, path)
+        if why is not None:
+            raise OSError(why + "; not used") from None
+        raise
+    try:
+        why = _why_not_ours(posix.fstat(fd), path)
+    except OSError:
+        posix.close(fd)
+        raise
+    if why is not None:
+        posix.close(fd)
+        raise OSError(why + "; not used")
+    return fd
+
+
+def _private_dir(path):
+    """Create ``path`` (0700) when missing and make sure it is a real directory of this uid that
+    nobody else may write: the fallback spool lives under the shared temporary directory."""
+    _makedirs(path)
+    st = posix.lstat(path)
+    if st.st_mode & _S_IFMT != _S_IFDIR or st.st_uid != posix.geteuid() or st.st_mode & 0o077:
+        raise OSError("fallback spool dir %s is not a private directory of uid %d" % (path, posix.geteuid()))
+
+
 def _write_all(fd, data):
     view = memoryview(data)
     while view:
@@ -1023,29 +1240,59 @@ def _pread_all(fd, n, offset):
     return b"".join(chunks)
 
 
-class Spool:
-    """The per-instance spool: ``<dir>/<instance token>.spool`` and its side files."""
+def fallback_spool_dir(environ):
+    """Where the spool goes when spool_dir cannot be written: a private per-uid directory
+    under ``$TMPDIR`` (default /tmp)."""
+    tmp = (environ.get("TMPDIR") or "/tmp").rstrip("/") or "/tmp"
+    return tmp + "/aep-bridge-%d" % posix.geteuid()
 
-    def __init__(self, directory, instance, max_bytes=DEFAULT_SPOOL_MAX_BYTES):
+
+def spool_for(cfg):
+    """The instance's spool with its fallback (AEP_BRIDGE_SPOOL_DIR, then the private temp dir)."""
+    return Spool(cfg.spool_dir, cfg.instance, cfg.spool_max_bytes, cfg.fallback_dir)
+
+
+class Spool:
+    """The per-instance spool: ``<dir>/<instance token>.spool`` and its side files; with
+    ``fallback`` (a directory), a second spool used when this one cannot be written. Records
+    go to the fallback while it holds any (order), and replay drains this one first."""
+
+    def __init__(self, directory, instance, max_bytes=DEFAULT_SPOOL_MAX_BYTES, fallback=None, private=False):
         self.dir = directory.rstrip("/") or "/"
         self.name = token(instance)
         self.max_bytes = max_bytes
         self.path = self.dir + "/" + self.name + ".spool"
         self.pos_path = self.dir + "/" + self.name + ".pos"
         self.dropped_path = self.dir + "/" + self.name + ".dropped"
+        self.reported_path = self.dir + "/" + self.name + ".reported"
+        self.private = private
+        fb = fallback.rstrip("/") if fallback else None
+        self.fallback = Spool(fb, instance, max_bytes, private=True) if fb and fb != self.dir else None
+        self._warned = False
 
     # -- cheap probes
 
     def size(self):
+        """Bytes in the spool file (0 when missing, or a symlink or anything else not our own file)."""
         try:
-            return posix.stat(self.path).st_size
+            st = posix.lstat(self.path)
         except OSError:
             return 0
+        if st.st_mode & _S_IFMT == _S_IFREG and st.st_uid == posix.geteuid():
+            return st.st_size
+        if not self._warned:
+            self._warned = True
+            _warn(_why_not_ours(st, self.path) + "; not used")
+        return 0
+
+    def pending(self):
+        """Bytes in this spool and its fallback (two lstat calls)."""
+        return self.size() + (self.fallback.size() if self.fallback is not None else 0)
 
     def _read_pos(self, fd=None):
         try:
             if fd is None:
-                fd2 = posix.open(self.pos_path, posix.O_RDONLY | _O_CLOEXEC)
+                fd2 = _open_own(self.pos_path, posix.O_RDONLY)
                 try:
                     data = posix.pread(fd2, 64, 0)
                 finally:
@@ -1062,11 +1309,30 @@ class Spool:
     # -- append
 
     def append(self, records, deadline=None):
-        """Append records (one locked write). Returns the number dropped over the cap.
-        Raises OSError when the spool cannot be written."""
+        """Append records (one locked write): to the fallback while it holds records (order),
+        else here, else to the fallback. Returns the number dropped over the cap.
+        Raises OSError when no spool can be written."""
+        fb = self.fallback
+        if fb is not None and fb.size():
+            try:
+                return fb._append(records, deadline)
+            except OSError as exc:
+                _warn("fallback spool %s: %s" % (fb.path, exc))
+        try:
+            return self._append(records, deadline)
+        except OSError as exc:
+            if fb is None:
+                raise
+            _warn("spool %s unusable (%s); using the fallback spool %s" % (self.path, exc, fb.path))
+            return fb._append(records, deadline)
+
+    def _append(self, records, deadline=None):
         data = b"".join([frame(r) for r in records])
-        _makedirs(self.dir)
-        fd = posix.open(self.path, posix.O_RDWR | posix.O_APPEND | posix.O_CREAT | _O_CLOEXEC, 0o600)
+        if self.private:
+            _private_dir(self.dir)
+        else:
+            _makedirs(self.dir)
+        fd = _open_own(self.path, posix.O_RDWR | posix.O_APPEND | posix.O_CREAT)
         try:
             if not _flock(fd, deadline):
                 raise OSError("spool %s stayed locked past the deadline" % self.path)
@@ -1096,10 +1362,15 @@ class Spool:
             posix.close(fd)  # closing releases the lock
 
     def _count_dropped(self, n, nbytes):
-        """Add to the drop counter (``<records> <bytes>``); the caller holds the spool lock."""
+        """Add to the drop counter (``<records> <bytes>``); the caller holds the spool lock.
+        Counted in the fallback directory when this one cannot be written."""
         try:
-            fd = posix.open(self.dropped_path, posix.O_RDWR | posix.O_CREAT | _O_CLOEXEC, 0o600)
+            if self.private:
+                _private_dir(self.dir)
+            fd = _open_own(self.dropped_path, posix.O_RDWR | posix.O_CREAT)
         except OSError as exc:
+            if self.fallback is not None:
+                return self.fallback._count_dropped(n, nbytes)
             _warn("cannot count dropped events in %s: %s" % (self.dropped_path, exc))
             return
         try:
@@ -1117,7 +1388,7 @@ class Spool:
     def dropped(self):
         """(records, bytes) dropped over the cap since the counter was created."""
         try:
-            fd = posix.open(self.dropped_path, posix.O_RDONLY | _O_CLOEXEC)
+            fd = _open_own(self.dropped_path, posix.O_RDONLY)
         except OSError:
             return 0, 0
         try:
@@ -1128,31 +1399,103 @@ class Spool:
         finally:
             posix.close(fd)
 
+    # -- drops not yet reported downstream
+
+    def claim_drops(self):
+        """Drops (here and in the fallback) not yet reported in a raw message's ``edge``:
+        (claims, records, bytes). Each claim holds the ``.reported`` file's lock (never waited
+        for: a concurrent hook reports them instead) until ``settle_drops``. Hot path: two lstat."""
+        claims = []
+        records = nbytes = 0
+        for sp in (self, self.fallback):
+            if sp is None:
+                continue
+            try:
+                posix.lstat(sp.dropped_path)
+            except OSError:
+                continue
+            dropped, dropped_bytes = sp.dropped()
+            try:
+                fd = _open_own(sp.reported_path, posix.O_RDWR | posix.O_CREAT)
+            except OSError:
+                continue
+            try:
+                if _flock(fd, blocking=False):
+                    old = posix.pread(fd, 64, 0).split()
+                    seen = int(old[0]) if old else 0
+                    seen_bytes = int(old[1]) if len(old) > 1 else 0
+                    if dropped > seen:
+                        claims.append((fd, dropped, dropped_bytes))
+                        records += dropped - seen
+                        nbytes += max(dropped_bytes - seen_bytes, 0)
+                        fd = None
+            except (OSError, ValueError):
+                pass
+            finally:
+                if fd is not None:
+                    posix.close(fd)
+        return claims, records, nbytes
+
+    @staticmethod
+    def settle_drops(claims, reported):
+        """Record the claimed drops as reported (when the message carrying them is published or
+        spooled), then release the claims."""
+        for fd, dropped, dropped_bytes in claims:
+            try:
+                if reported:
+                    new = b"%d %d\n" % (dropped, dropped_bytes)
+                    posix.pwrite(fd, new, 0)
+                    posix.ftruncate(fd, len(new))
+            except OSError:
+                pass
+            finally:
+                posix.close(fd)
+
     # -- replay
 
-    def replay(self, conn, deadline, max_records=None, progress=None, wait_lock=False):
-        """Republish pending records in order through ``conn`` until the spool is empty, the
-        deadline passes or ``max_records`` were sent. Returns (sent, empty, busy): ``busy`` means
-        another process holds the replay lock (then nothing was done)."""
+    def replay(self, conn, deadline, max_records=None, progress=None, wait_lock=False, max_line_bytes=None):
+        """Republish pending records in order through ``conn`` (this spool, then the fallback)
+        until both are empty, the deadline passes or ``max_records`` were sent. A record over
+        ``max_line_bytes`` (the hook's bound) stops the replay: `spool drain` takes it.
+        Returns (sent, empty, busy): ``busy`` means another process holds the replay lock."""
+        sent = 0
+        if self.size():
+            sent, empty, busy = self._replay(conn, deadline, max_records, progress, wait_lock, max_line_bytes)
+            if not empty:
+                return sent, empty, busy
+        fb = self.fallback
+        if fb is None or not fb.size():
+            return sent, True, False
+        more = None if max_records is None else max_records - sent
+        if more is not None and more <= 0:
+            return sent, False, False
+        s2, empty, busy = fb._replay(conn, deadline, more, progress, wait_lock, max_line_bytes)
+        return sent + s2, empty, busy
+
+    def _replay(self, conn, deadline, max_records, progress, wait_lock, max_line_bytes):
         try:
-            pfd = posix.open(self.pos_path, posix.O_RDWR | posix.O_CREAT | _O_CLOEXEC, 0o600)
+            pfd = _open_own(self.pos_path, posix.O_RDWR | posix.O_CREAT)
         except FileNotFoundError:
             return 0, True, False
         try:
             if not _flock(pfd, blocking=wait_lock):
                 return 0, False, True
             try:
-                fd = posix.open(self.path, posix.O_RDWR | _O_CLOEXEC)
+                fd = _open_own(self.path, posix.O_RDWR)
             except FileNotFoundError:
                 return 0, True, False
             try:
-                return self._replay_locked(conn, fd, pfd, deadline, max_records, progress)
+                return self._replay_locked(conn, fd, pfd, deadline, max_records, progress, max_line_bytes)
             finally:
                 posix.close(fd)
         finally:
             posix.close(pfd)
 
-    def _replay_locked(self, conn, fd, pfd, deadline, max_records, progress):
+    def _too_big(self, pos, n, limit):
+        _warn("spool record at %s:%d is over %d bytes (%d): too big to replay within a hook's deadline; "
+              "left for `aep-bridge spool drain`" % (self.path, pos, limit, n))
+
+    def _replay_locked(self, conn, fd, pfd, deadline, max_records, progress, max_line_bytes=None):
         pos = self._read_pos(pfd)
         sent = 0
         while True:
@@ -1168,6 +1511,9 @@ class Spool:
             chunk = _pread_all(fd, min(size - pos, REPLAY_BATCH_BYTES), pos)
             end = chunk.rfind(b"\n")
             if end < 0 and len(chunk) < size - pos:  # one line longer than the window
+                if max_line_bytes is not None and len(chunk) >= max_line_bytes:
+                    self._too_big(pos, size - pos, max_line_bytes)
+                    return sent, False, False
                 chunk = _pread_all(fd, size - pos, pos)
                 end = chunk.rfind(b"\n")
             if end < 0:
@@ -1180,6 +1526,13 @@ class Spool:
             batch = []
             spans = []
             for line in lines[: max(budget, 1)]:
+                if batch and time.monotonic() >= deadline:
+                    break  # fitting and sending takes time too: stay inside the budget
+                if max_line_bytes is not None and len(line) >= max_line_bytes:
+                    if batch:
+                        break
+                    self._too_big(pos, len(line), max_line_bytes)
+                    return sent, False, False
                 r = unframe(line)
                 if r is None:
                     if batch:
@@ -1228,7 +1581,7 @@ class Spool:
             if b"\n" in tail:  # a writer finished meanwhile
                 return pos
             path = self.dir + "/" + self.name + ".torn-%d" % time.time_ns()
-            out = posix.open(path, posix.O_WRONLY | posix.O_CREAT | posix.O_EXCL | _O_CLOEXEC, 0o600)
+            out = _open_own(path, posix.O_WRONLY | posix.O_CREAT | posix.O_EXCL)
             try:
                 _write_all(out, tail)
             finally:
@@ -1242,7 +1595,7 @@ class Spool:
     def _set_aside(self, suffix, data):
         path = self.dir + "/" + self.name + suffix
         _makedirs(self.dir)
-        out = posix.open(path, posix.O_WRONLY | posix.O_APPEND | posix.O_CREAT | _O_CLOEXEC, 0o600)
+        out = _open_own(path, posix.O_WRONLY | posix.O_APPEND | posix.O_CREAT)
         try:
             _write_all(out, data)
         finally:
@@ -1260,7 +1613,7 @@ class Spool:
         torn_tail = 0
         if pending_bytes:
             try:
-                fd = posix.open(self.path, posix.O_RDONLY | _O_CLOEXEC)
+                fd = _open_own(self.path, posix.O_RDONLY)
                 try:
                     off = pos
                     rest = b""
@@ -1286,12 +1639,17 @@ class Spool:
                         aside[kind] = aside.get(kind, 0) + 1
         except OSError:
             pass
-        return {
+        out = {
             "instance_token": self.name, "path": self.path, "pending_records": pending,
             "pending_bytes": pending_bytes, "file_bytes": size, "max_bytes": self.max_bytes,
             "dropped_records": dropped, "dropped_bytes": dropped_bytes, "torn_tail_bytes": torn_tail,
             "set_aside_files": aside,
         }
+        if self.fallback is not None:  # drops are totals over both; pending records per spool
+            fb = out["fallback"] = self.fallback.status()
+            out["dropped_records"] += fb["dropped_records"]
+            out["dropped_bytes"] += fb["dropped_bytes"]
+        return out
 
 
 def _unlock(fd):
@@ -1324,10 +1682,33 @@ def deliver(record, cfg, started, ctl=None):
     """Publish one stamped record (spool replay first, the spool on failure); with ``ctl``
     (the control plane, switched on) run its moment on the live connection once acked."""
     deadline = started + cfg.deadline_ms / 1000.0
-    spool = Spool(cfg.spool_dir, cfg.instance, cfg.spool_max_bytes)
+    spool = spool_for(cfg)
+    claims, dropped, dropped_bytes = spool.claim_drops()
+    if claims:  # events lost at this edge earlier: say so downstream (the mapper counts them)
+        _add_note(record, "spool_dropped", {"records": dropped, "bytes": dropped_bytes})
+    result = "lost"
+    try:
+        result = _deliver(record, cfg, started, deadline, spool, ctl)
+    finally:
+        if claims:
+            spool.settle_drops(claims, result in ("published", "spooled"))
+    return result
+
+
+def _add_note(record, key, value):
+    msg = record.message
+    if not isinstance(msg, dict):
+        return
+    msg = dict(msg)
+    edge = msg["edge"] = dict(msg.get("edge") or {})
+    edge[key] = value
+    record.message, record.body = msg, encode(msg)
+
+
+def _deliver(record, cfg, started, deadline, spool, ctl):
     errors = []
     outcome = False
-    if ctl is None and spool.size() == 0:
+    if ctl is None and spool.pending() == 0:
         outcome = publish_one(cfg, record, deadline, errors)
     else:
         conn = connect_any(cfg, deadline, errors)
@@ -1337,10 +1718,13 @@ def deliver(record, cfg, started, ctl=None):
                     ctl.prepare(record, conn)
                 fit(record, conn.max_payload, cfg.max_field_bytes)
                 empty = True
-                if ctl is None or spool.size():
+                if ctl is None or spool.pending():
                     replay_deadline = started + cfg.deadline_ms * REPLAY_SHARE / 1000.0
+                    # A record this size is fitted and sent in a few ms; a bigger one (an older
+                    # shim spooled records whole) is left for `spool drain`.
+                    max_line = max(conn.max_payload, DEFAULT_MAX_PAYLOAD) + 4096
                     try:
-                        _, empty, _ = spool.replay(conn, replay_deadline)
+                        _, empty, _ = spool.replay(conn, replay_deadline, max_line_bytes=max_line)
                     except OSError as exc:
                         errors.append("spool replay: %s" % exc)
                         empty = False
@@ -1364,6 +1748,10 @@ def deliver(record, cfg, started, ctl=None):
         except OSError:
             pass
         return "rejected"
+    try:  # never spool what cannot be published: fit the default max_payload first
+        fit(record, DEFAULT_MAX_PAYLOAD, cfg.max_field_bytes)
+    except (ValueError, RecursionError):
+        pass
     try:
         dropped = spool.append([record], max(deadline, time.monotonic()) + 0.03)
     except OSError as exc:
@@ -1566,17 +1954,52 @@ def _pull(conn, session, deadline):
         return {"context": text}
 
 
-def read_stdin():
+class _StdinTimeout(Exception):
+    pass
+
+
+_reading = [False]
+
+
+def _on_alarm(signum, frame):
+    if _reading[0]:  # a late alarm after the read loop must not break what follows
+        raise _StdinTimeout()
+
+
+def read_stdin(deadline=None):
+    """All of stdin, read until EOF, ``deadline`` (monotonic) or STDIN_MAX_BYTES. Returns
+    (data, None) or (what was read, "stdin_timeout: ..." | "truncated: ..."). A pipe that never
+    closes is cut by SIGALRM (``_signal`` is built in: no import, no select)."""
     chunks = []
+    total = 0
+    why = None
+    timer = False
+    t0 = time.monotonic()
     try:
-        while True:
+        if deadline is not None and posix.fstat(0).st_mode & 0o170000 != 0o100000:  # not a regular file
+            import _signal
+
+            _signal.signal(_signal.SIGALRM, _on_alarm)
+            _reading[0] = timer = True
+            _signal.setitimer(_signal.ITIMER_REAL, max(deadline - t0, 0.001))
+        while total <= STDIN_MAX_BYTES:
             b = posix.read(0, 1 << 20)
             if not b:
                 break
             chunks.append(b)
+            total += len(b)
+        else:
+            why = "truncated: input over %d bytes; the rest was not read" % STDIN_MAX_BYTES
+        _reading[0] = False
+    except _StdinTimeout:
+        why = "stdin_timeout: no end of input after %d ms (%d bytes read)" % ((time.monotonic() - t0) * 1000, total)
     except OSError:
         pass
-    return b"".join(chunks)
+    finally:
+        _reading[0] = False
+        if timer:
+            _signal.setitimer(_signal.ITIMER_REAL, 0)
+    return b"".join(chunks), why
 
 
 def main(argv=None):
@@ -1586,9 +2009,12 @@ def main(argv=None):
     try:
         argv = sys.argv[1:] if argv is None else argv
         config_path = argv[1] if len(argv) >= 2 and argv[0] == "--config" else None
-        data = read_stdin()
         cfg = Config(config_path=config_path)
-        if cfg.control or cfg.instruct:
+        data, why = read_stdin(started + cfg.deadline_ms / 1000.0)
+        if why is not None:  # its deadline is spent: kept in the spool, published by the next hook
+            _warn(why)
+            deliver(build_record(data, cfg, stdin_error=why), cfg, started)
+        elif cfg.control or cfg.instruct:
             answer = run_control(data, cfg, started)
         else:
             run(data, cfg, started)

@@ -227,3 +227,21 @@ def test_cli_install_doctor_uninstall(nats_server: NatsServer, jetstream: JetStr
     assert (home / "config.yaml").read_text() == ORIGINAL
     gone = cli("hermes", "doctor", env=env)
     assert gone.returncode == 1 and "no aep-bridge install" in gone.stdout
+
+
+def test_doctor_counts_what_waits_in_the_fallback_spool(tmp_path: Path) -> None:
+    """An unwritable spool dir sends the shim's records to its private fallback under $TMPDIR
+    (issue 13, finding 12); `hermes doctor` must see them there too."""
+    home = home_with(tmp_path)
+    blocked = tmp_path / "a-file-not-a-dir"
+    blocked.write_text("")
+    settings = {**SETTINGS, "AEP_BRIDGE_SPOOL_DIR": str(blocked)}
+    res = inst.install(home, events=["pre_tool_call"], settings=settings)
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "TMPDIR": str(tmp)}
+    proc = subprocess.run(shlex.split(res.command), input=dumps(envelope()), capture_output=True, env=env, timeout=10)
+    assert proc.returncode == 0 and proc.stdout.strip() == b"{}"
+    doc = cli("hermes", "doctor", "--timeout", "1",
+              env={**settings, "AEP_BRIDGE_CONFIG": os.devnull, "HERMES_HOME": str(home), "TMPDIR": str(tmp)})
+    assert "1 pending" in doc.stdout and str(tmp) in doc.stdout, doc.stdout + doc.stderr

@@ -41,6 +41,7 @@ def shim_env(url: str, spool_dir: str | os.PathLike[str], instance: str, **setti
         "AEP_BRIDGE_NATS_URL": url,
         "AEP_BRIDGE_SPOOL_DIR": str(spool_dir),
         "AEP_BRIDGE_INSTANCE": instance,
+        "TMPDIR": str(Path(spool_dir) / "tmp"),  # the fallback spool's parent: private to the test
     }
     for key, value in settings.items():
         env[key if key.startswith("AEP_BRIDGE_") else "AEP_BRIDGE_" + key.upper()] = str(value)
