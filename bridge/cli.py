@@ -17,6 +17,7 @@ from bridge import __version__
 
 COMMAND_MODULES = (
     "bridge.commands.core",  # map, schemas
+    "bridge.commands.export",  # export (the AEP-0005 bridges)
     "bridge.commands.shim",  # spool, hermes install/uninstall/doctor
     "bridge.commands.nats",  # bootstrap
     "bridge.commands.services",  # mapper, pairing
