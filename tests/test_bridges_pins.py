@@ -318,3 +318,43 @@ def test_the_real_corpus_at_full_exported_at_metadata_has_no_free_text(tmp_path)
         out, _, _ = export(fmt, mapped, "--max-capture", "full")
         text = "\n".join(json.dumps(r) for r in out)
         assert any(json.dumps(s)[1:-1] in text for s in free_text), fmt
+
+
+def paired_corpus() -> list[dict]:
+    """The corpus as AEP_EVENTS carries it: mapped, then paired per partition (in process)."""
+    import msgspec
+
+    from bridge.core.aep import encode_event
+    from bridge.core.capture import CapturePolicy
+    from bridge.core.lanes import MemoryLanes, lane_token, partition_of
+    from bridge.core.pairing import HOUR, PairingState
+    from bridge.core.pipeline import map_record, record_from_line
+
+    base_ns = 1_764_543_353_000 * 1_000_000
+    policy, lanes, parts = CapturePolicy(), MemoryLanes(), {}
+    for n, line in enumerate(CORPUS.read_bytes().splitlines(), start=1):
+        record = record_from_line(msgspec.json.decode(line), n, "gw-1", base_ns)
+        result = map_record(record, n, 0, lanes, policy)
+        lanes.learn(result.learned)
+        parts.setdefault(partition_of(lane_token(result.lane), 8), []).extend((ev, dict(result.hints)) for ev in result.events)
+    events = []
+    for _, messages in sorted(parts.items()):
+        state = PairingState()
+        for position, (ev, hints) in enumerate(messages, start=1):
+            events += state.process(ev, hints, position)
+        events += state.tick(base_ns + 24 * HOUR, len(messages) + 1)
+    return [json.loads(encode_event(ev)) for ev in events]
+
+
+def test_ocsf_findings_of_the_paired_corpus_share_the_request_identity(tmp_path):
+    events = paired_corpus()
+    requests = {e["id"] for e in events if e["type"] == "attention.requested"}
+    assert requests
+    out, err, rc = export("ocsf", write_jsonl(tmp_path / "paired.jsonl", events))
+    assert rc == 0 and err == "", err
+    assert [r["metadata"]["uid"] for r in out] == [e["id"] for e in events if e["type"] in OCSF_TYPES]
+    findings = [r for r in out if r["class_uid"] == 2004]
+    assert {r["message"] for r in findings} >= {"attention.requested", "attention.answered", "attention.resolved"}
+    assert [r["finding_info"] for r in findings if r["finding_info"].get("uid") not in requests] == []
+    assert {r["finding_info"]["uid"] for r in findings} == requests
+    assert [(r["metadata"]["uid"], p) for r in out for p in ocsf_problems(r)] == []
