@@ -153,6 +153,40 @@ def test_otlp_severity_table_and_inverse_buckets():
     assert [(r["severity_text"], r["severity_number"]) for r in out] == [SEVERITY[lvl] for lvl in levels]
 
 
+def from_any_value(value: dict):
+    """OTLP/JSON AnyValue -> JSON value (written here from the OTLP/JSON rules, not from the code)."""
+    (kind, inner), = value.items() if value else ((None, None),)
+    if kind is None:
+        return None
+    if kind == "intValue":
+        assert isinstance(inner, str)  # int64: a decimal string
+        return int(inner)
+    if kind == "arrayValue":
+        return [from_any_value(v) for v in inner["values"]]
+    if kind == "kvlistValue":
+        return {kv["key"]: from_any_value(kv["value"]) for kv in inner["values"]}
+    return inner
+
+
+def test_otlp_request_carries_the_same_log_records_in_otlp_json():
+    records, err, rc = export("otlp-json", GOLDEN_PATH, "--max-capture", "full")
+    assert rc == 0, err
+    requests, err, rc = export("otlp-json", GOLDEN_PATH, "--max-capture", "full", "--otlp-request")
+    assert rc == 0 and err == "", err
+    assert len(requests) == len(records) == 64
+    for record, request in zip(records, requests):
+        (resource_logs,) = request["resourceLogs"]
+        assert {kv["key"]: from_any_value(kv["value"]) for kv in resource_logs["resource"]["attributes"]} == record["resource"]
+        ((wire,),) = [s["logRecords"] for s in resource_logs["scopeLogs"]]
+        assert wire["timeUnixNano"] == str(record["time_unix_nano"])
+        assert (wire["eventName"], wire["severityText"], wire["severityNumber"]) == (
+            record["event_name"], record["severity_text"], record["severity_number"])
+        assert {kv["key"]: from_any_value(kv["value"]) for kv in wire["attributes"]} == record["attributes"]
+        assert from_any_value(wire["body"]) == record["body"] if "body" in record else "body" not in wire
+        assert (wire.get("traceId"), wire.get("spanId"), wire.get("flags")) == (
+            record.get("trace_id"), record.get("span_id"), record.get("flags"))
+
+
 # ------------------------------------------------------------------- OCSF (§4)
 
 
@@ -242,9 +276,11 @@ def test_export_reports_bad_lines_and_keeps_going():
         assert "line 1:" not in err and "line 8:" not in err
 
 
-def test_inverse_is_for_cloudevents_only():
+def test_inverse_and_otlp_request_belong_to_their_format():
     _, err, rc = run(["export", "--format", "ocsf", "--inverse"], stdin=b"")
     assert rc == 2 and "--inverse" in err
+    _, err, rc = run(["export", "--format", "cloudevents", "--otlp-request"], stdin=b"")
+    assert rc == 2 and "--otlp-request" in err
 
 
 # ------------------------------------------------------------------- the real corpus

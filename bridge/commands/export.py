@@ -35,6 +35,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="cloudevents only: CloudEvents in, AEP events out (AEP-0005 §2)",
     )
+    p.add_argument(
+        "--otlp-request",
+        action="store_true",
+        help="otlp-json only: write each LogRecord as an OTLP/JSON ExportLogsServiceRequest "
+        "(the OTLP/HTTP JSON body; what the Collector's otlpjsonfile receiver reads)",
+    )
     p.set_defaults(func=cmd_export)
 
 
@@ -42,10 +48,14 @@ def cmd_export(args: argparse.Namespace) -> int:
     import msgspec
 
     from bridge.core.bridges import BridgeError, from_cloudevent, project
+    from bridge.core.bridges.otlp import export_logs_request
     from bridge.core.capture import level_rank
 
     if args.inverse and args.format != "cloudevents":
         print("aep-bridge export: --inverse exists for --format cloudevents only", file=sys.stderr)
+        return 2
+    if args.otlp_request and args.format != "otlp-json":
+        print("aep-bridge export: --otlp-request exists for --format otlp-json only", file=sys.stderr)
         return 2
     max_capture = level_rank(args.max_capture)
     encode = msgspec.json.Encoder().encode
@@ -75,6 +85,8 @@ def cmd_export(args: argparse.Namespace) -> int:
                 continue
             if record is None:
                 continue
+            if args.otlp_request:
+                record = export_logs_request([record])
             out.write(encode(record))
             out.write(b"\n")
             written += 1

@@ -91,3 +91,59 @@ def to_log_record(event: dict[str, Any], max_capture: int = METADATA, service_na
     if body:
         record["body"] = body
     return record
+
+
+# ---------------------------------------------------------------- OTLP/JSON on the wire
+
+
+def any_value(value: Any) -> dict[str, Any]:
+    """A JSON value as an OTLP/JSON AnyValue (int64 as a decimal string, per the proto3 JSON mapping)."""
+    if isinstance(value, str):
+        return {"stringValue": value}
+    if isinstance(value, bool):
+        return {"boolValue": value}
+    if isinstance(value, int):
+        return {"intValue": str(value)}
+    if isinstance(value, float):
+        return {"doubleValue": value}
+    if isinstance(value, list):
+        return {"arrayValue": {"values": [any_value(v) for v in value]}}
+    if isinstance(value, dict):
+        return {"kvlistValue": {"values": key_values(value)}}
+    return {}  # null: the empty AnyValue
+
+
+def key_values(mapping: dict[str, Any]) -> list[dict[str, Any]]:
+    return [{"key": k, "value": any_value(v)} for k, v in mapping.items()]
+
+
+def export_logs_request(records: list[dict[str, Any]], scope: str = "aep-bridge") -> dict[str, Any]:
+    """LogRecords of `to_log_record` -> one OTLP/JSON ExportLogsServiceRequest (the body of an
+    OTLP/HTTP JSON export, and a line of the Collector's `otlpjsonfile` receiver), grouped by
+    resource in first-seen order."""
+    groups: dict[tuple[tuple[str, Any], ...], list[dict[str, Any]]] = {}
+    resources: dict[tuple[tuple[str, Any], ...], dict[str, Any]] = {}
+    for record in records:
+        key = tuple(sorted(record["resource"].items()))
+        resources.setdefault(key, record["resource"])
+        wire: dict[str, Any] = {
+            "timeUnixNano": str(record["time_unix_nano"]),
+            "severityNumber": record["severity_number"],
+            "severityText": record["severity_text"],
+            "eventName": record["event_name"],
+            "attributes": key_values(record["attributes"]),
+        }
+        if "body" in record:
+            wire["body"] = any_value(record["body"])
+        if "trace_id" in record:
+            wire["traceId"], wire["spanId"], wire["flags"] = record["trace_id"], record["span_id"], record["flags"]
+        groups.setdefault(key, []).append(wire)
+    return {
+        "resourceLogs": [
+            {
+                "resource": {"attributes": key_values(resources[key])},
+                "scopeLogs": [{"scope": {"name": scope}, "logRecords": logs}],
+            }
+            for key, logs in groups.items()
+        ]
+    }
