@@ -57,6 +57,7 @@ class KafkaSink:
         self._poller: threading.Thread | None = None
         self._stop = threading.Event()
         self._fatal: str | None = None
+        self._reset: str | None = None  # why the next send starts with a new producer
 
     def conf(self) -> dict[str, Any]:
         conf: dict[str, Any] = {
@@ -110,10 +111,15 @@ class KafkaSink:
     async def send(self, records: list[tuple[bytes, bytes | None, list[tuple[str, bytes]]]]) -> list[Outcome]:
         from confluent_kafka import KafkaError, KafkaException
 
-        if self._fatal is not None:  # the idempotent producer cannot go on: a new one (new producer id)
-            log.warning("kafka_producer_reset", sink=self.cfg.name, reason=self._fatal)
+        # After a fatal error, or records that timed out (a broker down, or one that came back
+        # without our producer id, e.g. a fresh broker: librdkafka then waits on
+        # UNKNOWN_PRODUCER_ID), a new producer: a new producer id, sequences from 0.
+        why = self._fatal or self._reset
+        if why is not None:
+            log.warning("kafka_producer_reset", sink=self.cfg.name, reason=why)
             await asyncio.to_thread(self._close_producer)
             self._open()
+            self._reset = None
         loop = asyncio.get_running_loop()
         futures: list[asyncio.Future[Outcome]] = []
 
@@ -145,7 +151,11 @@ class KafkaSink:
                 except KafkaException as exc:
                     _settle(fut, Outcome(False, retry=True, reason="kafka_produce", detail=str(exc)))
                     break
-        return list(await asyncio.gather(*futures))
+        outcomes = list(await asyncio.gather(*futures))
+        failed = next((o for o in outcomes if o.retry), None)
+        if failed is not None:
+            self._reset = f"{failed.reason}: {failed.detail}"
+        return outcomes
 
     async def close(self) -> None:
         if self.producer is not None:
