@@ -39,7 +39,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "otlp+http://HOST:PORT/v1/logs) or an entry of the AEP_BRIDGE_EXPORT_CONFIG file (YAML or JSON, "
         "{sinks: [{name, url, format, max_capture, filter, kafka: {librdkafka settings}, headers}]}).",
     )
-    _common(e, 9466)
+    _common(e, 9467)
     e.add_argument("--sink", action="append", default=[], metavar="URL", help="a sink (repeatable)")
     e.add_argument("--config", default=None, metavar="FILE",
                    help="sinks file, YAML or JSON (default: AEP_BRIDGE_EXPORT_CONFIG)")

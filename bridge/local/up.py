@@ -12,6 +12,9 @@ tells `demo` and `tail` where the server is.
 both commands (``AEP_HERMES_CONTROL=1``, ``AEP_INSTRUCT=1`` unless the environment
 says otherwise); its log, metrics URL and pid are kept like the others', and
 up.json's ``control`` says what a shim needs to be held and steered by it.
+
+`--export URL` (repeatable: kafka://HOST:PORT/TOPIC, otlp+http://HOST:PORT/v1/logs)
+adds a supervised `aep-bridge exporter` with those sinks (bridge/services/exporter.py).
 """
 
 from __future__ import annotations
@@ -75,7 +78,8 @@ class Worker:
 class Up:
     def __init__(self, settings: Settings, *, nats_url: str | None, port: int | None, state_dir: Path,
                  out: TextIO = sys.stdout, mapper_port: int | None = None, pairing_port: int | None = None,
-                 gate: bool = False, gate_port: int | None = None) -> None:
+                 gate: bool = False, gate_port: int | None = None, export: list[str] | None = None,
+                 export_port: int | None = None) -> None:
         self.settings = settings
         self.external_url = nats_url
         self.port = port
@@ -91,6 +95,13 @@ class Up:
             from bridge.services.gate import GATE_METRICS_PORT
 
             self.gate_port = gate_port or (GATE_METRICS_PORT if port_is_free(GATE_METRICS_PORT) else free_port())
+        # --export URL...: an `aep-bridge exporter` worker with these sinks
+        self.export = list(export or [])
+        self.export_port = 0
+        if self.export:
+            from bridge.services.exporter import EXPORTER_METRICS_PORT
+
+            self.export_port = export_port or (EXPORTER_METRICS_PORT if port_is_free(EXPORTER_METRICS_PORT) else free_port())
         self.url = ""
         self.stop_event: asyncio.Event | None = None
 
@@ -170,6 +181,10 @@ class Up:
         if self.gate:
             self.workers.append(Worker("gate", base + ["gate", "--metrics-port", str(self.gate_port)],
                                        logs / "gate.log", self._gate_env()))
+        if self.export:
+            sinks = [arg for url in self.export for arg in ("--sink", url)]
+            self.workers.append(Worker("exporter", base + ["exporter", "--metrics-port", str(self.export_port), *sinks],
+                                       logs / "exporter.log", self._env()))
         for w in self.workers:
             w.start()
 
@@ -203,6 +218,8 @@ class Up:
         if self.gate:
             metrics["gate"] = f"http://127.0.0.1:{self.gate_port}/metrics"
             state["control"] = self.control()
+        if self.export:
+            metrics["exporter"] = f"http://127.0.0.1:{self.export_port}/metrics"
         tmp.write_text(json.dumps(state, indent=2))
         os.replace(tmp, path)  # readers (demo, tail, tests) never see a half-written file
 
@@ -219,6 +236,9 @@ class Up:
         self.say(f"  pairing        http://127.0.0.1:{self.pairing_port}/metrics   /healthz   /readyz")
         if self.gate:
             self.say(f"  gate           http://127.0.0.1:{self.gate_port}/metrics   /healthz (the hello document)   /readyz")
+        if self.export:
+            self.say(f"  exporter       http://127.0.0.1:{self.export_port}/metrics   /healthz   /readyz   -> "
+                     + ", ".join(self.export))
         self.say(f"  logs           {self.state_dir / 'logs'}")
         self.say("  watch          aep-bridge tail            (or: aep-bridge tail --json)")
         self.say("  replay a demo  aep-bridge demo")

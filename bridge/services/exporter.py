@@ -46,7 +46,7 @@ from bridge.services.runtime import Health, HttpServer, Stopper, close_connectio
 
 log = structlog.get_logger("aep_bridge.exporter")
 
-EXPORTER_METRICS_PORT = 9466
+EXPORTER_METRICS_PORT = 9467
 BACKOFF_FIRST_S = 1.0
 BACKOFF_MAX_S = 30.0
 PROGRESS_EVERY_S = S.EXPORT_ACK_WAIT_S / 3
@@ -82,6 +82,8 @@ class SinkWorker:
         self.cfg = cfg
         self.sink = make_sink(cfg)
         self.metrics = service.metrics
+        for metric in (self.metrics.delivered, self.metrics.retries, self.metrics.last_success):
+            metric.labels(sink=cfg.name)  # every sink's series exists from the start, at 0
         self.sub: Any = None
         self.bound = False
         self.state = "starting"
