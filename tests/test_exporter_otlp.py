@@ -20,9 +20,10 @@ from tests.test_pairing_e2e import quiet
 class Receiver:
     """OTLP/HTTP logs on /v1/logs. The first `refuse` requests get 503 with Retry-After."""
 
-    def __init__(self, refuse: int = 0, retry_after: str = "2") -> None:
+    def __init__(self, refuse: int = 0, retry_after: str | None = "2", status: int = 503) -> None:
         self.requests: list[dict] = []  # {"t": arrival, "status": answered, "records": [...]}
         self.refuse = refuse
+        self.status = status
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -41,10 +42,11 @@ class Receiver:
                          "encoding": self.headers.get("Content-Encoding")}
                 if outer.refuse > 0:
                     outer.refuse -= 1
-                    entry["status"] = 503
+                    entry["status"] = outer.status
                     outer.requests.append(entry)
-                    self.send_response(503)
-                    self.send_header("Retry-After", retry_after)
+                    self.send_response(outer.status)
+                    if retry_after is not None:
+                        self.send_header("Retry-After", retry_after)
                     self.send_header("Content-Length", "0")
                     self.end_headers()
                     return
@@ -156,3 +158,59 @@ def test_every_event_arrives_as_its_log_record_and_a_503_retry_after_is_honoured
 def to_id(record) -> str:
     _, log = record
     return next(kv.value.string_value for kv in log.attributes if kv.key == "aep.event_id")
+
+
+def event_ids(rx: Receiver) -> set[str]:
+    return {to_id(r) for r in rx.records()}
+
+
+def test_a_stuck_sink_never_stalls_another_and_catches_up_and_a_refusal_is_dead_lettered(nats_server_fn, tmp_path):
+    """Three sinks from one AEP_BRIDGE_EXPORT_CONFIG file: `stuck` answers 503 (no Retry-After) for
+    a long time, `fast` (filtered to tool.*) answers at once, `strict` refuses its first request
+    with 400. `fast` gets all its events while `stuck` holds; `stuck` then gets everything;
+    `strict`'s refused batch is in the DLQ with the reason, and the rest reaches it."""
+    client = JetStreamClient(nats_server_fn.url)
+    client.bootstrap()
+    client.run(publish_all(client.js, raw_records(list(envelopes()), instance="iso")))
+    mapper = Service("mapper", nats_server_fn.url, tmp_path).start()
+    (tmp_path / "p").mkdir()
+    pairing = Service("pairing", nats_server_fn.url, tmp_path / "p", "--replica", "solo").start()
+    with Receiver(refuse=10**6, retry_after=None) as stuck, Receiver() as fast, \
+            Receiver(refuse=1, retry_after=None, status=400) as strict:
+        config = tmp_path / "export.yaml"
+        config.write_text(f"""
+sinks:
+  - name: stuck
+    url: otlp+http://127.0.0.1:{stuck.port}/v1/logs
+  - name: fast
+    url: otlp+http://127.0.0.1:{fast.port}/v1/logs
+    filter: {{type: ["tool.*"]}}
+    batch: 20
+  - name: strict
+    url: otlp+http://127.0.0.1:{strict.port}/v1/logs
+    batch: 10
+""")
+        (tmp_path / "e").mkdir()
+        exporter = Service("exporter", nats_server_fn.url, tmp_path / "e", env={"AEP_BRIDGE_EXPORT_CONFIG": str(config)})
+        try:
+            quiet(client, "AEP_EVENTS")
+            stored = [json.loads(m.data) for m in client.fetch("aep.hermes.>", stream="AEP_EVENTS")]
+            tools = {e["id"] for e in stored if e["type"].startswith("tool.")}
+            exporter.start()
+            wait_for(lambda: event_ids(fast) >= tools, 60, what="the fast sink's events")
+            assert event_ids(fast) == tools and len(stuck.requests) >= 1 and not stuck.records()
+            assert exporter.alive()
+            stuck.refuse = 0  # the stuck endpoint recovers: backoff retries deliver everything
+            wait_for(lambda: event_ids(stuck) == {e["id"] for e in stored}, 90, what="the stuck sink to catch up")
+
+            wait_for(lambda: len(event_ids(strict)) >= len(stored) - 10, 60, what="the strict sink")
+            dlq = client.fetch("bridge.dlq.>", stream="BRIDGE_DLQ")
+            assert {m.headers["Bridge-Dlq-Reason"] for m in dlq} == {"export_otlp_400"}
+            refused = {json.loads(m.data)["id"] for m in dlq}
+            assert len(refused) == 10 and all(m.headers["Bridge-Stage"] == "exporter:strict" for m in dlq)
+            assert event_ids(strict) | refused == {e["id"] for e in stored} and not event_ids(strict) & refused
+        finally:
+            exporter.terminate()
+            pairing.terminate()
+            mapper.terminate()
+            client.close()
