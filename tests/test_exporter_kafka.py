@@ -194,6 +194,16 @@ def consumer_state(client: JetStreamClient, durable: str):
     return client.run(client.js.consumer_info("AEP_EVENTS", durable))
 
 
+def acked(client: JetStreamClient, durable: str) -> int:
+    """The sink consumer's ack floor (0 before the exporter created it)."""
+    import nats.js.errors
+
+    try:
+        return consumer_state(client, durable).ack_floor.stream_seq
+    except nats.js.errors.NotFoundError:
+        return 0
+
+
 def test_kafka_down_backpressure_then_resume_into_a_fresh_broker(nats_server_fn, tmp_path):
     """Kafka stops: the sink's consumer acks nothing more and the events wait in AEP_EVENTS;
     a (fresh, in-memory) broker comes back on the same address: every event published
@@ -209,7 +219,7 @@ def test_kafka_down_backpressure_then_resume_into_a_fresh_broker(nats_server_fn,
     try:
         client.run(publish_all(client.js, raw_records(realistic_envelopes(100, seed=1), instance="before")))
         n_before = quiet(client, "AEP_EVENTS")
-        wait_for(lambda: consumer_state(client, "export-ce").ack_floor.stream_seq >= n_before, 60,
+        wait_for(lambda: acked(client, "export-ce") >= n_before, 60,
                  what="the sink to deliver the first events")
         broker.kill()
         client.run(publish_all(client.js, raw_records(realistic_envelopes(300, seed=2), instance="during")))
@@ -247,3 +257,49 @@ def metric(text: str, name: str) -> str:
         if line.startswith(name + " "):
             return line.split()[-1]
     return "0"
+
+
+@pytest.mark.slow
+def test_exporter_kill_9_mid_run_loses_nothing_and_duplicates_only_by_id(nats_server_fn, tansu, tmp_path):
+    from bridge.sim.sessions import realistic_envelopes
+    from tests.support.services import publish_all, raw_records
+
+    tansu.create_topics("aep-ce", partitions=3)
+    client = JetStreamClient(nats_server_fn.url)
+    client.bootstrap()
+    client.run(publish_all(client.js, raw_records(realistic_envelopes(4000, seed=3), instance="kill")))
+    (tmp_path / "p").mkdir()
+    (tmp_path / "e").mkdir()
+    mapper = Service("mapper", nats_server_fn.url, tmp_path).start()
+    pairing = Service("pairing", nats_server_fn.url, tmp_path / "p", "--replica", "solo").start()
+    exporter = Service("exporter", nats_server_fn.url, tmp_path / "e", "--sink",
+                       f"kafka://{tansu.bootstrap}/aep-ce?name=ce")
+    try:
+        total = quiet(client, "AEP_EVENTS")
+        exporter.start()
+        wait_for(lambda: acked(client, "export-ce") > 300, 60, interval=0.02,
+                 what="the exporter to be mid-run")
+        exporter.kill()  # kill -9: batches in flight were produced but not acked
+        floor = consumer_state(client, "export-ce").ack_floor.stream_seq
+        assert 0 < floor < total, "killed mid-run"
+        exporter.start()
+        wait_for(lambda: consumer_state(client, "export-ce").ack_floor.stream_seq >= total, 120,
+                 what="the restarted exporter to finish")
+        stored = [json.loads(m.data) for m in client.fetch("aep.hermes.>", stream="AEP_EVENTS")]
+        got = consume(tansu.bootstrap, "aep-ce", total)
+        first: dict[str, bytes] = {}
+        duplicates = 0
+        for m in got:
+            event_id = json.loads(m.value())["id"]
+            if event_id in first:
+                duplicates += 1
+                assert first[event_id] == m.value(), "a duplicate is the same record, same id"
+            else:
+                first[event_id] = m.value()
+        assert set(first) == {e["id"] for e in stored}, "0 lost, nothing foreign"
+        print(f"{total} events, {duplicates} same-id redeliveries after kill -9 at ack floor {floor}")
+    finally:
+        exporter.terminate()
+        pairing.terminate()
+        mapper.terminate()
+        client.close()
