@@ -84,3 +84,9 @@ def test_retry_after_header_forms():
     assert retry_after_seconds("3") == 3.0
     assert retry_after_seconds(None) is None and retry_after_seconds("soon") is None
     assert retry_after_seconds("Wed, 02 Dec 2026 00:00:10 GMT", now=1796169600.0) == 10.0
+
+
+def test_a_lone_surrogate_in_a_payload_still_frames():
+    event = dict(golden()[3], capture="full", data={**golden()[3]["data"], "result": "half \ud800 pair"})
+    _, value, _ = kafka_record("cloudevents", event, "l", 3)  # at full: the text is exported
+    assert b"half \\ud800 pair" in value or "half \ud800 pair".encode("utf-8", "surrogatepass") in value
