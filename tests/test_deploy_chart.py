@@ -70,7 +70,7 @@ except ImportError:  # pragma: no cover
     GATE_PORT = 9466
 
 CI_VALUES = sorted(CI_DIR.glob("*-values.yaml"))
-REQUIRED_CI_VALUES = {"defaults", "external-nats", "creds-auth", "autoscaling", "monitoring", "gate"}
+REQUIRED_CI_VALUES = {"defaults", "external-nats", "creds-auth", "autoscaling", "monitoring", "gate", "exporter"}
 
 
 # --------------------------------------------------------------------------- helpers
@@ -742,6 +742,7 @@ NATS_ROLES = {  # user in nats.config.merge -> role (Secret key "<role>-password
     "aep-gate": "gate",  # the opt-in control plane: present whether or not gate.enabled
     "aep-operator": "operator",
     "hermes-shim-control": "shim-control",  # a shim of a fleet that runs the control plane
+    "aep-exporter": "exporter",  # present whether or not exporter.enabled
 }
 
 
