@@ -90,3 +90,27 @@ def test_a_lone_surrogate_in_a_payload_still_frames():
     event = dict(golden()[3], capture="full", data={**golden()[3]["data"], "result": "half \ud800 pair"})
     _, value, _ = kafka_record("cloudevents", event, "l", 3)  # at full: the text is exported
     assert b"half \\ud800 pair" in value or "half \ud800 pair".encode("utf-8", "surrogatepass") in value
+
+
+def test_kafka_sink_outcomes_without_a_broker():
+    """A record librdkafka refuses locally (larger than message.max.bytes) is a permanent
+    failure (dead-lettered), not retried for ever; a record no broker confirms in time is
+    a transient one (retried)."""
+    import asyncio
+
+    from bridge.core.sinks import sink_from_url
+    from bridge.services.exporter_sinks import KafkaSink
+    from tests.support.tansu import free_port
+
+    async def run():
+        sink = KafkaSink(sink_from_url(f"kafka://127.0.0.1:{free_port()}/t?message.max.bytes=1000&message.timeout.ms=500"))
+        await sink.start()
+        try:
+            big, small = (b"k", b"x" * 5000, []), (b"k", b"y", [])
+            return await sink.send([big, small])
+        finally:
+            await sink.close()
+
+    big, small = asyncio.run(run())
+    assert not big.ok and not big.retry and big.reason == "kafka_msg_size_too_large", big
+    assert not small.ok and small.retry and small.reason == "kafka_unavailable", small

@@ -148,8 +148,13 @@ class KafkaSink:
                     break
                 except BufferError:  # the local queue is full: wait for reports
                     await asyncio.sleep(0.05)
-                except KafkaException as exc:
-                    _settle(fut, Outcome(False, retry=True, reason="kafka_produce", detail=str(exc)))
+                except KafkaException as exc:  # refused locally: too large, unknown topic, ...
+                    err = exc.args[0] if exc.args and isinstance(exc.args[0], KafkaError) else None
+                    if err is not None and not err.retriable() and not err.fatal():
+                        outcome = Outcome(False, reason=f"kafka_{err.name().lower().lstrip('_')}", detail=str(exc))
+                    else:
+                        outcome = Outcome(False, retry=True, reason="kafka_produce", detail=str(exc))
+                    _settle(fut, outcome)
                     break
         outcomes = list(await asyncio.gather(*futures))
         failed = next((o for o in outcomes if o.retry), None)
@@ -159,7 +164,7 @@ class KafkaSink:
 
     async def close(self) -> None:
         if self.producer is not None:
-            await asyncio.to_thread(self.producer.flush, 10)
+            await asyncio.to_thread(self.producer.flush, 5)
             await asyncio.to_thread(self._close_producer)
 
 
@@ -220,9 +225,11 @@ class OtlpHttpSink:
 
     async def send(self, records: list[dict[str, Any]]) -> list[Outcome]:
         body = gzip.compress(otlp_request_proto(records), compresslevel=5)
+        import http.client
+
         try:
             status, headers, payload = await asyncio.to_thread(self._post, body)
-        except OSError as exc:  # refused, reset, timed out: transient
+        except (OSError, http.client.HTTPException) as exc:  # refused, reset, timed out, garbled: transient
             return [Outcome(False, retry=True, reason="otlp_unreachable", detail=f"{type(exc).__name__}: {exc}")] * len(records)
         if 200 <= status < 300:
             rejected = _rejected(payload)
