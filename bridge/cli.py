@@ -22,6 +22,7 @@ from bridge import __version__
 
 COMMAND_MODULES = (
     "bridge.commands.mapping",  # map, schemas
+    "bridge.commands.export",  # export (the AEP-0005 bridges)
     "bridge.commands.shim",  # spool, hermes install/uninstall/doctor
     "bridge.commands.bootstrap",  # bootstrap
     "bridge.commands.services",  # mapper, pairing

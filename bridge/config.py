@@ -3,7 +3,7 @@
 Precedence: command-line flag > environment > the optional `KEY=VALUE` file named
 by `AEP_BRIDGE_CONFIG` (default `~/.config/aep-bridge/env`) > built-in default.
 The shim (`bridge/shim/hook.py`) reads the same names with its own stdlib-only
-parser; keep the two in step (tests/test_config.py checks the defaults agree).
+parser; keep the two in step (tests/shim/test_hook.py::test_defaults_agree_with_bridge_config checks).
 """
 
 from __future__ import annotations

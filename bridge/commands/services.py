@@ -1,4 +1,4 @@
-"""`aep-bridge mapper` and `aep-bridge pairing`: the long-running services."""
+"""`aep-bridge mapper`, `aep-bridge pairing` and `aep-bridge exporter`: the long-running services."""
 
 from __future__ import annotations
 
@@ -30,6 +30,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tick-s", type=float, default=None,
                    help="seconds between ticks (the clock of TTL closure and held follow-ups; AEP_BRIDGE_TICK_S, default 15)")
     p.set_defaults(func=cmd_pairing)
+
+    e = sub.add_parser(
+        "exporter",
+        help="run the exporter: AEP_EVENTS -> Kafka / OTLP/HTTP sinks in AEP-0005 forms",
+        description="One durable consumer on AEP_EVENTS per sink. A sink is a URL "
+        "(kafka://HOST:PORT/TOPIC?format=cloudevents|otlp|ocsf&max_capture=metadata&mode=structured|binary&filter=JSON, "
+        "otlp+http://HOST:PORT/v1/logs) or an entry of the AEP_BRIDGE_EXPORT_CONFIG file (YAML or JSON, "
+        "{sinks: [{name, url, format, max_capture, filter, kafka: {librdkafka settings}, headers}]}).",
+    )
+    _common(e, 9467)
+    e.add_argument("--sink", action="append", default=[], metavar="URL", help="a sink (repeatable)")
+    e.add_argument("--config", default=None, metavar="FILE",
+                   help="sinks file, YAML or JSON (default: AEP_BRIDGE_EXPORT_CONFIG)")
+    e.set_defaults(func=cmd_exporter)
 
 
 def settings_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-def]
@@ -79,3 +93,23 @@ def cmd_pairing(args: argparse.Namespace) -> int:
         settings.tick_s = args.tick_s
     configure_logging(settings.log_format, settings.log_level)
     return run_service(PairingService(settings, replica=args.replica).run())
+
+
+def cmd_exporter(args: argparse.Namespace) -> int:
+    import os
+
+    from bridge.core.sinks import SinkConfigError
+    from bridge.services.exporter import Exporter, load_sinks
+    from bridge.services.runtime import configure_logging
+
+    settings = settings_from_args(args)
+    try:
+        sinks = load_sinks(args.sink, args.config or os.environ.get("AEP_BRIDGE_EXPORT_CONFIG") or None)
+    except (SinkConfigError, OSError, ValueError) as exc:
+        print(f"aep-bridge exporter: {exc}", file=sys.stderr)
+        return 2
+    if not sinks:
+        print("aep-bridge exporter: no sinks: give --sink URL or AEP_BRIDGE_EXPORT_CONFIG", file=sys.stderr)
+        return 2
+    configure_logging(settings.log_format, settings.log_level)
+    return run_service(Exporter(settings, sinks).run())

@@ -23,6 +23,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="also run the opt-in control plane, `aep-bridge gate` (operator-deny gate and steering; "
                         "accepts both commands unless AEP_HERMES_CONTROL / AEP_INSTRUCT say otherwise)")
     u.add_argument("--gate-port", type=int, default=None, help="with --gate: gate metrics port (default 9466, or free)")
+    u.add_argument("--export", action="append", default=[], metavar="URL",
+                   help="also run `aep-bridge exporter` with this sink (repeatable): kafka://HOST:PORT/TOPIC"
+                        "[?format=cloudevents|otlp|ocsf] or otlp+http://HOST:PORT/v1/logs")
+    u.add_argument("--export-port", type=int, default=None, help="with --export: exporter metrics port (default 9467, or free)")
     u.set_defaults(func=cmd_up)
 
     d = sub.add_parser("demo", help="replay real Hermes sessions through the shim into a running bridge and summarise")
@@ -64,8 +68,17 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     settings = Settings.from_env()
     state_dir = Path(args.state_dir) if args.state_dir else default_state_dir()
+    if args.export:
+        from bridge.core.sinks import SinkConfigError, check_unique, sink_from_url
+
+        try:  # a bad URL is said now, not in a worker's log
+            check_unique([sink_from_url(url) for url in args.export])
+        except SinkConfigError as exc:
+            print(f"aep-bridge up: --export: {exc}", file=sys.stderr)
+            return 2
     up = Up(settings, nats_url=args.nats, port=args.port, state_dir=state_dir,
-            mapper_port=args.mapper_port, pairing_port=args.pairing_port, gate=args.gate, gate_port=args.gate_port)
+            mapper_port=args.mapper_port, pairing_port=args.pairing_port, gate=args.gate, gate_port=args.gate_port,
+            export=args.export, export_port=args.export_port)
     try:
         return asyncio.run(up.run(demo=args.demo, follow=not args.no_follow, color=sys.stdout.isatty()))
     except Exception as exc:

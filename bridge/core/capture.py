@@ -15,6 +15,9 @@ Theory of operation
 * ``digest(v)`` hashes the canonical JSON of the ORIGINAL value, before any
   redaction; a size stub made by the shim carries that digest already and is
   passed through, so digests downstream equal those of the original content.
+* Exporters (the AEP-0005 bridges) apply their own ceiling, ``max_capture``, to
+  finished AEP events: an event above it keeps its envelope and loses its payload
+  (``exported_payload``, ``downlevel``).
 """
 
 from __future__ import annotations
@@ -418,3 +421,46 @@ def strip_to_required(payload: aep._Payload) -> aep._Payload:
         if f.required:
             kept[f.name] = strip_to_required(value) if isinstance(value, aep._Payload) else value
     return type(payload)(**kept)
+
+
+# ---------------------------------------------------------------- an exporter's ceiling (AEP-0005 §3.3, §4.6)
+#
+# The bridges (bridge/core/bridges/) apply one rule before they project an AEP event: an
+# event whose `capture` is above the exporter's `max_capture` keeps its envelope and loses
+# its whole payload. Dropping more than the field levels require is always a legal
+# down-level (AEP-0001 §8.2 b), it needs no schema of the event's type (the exporters see
+# foreign and vendor types too), and it is what the AEP-0005 pins assert (§4.3: "a level
+# above max_capture": the payload does not survive; §4.6: "created from the envelope alone").
+
+
+def event_capture(event: dict[str, Any]) -> int:
+    """The rank of an AEP event's `capture` (absent: `metadata`, AEP-0001 §5.1)."""
+    return level_rank(event.get("capture", "metadata"))
+
+
+def exported_payload(event: dict[str, Any], max_capture: int) -> dict[str, Any] | None:
+    """The payload an exporter with ceiling ``max_capture`` may pass on, or None.
+
+    None when the event is above the ceiling, when it is `capture: none` (envelope only,
+    AEP-0005 §3.3), or when it has no object `data`.
+    """
+    level = event_capture(event)
+    data = event.get("data")
+    if level == NONE or level > max_capture or not isinstance(data, dict):
+        return None
+    return data
+
+
+def downlevel(event: dict[str, Any], max_capture: int) -> dict[str, Any]:
+    """The event as a re-emitting hop under ``max_capture`` passes it on (AEP-0001 §8.2 b).
+
+    Within the ceiling: the event itself, unchanged (the CloudEvents bridge stays lossless).
+    Above it: the envelope without `data`, its `capture` rewritten to `none`, the level of
+    what it now carries (the rule of `exported_payload`; never up-levelled, never a
+    `redacted` claim minted, §8.2 e).
+    """
+    if event_capture(event) <= max_capture:
+        return event
+    out = {k: v for k, v in event.items() if k != "data"}
+    out["capture"] = "none"
+    return out

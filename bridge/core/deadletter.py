@@ -144,9 +144,10 @@ def build(stage: str, reason: str, error_type: str, detail: str, original: Origi
         "Bridge-Dlq-Capture": LEVELS[level],
         "Bridge-Stage": stage,
     }
-    if stage == "pairing":
-        headers["Bridge-Mapped-Subject"] = original.subject
-        headers["Bridge-Mapped-Seq"] = str(original.seq)
+    if stage != "mapper":  # an AEP event: pairing's mapped input, or an exporter's AEP_EVENTS message
+        kind = "Mapped" if stage == "pairing" else "Events"
+        headers[f"Bridge-{kind}-Subject"] = original.subject
+        headers[f"Bridge-{kind}-Seq"] = str(original.seq)
         if isinstance(obj, dict):
             where.update(_id_fields(obj.get("id")))
             etype = obj.get("type")
@@ -171,7 +172,7 @@ def build(stage: str, reason: str, error_type: str, detail: str, original: Origi
                             "error": error, "original": where}
     if level >= REDACTED:
         body.update(_content(obj, data, level, policy))
-    if stage != "pairing":
+    if stage == "mapper":
         headers.update(_copied_headers(original.headers, level, policy))
     try:
         encoded = msgspec.json.encode(body)

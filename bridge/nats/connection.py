@@ -34,6 +34,7 @@ ROLE_INBOX = {
     "consumer": "_INBOX.aep-consumer",  # tail, demo, verify: readers of AEP_EVENTS
     "gate": "_INBOX.aep-gate",
     "operator": "_INBOX.aep-operator",  # aep-bridge control
+    "exporter": "_INBOX.aep-exporter",
 }
 
 

@@ -242,3 +242,27 @@ def mapper_consumer_config(durable: str = MAPPER_DURABLE) -> Any:
         max_ack_pending=MAPPER_MAX_ACK_PENDING,
         filter_subject=RAW_SUBJECTS,
     )
+
+
+EXPORT_DURABLE_PREFIX = "export-"  # one durable consumer per exporter sink: export-<sink name>
+EXPORT_ACK_WAIT_S = 60.0  # the exporter reports progress (+WPI) while a sink holds a batch
+EXPORT_MAX_ACK_PENDING = 4096
+
+
+def exporter_consumer_config(durable: str, description: str = "", max_ack_pending: int = EXPORT_MAX_ACK_PENDING) -> Any:
+    """An exporter sink's durable pull consumer on AEP_EVENTS (one per sink: a slow sink
+    never stalls another). Every event from the start of the stream; acked only once the
+    sink confirmed delivery, so ``max_deliver`` is unlimited: an event waits for its sink,
+    it is never dropped by the server."""
+    from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+    return ConsumerConfig(
+        durable_name=durable,
+        description=description or f"aep-bridge exporter sink {durable}",
+        deliver_policy=DeliverPolicy.ALL,
+        ack_policy=AckPolicy.EXPLICIT,
+        ack_wait=EXPORT_ACK_WAIT_S,
+        max_deliver=-1,
+        max_ack_pending=max_ack_pending,
+        filter_subject=EVENTS_SUBJECTS,
+    )

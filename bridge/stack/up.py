@@ -22,6 +22,8 @@ credential, ``up.json`` records it (``shim_env``), and ``demo``, ``tail`` and ``
 read it from there, so any other local user can neither read HERMES_RAW, delete streams nor
 answer held calls. With ``--nats URL`` the server and its credentials are the caller's
 (``AEP_BRIDGE_NATS_*`` from the environment).
+`--export URL` (repeatable: kafka://HOST:PORT/TOPIC, otlp+http://HOST:PORT/v1/logs)
+adds a supervised `aep-bridge exporter` with those sinks (bridge/services/exporter.py).
 """
 
 from __future__ import annotations
@@ -111,7 +113,8 @@ class Worker:
 class Up:
     def __init__(self, settings: Settings, *, nats_url: str | None, port: int | None, state_dir: Path,
                  out: TextIO = sys.stdout, mapper_port: int | None = None, pairing_port: int | None = None,
-                 gate: bool = False, gate_port: int | None = None) -> None:
+                 gate: bool = False, gate_port: int | None = None, export: list[str] | None = None,
+                 export_port: int | None = None) -> None:
         self.settings = settings
         self.external_url = nats_url
         self.port = port
@@ -125,6 +128,13 @@ class Up:
         self.gate_port = 0
         if gate:
             self.gate_port = gate_port or (GATE_METRICS_PORT if port_is_free(GATE_METRICS_PORT) else free_port())
+        # --export URL...: an `aep-bridge exporter` worker with these sinks
+        self.export = list(export or [])
+        self.export_port = 0
+        if self.export:
+            from bridge.services.exporter import EXPORTER_METRICS_PORT
+
+            self.export_port = export_port or (EXPORTER_METRICS_PORT if port_is_free(EXPORTER_METRICS_PORT) else free_port())
         self.url = ""
         self.stop_event: asyncio.Event | None = None
         self.password: str | None = None  # of LOCAL_USER on the embedded server (generated at start)
@@ -229,6 +239,10 @@ class Up:
         if self.gate:
             self.workers.append(Worker("gate", base + ["gate", "--metrics-port", str(self.gate_port)],
                                        logs / "gate.log", self._gate_env()))
+        if self.export:
+            sinks = [arg for url in self.export for arg in ("--sink", url)]
+            self.workers.append(Worker("exporter", base + ["exporter", "--metrics-port", str(self.export_port), *sinks],
+                                       logs / "exporter.log", self._env()))
         for w in self.workers:
             w.start()
 
@@ -264,6 +278,8 @@ class Up:
         if self.gate:
             metrics["gate"] = f"http://127.0.0.1:{self.gate_port}/metrics"
             state["control"] = self.control()
+        if self.export:
+            metrics["exporter"] = f"http://127.0.0.1:{self.export_port}/metrics"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # it holds the password
         with os.fdopen(fd, "w") as f:
             f.write(json.dumps(state, indent=2))
@@ -283,6 +299,9 @@ class Up:
         self.say(f"  pairing        http://127.0.0.1:{self.pairing_port}/metrics   /healthz   /readyz")
         if self.gate:
             self.say(f"  gate           http://127.0.0.1:{self.gate_port}/metrics   /healthz (the hello document)   /readyz")
+        if self.export:
+            self.say(f"  exporter       http://127.0.0.1:{self.export_port}/metrics   /healthz   /readyz   -> "
+                     + ", ".join(self.export))
         self.say(f"  logs           {self.state_dir / 'logs'}")
         self.say("  watch          aep-bridge tail            (or: aep-bridge tail --json)")
         self.say("  replay a demo  aep-bridge demo")

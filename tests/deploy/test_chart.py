@@ -63,7 +63,7 @@ MAPPER_PORT, PAIRING_PORT = MAPPER_METRICS_PORT, PAIRING_METRICS_PORT
 DEFAULT_PORTS = {"mapper": MAPPER_PORT, "pairing": PAIRING_PORT}
 
 CI_VALUES = sorted(CI_DIR.glob("*-values.yaml"))
-REQUIRED_CI_VALUES = {"defaults", "external-nats", "creds-auth", "autoscaling", "monitoring", "gate"}
+REQUIRED_CI_VALUES = {"defaults", "external-nats", "creds-auth", "autoscaling", "monitoring", "gate", "exporter"}
 
 
 # --------------------------------------------------------------------------- helpers
@@ -735,6 +735,7 @@ NATS_ROLES = {  # user in nats.config.merge -> role (Secret key "<role>-password
     "aep-gate": "gate",  # the opt-in control plane: present whether or not gate.enabled
     "aep-operator": "operator",
     "hermes-shim-control": "shim-control",  # a shim of a fleet that runs the control plane
+    "aep-exporter": "exporter",  # present whether or not exporter.enabled
 }
 
 

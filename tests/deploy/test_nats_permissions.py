@@ -69,6 +69,7 @@ PASSWORDS = {
     "AEP_GATE_PASSWORD": "gate-pw",
     "AEP_OPERATOR_PASSWORD": "operator-pw",
     "AEP_SHIM_CONTROL_PASSWORD": "shim-control-pw",
+    "AEP_EXPORTER_PASSWORD": "exporter-pw",
 }
 USERS = {
     "bootstrap": ("aep-bootstrap", "bootstrap-pw"),
@@ -80,6 +81,7 @@ USERS = {
     "gate": ("aep-gate", "gate-pw"),
     "operator": ("aep-operator", "operator-pw"),
     "shim-control": ("hermes-shim-control", "shim-control-pw"),
+    "exporter": ("aep-exporter", "exporter-pw"),
 }
 #: each role's own inbox prefix (bridge.nats.connection.ROLE_INBOX; the shim's names its
 #: instance): its user may subscribe there only
@@ -626,7 +628,7 @@ def test_sample_and_values_grant_the_same_permissions() -> None:
         for u in account["users"]
     }
     assert values.keys() == {"aep-bootstrap", "aep-mapper", "aep-pairing", "hermes-shim", "aep-consumer",
-                             "aep-gate", "aep-operator", "hermes-shim-control"}
+                             "aep-gate", "aep-operator", "hermes-shim-control", "aep-exporter"}
     assert sample.keys() == values.keys() | {"hermes-gateway-0"}
     for user, rules in values.items():
         assert sample[user] == rules, user

@@ -1,5 +1,5 @@
 """``python -m tests.support.poisoned_mapper mapper --nats URL ...``: the mapper service with a
-test hook injected, for the fault test of a poisoned message (tests/test_faults.py).
+test hook injected, for the fault test of a poisoned message (tests/sim/test_faults.py).
 
 It runs what ``aep-bridge mapper`` runs, with ``Mapper(before_map=...)`` failing every delivery
 of a raw message that contains ``AEP_BRIDGE_TEST_POISON`` (set by the test), so the message must

