@@ -23,7 +23,7 @@ read it from there, so any other local user can neither read HERMES_RAW, delete 
 answer held calls. With ``--nats URL`` the server and its credentials are the caller's
 (``AEP_BRIDGE_NATS_*`` from the environment).
 `--export URL` (repeatable: kafka://HOST:PORT/TOPIC, otlp+http://HOST:PORT/v1/logs)
-adds a supervised `aep-bridge exporter` with those sinks (bridge/services/exporter.py).
+adds a supervised `aep-bridge exporter` with those sinks (bridge/services/exporter/).
 """
 
 from __future__ import annotations

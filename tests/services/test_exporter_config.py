@@ -1,4 +1,4 @@
-"""The exporter's sink configuration (bridge/core/sinks.py) and Kafka framing (bridge/core/bridges/delivery.py)."""
+"""The exporter's sink configuration (bridge/core/sinks.py) and Kafka framing (bridge/services/exporter/delivery.py)."""
 
 from __future__ import annotations
 
@@ -6,11 +6,11 @@ import json
 
 import pytest
 
-from bridge.core.bridges.delivery import kafka_record, otlp_request_proto
+from bridge.services.exporter.delivery import kafka_record, otlp_request_proto
 from bridge.core.bridges.otlp import to_log_record
 from bridge.core.capture import METADATA
 from bridge.core.sinks import SinkConfigError, sink_from_url, sinks_from_document
-from bridge.services.exporter_sinks import retry_after_seconds
+from bridge.services.exporter.sinks import retry_after_seconds
 from tests.core.test_bridges_pins import golden
 
 
@@ -99,7 +99,7 @@ def test_kafka_sink_outcomes_without_a_broker():
     import asyncio
 
     from bridge.core.sinks import sink_from_url
-    from bridge.services.exporter_sinks import KafkaSink
+    from bridge.services.exporter.sinks import KafkaSink
     from tests.support.tansu import free_port
 
     async def run():

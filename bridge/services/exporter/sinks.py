@@ -2,7 +2,7 @@
 
 `send(records)` answers one `Outcome` per record: delivered, retry (transient: the broker or
 endpoint is down, busy or asked to wait) or failed (permanent, with a reason). The
-`SinkWorker` (bridge/services/exporter.py) acks, waits and dead-letters accordingly.
+`SinkWorker` (bridge/services/exporter/) acks, waits and dead-letters accordingly.
 
 Kafka client: confluent-kafka (librdkafka), measured against aiokafka with
 benchmarks/bench_kafka_clients.py on a Tansu broker (20,000 messages of 686 B, acks=all,
@@ -26,7 +26,7 @@ from urllib.parse import urlsplit
 
 import structlog
 
-from bridge.core.bridges.delivery import otlp_request_proto
+from bridge.services.exporter.delivery import otlp_request_proto
 from bridge.core.sinks import SinkConfig
 
 log = structlog.get_logger("aep_bridge.exporter")

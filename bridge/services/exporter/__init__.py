@@ -41,12 +41,12 @@ from bridge.config import Settings
 from bridge.core import deadletter
 from bridge.core.bridges import BridgeError, project
 from bridge.core.capture import LEVELS, CapturePolicy
-from bridge.core.bridges.delivery import kafka_record
+from bridge.services.exporter.delivery import kafka_record
 from bridge.core.sinks import PROJECTION, SinkConfig, check_unique, sink_from_url, sinks_from_document
 from bridge.nats import streams as S
 from bridge.nats.connection import connect_service
 from bridge.nats.subjects import dlq_subject
-from bridge.services.exporter_sinks import Outcome, make_sink
+from bridge.services.exporter.sinks import Outcome, make_sink
 from bridge.services.runtime import Health, HttpServer, Stopper, close_connection, watch_connection
 
 log = structlog.get_logger("aep_bridge.exporter")
