@@ -89,7 +89,7 @@ INBOX = {
     "bootstrap": "_INBOX.aep-bootstrap", "mapper": "_INBOX.aep-mapper", "pairing": "_INBOX.aep-pairing",
     "consumer": "_INBOX.aep-consumer", "gate": "_INBOX.aep-gate", "operator": "_INBOX.aep-operator",
     "shim": "_INBOX.hermes.gateway-0", "shim-control": "_INBOX.hermes.gateway-0",
-    "gateway-0": "_INBOX.hermes.gateway-0",
+    "gateway-0": "_INBOX.hermes.gateway-0", "exporter": "_INBOX.aep-exporter",
 }
 DENY_WAIT = 0.3  # seconds to wait for a refused request (the server refuses at once)
 

@@ -206,7 +206,8 @@ sinks:
             wait_for(lambda: len(event_ids(strict)) >= len(stored) - 10, 60, what="the strict sink")
             dlq = client.fetch("bridge.dlq.>", stream="BRIDGE_DLQ")
             assert {m.headers["Bridge-Dlq-Reason"] for m in dlq} == {"export_otlp_400"}
-            refused = {json.loads(m.data)["id"] for m in dlq}
+            refused = {m.headers["Bridge-Event-Id"] for m in dlq}  # the letter names the event (no content at the sink's metadata ceiling)
+            assert all(json.loads(m.data)["original"]["id"] == m.headers["Bridge-Event-Id"] and "content" not in json.loads(m.data) for m in dlq)
             assert len(refused) == 10 and all(m.headers["Bridge-Stage"] == "exporter:strict" for m in dlq)
             assert event_ids(strict) | refused == {e["id"] for e in stored} and not event_ids(strict) & refused
         finally:
