@@ -354,7 +354,8 @@ class PairingService:
 
     # ------------------------------------------------------------ one partition
 
-    async def publish(self, events: list[Any]) -> list[asyncio.Future]:
+    async def publish(self, events: list[Any], msg: Any = None) -> list[asyncio.Future]:
+        """Start publishing ``events`` (the outputs of the BRIDGE_MAPPED message ``msg``)."""
         futures = []
         limit = getattr(self.nc, "max_payload", 0) or 0
         for event in events:
@@ -364,25 +365,27 @@ class PairingService:
                 if limit and len(body) + len(event.id) + 64 > limit:
                     raise subj.SubjectError("too_large", f"an event of {len(body)} bytes (max_payload {limit})")
             except subj.SubjectError as exc:  # never onto the wire: nats-server would close the connection
-                futures.append(await self.dead_letter_event(event, body, exc.reason, str(exc)))
+                futures.append(await self.dead_letter_event(event, body, exc.reason, str(exc), msg))
                 continue
             futures.append(await self.js.publish_async(subject, body, headers={"Nats-Msg-Id": event.id}))
             self.metrics.event_out(event.type).inc()
         return futures
 
-    async def dead_letter_event(self, event: Any, body: bytes, reason: str, error: str) -> asyncio.Future:
-        """An output that cannot be published: to the DLQ (its input is consumed as usual)."""
-        self.metrics.dead_letters.labels(reason=reason).inc()
-        log.error("pairing_dead_letter", reason=reason, event_id=event.id, error=error[:200])
-        headers = {
-            "Nats-Msg-Id": f"dlq:{S.AEP_EVENTS}:{event.id}",
-            "Bridge-Dlq-Reason": reason,
-            "Bridge-Dlq-Error": error.replace("\r", " ").replace("\n", " ")[:1000],
-            "Bridge-Stage": "pairing",
-        }
+    async def dead_letter_event(self, event: Any, body: bytes, reason: str, error: str, msg: Any = None) -> asyncio.Future:
+        """An output that cannot be published: to the DLQ (`bridge.core.deadletter`, within the
+        lowest ceiling, like every dead letter), its position the input ``msg`` it came from
+        (the input is consumed as usual; the event can be made again from it)."""
+        seq = msg.metadata.sequence.stream if msg is not None else 0
+        original = deadletter.Original(S.BRIDGE_MAPPED, seq, msg.subject if msg is not None else "", body)
+        letter = deadletter.build("pairing", reason, reason, error, original, self.policy)
+        # one letter per output event (one input may yield several)
+        headers = {**letter.headers, "Nats-Msg-Id": f"dlq:{S.AEP_EVENTS}:{event.id}"}
+        self.metrics.dead_letter(reason).inc()
+        log.error("pairing_dead_letter", reason=reason, event_id=event.id, error=headers["Bridge-Dlq-Error"][:200])
+        body = letter.body
         limit = getattr(self.nc, "max_payload", 0) or 0
-        if limit and len(body) + 1024 > limit:
-            body = b""  # the event is still in BRIDGE_MAPPED (its input)
+        if limit and len(body) + 1024 > limit:  # content at `full` can be as large as the event
+            body = deadletter.build("pairing", reason, reason, error, original, CapturePolicy(default="metadata", overrides={})).body
         return await self.js.publish_async(subj.dlq_subject(reason), body, headers=headers)
 
     async def handle(self, part: Partition, msg: Any) -> tuple[list[asyncio.Future], int | None]:
@@ -424,7 +427,7 @@ class PairingService:
         if part.recheck_left > 0:
             part.recheck_left -= 1
             out = await self.not_yet_published(msg, out)
-        return await self.publish(out), ts_ns if isinstance(ts_ns, int) else None
+        return await self.publish(out, msg), ts_ns if isinstance(ts_ns, int) else None
 
     async def not_yet_published(self, msg: Any, events: list[Any]) -> list[Any]:
         """The outputs of a replayed message that a previous owner did not publish, when that

@@ -250,6 +250,33 @@ def test_a_mapped_value_no_checkpoint_can_hold_is_dead_lettered_and_the_partitio
     assert "partition_task_ended" not in pipeline.pairing.log()
 
 
+def test_an_output_pairing_cannot_publish_is_dead_lettered_within_the_ceiling(pipeline, nats_server_fn, tmp_path):
+    """An event whose type breaks the subject rules (as a mapper of another release could
+    have made it) is never published: pairing dead-letters it like every other stage,
+    through bridge.core.deadletter (no content at the default posture, the event named)."""
+    from bridge.core.lanes import lane_token, partition_of
+
+    client = pipeline.client
+    sid = NORMAL + "-t"
+    partition = partition_of(lane_token(sid), 8)
+    ev = {"aep": "0.1", "id": event_id("badtype", 512, 1_764_000_000_000), "type": "x.hermes." + "a." * 80 + "b",
+          "time": "2026-12-01T10:15:00.000Z", "source": "aep://gw/agent/hermes/session/" + sid, "agent": "hermes",
+          "session": sid, "seq": 1024 + 512, "epoch": 0, "capture": "redacted",
+          "data": {"text": "approve CANARY-PAIRING-OUT please"}}
+    client.run(client.js.publish(f"bridge.mapped.{partition}.{sid}", json.dumps(ev).encode(),
+                                 headers={"Nats-Msg-Id": ev["id"], "Bridge-Hints": json.dumps({"ts": 1_764_000_000_000_000_000})}))
+    through_shim(session(NORMAL), nats_server_fn.url, tmp_path / "spool")
+    wait_whole(client, NORMAL, pipeline.services)
+    wait_for(lambda: any(m.subject == "bridge.dlq.bad_type" for m in dlq(client)), 30, what="a bad_type dead letter")
+    (letter,) = [m for m in dlq(client) if m.subject == "bridge.dlq.bad_type"]
+    assert b"CANARY" not in letter.data and "CANARY" not in json.dumps(dict(letter.headers or {}))
+    assert letter.headers["Bridge-Event-Id"] == ev["id"] and letter.headers["Bridge-Stage"] == "pairing"
+    body = json.loads(letter.data)
+    assert body["original"]["id"] == ev["id"] and body["original"]["stream"] == "BRIDGE_MAPPED"
+    assert body["original"]["seq"] == int(letter.headers["Bridge-Mapped-Seq"]) > 0
+    assert all(s.alive() for s in pipeline.services)
+
+
 def test_pairing_state_refuses_what_a_checkpoint_cannot_hold():
     from bridge.core.aep import decode_event
     from bridge.core.pairing import PairingInputError, PairingState
