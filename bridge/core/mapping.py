@@ -58,12 +58,17 @@ class Ctx:
 # ---------------------------------------------------------------- small readers
 
 
+INT64_MAX = 2**63 - 1
+
+
 def _int(value: Any) -> int | Any:
+    """A count, size or duration from the wire: a non-negative integer that every later
+    stage can hold (int64: checkpoints, OTLP, OCSF), else UNSET (NaN, infinities, 2**64...)."""
     if isinstance(value, bool):
         return UNSET
-    if isinstance(value, int) and value >= 0:
+    if isinstance(value, int) and 0 <= value <= INT64_MAX:
         return value
-    if isinstance(value, float) and value >= 0 and value == value:
+    if isinstance(value, float) and 0 <= value <= INT64_MAX:  # NaN compares False
         return int(value)
     return UNSET
 

@@ -319,3 +319,18 @@ def test_overrides_parse_and_policy_categories():
         parse_overrides("attention=loud")
     p = CapturePolicy(default="metadata", overrides={"attention": "redacted", "api": "full"})
     assert p.ceiling("attention.answered") == 2 and p.ceiling("tool.failed") == 1 and p.ceiling("x.hermes.api.error") == 3
+
+
+@pytest.mark.parametrize("value", [2**64 - 1, 2**63, 1e300, float("inf"), float("nan"), -1])
+def test_a_count_from_the_wire_is_kept_only_where_every_later_stage_can_hold_it(value):
+    """A duration past int64 reached the exporter, whose OTLP framing (protobuf int64) then
+    failed on it for every restart (issue 13: one hostile value must not stop anything)."""
+    def duration(v):
+        env = envelope_from_obj({"hook_event_name": "post_tool_call", "session_id": "s", "tool_name": "terminal",
+                                 "tool_input": {"command": "ls"}, "extra": {"status": "ok", "duration_ms": v,
+                                                                             "tool_call_id": "c1", "result": "x"}})
+        (spec,) = map_specs(env, CapturePolicy())
+        return spec[1].duration_ms
+
+    assert duration(value) is msgspec.UNSET
+    assert duration(2**63 - 1) == 2**63 - 1 and duration(12.9) == 12

@@ -103,7 +103,9 @@ def any_value(value: Any) -> dict[str, Any]:
     if isinstance(value, bool):
         return {"boolValue": value}
     if isinstance(value, int):
-        return {"intValue": str(value)}
+        if -(2**63) <= value < 2**63:
+            return {"intValue": str(value)}
+        return {"stringValue": str(value)}  # past int64 (a foreign emitter's): no intValue can hold it
     if isinstance(value, float):
         return {"doubleValue": value}
     if isinstance(value, list):

@@ -130,6 +130,10 @@ class SinkWorker:
                 reason = getattr(exc, "reason", "not_json")
                 await self.dead_letter([msg], f"export_{reason}", f"{type(exc).__name__}: {exc}")
                 continue
+            except Exception as exc:  # an event no projection foresaw must not stop the sink
+                log.error("export_unprojectable", sink=self.cfg.name, error=type(exc).__name__)
+                await self.dead_letter([msg], "export_unprojectable", f"{type(exc).__name__}: {exc}")
+                continue
             if item is None:
                 self.metrics.skipped.labels(sink=self.cfg.name, reason=why).inc()
                 await self.ack([msg])
@@ -145,7 +149,7 @@ class SinkWorker:
         keepalive = asyncio.create_task(self._keep_in_progress(items))
         try:
             while items:
-                outcomes = await self.sink.send([i.record for i in items])
+                outcomes = await self.send(items)
                 delivered = [i for i, o in zip(items, outcomes) if o.ok]
                 permanent = [(i, o) for i, o in zip(items, outcomes) if not o.ok and not o.retry]
                 retry = [(i, o) for i, o in zip(items, outcomes) if not o.ok and o.retry]
@@ -177,6 +181,21 @@ class SinkWorker:
                     return  # unacked: redelivered to the next exporter
         finally:
             keepalive.cancel()
+
+    async def send(self, items: list[Item]) -> list[Outcome]:
+        """The sink's outcomes for ``items``. A batch the sink cannot even frame (a record its
+        encoder refuses) is sent again one record at a time, so that only the record that
+        cannot be sent is dead-lettered and the rest go on."""
+        try:
+            return await self.sink.send([i.record for i in items])
+        except Exception as exc:
+            if len(items) == 1:
+                log.error("export_unsendable", sink=self.cfg.name, error=type(exc).__name__)
+                return [Outcome(False, retry=False, reason="unsendable", detail=f"{type(exc).__name__}: {exc}")]
+        outcomes: list[Outcome] = []
+        for item in items:
+            outcomes += await self.send([item])
+        return outcomes
 
     async def _keep_in_progress(self, items: list[Item]) -> None:
         """While a batch waits for its sink: +WPI, so JetStream does not redeliver it meanwhile."""
