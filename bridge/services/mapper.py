@@ -83,7 +83,7 @@ from bridge.core.mapping import HOOKS
 from bridge.core.pipeline import map_record, record_from_raw
 from bridge.nats import streams as S
 from bridge.nats import subjects as subj
-from bridge.nats.connection import connect_service
+from bridge.nats.connection import connect_service, server_list
 from bridge.nats.lanes import KvLanes, epoch_of
 from bridge.nats.lookup import DEFAULT_MARGIN_NS, SERVER_MARGIN_NS, find_msg_id, stored_ns
 from bridge.services.runtime import OTHER, BoundedLabel, Health, HttpServer, Stopper, close_connection, watch_connection
@@ -572,7 +572,7 @@ class Mapper:
         self.stopper.install()
         port = http_port if http_port is not None else (MAPPER_METRICS_PORT if self.settings.metrics_port is None else self.settings.metrics_port)
         http = HttpServer(self.health, self.registry, host=self.settings.metrics_host, port=port).start()
-        log.info("mapper_starting", metrics_port=http.port, nats=self.settings.servers, partitions=self.settings.partitions)
+        log.info("mapper_starting", metrics_port=http.port, nats=server_list(self.settings).urls, partitions=self.settings.partitions)
         try:
             await self.connect()
             sub = await self.bind()

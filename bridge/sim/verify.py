@@ -435,7 +435,8 @@ class Verifier:
                     return
             if isinstance(eid, str):
                 self.dlq_event_ids[eid] = reason
-        elif h.get("Bridge-Raw-Seq", "").isdigit():
+        elif h.get("Bridge-Stage") == "mapper" and h.get("Bridge-Raw-Seq", "").isdigit():
+            # (an exporter's letter is downstream of AEP_EVENTS: it accounts for nothing here)
             self.dlq_raw_seqs[int(h["Bridge-Raw-Seq"])] = reason
 
     def _on_aep(self, m: Any) -> None:

@@ -84,6 +84,9 @@ def test_retry_after_header_forms():
     assert retry_after_seconds("3") == 3.0
     assert retry_after_seconds(None) is None and retry_after_seconds("soon") is None
     assert retry_after_seconds("Wed, 02 Dec 2026 00:00:10 GMT", now=1796169600.0) == 10.0
+    # a broken or hostile collector cannot park the sink for years
+    assert retry_after_seconds("999999999") == retry_after_seconds("9" * 400) == 300.0
+    assert retry_after_seconds("Fri, 31 Dec 9999 23:59:59 GMT", now=1796169600.0) == 300.0
 
 
 def test_a_lone_surrogate_in_a_payload_still_frames():

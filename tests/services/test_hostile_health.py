@@ -223,3 +223,14 @@ def test_pairing_is_not_ready_while_it_owns_no_partition_although_it_should(tmp_
     finally:
         svc.terminate()
         server.stop()
+
+
+def test_no_credential_of_the_nats_url_reaches_a_log(nats_server, tmp_path):
+    """The mapper logged AEP_BRIDGE_NATS_URL as given, `user:password@` included."""
+    url = nats_server.url.replace("nats://", "nats://aep-mapper:S3CRET-IN-URL@")
+    mapper = Service("mapper", url, tmp_path, "--metrics-port", "0").start()
+    try:
+        wait_for(lambda: "mapper_starting" in mapper.log(), 30, what="the mapper's start line")
+    finally:
+        mapper.terminate()
+    assert "S3CRET-IN-URL" not in mapper.log() and "mapper_starting" in mapper.log()

@@ -44,7 +44,7 @@ from bridge.core.capture import LEVELS, CapturePolicy
 from bridge.services.exporter.delivery import kafka_record
 from bridge.core.sinks import PROJECTION, SinkConfig, check_unique, sink_from_url, sinks_from_document
 from bridge.nats import streams as S
-from bridge.nats.connection import connect_service
+from bridge.nats.connection import connect_service, server_list
 from bridge.nats.subjects import dlq_subject
 from bridge.services.exporter.sinks import Outcome, make_sink
 from bridge.services.runtime import Health, HttpServer, Stopper, close_connection, watch_connection
@@ -301,7 +301,7 @@ class Exporter:
         port = http_port if http_port is not None else (
             EXPORTER_METRICS_PORT if self.settings.metrics_port is None else self.settings.metrics_port)
         http = HttpServer(self.health, self.registry, host=self.settings.metrics_host, port=port).start()
-        log.info("exporter_starting", metrics_port=http.port, nats=self.settings.servers,
+        log.info("exporter_starting", metrics_port=http.port, nats=server_list(self.settings).urls,
                  sinks=[w.cfg.describe() for w in self.workers])
         try:
             await self.connect()

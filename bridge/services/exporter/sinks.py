@@ -183,12 +183,16 @@ def retry_after_seconds(value: str | None, now: float | None = None) -> float | 
         return None
     value = value.strip()
     if value.isdigit():
-        return float(value)
+        return min(float(value[:12]), RETRY_AFTER_MAX_S)
     try:
         when = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         return None
-    return max(0.0, when.timestamp() - (time.time() if now is None else now))
+    return min(RETRY_AFTER_MAX_S, max(0.0, when.timestamp() - (time.time() if now is None else now)))
+
+
+#: a collector's Retry-After is honoured up to this (a hostile or broken one must not park the sink for years)
+RETRY_AFTER_MAX_S = 300.0
 
 
 class OtlpHttpSink:
