@@ -20,11 +20,10 @@ DEFAULT_DEADLINE_MS = 250
 DEFAULT_MAX_FIELD_BYTES = 64 * 1024
 DEFAULT_SPOOL_MAX_BYTES = 64 * 1024 * 1024
 DEFAULT_PARTITIONS = 8
-DEFAULT_CAPTURE = "metadata"
-DEFAULT_CAPTURE_OVERRIDES = "attention=redacted"
 MAPPER_METRICS_PORT = 9464
 PAIRING_METRICS_PORT = 9465
 GATE_METRICS_PORT = 9466
+EXPORTER_METRICS_PORT = 9467
 
 
 def default_config_path() -> Path:
@@ -73,7 +72,7 @@ class Settings:
     partitions: int = DEFAULT_PARTITIONS
     #: the capture ceiling; None: the default posture (metadata, attention at redacted)
     capture: str | None = None
-    #: per-category levels, at most the ceiling; None: the built-in DEFAULT_CAPTURE_OVERRIDES
+    #: per-category levels, at most the ceiling; None: the built-in bridge.core.capture.DEFAULT_OVERRIDES
     capture_overrides: str | None = None
     redact_names: tuple[str, ...] = ()
     metrics_port: int | None = None

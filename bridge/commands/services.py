@@ -16,7 +16,7 @@ def _common(p: argparse.ArgumentParser, default_port: int) -> None:
 
 def register(sub: argparse._SubParsersAction) -> None:
     from bridge.commands.mapping import add_capture_args
-    from bridge.config import MAPPER_METRICS_PORT, PAIRING_METRICS_PORT
+    from bridge.config import EXPORTER_METRICS_PORT, MAPPER_METRICS_PORT, PAIRING_METRICS_PORT
 
     m = sub.add_parser("mapper", help="run the stateless mapper: HERMES_RAW -> BRIDGE_MAPPED")
     _common(m, MAPPER_METRICS_PORT)
@@ -39,7 +39,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "otlp+http://HOST:PORT/v1/logs) or an entry of the AEP_BRIDGE_EXPORT_CONFIG file (YAML or JSON, "
         "{sinks: [{name, url, format, max_capture, filter, kafka: {librdkafka settings}, headers}]}).",
     )
-    _common(e, 9467)
+    _common(e, EXPORTER_METRICS_PORT)
     e.add_argument("--sink", action="append", default=[], metavar="URL", help="a sink (repeatable)")
     e.add_argument("--config", default=None, metavar="FILE",
                    help="sinks file, YAML or JSON (default: AEP_BRIDGE_EXPORT_CONFIG)")

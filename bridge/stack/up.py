@@ -40,7 +40,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from bridge.config import GATE_METRICS_PORT, MAPPER_METRICS_PORT, PAIRING_METRICS_PORT, Settings, default_state_dir
+from bridge.config import (
+    EXPORTER_METRICS_PORT,
+    GATE_METRICS_PORT,
+    MAPPER_METRICS_PORT,
+    PAIRING_METRICS_PORT,
+    Settings,
+    default_state_dir,
+)
 from bridge.core.control import DEFAULT_HOLD_MS, accepted_verbs
 from bridge.hermes.install import HOOK_SOURCE, build_command, gate_timeout_s
 from bridge.nats.bootstrap import bootstrap
@@ -132,8 +139,6 @@ class Up:
         self.export = list(export or [])
         self.export_port = 0
         if self.export:
-            from bridge.services.exporter import EXPORTER_METRICS_PORT
-
             self.export_port = export_port or (EXPORTER_METRICS_PORT if port_is_free(EXPORTER_METRICS_PORT) else free_port())
         self.url = ""
         self.stop_event: asyncio.Event | None = None

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from bridge.services.exporter import EXPORTER_METRICS_PORT, load_sinks
+from bridge.config import EXPORTER_METRICS_PORT
+from bridge.services.exporter import load_sinks
 from tests.support.services import wait_for
 from tests.core.test_bridges_pins import golden
 from tests.deploy.test_chart import (

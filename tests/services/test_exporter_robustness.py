@@ -10,6 +10,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from bridge.core.bridges.otlp import any_value, to_log_record
+from bridge.core.capture import configure
 from bridge.core.sinks import sink_from_url
 from bridge.services.exporter import ExporterMetrics, SinkWorker
 from bridge.services.exporter.delivery import otlp_request_proto
@@ -61,6 +62,7 @@ class Service:
 
         self.js = JS()
         self.stopper = None
+        self.dlq_policy = configure(None, None)[0]
 
 
 def test_an_unframable_record_is_dead_lettered_and_its_batch_delivered() -> None:
@@ -75,6 +77,18 @@ def test_an_unframable_record_is_dead_lettered_and_its_batch_delivered() -> None
     assert len(worker.sink.delivered) == 3
     (letter,) = service.letters
     assert letter[0] == "bridge.dlq.export_unsendable" and letter[2]["Bridge-Event-Id"] == bad["id"]
+    assert letter[2]["Bridge-Dlq-Capture"] == "metadata" and "content" not in json.loads(letter[1])
+
+
+def test_an_exporters_dead_letter_keeps_no_more_than_the_bridges_lowest_ceiling() -> None:
+    """A sink at `max_capture=full` must not put content into BRIDGE_DLQ that the bridge's
+    own ceiling keeps out of every dead letter (metadata at the default posture)."""
+    service = Service()
+    worker = SinkWorker(service, sink_from_url("otlp+http://127.0.0.1:1/v1/logs?max_capture=full", {}))  # type: ignore[arg-type]
+    event = {**golden()[0], "capture": "full", "data": {"text": "CANARY-EXPORT-DLQ"}}
+    asyncio.run(worker.dead_letter([Msg(event, 5)], "export_otlp_400", "refused"))
+    ((_, body, headers),) = service.letters
+    assert b"CANARY" not in body and headers["Bridge-Dlq-Capture"] == "metadata"
 
 
 def test_integers_past_int64_stay_representable() -> None:

@@ -37,10 +37,10 @@ import nats.errors
 import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from bridge.config import Settings
+from bridge.config import EXPORTER_METRICS_PORT, Settings
 from bridge.core import deadletter
 from bridge.core.bridges import BridgeError, project
-from bridge.core.capture import LEVELS, CapturePolicy
+from bridge.core.capture import LEVELS, CapturePolicy, Redactor, configure
 from bridge.services.exporter.delivery import kafka_record
 from bridge.core.sinks import PROJECTION, SinkConfig, check_unique, sink_from_url, sinks_from_document
 from bridge.nats import streams as S
@@ -51,7 +51,6 @@ from bridge.services.runtime import Health, HttpServer, Stopper, close_connectio
 
 log = structlog.get_logger("aep_bridge.exporter")
 
-EXPORTER_METRICS_PORT = 9467
 BACKOFF_FIRST_S = 1.0
 BACKOFF_MAX_S = 30.0
 PROGRESS_EVERY_S = S.EXPORT_ACK_WAIT_S / 3
@@ -218,7 +217,9 @@ class SinkWorker:
     async def dead_letter(self, msgs: list[Any], reason: str, error: str) -> None:
         """Dead-letter events the sink refuses for good (`bridge.core.deadletter`, within the
         sink's own ceiling: its `max_capture`), then ack them."""
-        policy = CapturePolicy(default=LEVELS[self.cfg.max_capture], overrides={})
+        bridge = self.service.dlq_policy  # a dead letter never holds more than the bridge's lowest ceiling
+        level = min(self.cfg.max_capture, bridge.lowest())
+        policy = CapturePolicy(default=LEVELS[level], overrides={}, redactor=bridge.redactor)
         for msg in msgs:
             seq = msg.metadata.sequence.stream
             original = deadletter.Original(S.AEP_EVENTS, seq, msg.subject, msg.data)
@@ -277,6 +278,9 @@ class Exporter:
         if not sinks:
             raise ValueError("no sinks configured: --sink URL or AEP_BRIDGE_EXPORT_CONFIG")
         self.settings = settings
+        # Only for dead letters: the bridge's ceiling and redaction (AEP_BRIDGE_CAPTURE*, REDACT_NAMES).
+        self.dlq_policy = configure(settings.capture, settings.capture_overrides, (), Redactor(
+            secret_values=settings.secret_values(), home=os.path.expanduser("~")))[0]
         self.registry = registry or CollectorRegistry()
         self.metrics = ExporterMetrics(self.registry)
         self.health = Health("exporter")
@@ -353,4 +357,4 @@ def load_sinks(urls: list[str], config_path: str | None, environ: dict[str, str]
     return sinks
 
 
-__all__ = ["EXPORTER_METRICS_PORT", "Exporter", "Outcome", "load_sinks"]
+__all__ = ["Exporter", "Outcome", "load_sinks"]

@@ -68,15 +68,15 @@ class Gate(Commands):
             if tokens is None or subj.token(raw.instance) != tokens[0]:  # a forged instance (mapper: instance_mismatch)
                 raise EnvelopeError("instance_mismatch", "the body's instance is not the subject's")
             record = record_from_raw(raw)
-        except EnvelopeError as exc:  # the mapper dead-letters it; nothing to hold or learn
+            await self.lanes.prefetch(record.envelope)
+            raw_seq = msg.metadata.sequence.stream
+            result = map_record(record, raw_seq, self.epoch, self.lanes.cache, self.config.policy)
+            if not result.events:
+                return
+            token = event_lane_token(result.lane, result.unknown)
+        except (EnvelopeError, subj.SubjectError) as exc:  # the mapper dead-letters it; nothing to hold or learn
             log.warning("raw_skipped", subject=msg.subject, reason=exc.reason)
             return
-        await self.lanes.prefetch(record.envelope)
-        raw_seq = msg.metadata.sequence.stream
-        result = map_record(record, raw_seq, self.epoch, self.lanes.cache, self.config.policy)
-        if not result.events:
-            return
-        token = event_lane_token(result.lane, result.unknown)
         source = result.events[0].source
         if hook == "on_session_finalize":
             await self.finalize(token, result.lane, source, raw.instance or "", raw_seq)
