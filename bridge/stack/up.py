@@ -61,6 +61,15 @@ CREDENTIAL_KEYS = ("AEP_BRIDGE_NATS_USER", "AEP_BRIDGE_NATS_PASSWORD", "AEP_BRID
                    "AEP_BRIDGE_NATS_CREDS", "AEP_BRIDGE_NATS_NKEY_SEED")
 
 
+def shown_url(url: str) -> str:
+    """A sink URL without what may be secret (user info, the query: `sasl.password=`...)."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        scheme, rest = "", url
+    netloc, slash, path = rest.split("?", 1)[0].split("#", 1)[0].partition("/")
+    return f"{scheme}{sep}{netloc.rsplit('@', 1)[-1]}{slash}{path}"
+
+
 def state_file(state_dir: Path) -> Path:
     return state_dir / "up.json"
 
@@ -245,8 +254,15 @@ class Up:
             self.workers.append(Worker("gate", base + ["gate", "--metrics-port", str(self.gate_port)],
                                        logs / "gate.log", self._gate_env()))
         if self.export:
-            sinks = [arg for url in self.export for arg in ("--sink", url)]
-            self.workers.append(Worker("exporter", base + ["exporter", "--metrics-port", str(self.export_port), *sinks],
+            # The sinks go in a 0600 file, not on the command line: a Kafka URL may carry a
+            # SASL password, and every local user can read a process's arguments.
+            sinks_file = self.state_dir / "export-sinks.json"
+            fd = os.open(sinks_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(json.dumps({"sinks": [{"url": url} for url in self.export]}))
+            os.chmod(sinks_file, 0o600)
+            self.workers.append(Worker("exporter", base + ["exporter", "--metrics-port", str(self.export_port),
+                                                           "--config", str(sinks_file)],
                                        logs / "exporter.log", self._env()))
         for w in self.workers:
             w.start()
@@ -306,7 +322,7 @@ class Up:
             self.say(f"  gate           http://127.0.0.1:{self.gate_port}/metrics   /healthz (the hello document)   /readyz")
         if self.export:
             self.say(f"  exporter       http://127.0.0.1:{self.export_port}/metrics   /healthz   /readyz   -> "
-                     + ", ".join(self.export))
+                     + ", ".join(shown_url(u) for u in self.export))
         self.say(f"  logs           {self.state_dir / 'logs'}")
         self.say("  watch          aep-bridge tail            (or: aep-bridge tail --json)")
         self.say("  replay a demo  aep-bridge demo")

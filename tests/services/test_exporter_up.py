@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import urllib.request
+from pathlib import Path
 
 from bridge.stack.server import free_port
 from tests.support.services import http_json, wait_for
@@ -28,6 +29,11 @@ def test_up_export_runs_the_exporter_and_the_demo_reaches_the_sink(tmp_path):
     with Receiver() as rx, running_up(tmp_path, "--export", f"otlp+http://127.0.0.1:{rx.port}/v1/logs?name=otel",
                                       "--export-port", str(port), workers=3) as (proc, env, info, tmp):
         assert set(info["workers"]) == {"mapper", "pairing", "exporter"}
+        # A sink URL may hold a SASL password: not on a command line every local user can read
+        argv = Path(f"/proc/{info['workers']['exporter']}/cmdline").read_bytes()
+        assert b"otlp+http" not in argv and b"127.0.0.1:%d" % rx.port not in argv, argv
+        sinks_file = tmp / "state" / "aep-bridge" / "export-sinks.json"
+        assert sinks_file.stat().st_mode & 0o777 == 0o600
         base = f"http://127.0.0.1:{port}"
         assert info["metrics"]["exporter"] == f"{base}/metrics"
         wait_for(lambda: http_json(f"{base}/readyz")[0] == 200, 30, what="the exporter's /readyz")
