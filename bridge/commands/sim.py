@@ -32,6 +32,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--shim-workers", type=int, default=4, help="parallel real shim processes (default 4)")
     s.add_argument("--canary-fraction", type=float, default=0.02, help="fraction of eligible fields that get a canary secret (default 0.02)")
     s.add_argument("--hostile-fraction", type=float, default=0.0, help="fraction of events replaced by hostile input (default 0)")
+    s.add_argument("--hostile-mix", type=float, default=0.0, metavar="FRACTION",
+                   help="fraction of events replaced by issue 13's hostile mix, each kind in turn: through the shim a "
+                        "5,000-char session id, a 6 KB hook name, NaN, secrets, ...; raw messages straight to HERMES_RAW "
+                        "(ts -1, ts 2**80, an id that is not a ULID, v 2, another instance, 100k-deep JSON). The manifest "
+                        "records the reason each is owed; `verify` checks it in the DLQ (default 0)")
     s.add_argument("--manifest", default="aep-sim-manifest.jsonl", help="manifest file (default aep-sim-manifest.jsonl)")
     s.add_argument("--spool-dir", default=None, help="spool directory of the simulated shims (default: a new temporary directory)")
     s.add_argument("--seed", type=int, default=1, help="random seed (default 1)")
@@ -49,8 +54,9 @@ def register(sub: argparse._SubParsersAction) -> None:
             "Read HERMES_RAW, BRIDGE_MAPPED, BRIDGE_DLQ and AEP_EVENTS and check against the manifest of "
             "`aep-bridge simulate`: no loss (every event sent is on AEP_EVENTS, or in the DLQ with a reason, or "
             "counted by the shim as an edge loss), no duplicates by (source, id), per-session (epoch, seq) order "
-            "of mapped events, the pairing invariants, schema validity, and no planted canary anywhere. Prints a "
-            "report; exits 1 on any violation."
+            "of mapped events, the pairing invariants, schema validity, no planted canary anywhere but HERMES_RAW, "
+            "and every input of the hostile mix in the DLQ with the reason it is owed (or mapped, when it must "
+            "map). Prints a report; exits 1 on any violation."
         ),
     )
     v.add_argument("--manifest", required=True, help="the manifest `aep-bridge simulate` wrote")
@@ -71,7 +77,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     config = FleetConfig(
         nats_url=settings.nats_url, instances=args.instances, rate=args.rate, duration=duration, count=args.count,
         shim_fraction=args.shim_fraction, shim_workers=args.shim_workers, canary_fraction=args.canary_fraction,
-        hostile_fraction=args.hostile_fraction, seed=args.seed, deadline_ms=args.deadline_ms,
+        hostile_fraction=args.hostile_fraction, hostile_mix=args.hostile_mix, seed=args.seed, deadline_ms=args.deadline_ms,
         spool_dir=args.spool_dir, wind_down=not args.no_wind_down, instance_prefix=args.instance_prefix,
         manifest=args.manifest,
     )

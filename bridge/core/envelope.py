@@ -161,6 +161,8 @@ def decode_raw(data: bytes | str) -> RawMessage:
         return _raw_decoder.decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as exc:
         raise EnvelopeError("bad_raw", str(exc)) from None
+    except RecursionError:  # nested deeper than msgspec goes (100k-deep JSON): not a retry's business
+        raise EnvelopeError("bad_raw", "nested too deeply") from None
 
 
 RAW_VERSION = 1

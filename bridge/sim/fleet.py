@@ -19,13 +19,22 @@ How it publishes
   ``hook.py`` run as ``<python> -I -S hook.pyc`` with the envelope on stdin, as Hermes
   runs it, one process per event, in order per instance. Their envelopes carry a
   marker (``extra.x_aep_sim``) because the shim mints the raw id itself.
+* Hostile raw messages (the ``raw_*`` kinds of the hostile mix): stamped by the shim's
+  ``build_record`` like any other, then made hostile (``hostile_raw_body``: ``ts`` -1,
+  an id that is not a ULID, another instance in the body, ...) and published by the same
+  sender as raw bytes on the instance's own subject, bypassing the shim's checks, as a
+  compromised or buggy producer with the instance's credential could. The record's
+  ``Nats-Msg-Id`` is its manifest id. These, and hostile inputs that are not JSON
+  objects (no marker to carry), always take the in-process path.
 
 The manifest
 ------------
 JSON Lines: a ``{"meta": {...}}`` line (settings, the canary strings), one line per
 event sent ``{"id", "i" (instance), "h" (hook), "v" ("inproc" | "shim"), "o" (outcome:
 published | spooled | dropped | lost | rejected | unknown), "m" (marker, shim only),
-"c" (1 when a canary was planted)}``, and a final ``{"end": {...}}`` line (counts,
+"c" (1 when a canary was planted); for the hostile mix also "x" (its kind) and "r" (the
+dead-letter reason it is owed, null when it must map), and "v" "raw" for a raw message
+published straight to HERMES_RAW}``, and a final ``{"end": {...}}`` line (counts,
 whether every session was wound down). ``bridge.sim.verify`` reads it.
 """
 
@@ -49,7 +58,7 @@ from typing import Any, Callable
 
 from bridge.hermes.install import compile_hook
 from bridge.shim import hook
-from bridge.sim.instances import Canaries, Emitted, Ids, Instance, SimOptions
+from bridge.sim.instances import HOSTILE_MIX, Canaries, Emitted, Ids, Instance, SimOptions, hostile_raw_body
 
 MARKER_KEY = "x_aep_sim"
 
@@ -305,6 +314,7 @@ class FleetConfig:
     shim_workers: int = 4
     canary_fraction: float = 0.02
     hostile_fraction: float = 0.0
+    hostile_mix: float = 0.0  # fraction of events replaced by the next input of the hostile mix
     big_fraction: float = 0.0005
     seed: int = 1
     deadline_ms: int = 250
@@ -326,7 +336,7 @@ class Fleet:
         self.ids = Ids(self.rng)
         self.canaries = Canaries.make(random.Random(c.seed * 7919 + 1))
         self.options = SimOptions(canary_fraction=c.canary_fraction, hostile_fraction=c.hostile_fraction,
-                                  big_fraction=c.big_fraction)
+                                  hostile_mix=c.hostile_mix, big_fraction=c.big_fraction)
         self.spool_dir = c.spool_dir or tempfile.mkdtemp(prefix="aep-sim-spool-")
         self.shim_config = hook.Config({
             "AEP_BRIDGE_CONFIG": os.devnull,
@@ -359,6 +369,7 @@ class Fleet:
         self.outcomes: Counter[str] = Counter()
         self.by_via: Counter[str] = Counter()
         self.canaries_planted = 0
+        self.hostile: Counter[str] = Counter()  # kind -> inputs of the hostile mix sent
         self.sent = 0
         self.started = 0.0
         self.finished = 0.0
@@ -423,6 +434,8 @@ class Fleet:
                 "spool_dir": self.spool_dir,
                 "canaries": self.canaries.strings(),
                 "marker_key": MARKER_KEY,
+                "hostile_mix": c.hostile_mix,
+                "hostile_kinds": HOSTILE_MIX if c.hostile_mix else {},
                 "started": time.time(),
             }
         }
@@ -437,6 +450,7 @@ class Fleet:
             "outcomes": dict(self.outcomes),
             "via": dict(self.by_via),
             "canaries_planted": self.canaries_planted,
+            "hostile": dict(self.hostile),
             "spooled_instances": len(self.sender.spooled),
             "replayed": self.drainer.replayed,
             "shim_queue": self.shims.pending() if self.shims else 0,
@@ -517,11 +531,14 @@ class Fleet:
                     self.sent += 1
                     if ev.canary:
                         self.canaries_planted += 1
-                    if inst.name in self.shim_instances:
+                    hostile = {"x": ev.kind, "r": ev.expect} if ev.kind else {}
+                    if ev.kind:
+                        self.hostile[ev.kind] += 1
+                    if inst.name in self.shim_instances and not ev.inproc_only:
                         self._markers += 1
                         marker = f"{inst.name}#{self._markers}"
                         data = _with_marker(ev.data, marker)
-                        meta = {"id": None, "i": inst.name, "h": ev.hook, "v": "shim", "m": marker}
+                        meta = {"id": None, "i": inst.name, "h": ev.hook, "v": "shim", "m": marker, **hostile}
                         if ev.canary:
                             meta["c"] = 1
                         self.by_via["shim"] += 1
@@ -531,8 +548,10 @@ class Fleet:
                     cfg = self.shim_config
                     cfg.instance = inst.name
                     record = hook.build_record(ev.data, cfg)
+                    if ev.raw:  # raw bytes on the instance's subject, past the shim's checks
+                        record = hook.Record(record.id, record.subject, hostile_raw_body(record.message, ev.kind))
                     items.append((inst.name, record))
-                    meta = {"id": record.id, "i": inst.name, "h": ev.hook, "v": "inproc"}
+                    meta = {"id": record.id, "i": inst.name, "h": ev.hook, "v": "raw" if ev.raw else "inproc", **hostile}
                     if ev.canary:
                         meta["c"] = 1
                     metas.append(meta)

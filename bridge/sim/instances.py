@@ -28,6 +28,15 @@ script (`Instance`) plays what HERMES.md describes:
   old/new ids), and sessions finalized with ``shutdown`` then resumed and finalized again;
 * optionally hostile input (not JSON, not UTF-8, not an object, no hook name) and rare
   oversized tool results (stubbed by the shim);
+* optionally the hostile mix of issue 13 (`HOSTILE_MIX`, one kind after another across
+  the fleet), each with the outcome the bridge owes it: through the shim's code path a
+  5,000-character ``session_id``, a 6 KB hook name, a ``session_id`` ending in a newline,
+  a real session named ``unknown``, NaN/Infinity, secrets under secret-named keys and in
+  ``curl -u user:PASS``, a megabyte envelope (these map, except the hook name:
+  ``bad_hook``), plus the shim's own garbage (``shim_not_json`` ...); and raw messages
+  published straight to HERMES_RAW, bypassing the shim: ``ts`` -1 and 2**80, an id
+  that is not a ULID, ``v`` 2, 100k-deep JSON (``bad_raw``) and a body naming another
+  instance than its subject (``instance_mismatch``);
 * canary secrets (an AWS key id, a ``password=`` value, a bearer token, a GitHub token,
   an e-mail address) planted in tool arguments, tool results, user messages, approval
   commands and clarify answers, to prove none of them reaches a consumer.
@@ -119,22 +128,28 @@ class Canaries:
     bearer: str
     github: str
     email: str
+    curl_password: str = ""  # in `curl -u user:PASS`
+    key_value: str = ""  # a plain value, secret only by the key it is under (`password`, `X-Api-Key`, ...)
 
     @classmethod
     def make(cls, rng: random.Random) -> "Canaries":
         up = string.ascii_uppercase + string.digits
         alnum = string.ascii_letters + string.digits
         tag = "".join(rng.choice(string.ascii_lowercase + string.digits) for _ in range(10))
-        return cls(
+        made = dict(
             aws_key="AKIA" + "".join(rng.choice(up) for _ in range(16)),
             password=f"Cn4ry-{tag}-pw",
             bearer="cnry" + "".join(rng.choice(alnum) for _ in range(20)) + "9",
             github="ghp_" + "".join(rng.choice(alnum) for _ in range(36)),
             email=f"canary.{tag}@example.org",
         )
+        # Drawn after the others, so a seed keeps the canaries it always had.
+        more = "".join(rng.choice(string.ascii_lowercase + string.digits) for _ in range(10))
+        return cls(**made, curl_password=f"Cu{more}rlpw", key_value=f"kv{more}plain")
 
     def strings(self) -> list[str]:
-        return [self.aws_key, self.password, self.bearer, self.github, self.email]
+        return [s for s in (self.aws_key, self.password, self.bearer, self.github, self.email, self.curl_password,
+                            self.key_value) if s]
 
     # Contexts a user, a tool or a model would really put a secret in.
     def command(self, rng: random.Random) -> str:
@@ -228,6 +243,11 @@ class Ids:
                 self.used.add(sid)
                 return sid
 
+    def hostile_kind(self) -> str:
+        """The next kind of the hostile mix, fleet-wide in turn (every kind shows up early)."""
+        self.hostile_n = getattr(self, "hostile_n", 0) + 1
+        return HOSTILE_KINDS[(self.hostile_n - 1) % len(HOSTILE_KINDS)]
+
     def uuid(self) -> str:
         return str(uuid.UUID(int=self.rng.getrandbits(128), version=4))
 
@@ -250,10 +270,59 @@ class Glued:
     envelope: dict[str, Any]
 
 
+# The hostile mix (issue 13): kind -> the DLQ reason the bridge must give it, or None when it
+# must map like normal traffic. `raw_*` kinds are raw messages published straight to
+# HERMES_RAW (the simulator's sender, bypassing the shim); the `shim_*` ones are not JSON
+# objects, so only the in-process shim path can send them (a real shim's input carries the
+# tracking marker in `extra`).
+HOSTILE_MIX: dict[str, str | None] = {
+    "long_session_id": None,  # 5,000 characters: a bounded hashed lane token
+    "long_hook_name": "bad_hook",  # 'a_' * 3000: no type within the grammar's cap
+    "newline_session_id": None,  # "nl-...\n": not plain, hashed
+    "session_unknown": None,  # a real session named `unknown`, not the unknown lane
+    "nonfinite": None,  # NaN / Infinity: null at the edge (edge.nonfinite)
+    "secret_keys": None,  # secrets under secret-named keys and in `curl -u user:PASS`
+    "huge_envelope": None,  # over a megabyte: stubbed at the edge
+    "no_hook": "no_hook",
+    "shim_not_json": "shim_not_json",
+    "shim_not_utf8": "shim_not_utf8",
+    "shim_not_object": "shim_not_object",
+    "raw_ts_negative": "bad_raw",
+    "raw_ts_2_80": "bad_raw",
+    "raw_id_not_ulid": "bad_raw",
+    "raw_v2": "bad_raw",
+    "raw_instance_mismatch": "instance_mismatch",
+    "raw_deep_json": "bad_raw",
+}
+HOSTILE_KINDS = tuple(HOSTILE_MIX)
+
+
+def hostile_raw_body(message: dict[str, Any], kind: str) -> bytes:
+    """The raw message the shim stamped (``message``), made into hostile raw ``kind``."""
+    msg = dict(message)
+    if kind == "raw_ts_negative":
+        msg["ts"] = -1
+    elif kind == "raw_ts_2_80":
+        msg["ts"] = 2**80
+    elif kind == "raw_id_not_ulid":
+        msg["id"] = "not-a-ulid-" + str(msg["id"])[-8:].lower()
+    elif kind == "raw_v2":
+        msg["v"] = 2
+    elif kind == "raw_instance_mismatch":
+        msg["instance"] = f"{msg['instance']}-forged"  # the subject keeps the real instance
+    elif kind == "raw_deep_json":
+        head = json.dumps({k: v for k, v in msg.items() if k != "envelope"}, separators=(",", ":"))
+        return (head[:-1] + ',"envelope":' + "[" * 100_000 + "]" * 100_000 + "}").encode()
+    else:
+        raise ValueError(f"not a raw hostile kind: {kind}")
+    return json.dumps(msg, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+
+
 @dataclass
 class SimOptions:
     canary_fraction: float = 0.02
     hostile_fraction: float = 0.0
+    hostile_mix: float = 0.0  # fraction of events replaced by the next kind of HOSTILE_MIX
     big_fraction: float = 0.0005  # tool results over the shim's field limit (stubbed at the edge)
     turns: tuple[int, int] = (1, 4)
 
@@ -266,6 +335,18 @@ class Emitted:
     hook: str
     canary: bool = False
     glue: bool = False  # the instance's next event goes right behind this one
+    kind: str | None = None  # of HOSTILE_MIX: `expect` is what the bridge owes it
+    expect: str | None = None  # the DLQ reason it must get (None: it maps)
+
+    @property
+    def raw(self) -> bool:
+        """``data`` is an envelope the fleet stamps, then publishes as hostile raw ``kind``."""
+        return self.kind is not None and self.kind.startswith("raw_")
+
+    @property
+    def inproc_only(self) -> bool:
+        """Only the in-process path can send it (a raw message, or no object to mark)."""
+        return self.raw or (self.kind or "").startswith("shim_")
 
 
 class Instance:
@@ -304,6 +385,8 @@ class Instance:
                 self.scripts.insert(0, self.main)
             if not self.scripts:
                 return None
+            if self.opts.hostile_mix and self.rng.random() < self.opts.hostile_mix:
+                return self._hostile_mix(self.ids.hostile_kind())
             if self.opts.hostile_fraction and self.rng.random() < self.opts.hostile_fraction:
                 return self._hostile(markable=self.markable)
             if self.sticky is not None and self.sticky in self.scripts:
@@ -354,6 +437,51 @@ class Instance:
         self.stats["_hostile"] += 1
         canary, self.planted = self.planted, False
         return Emitted(data, "_hostile", canary)
+
+    def _hostile_mix(self, kind: str) -> Emitted:
+        """One input of the hostile mix, on a session of its own (it never touches the
+        instance's running sessions, so the normal traffic stays whole)."""
+        r = self.rng
+        c = self.canaries
+        sid = self.ids.session()
+        cwd = f"/home/dev/{r.choice(PROJECTS)}"
+        note = c.text(r)  # a canary in every hostile input: none may leave HERMES_RAW
+        start = {"hook_event_name": "on_session_start", "tool_name": None, "tool_input": None, "session_id": sid,
+                 "cwd": cwd, "extra": {"platform": self.platform, "note": note}}
+        data: bytes
+        if kind == "long_session_id":
+            start["session_id"] = sid + "S" * (5000 - len(sid))
+        elif kind == "long_hook_name":
+            start["hook_event_name"] = "a_" * 3000
+        elif kind == "newline_session_id":
+            start["session_id"] = f"nl-{sid}\n"
+        elif kind == "session_unknown":
+            start["session_id"] = "unknown"
+        elif kind == "nonfinite":
+            start["extra"].update(temperature=float("nan"), budget=float("inf"), floor=float("-inf"))
+        elif kind == "secret_keys":
+            start = _build("pre_tool_call", sid, cwd, "terminal", {
+                "command": f"curl -u admin:{c.curl_password} https://api.internal/v1/export",
+                "headers": {"X-Api-Key": c.key_value}, "password": c.key_value,
+                "env": {"AWS_SECRET_ACCESS_KEY": c.key_value}},
+                task_id=sid, tool_call_id="call_0001", turn_id=f"{sid}:{sid}:{self.ids.hex8()}", middleware_trace=[])
+        elif kind == "huge_envelope":
+            start["extra"]["system_prompt"] = "You are a helpful agent. " * 48_000  # ~1.2 MB
+        elif kind == "no_hook":
+            del start["hook_event_name"]
+        elif kind == "shim_not_json":
+            data = ("{not json: " + note).encode()
+        elif kind == "shim_not_utf8":
+            data = b"\xff\xfe" + note.encode() + b"\x80"
+        elif kind == "shim_not_object":
+            data = json.dumps([note, 1, 2]).encode()
+        elif not kind.startswith("raw_"):
+            raise ValueError(f"unknown hostile kind {kind}")
+        if not kind.startswith("shim_"):
+            data = json.dumps(start, ensure_ascii=False).encode("utf-8")  # NaN/Infinity as Python writes them
+        self.stats["_hostile"] += 1
+        self.stats[f"_hostile:{kind}"] += 1
+        return Emitted(data, "_hostile", True, kind=kind, expect=HOSTILE_MIX[kind])
 
     # ------------------------------------------------------------ sessions
 

@@ -32,7 +32,14 @@ BRIDGE_MAPPED, BRIDGE_DLQ and AEP_EVENTS and check:
    request of that session, and that request is never closed ``dismissed``.
 5. **Schema validity** of every AEP event (``bridge.core.schemas.generate`` + jsonschema).
 6. **No canary** of the manifest anywhere (bodies and headers) in AEP_EVENTS,
-   BRIDGE_MAPPED or BRIDGE_DLQ.
+   BRIDGE_MAPPED or BRIDGE_DLQ: HERMES_RAW is the only place a secret may be.
+7. **The hostile mix** (``simulate --hostile-mix``): every hostile input the manifest
+   names (``x`` its kind, ``r`` the reason it is owed, or null when it must map) is in
+   BRIDGE_DLQ with exactly that reason, and the pure core agrees (`expected_outcome`,
+   the mapper's own checks in its order: ``decode_raw``, ``check_raw``, the subject's
+   instance, the mapping); one owed no reason maps like normal traffic (check 1) and is
+   not dead-lettered. Raw hostile messages (``v`` "raw": published straight to
+   HERMES_RAW) are found by their ``Nats-Msg-Id``, whatever their body holds.
 
 The reading is incremental (``Verifier.collect`` reads only what is new), so a test
 can wait for the pipeline to settle by collecting again until nothing is missing.
@@ -56,13 +63,14 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 from bridge.config import Settings
 from bridge.core.aep import decode_event
 from bridge.core.capture import CapturePolicy
-from bridge.core.envelope import EnvelopeError, decode_raw
+from bridge.core.envelope import EnvelopeError, check_raw, decode_raw
 from bridge.core.identity import AFTER_SLOT, MAPPED_SLOT, MAX_MAPPED, SLOTS, event_id
 from bridge.core.invariants import CARD_ENDINGS, SESSION_ENDS, check_invariants
 from bridge.core.mapping import map_specs
 from bridge.core.pipeline import record_from_raw
 from bridge.core.schemas import generate
 from bridge.nats.connection import connect
+from bridge.services.mapper import Mapper
 
 # Outcomes in the manifest for events the shim believed would reach HERMES_RAW.
 DELIVERED = ("published", "spooled", "unknown")
@@ -87,14 +95,28 @@ def _count_policy() -> Any:
     return CapturePolicy(default="none", overrides={})
 
 
-def expected_mapped(raw: Any) -> int | str:
+def expected_mapped(raw: Any, subject: str | None = None) -> int | str:
     """How many events the mapper makes of a decoded raw message, or the DLQ reason it
-    must be dead-lettered with."""
+    must be dead-lettered with. With the ``subject`` it was stored under, the instance
+    check too (a body naming another instance: ``instance_mismatch``)."""
     try:
-        record = record_from_raw(raw)
+        check_raw(raw)
+        if subject is not None:
+            Mapper.check_instance(subject, raw.instance)
+        record = record_from_raw(raw, checked=True)
         return min(len(map_specs(record.envelope, _count_policy())), MAX_MAPPED)
     except EnvelopeError as exc:  # also bad_hook, from the mapping itself
         return exc.reason
+
+
+def expected_outcome(data: bytes, subject: str) -> int | str:
+    """`expected_mapped` of the bytes stored on HERMES_RAW under ``subject`` (``bad_raw``
+    for bytes that are no raw message at all)."""
+    try:
+        raw = decode_raw(data)
+    except EnvelopeError as exc:
+        return exc.reason
+    return expected_mapped(raw, subject)
 
 
 # ---------------------------------------------------------------- reading streams
@@ -203,6 +225,12 @@ class Report:
     canary_count: int = 0
     canaries: int = 0
     canaries_planted: int = 0
+    hostile_sent: int = 0  # hostile inputs of the mix the manifest expects on HERMES_RAW
+    hostile_kinds: Counter[str] = field(default_factory=Counter)
+    hostile_in_dlq: Counter[str] = field(default_factory=Counter)  # reason -> inputs found there with it
+    hostile_mapped: int = 0  # owed no reason: mapped like normal traffic
+    hostile_problems: list[str] = field(default_factory=list)
+    hostile_count: int = 0
     sessions: int = 0
     types: Counter[str] = field(default_factory=Counter)
     strict_order: bool = False
@@ -219,6 +247,7 @@ class Report:
             "approvals": self.approval_count,
             "schema": self.schema_count,
             "canaries": self.canary_count,
+            "hostile": self.hostile_count,
         }
         if self.strict_order:
             v["order"] = self.order_violation_count
@@ -262,6 +291,13 @@ class Report:
         add(f"  canaries     {self.canary_count} hits of {self.canaries} canary strings ({self.canaries_planted} events carried one)")
         for x in self.canary_hits[:MAX_EXAMPLES]:
             add(f"      {x}")
+        if self.hostile_sent or self.hostile_count:
+            dlq = ", ".join(f"{k}={v}" for k, v in sorted(self.hostile_in_dlq.items())) or "-"
+            add(f"  hostile      {self.hostile_sent} inputs of {len(self.hostile_kinds)} kinds: "
+                f"{sum(self.hostile_in_dlq.values())} in BRIDGE_DLQ with their reason ({dlq}), "
+                f"{self.hostile_mapped} mapped as they must; {self.hostile_count} problems")
+            for x in self.hostile_problems[:MAX_EXAMPLES]:
+                add(f"      {x}")
         top = ", ".join(f"{t}={n}" for t, n in self.types.most_common(12))
         add(f"  types        {top}")
         return "\n".join(lines)
@@ -315,6 +351,8 @@ class Verifier:
         self.canaries = [c.encode() for c in self.meta.get("canaries", [])]
         self.marker_key = self.meta.get("marker_key", "x_aep_sim")
         self.ids = {e["id"] for e in self.entries if e.get("id")}
+        # Raw hostile messages: found by Nats-Msg-Id (their body may hold no id, or another one).
+        self.raw_hostile = {e["id"] for e in self.entries if e.get("v") == "raw" and e.get("id")}
         self.markers = {e["m"] for e in self.entries if e.get("m")}
         self.readers = {
             "raw": StreamReader(self.js, "HERMES_RAW", "hermes.raw.>"),
@@ -377,6 +415,15 @@ class Verifier:
 
     def _on_raw(self, m: Any) -> None:
         seq = m.metadata.sequence.stream
+        hid = (m.headers or {}).get("Nats-Msg-Id") if self.raw_hostile else None
+        if hid is not None and hid in self.raw_hostile:
+            known = self.raw.get(hid)
+            if known is not None:
+                known.seqs.append(seq)
+                self.raw_copies += 1
+            else:
+                self.raw[hid] = _Raw([seq], 0, expected_outcome(m.data, m.subject))
+            return
         try:
             raw = decode_raw(m.data)
         except EnvelopeError:
@@ -395,7 +442,7 @@ class Verifier:
             known.seqs.append(seq)
             self.raw_copies += 1
             return
-        self.raw[rid] = _Raw([seq], raw.ts, expected_mapped(raw))
+        self.raw[rid] = _Raw([seq], raw.ts, expected_mapped(raw, m.subject))
         env = raw.envelope
         if raw.hook == "post_approval_response" and isinstance(env, dict) and isinstance(env.get("extra"), dict):
             from bridge.core.lanes import turn_session_prefix
@@ -520,6 +567,8 @@ class Verifier:
         for e in self.entries:
             if e.get("o") not in DELIVERED:
                 continue
+            if e.get("x") and e.get("r"):  # a hostile input owed a reason: `hostile()` checks it
+                continue
             rid = e.get("id") or self.marker_to_id.get(e.get("m") or "")
             raw = self.raw.get(rid) if rid else None
             if raw is None:
@@ -543,6 +592,47 @@ class Verifier:
                 else:
                     miss("not mapped", f"{e.get('h')} raw {rid} (seq {raw.seqs}) event {eid}: not on BRIDGE_MAPPED")
         return lost, examples, where, expected, in_dlq
+
+    def hostile(self) -> tuple[list[str], Counter[str], Counter[str], int, int]:
+        """(problems, kinds delivered, reason -> found in the DLQ with it, mapped, awaited):
+        every hostile input of the mix is in BRIDGE_DLQ with the reason the manifest owes it
+        (and the pure core gives it that reason), or, owed none, maps and is not
+        dead-lettered. ``awaited``: problems the pipeline may still resolve (not there yet)."""
+        problems: list[str] = []
+        kinds: Counter[str] = Counter()
+        in_dlq: Counter[str] = Counter()
+        mapped = awaited = 0
+        for e in self.entries:
+            kind = e.get("x")
+            if not kind or e.get("o") not in DELIVERED:
+                continue
+            kinds[kind] += 1
+            owed = e.get("r")
+            rid = e.get("id") or self.marker_to_id.get(e.get("m") or "")
+            raw = self.raw.get(rid) if rid else None
+            what = f"hostile {kind} of {e.get('i')} id={rid or e.get('m')}"
+            if raw is None:
+                problems.append(f"{what}: not on HERMES_RAW")
+                awaited += 1
+                continue
+            core = raw.k if isinstance(raw.k, str) else None
+            if core != owed:
+                problems.append(f"{what} (seq {raw.seqs}): the core gives it {core or 'a mapping'}, "
+                                f"the manifest owes it {owed or 'a mapping'}")
+            got = next((self.dlq_raw_seqs[s] for s in raw.seqs if s in self.dlq_raw_seqs), None)
+            if owed is None:
+                if got is not None:
+                    problems.append(f"{what} (seq {raw.seqs}): must map, was dead-lettered ({got})")
+                elif isinstance(raw.k, int):
+                    mapped += 1  # its events: check 1
+            elif got is None:
+                problems.append(f"{what} (seq {raw.seqs}): not in BRIDGE_DLQ (owed {owed})")
+                awaited += 1
+            elif got != owed:
+                problems.append(f"{what} (seq {raw.seqs}): dead-lettered as {got}, owed {owed}")
+            else:
+                in_dlq[got] += 1
+        return problems, kinds, in_dlq, mapped, awaited
 
     def check(self, elapsed: float = 0.0) -> Report:
         rep = Report(strict_order=self.strict_order, elapsed_s=elapsed)
@@ -607,6 +697,9 @@ class Verifier:
         rep.canary_count, rep.canary_hits = self.canary_count, self.canary_hits
         rep.canaries = len(self.canaries)
         rep.canaries_planted = sum(1 for e in self.entries if e.get("c"))
+        problems, rep.hostile_kinds, rep.hostile_in_dlq, rep.hostile_mapped, _ = self.hostile()
+        rep.hostile_sent = sum(rep.hostile_kinds.values())
+        rep.hostile_count, rep.hostile_problems = len(problems), problems[:MAX_EXAMPLES]
         rep.types = self.types
         return rep
 
@@ -685,7 +778,7 @@ async def verify_async(nc: Any, manifest: str | Path, *, wait: float = 0.0, sett
         deadline = started + wait
         quiet_since = time.monotonic()
         while time.monotonic() < deadline:
-            lost = v.missing(limit=1)[0]
+            lost = v.missing(limit=1)[0] + v.hostile()[4]
             # Not BRIDGE_MAPPED: pairing's ticks land there every few seconds whatever else
             # happens (with a short AEP_BRIDGE_TICK_S the run never looked quiet), and every
             # mapped event shows up on AEP_EVENTS anyway.

@@ -267,7 +267,7 @@ def test_simulate_and_verify_from_the_command_line_and_a_verifier_that_fails(nat
     assert not report.ok
     assert report.violations == {"lost": 1, "duplicates": 1, "seq_reused": report.seq_reused,
                                  "pairing_invariants": report.invariant_count, "approvals": 0, "schema": 1,
-                                 "canaries": report.canary_count}
+                                 "canaries": report.canary_count, "hostile": 0}
 
 
 def test_verifier_reads_incrementally_and_finds_shim_sent_messages_by_marker(nats_server, jetstream, tmp_path):
