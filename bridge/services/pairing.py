@@ -133,17 +133,12 @@ class PairingMetrics:
             f"{ns}_end_to_end_latency_seconds", "Shim receive time to AEP_EVENTS publish ack",
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60), registry=registry,
         )
-        self._types: dict[str, Any] = {}
         # Types and reasons come from the mapped stream: bounded (`BoundedLabel`).
         self.type_label = BoundedLabel(known=PAYLOAD_TYPES)
         self.reason_label = BoundedLabel(known=DLQ_REASONS, cap=16, shape=r"[a-z][a-z0-9_]{0,39}")
 
     def event_out(self, event_type: str) -> Any:
-        label = self.type_label(event_type)
-        child = self._types.get(label)
-        if child is None:
-            child = self._types[label] = self.events_out.labels(type=label)
-        return child
+        return self.type_label.child(self.events_out, event_type)
 
     def dead_letter(self, reason: str) -> Any:
         return self.dead_letters.labels(reason=self.reason_label(reason))

@@ -52,6 +52,17 @@ class BoundedLabel:
         self.cap = cap
         self.shape = re.compile(shape)
         self.admitted: set[str] = set()
+        self._children: dict[tuple[int, str], Any] = {}
+
+    def child(self, metric: Any, value: str) -> Any:
+        """The child of ``metric`` (labelled by this label alone) for ``value``, cached per label
+        (bounded like the labels): `labels()` costs ~2 us, on the per-event path."""
+        label = self(value)
+        key = (id(metric), label)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(label)
+        return child
 
     def __call__(self, value: str) -> str:
         if value in self.known or value in self.admitted:
