@@ -485,31 +485,11 @@ def _canon_size_over(s, limit):
 
 def _shrink(value, limit, path, stubbed):
     """``value`` with every string over ``limit`` replaced by its stub (new containers only if changed)."""
-    if isinstance(value, str):
-        data = _canon_size_over(value, limit)
-        if data is None:
-            return value
-        stubbed.append(path)
-        return stub(value, data)
-    if isinstance(value, dict):
-        out = None
-        for k, v in value.items():
-            nv = _shrink(v, limit, path + "." + k if path else k, stubbed)
-            if nv is not v:
-                if out is None:
-                    out = dict(value)
-                out[k] = nv
-        return value if out is None else out
-    if isinstance(value, list):
-        out = None
-        for i, v in enumerate(value):
-            nv = _shrink(v, limit, path + "." + str(i), stubbed)
-            if nv is not v:
-                if out is None:
-                    out = list(value)
-                out[i] = nv
-        return value if out is None else out
-    return value
+    def fn(s):
+        data = _canon_size_over(s, limit)
+        return s if data is None else stub(s, data)
+
+    return _walk_strings(value, fn, path, stubbed)
 
 
 WHOLE_EXTRA = frozenset(f[1] for f in WHOLE_FIELDS if f[0] == "extra")
