@@ -118,7 +118,7 @@ class Sender:
             self.conn = None
 
     def spool(self, instance: str) -> Any:
-        return hook.Spool(self.cfg.spool_dir, instance, self.cfg.spool_max_bytes)
+        return self.fleet.spool(instance)
 
     def _append(self, instance: str, records: list[Any], deadline: float) -> list[str]:
         """The shim's fallback: append behind the spool; count what cannot be kept."""
@@ -232,7 +232,7 @@ class Drainer(threading.Thread):
                     break
                 if empty:
                     with self.sender.lock:
-                        if spool.size() == 0:
+                        if spool.pending() == 0:
                             self.sender.spooled.discard(instance)
         if conn is not None:
             conn.close()
@@ -346,6 +346,8 @@ class Fleet:
             "AEP_BRIDGE_SPOOL_MAX_BYTES": str(c.spool_max_bytes),
             "AEP_BRIDGE_INSTANCE": "sim",
             "HOME": self.spool_dir,
+            # the fallback spool (an unwritable spool dir) stays private to this fleet
+            "TMPDIR": self.spool_dir + "/tmp",
         })
         n_shim = round(c.instances * c.shim_fraction) if c.shim_fraction > 0 else 0
         if c.shim_fraction > 0:
@@ -399,8 +401,14 @@ class Fleet:
         when the ack does not come back within its deadline (the resend must be absorbed)."""
         self.sender.lose_acks = n
 
+    def spool(self, instance: str) -> Any:
+        """The instance's spool as its shim sees it: the spool dir, then the private fallback."""
+        cfg = self.shim_config
+        return hook.Spool(cfg.spool_dir, instance, cfg.spool_max_bytes, cfg.fallback_dir)
+
     def shim_env(self, instance: str) -> dict[str, str]:
         return {
+            "TMPDIR": self.spool_dir + "/tmp",
             "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
             "HOME": self.spool_dir,
             "AEP_BRIDGE_CONFIG": os.devnull,
@@ -587,8 +595,8 @@ class Fleet:
                 continue
             try:
                 for inst in self.instances:
-                    spool = hook.Spool(self.spool_dir, inst.name, cfg.spool_max_bytes)
-                    if spool.size() == 0:
+                    spool = self.spool(inst.name)
+                    if spool.pending() == 0:
                         continue
                     try:
                         spool.replay(conn, time.monotonic() + 10.0, wait_lock=True)
@@ -597,7 +605,7 @@ class Fleet:
                         continue
                     if conn.error is not None:
                         break
-                    if spool.size():
+                    if spool.pending():
                         left[inst.name] = spool.status()
             finally:
                 conn.close()
@@ -611,7 +619,8 @@ class Fleet:
         """Records the shims counted as dropped (spool cap) or lost (spool unwritable), per instance."""
         out = {}
         for inst in self.instances:
-            n, _ = hook.Spool(self.spool_dir, inst.name).dropped()
+            spool = self.spool(inst.name)
+            n = spool.dropped()[0] + (spool.fallback.dropped()[0] if spool.fallback is not None else 0)
             if n:
                 out[inst.name] = n
         return out

@@ -47,7 +47,9 @@ def start(fleet: Fleet) -> threading.Thread:
     return t
 
 
-def finish(fleet: Fleet, thread: threading.Thread, pipe: Pipeline, wait: float = 60.0) -> Report:
+def finish(fleet: Fleet, thread: threading.Thread, pipe: Pipeline, wait: float = 90.0) -> Report:
+    """Wind the run down and verify it. `wait` covers a card open at its session's end, which
+    pairing closes hold_ns (45 s) later at a tick (issue 17: its answer may still come)."""
     t0 = time.monotonic()
     thread.join(timeout=180)
     assert not thread.is_alive(), "the simulator did not finish"
@@ -288,10 +290,15 @@ def test_spool_full_or_unwritable_answers_in_time_and_counts_the_loss(nats_serve
     spool = Path(fleet.spool_dir)
     spool.mkdir(parents=True, exist_ok=True)
     full = sorted(fleet.shim_instances)[:2]
-    # "Disk full": the spool file of two real-shim instances is /dev/full (every write fails
-    # with ENOSPC); their counter files beside it still work.
+    # "Nowhere to spool": the spool files of two real-shim instances, in the spool dir and in
+    # the private fallback the shim tries next, are links to /dev/full. The shim never
+    # follows a link (it could be pointed at any file of the user: issue 13), so it can keep
+    # their events nowhere; their counter files beside them still work.
+    fallback = Path(fleet.shim_config.fallback_dir)
+    fallback.mkdir(parents=True, mode=0o700)
     for name in full:
         os.symlink("/dev/full", spool / f"{hook.token(name)}.spool")
+        os.symlink("/dev/full", fallback / f"{hook.token(name)}.spool")
     # "Unwritable": a real shim whose spool directory cannot be created at all.
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("x")
@@ -344,7 +351,7 @@ def test_poisoned_message_is_dead_lettered_after_max_deliver_and_the_rest_flows(
         body = (b'{"hook_event_name":"pre_tool_call","tool_name":"terminal","tool_input":{"command":"export AWS_KEY='
                 + secret.encode() + b'"},"session_id":"' + poison.encode() + b'","cwd":"/tmp","extra":{}}')
         assert run_hook(body, env).answered_empty_object
-        report = finish(fleet, thread, pipe, wait=30)
+        report = finish(fleet, thread, pipe, wait=90)
         dlq = dead_letters(pipe)
         # At the default capture a dead letter names its raw message, nothing of its content.
         poisoned = [d for d in dlq if d["headers"].get("Bridge-Raw-Subject", "").startswith("hermes.raw.poisoner.")]
