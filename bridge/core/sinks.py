@@ -79,14 +79,19 @@ class SinkConfig:
 
     def describe(self) -> dict[str, Any]:
         """For logs and /healthz: everything but the pass-through settings' values (secrets)."""
-        where = f"{self.bootstrap}/{self.topic}" if self.kind == "kafka" else self.endpoint
+        where = _without_userinfo(f"{self.bootstrap}/{self.topic}" if self.kind == "kafka" else self.endpoint)
         return {"name": self.name, "kind": self.kind, "format": self.format, "to": where,
                 "max_capture": LEVELS[self.max_capture], "filter": self.filter.source,
                 **({"mode": self.ce_mode, "kafka_settings": sorted(self.kafka)} if self.kind == "kafka" else {})}
 
 
+def _without_userinfo(where: str) -> str:
+    """An endpoint or broker list without ``user:password@`` (logs, /healthz and names show it)."""
+    return re.sub(r"^([A-Za-z][A-Za-z0-9+.-]*://)?[^/@]*@", r"\1", where)
+
+
 def _default_name(kind: str, where: str) -> str:
-    return (kind + "-" + re.sub(r"[^A-Za-z0-9_-]", "_", where))[:64]
+    return (kind + "-" + re.sub(r"[^A-Za-z0-9_-]", "_", _without_userinfo(where)))[:64]
 
 
 def sink_from_mapping(spec: dict[str, Any], environ: dict[str, str] | None = None) -> SinkConfig:

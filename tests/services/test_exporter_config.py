@@ -9,7 +9,7 @@ import pytest
 from bridge.services.exporter.delivery import kafka_record, otlp_request_proto
 from bridge.core.bridges.otlp import to_log_record
 from bridge.core.capture import METADATA
-from bridge.core.sinks import SinkConfigError, sink_from_url, sinks_from_document
+from bridge.core.sinks import SinkConfigError, sink_from_mapping, sink_from_url, sinks_from_document
 from bridge.services.exporter.sinks import retry_after_seconds
 from tests.core.test_bridges_pins import golden
 
@@ -117,3 +117,12 @@ def test_kafka_sink_outcomes_without_a_broker():
     big, small = asyncio.run(run())
     assert not big.ok and not big.retry and big.reason == "kafka_msg_size_too_large", big
     assert not small.ok and small.retry and small.reason == "kafka_unavailable", small
+
+
+def test_no_user_info_of_a_sink_url_reaches_its_name_logs_or_healthz():
+    """describe() feeds the start log and /healthz; the default name a metric label."""
+    otlp = sink_from_url("otlp+https://user:S3CRET@collector:4318/v1/logs", {})
+    kafka = sink_from_mapping({"url": "kafka://svc:S3CRET@k1:9092/aep", "format": "ocsf"}, {})
+    for sink in (otlp, kafka):
+        assert "S3CRET" not in json.dumps(sink.describe()) and "S3CRET" not in sink.name, sink.describe()
+    assert otlp.describe()["to"] == "https://collector:4318/v1/logs" and kafka.describe()["to"] == "k1:9092/aep"
