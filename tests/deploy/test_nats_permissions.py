@@ -70,6 +70,7 @@ PASSWORDS = {
     "AEP_OPERATOR_PASSWORD": "operator-pw",
     "AEP_SHIM_CONTROL_PASSWORD": "shim-control-pw",
     "AEP_EXPORTER_PASSWORD": "exporter-pw",
+    "AEP_RELAY_PASSWORD": "relay-pw",
 }
 USERS = {
     "bootstrap": ("aep-bootstrap", "bootstrap-pw"),
@@ -82,6 +83,7 @@ USERS = {
     "operator": ("aep-operator", "operator-pw"),
     "shim-control": ("hermes-shim-control", "shim-control-pw"),
     "exporter": ("aep-exporter", "exporter-pw"),
+    "relay": ("aep-relay", "relay-pw"),
 }
 #: each role's own inbox prefix (bridge.nats.connection.ROLE_INBOX; the shim's names its
 #: instance): its user may subscribe there only
@@ -90,6 +92,7 @@ INBOX = {
     "consumer": "_INBOX.aep-consumer", "gate": "_INBOX.aep-gate", "operator": "_INBOX.aep-operator",
     "shim": "_INBOX.hermes.gateway-0", "shim-control": "_INBOX.hermes.gateway-0",
     "gateway-0": "_INBOX.hermes.gateway-0", "exporter": "_INBOX.aep-exporter",
+    "relay": "_INBOX.aep-relay",
 }
 DENY_WAIT = 0.3  # seconds to wait for a refused request (the server refuses at once)
 
@@ -628,7 +631,7 @@ def test_sample_and_values_grant_the_same_permissions() -> None:
         for u in account["users"]
     }
     assert values.keys() == {"aep-bootstrap", "aep-mapper", "aep-pairing", "hermes-shim", "aep-consumer",
-                             "aep-gate", "aep-operator", "hermes-shim-control", "aep-exporter"}
+                             "aep-gate", "aep-operator", "hermes-shim-control", "aep-exporter", "aep-relay"}
     assert sample.keys() == values.keys() | {"hermes-gateway-0"}
     for user, rules in values.items():
         assert sample[user] == rules, user

@@ -1,0 +1,451 @@
+"""The relay's HTTP surface (aiohttp): discovery, /healthz, /metrics, SSE /stream,
+WebSocket /socket. Bindings and frames per AEP-0003; the fan-out is ``hub.Hub``.
+
+Logging: aiohttp's access log is off (its line carries the query string, where an
+EventSource client's ``access_token`` travels); the relay logs method, path and status
+only, and never a header or a query string.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import ssl
+from typing import Any
+from urllib.parse import unquote
+
+import msgspec
+import structlog
+from aiohttp import WSMsgType, web
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+
+from bridge.config import Settings
+from bridge.core.attrmatch import InvalidFilter, compile_filter
+from bridge.core.capture import LEVELS, level_rank
+from bridge.nats.connection import connect_service
+from bridge.services.relay.config import Principal, RelayConfig
+from bridge.services.relay.hub import Exhausted, Hub, Item, RefusedFrom, Subscription, parse_from, parse_last_event_id
+
+log = structlog.get_logger("relay")
+
+VERSIONS = ["0.1"]
+MAX_SUBS_PER_CONNECTION = 64
+MAX_FROM_POSITIONS = 256
+_encode = msgspec.json.Encoder().encode
+_decode = msgspec.json.Decoder().decode
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.connections = Gauge("aep_bridge_relay_connections", "open SSE and WebSocket connections", ["binding"], registry=r)
+        self.subscriptions = Gauge("aep_bridge_relay_subscriptions", "live subscriptions (an SSE stream is one)", registry=r)
+        self.delivered = Counter("aep_bridge_relay_delivered_events_total", "events delivered", ["binding"], registry=r)
+        self.bytes = Counter("aep_bridge_relay_delivered_bytes_total", "bytes of events delivered", ["binding"], registry=r)
+        self.drops = Counter("aep_bridge_relay_dropped_events_total", "debug/info events dropped toward slow consumers", registry=r)
+        self.disconnects = Counter("aep_bridge_relay_backpressure_disconnects_total",
+                                   "subscriptions ended because a notice-or-above event found the queue full", registry=r)
+        self.refusals = Counter("aep_bridge_relay_refusals_total", "requests and frames refused", ["code"], registry=r)
+        self.exhausted = Counter("aep_bridge_relay_replay_exhausted_total", "resume positions older than the replay buffer", registry=r)
+        self.resumes = Counter("aep_bridge_relay_resumes_total", "subscriptions that resumed (from, Last-Event-ID)", ["kind"], registry=r)
+
+
+def bearer(request: web.Request) -> str | None:
+    auth = request.headers.get("Authorization", "")
+    if auth[:7].lower() == "bearer ":
+        return auth[7:].strip()
+    return request.query.get("access_token")
+
+
+class Relay:
+    """One relay process: the hub, the aiohttp application, the counters."""
+
+    def __init__(self, cfg: RelayConfig, js: Any = None, nc: Any = None, instance: str = "") -> None:
+        self.cfg = cfg
+        self.js = js
+        self.nc = nc
+        self.instance = instance
+        self.metrics = Metrics()
+        self.hub = Hub(js, cfg.replay_buffer, self.metrics)
+        self.sockets: set[web.WebSocketResponse] = set()
+        self.socket_subs: dict[web.WebSocketResponse, dict[str, Subscription]] = {}
+        self.stopping = asyncio.Event()
+        self.app = web.Application(client_max_size=cfg.max_body, middlewares=[self._logged])
+        self.app.router.add_get("/healthz", self.healthz)
+        self.app.router.add_get("/metrics", self.metrics_page)
+        self.app.router.add_get("/events", self.discovery)
+        self.app.router.add_get("/.well-known/aep", self.discovery)
+        self.app.router.add_get("/stream", self.stream)
+        self.app.router.add_get("/socket", self.socket)
+        self.app.on_shutdown.append(self._on_shutdown)
+
+    # ------------------------------------------------------------ plumbing
+
+    @web.middleware
+    async def _logged(self, request: web.Request, handler: Any) -> Any:
+        try:
+            resp = await handler(request)
+        except web.HTTPException as exc:
+            log.info("http", method=request.method, path=request.path, status=exc.status)
+            raise
+        if request.path not in ("/healthz", "/metrics"):
+            log.info("http", method=request.method, path=request.path, status=getattr(resp, "status", 0))
+        return resp
+
+    def capabilities(self) -> dict[str, Any]:
+        return {
+            "filters": ["attr-match"],
+            "replay": {"buffer": self.cfg.replay_buffer, "all": True},
+            "capture": list(LEVELS),
+            "control": {"accepts": []},
+            "experimental": {"x-aep-bridge": {"replay_buffer": "global count: the last N events of AEP_EVENTS"}},
+        }
+
+    def refuse(self, status: int, code: str, detail: str, **extra: Any) -> web.Response:
+        self.metrics.refusals.labels(code).inc()
+        headers = {"WWW-Authenticate": 'Bearer realm="aep"'} if status == 401 else None
+        return web.json_response({"error": code, "detail": detail, **extra}, status=status, headers=headers)
+
+    def principal(self, request: web.Request) -> Principal | None:
+        return self.cfg.authenticate(bearer(request))
+
+    # ------------------------------------------------------------ plain endpoints
+
+    async def healthz(self, request: web.Request) -> web.Response:
+        ok = self.nc is None or not self.nc.is_closed
+        return web.json_response({"status": "ok" if ok else "nats closed", "position": self.hub.position}, status=200 if ok else 503)
+
+    async def metrics_page(self, request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(self.metrics.registry), content_type="text/plain", charset="utf-8")
+
+    async def discovery(self, request: web.Request) -> web.Response:
+        return web.json_response({
+            "aep": VERSIONS,
+            "role": "collector",
+            "endpoints": {"events": "/events", "stream": "/stream", "socket": "/socket"},
+            "capabilities": self.capabilities(),
+        })
+
+    # ------------------------------------------------------------ SSE
+
+    async def stream(self, request: web.Request) -> web.StreamResponse:
+        who = self.principal(request)
+        if who is None:
+            return self.refuse(401, "unauthorized", "a bearer token is required")
+        if not who.may_consume:
+            return self.refuse(403, "unauthorized", f"role {who.role} may not consume")
+        q = request.query
+        try:
+            flt = compile_filter(json.loads(q["filter"]) if "filter" in q else {})
+            ceiling = who.max_capture
+            if "capture" in q:
+                ceiling = min(ceiling, level_rank(q["capture"]))
+            start: Any = None
+            if "from" in q:
+                start = "all" if q["from"] == "all" else parse_from(json.loads(q["from"]))
+            elif request.headers.get("Last-Event-ID"):
+                pos = parse_last_event_id(request.headers["Last-Event-ID"])
+                if pos is None:
+                    raise RefusedFrom("Last-Event-ID is {session}:{epoch}:{seq}")
+                start = [pos]
+        except (InvalidFilter, RefusedFrom, ValueError) as exc:
+            return self.refuse(400, "invalid-filter", str(exc))
+        if isinstance(start, list) and len(start) > MAX_FROM_POSITIONS:
+            return self.refuse(400, "limit-exceeded", f"at most {MAX_FROM_POSITIONS} from positions")
+        live = q.get("live", "1") != "0"
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                           "X-Accel-Buffering": "no"})
+        await resp.prepare(request)
+        sub = Subscription(flt, ceiling, self.cfg.queue, on_drop=self.metrics.drops.inc)
+
+        def exhausted(ex: Exhausted) -> None:
+            self.metrics.exhausted.inc()
+            sub.queue.append(f": replay-exhausted {ex.session} {ex.epoch}:{ex.seq}\n\n".encode())
+
+        if start:
+            sub.replaying = True
+            self.metrics.resumes.labels("all" if start == "all" else "position").inc()
+        self.hub.add(sub)
+        self.metrics.connections.labels("sse").inc()
+        self.metrics.subscriptions.inc()
+        replay = asyncio.create_task(self._replay(sub, start, exhausted)) if start else None
+        sent = delivered = 0
+        try:
+            await resp.write(b": aep-bridge relay\n\n")
+            while not self.stopping.is_set():
+                if sub.overflowed:
+                    self.metrics.disconnects.inc()
+                    break
+                items = sub.take()
+                if items:
+                    chunks = []
+                    for it in items:
+                        if isinstance(it, Item):
+                            chunks.append(it.sse(ceiling))
+                            sub.mark(it)
+                            delivered += 1
+                        else:
+                            chunks.append(it)
+                    body = b"".join(chunks)
+                    await resp.write(body)
+                    sent += len(body)
+                    continue
+                if not live and (replay is None or replay.done()) and not sub.queue:
+                    break
+                try:
+                    await asyncio.wait_for(sub.wake.wait(), self.cfg.heartbeat_s)
+                except asyncio.TimeoutError:
+                    await resp.write(b": ping\n\n")
+        except (ConnectionResetError, ConnectionError, asyncio.CancelledError):
+            pass
+        finally:
+            self.hub.remove(sub)
+            if replay is not None and not replay.done():
+                replay.cancel()
+            self.metrics.connections.labels("sse").dec()
+            self.metrics.subscriptions.dec()
+            self.metrics.delivered.labels("sse").inc(delivered)
+            self.metrics.bytes.labels("sse").inc(sent)
+        return resp
+
+    async def _replay(self, sub: Subscription, start: Any, exhausted: Any) -> None:
+        try:
+            await self.hub.replay(sub, start, exhausted)
+        except Exception as exc:  # noqa: BLE001 - a replay that failed ends the subscription, resumable
+            log.warning("replay failed", error=str(exc))
+            sub.overflowed = True
+        finally:
+            sub.wake.set()
+
+    # ------------------------------------------------------------ WebSocket
+
+    async def socket(self, request: web.Request) -> web.StreamResponse:
+        who = self.principal(request)
+        if who is None:
+            return self.refuse(401, "unauthorized", "a bearer token is required")
+        ws = web.WebSocketResponse(max_msg_size=1 << 20, autoping=True)
+        await ws.prepare(request)
+        self.sockets.add(ws)
+        subs: dict[str, Subscription] = {}
+        self.socket_subs[ws] = subs
+        tasks: dict[str, asyncio.Task] = {}
+        lock = asyncio.Lock()
+        self.metrics.connections.labels("ws").inc()
+        role = None
+
+        async def send(obj: Any) -> None:
+            async with lock:
+                await ws.send_frame(obj if isinstance(obj, bytes) else _encode(obj), WSMsgType.TEXT)
+
+        try:
+            async for msg in ws:
+                if msg.type == WSMsgType.BINARY:
+                    await send({"type": "error", "code": "invalid-frame", "detail": "binary frames are reserved in 0.1"})
+                    await ws.close(code=1003)
+                    break
+                if msg.type != WSMsgType.TEXT:
+                    continue
+                try:
+                    frame = _decode(msg.data)
+                except msgspec.DecodeError:
+                    frame = None
+                if not isinstance(frame, dict) or not isinstance(frame.get("type"), str):
+                    if role is None:
+                        await send({"type": "error", "code": "hello-required", "detail": "the first frame is hello"})
+                        await ws.close()
+                        break
+                    await send({"type": "error", "code": "invalid-frame", "detail": "a frame is a JSON object with a string type"})
+                    continue
+                ftype = frame["type"]
+                if role is None:
+                    if ftype != "hello":
+                        self.metrics.refusals.labels("hello-required").inc()
+                        await send({"type": "error", "code": "hello-required", "detail": "the first frame is hello"})
+                        await ws.close()
+                        break
+                    versions = frame.get("versions")
+                    chosen = next((v for v in versions if v in VERSIONS), None) if isinstance(versions, list) else None
+                    if chosen is None:
+                        self.metrics.refusals.labels("version-unsupported").inc()
+                        await send({"type": "error", "code": "version-unsupported", "versions": VERSIONS})
+                        await ws.close()
+                        break
+                    role = frame.get("role") if frame.get("role") in ("emitter", "consumer", "both") else "consumer"
+                    await send({"type": "hello", "versions": [chosen], "role": "both",
+                                "identity": {"agent": "aep-bridge-relay", "instance": self.instance or "relay"},
+                                "capabilities": self.capabilities()})
+                    continue
+                if ftype == "subscribe":
+                    await self._subscribe(frame, who, role, subs, tasks, send, ws)
+                elif ftype == "unsubscribe":
+                    sid = frame.get("id")
+                    sub = subs.pop(sid, None) if isinstance(sid, str) else None
+                    if sub is not None:
+                        self.hub.remove(sub)
+                        self.metrics.subscriptions.dec()
+                        task = tasks.pop(sid, None)
+                        if task:
+                            task.cancel()
+                    await send({"type": "unsubscribed", "id": sid})
+                elif ftype == "ping":
+                    await send({"type": "pong", **({"t": frame["t"]} if "t" in frame else {})})
+                elif ftype == "closing":
+                    await ws.close()
+                    break
+                elif "." in ftype:
+                    await self._event_in(frame, who, send)
+                # any other frame type (and hello again, pong, roster...) is ignored: forward compatibility
+        except (ConnectionResetError, ConnectionError):
+            pass
+        finally:
+            for sid, sub in subs.items():
+                self.hub.remove(sub)
+                self.metrics.subscriptions.dec()
+            for task in tasks.values():
+                task.cancel()
+            self.sockets.discard(ws)
+            self.socket_subs.pop(ws, None)
+            self.metrics.connections.labels("ws").dec()
+        return ws
+
+    async def _subscribe(self, frame: dict[str, Any], who: Principal, role: str, subs: dict[str, Subscription],
+                         tasks: dict[str, asyncio.Task], send: Any, ws: web.WebSocketResponse) -> None:
+        sid = frame.get("id")
+
+        async def refuse(code: str, detail: str) -> None:
+            self.metrics.refusals.labels(code).inc()
+            await send({"type": "error", "id": sid, "code": code, "detail": detail})
+
+        if not isinstance(sid, str) or not sid:
+            return await refuse("invalid-filter", "subscribe needs a string id")
+        if not who.may_consume or role == "emitter":
+            return await refuse("unauthorized", "this connection may not subscribe")
+        if sid in subs:
+            return await refuse("invalid-filter", f"subscription {sid!r} exists")
+        if len(subs) >= MAX_SUBS_PER_CONNECTION:
+            return await refuse("limit-exceeded", f"at most {MAX_SUBS_PER_CONNECTION} subscriptions per connection")
+        try:
+            flt = compile_filter(frame.get("filter", {}))
+            ceiling = who.max_capture
+            if "capture" in frame:
+                if not isinstance(frame["capture"], str):
+                    raise ValueError("capture is a level name")
+                ceiling = min(ceiling, level_rank(frame["capture"]))
+            start = parse_from(frame["from"]) if "from" in frame and frame["from"] is not None else None
+        except (InvalidFilter, RefusedFrom, ValueError) as exc:
+            return await refuse("invalid-filter", str(exc))
+        if isinstance(start, list) and len(start) > MAX_FROM_POSITIONS:
+            return await refuse("limit-exceeded", f"at most {MAX_FROM_POSITIONS} from positions")
+        sub = Subscription(flt, ceiling, self.cfg.queue, sub_id=sid, on_drop=self.metrics.drops.inc)
+
+        def exhausted(ex: Exhausted) -> None:
+            self.metrics.exhausted.inc()
+            sub.queue.append({"type": "replay-exhausted", "sub": sid, "session": ex.session,
+                              "earliest": {"epoch": ex.epoch, "seq": ex.seq}})
+
+        if start:
+            sub.replaying = True
+            self.metrics.resumes.labels("all" if start == "all" else "position").inc()
+        subs[sid] = sub
+        self.hub.add(sub)
+        self.metrics.subscriptions.inc()
+        await send({"type": "subscribed", "id": sid})
+        tasks[sid] = asyncio.create_task(self._pump(sub, start, exhausted, send, ws, subs))
+
+    async def _pump(self, sub: Subscription, start: Any, exhausted: Any, send: Any, ws: web.WebSocketResponse,
+                    subs: dict[str, Subscription]) -> None:
+        replay = asyncio.create_task(self._replay(sub, start, exhausted)) if start else None
+        delivered = sent = 0
+        try:
+            while not ws.closed:
+                if sub.overflowed:
+                    self.metrics.disconnects.inc()
+                    await self._close_socket(ws, "backpressure")
+                    return
+                items = sub.take()
+                if not items:
+                    await sub.wake.wait()
+                    continue
+                for it in items:
+                    if isinstance(it, Item):
+                        data = it.data(sub.ceiling)
+                        await send(data)
+                        sub.mark(it)
+                        delivered += 1
+                        sent += len(data)
+                    else:
+                        await send(it)
+        except (ConnectionResetError, ConnectionError, asyncio.CancelledError):
+            pass
+        finally:
+            if replay is not None and not replay.done():
+                replay.cancel()
+            self.metrics.delivered.labels("ws").inc(delivered)
+            self.metrics.bytes.labels("ws").inc(sent)
+
+    async def _close_socket(self, ws: web.WebSocketResponse, reason: str) -> None:
+        subs = self.socket_subs.get(ws, {})
+        delivered = [{"sub": sid, "session": session, "epoch": pos[0], "seq": pos[1]}
+                     for sid, sub in subs.items() for session, pos in sub.delivered.items()]
+        try:
+            await ws.send_frame(_encode({"type": "closing", "reason": reason, "delivered": delivered}), WSMsgType.TEXT)
+            await ws.close()
+        except (ConnectionResetError, ConnectionError, RuntimeError):
+            pass
+
+    async def _event_in(self, frame: dict[str, Any], who: Principal, send: Any) -> None:
+        eid = frame.get("id")
+        self.metrics.refusals.labels("unsupported").inc()
+        await send({"type": "error", "id": eid, "code": "unsupported",
+                    "detail": "this relay takes no events on the WebSocket (control is not routed by this relay yet)"})
+
+    async def _on_shutdown(self, app: web.Application) -> None:
+        self.stopping.set()
+        for ws in list(self.sockets):
+            await self._close_socket(ws, "shutdown")
+
+    # ------------------------------------------------------------ life
+
+    async def start(self) -> web.AppRunner:
+        if self.js is not None:
+            await self.hub.start()
+        runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
+        await runner.setup()
+        ctx = None
+        if self.cfg.tls_cert:
+            ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            ctx.load_cert_chain(self.cfg.tls_cert, self.cfg.tls_key)
+        site = web.TCPSite(runner, self.cfg.host, self.cfg.port, ssl_context=ctx, shutdown_timeout=2.0)
+        await site.start()
+        if self.cfg.port == 0:  # an ephemeral port (tests): the one bound
+            self.cfg.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        return runner
+
+
+async def run_relay(settings: Settings, cfg: RelayConfig) -> int:
+    nc = await connect_service(settings, name=f"aep-bridge-relay-{settings.instance}", role="relay")
+    js = nc.jetstream()
+    relay = Relay(cfg, js, nc, settings.instance)
+    runner = await relay.start()
+    log.info("relay listening", url=cfg.url, auth="tokens" if cfg.auth_required else "none (loopback)",
+             replay_buffer=cfg.replay_buffer)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    async def watch() -> None:
+        while not nc.is_closed:
+            await asyncio.sleep(1.0)
+        stop.set()
+
+    watcher = asyncio.create_task(watch())
+    await stop.wait()
+    watcher.cancel()
+    await relay.hub.stop()
+    await runner.cleanup()
+    closed = nc.is_closed
+    if not closed:
+        await nc.close()
+    return 1 if closed else 0
