@@ -395,10 +395,18 @@ class Relay:
             pass
 
     async def _event_in(self, frame: dict[str, Any], who: Principal, send: Any) -> None:
+        """An Event sent to the relay: only control commands, only from operator tokens
+        (AEP-0004: authentication unconditionally). Refusals are `error` frames on the relay's
+        behalf, never events: they do not enter any session's history."""
         eid = frame.get("id")
+        if not who.may_control:
+            self.metrics.refusals.labels("unauthorized").inc()
+            await send({"type": "error", "id": eid, "code": "unauthorized",
+                        "detail": "control needs an operator token"})
+            return
         self.metrics.refusals.labels("unsupported").inc()
         await send({"type": "error", "id": eid, "code": "unsupported",
-                    "detail": "this relay takes no events on the WebSocket (control is not routed by this relay yet)"})
+                    "detail": f"this relay routes no {frame.get('type')!r} events"})
 
     async def _on_shutdown(self, app: web.Application) -> None:
         self.stopping.set()
