@@ -225,6 +225,6 @@ def test_emitter_cannot_subscribe_and_control_is_gated(relay):
     refused, consumer_control, alive, unauthenticated = run(go())
     assert refused == {"type": "error", "id": "e", "code": "unauthorized", "detail": refused["detail"]}
     assert consumer_control["type"] == "error" and consumer_control["code"] == "unauthorized"
-    assert consumer_control["id"] == "cmd-1"
+    assert consumer_control["cause"] == "cmd-1"  # AEP-0004 §4.2: the relay-behalf frame names the command
     assert alive == {"type": "pong"}
     assert unauthenticated == 401

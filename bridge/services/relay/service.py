@@ -12,6 +12,7 @@ import asyncio
 import json
 import signal
 import ssl
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote
 
@@ -21,6 +22,9 @@ from aiohttp import WSMsgType, web
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from bridge.config import Settings
+from bridge.core.control import HELLO_SUBJECT
+from bridge.core.lanes import lane_token
+from bridge.nats.subjects import command_subject
 from bridge.core.attrmatch import InvalidFilter, compile_filter
 from bridge.core.capture import LEVELS, level_rank
 from bridge.nats.connection import connect_service
@@ -32,8 +36,19 @@ log = structlog.get_logger("relay")
 VERSIONS = ["0.1"]
 MAX_SUBS_PER_CONNECTION = 64
 MAX_FROM_POSITIONS = 256
+CONTROL_TYPES = ("control.attention.respond", "x.hermes.control.instruct")
+ACK_TYPES = frozenset(("control.accepted", "control.rejected"))
 _encode = msgspec.json.Encoder().encode
 _decode = msgspec.json.Decoder().decode
+
+
+@dataclass
+class Pending:
+    """A command published for the gate, waiting for its ack."""
+
+    session: str
+    senders: list[tuple[Any, int]]  # (send, capture ceiling of that sender)
+    deadline: float
 
 
 class Metrics:
@@ -48,6 +63,7 @@ class Metrics:
                                    "subscriptions ended because a notice-or-above event found the queue full", registry=r)
         self.refusals = Counter("aep_bridge_relay_refusals_total", "requests and frames refused", ["code"], registry=r)
         self.exhausted = Counter("aep_bridge_relay_replay_exhausted_total", "resume positions older than the replay buffer", registry=r)
+        self.commands = Counter("aep_bridge_relay_commands_total", "control commands routed to the gate", registry=r)
         self.resumes = Counter("aep_bridge_relay_resumes_total", "subscriptions that resumed (from, Last-Event-ID)", ["kind"], registry=r)
 
 
@@ -71,6 +87,10 @@ class Relay:
         self.sockets: set[web.WebSocketResponse] = set()
         self.socket_subs: dict[web.WebSocketResponse, dict[str, Subscription]] = {}
         self.stopping = asyncio.Event()
+        self.pending: dict[tuple[str, str], Pending] = {}
+        self.pending_by_cid: dict[str, list[tuple[str, str]]] = {}
+        self._hello: tuple[float, dict[str, Any] | None] | None = None
+        self.hub.listeners.append(self._on_item)
         self.app = web.Application(client_max_size=cfg.max_body, middlewares=[self._logged])
         self.app.router.add_get("/healthz", self.healthz)
         self.app.router.add_get("/metrics", self.metrics_page)
@@ -93,12 +113,18 @@ class Relay:
             log.info("http", method=request.method, path=request.path, status=getattr(resp, "status", 0))
         return resp
 
-    def capabilities(self) -> dict[str, Any]:
+    async def accepts(self) -> list[str]:
+        """What this relay routes: the gate's declared accepts (none without a gate)."""
+        hello = await self.gate_hello()
+        control = ((hello or {}).get("capabilities") or {}).get("control") or {}
+        return [t for t in control.get("accepts") or [] if t in CONTROL_TYPES]
+
+    def capabilities(self, accepts: list[str]) -> dict[str, Any]:
         return {
             "filters": ["attr-match"],
             "replay": {"buffer": self.cfg.replay_buffer, "all": True},
             "capture": list(LEVELS),
-            "control": {"accepts": []},
+            "control": {"accepts": accepts},
             "experimental": {"x-aep-bridge": {"replay_buffer": "global count: the last N events of AEP_EVENTS"}},
         }
 
@@ -124,7 +150,7 @@ class Relay:
             "aep": VERSIONS,
             "role": "collector",
             "endpoints": {"events": "/events", "stream": "/stream", "socket": "/socket"},
-            "capabilities": self.capabilities(),
+            "capabilities": self.capabilities(await self.accepts()),
         })
 
     # ------------------------------------------------------------ SSE
@@ -274,7 +300,7 @@ class Relay:
                     role = frame.get("role") if frame.get("role") in ("emitter", "consumer", "both") else "consumer"
                     await send({"type": "hello", "versions": [chosen], "role": "both",
                                 "identity": {"agent": "aep-bridge-relay", "instance": self.instance or "relay"},
-                                "capabilities": self.capabilities()})
+                                "capabilities": self.capabilities(await self.accepts())})
                     continue
                 if ftype == "subscribe":
                     await self._subscribe(frame, who, role, subs, tasks, send, ws)
@@ -294,7 +320,7 @@ class Relay:
                     await ws.close()
                     break
                 elif "." in ftype:
-                    await self._event_in(frame, who, send)
+                    await self._event_in(msg.data.encode("utf-8") if isinstance(msg.data, str) else msg.data, frame, who, send)
                 # any other frame type (and hello again, pong, roster...) is ignored: forward compatibility
         except (ConnectionResetError, ConnectionError):
             pass
@@ -394,19 +420,101 @@ class Relay:
         except (ConnectionResetError, ConnectionError, RuntimeError):
             pass
 
-    async def _event_in(self, frame: dict[str, Any], who: Principal, send: Any) -> None:
-        """An Event sent to the relay: only control commands, only from operator tokens
-        (AEP-0004: authentication unconditionally). Refusals are `error` frames on the relay's
-        behalf, never events: they do not enter any session's history."""
-        eid = frame.get("id")
+    async def _event_in(self, raw: bytes, frame: dict[str, Any], who: Principal, send: Any) -> None:
+        """An Event sent to the relay: only control commands (AEP-0004), only from operator
+        tokens (authentication unconditionally). The relay's refusals are `error` frames with
+        ``cause`` = the command's id, never Events: they enter no session's history. A
+        command that passes is published byte-identically to AEP_EVENTS, where the gate takes
+        it (and where it stays, in the session's history); the gate's control.accepted /
+        control.rejected comes back to the sender through the hub."""
+        cid = frame.get("id")
+
+        async def refuse(code: str, detail: str) -> None:
+            self.metrics.refusals.labels(code).inc()
+            await send({"type": "error", "cause": cid, "code": code, "detail": detail})
+
         if not who.may_control:
-            self.metrics.refusals.labels("unauthorized").inc()
-            await send({"type": "error", "id": eid, "code": "unauthorized",
-                        "detail": "control needs an operator token"})
+            return await refuse("unauthorized", "control needs an operator token")
+        ctype = frame["type"]
+        session = frame.get("session")
+        if ctype not in CONTROL_TYPES:
+            return await refuse("unsupported", f"this relay routes only {', '.join(CONTROL_TYPES)}")
+        if not isinstance(cid, str) or not cid or not isinstance(frame.get("source"), str):
+            return await refuse("unsupported", "a command is an AEP event with a string id and source")
+        if not isinstance(session, str) or not session:
+            return await refuse("no-route", "a command names its target session")
+        hello = await self.gate_hello()
+        if hello is None:
+            return await refuse("no-route", "no gate answers: no Hermes session takes commands through this relay")
+        accepts = ((hello.get("capabilities") or {}).get("control") or {}).get("accepts") or []
+        if ctype not in accepts:
+            return await refuse("unsupported", f"the gate accepts {accepts}")
+        key = (frame["source"], cid)
+        waiting = self.pending.get(key)
+        if waiting is not None:  # a retry while the decision is pending: the one ack answers it
+            if all(send is not other for other, _ in waiting.senders):
+                waiting.senders.append((send, who.max_capture))
             return
-        self.metrics.refusals.labels("unsupported").inc()
-        await send({"type": "error", "id": eid, "code": "unsupported",
-                    "detail": f"this relay routes no {frame.get('type')!r} events"})
+        window = ((hello.get("capabilities") or {}).get("control") or {}).get("ack_window_ms") or 10000
+        entry = Pending(session, [(send, who.max_capture)], asyncio.get_running_loop().time() + window / 1000 + 5)
+        self.pending[key] = entry
+        self.pending_by_cid.setdefault(cid, []).append(key)
+        try:
+            await self.js.publish(command_subject(lane_token(session), ctype), raw)
+        except Exception as exc:  # noqa: BLE001 - NATS away: the sender's window runs out (timeout)
+            log.warning("command not published", error=type(exc).__name__)
+            self._forget(key)
+            return await refuse("no-route", "the relay could not reach the event store")
+        self.metrics.commands.inc()
+
+    def _forget(self, key: tuple[str, str]) -> None:
+        self.pending.pop(key, None)
+        keys = self.pending_by_cid.get(key[1], [])
+        if key in keys:
+            keys.remove(key)
+        if not keys:
+            self.pending_by_cid.pop(key[1], None)
+
+    def _on_item(self, item: Item) -> None:
+        """Hub listener: a gate ack for a pending command goes to its sender(s), once."""
+        etype = item.event.get("type")
+        if etype not in ACK_TYPES:
+            return
+        cause = item.event.get("cause")
+        for key in list(self.pending_by_cid.get(cause, ()) if isinstance(cause, str) else ()):
+            entry = self.pending.get(key)
+            if entry is None or entry.session != item.event.get("session"):
+                continue
+            self._forget(key)
+            for send, ceiling in entry.senders:
+                asyncio.ensure_future(self._deliver_ack(send, item.data(ceiling)))
+
+    async def _deliver_ack(self, send: Any, data: bytes) -> None:
+        try:
+            await send(data)
+        except (ConnectionResetError, ConnectionError, RuntimeError):
+            pass
+
+    async def gate_hello(self) -> dict[str, Any] | None:
+        now = asyncio.get_running_loop().time()
+        if self._hello is not None and now - self._hello[0] < 5.0:
+            return self._hello[1]
+        doc = None
+        if self.nc is not None:
+            try:
+                doc = _decode((await self.nc.request(HELLO_SUBJECT, b"", timeout=1.0)).data)
+            except Exception:  # noqa: BLE001 - no gate (no responders, timeout): no route
+                doc = None
+        self._hello = (now, doc if isinstance(doc, dict) else None)
+        return self._hello[1]
+
+    async def _expire(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            now = asyncio.get_running_loop().time()
+            for key, entry in list(self.pending.items()):
+                if entry.deadline < now:
+                    self._forget(key)
 
     async def _on_shutdown(self, app: web.Application) -> None:
         self.stopping.set()
@@ -418,6 +526,7 @@ class Relay:
     async def start(self) -> web.AppRunner:
         if self.js is not None:
             await self.hub.start()
+        self._expirer = asyncio.ensure_future(self._expire())
         runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
         await runner.setup()
         ctx = None
