@@ -106,14 +106,26 @@ def test_relay_behalf_refusals_never_enter_history(control_plane) -> None:
             out.append(json.loads((await cws.receive(timeout=5)).data))
             return out
 
-    before = plane.events(session)
     unsupported, no_route, unauthorized = asyncio.run(go())
     assert unsupported == {"type": "error", "cause": cancel["id"], "code": "unsupported", "detail": unsupported["detail"]}
     assert no_route["code"] == "no-route" and no_route["cause"] == no_session["id"]
     assert unauthorized["code"] == "unauthorized" and unauthorized["cause"] == "CONSUMERCMD"
-    after = plane.events(session)
-    assert [e["id"] for e in after] == [e["id"] for e in before]  # nothing entered the session's history
-    assert not any(e["type"].startswith("control.") for e in after)
+    # a command that passes is on AEP_EVENTS at once (the relay publishes before answering
+    # anything): so a sentinel command sent after the refusals, and seen, closes the window
+    sentinel = command(session, "no-such-request", "allow", "SENTINEL01")
+
+    async def send_sentinel():
+        async with aiohttp.ClientSession() as s:
+            ws, _ = await operator_socket(s, relay)
+            await ws.send_str(sentinel.decode())
+            return json.loads((await ws.receive(timeout=15)).data)
+
+    nack = asyncio.run(send_sentinel())
+    assert nack["type"] == "control.rejected" and nack["cause"] == "SENTINEL01"  # the gate's own nack, in history
+    after = plane.wait(session, lambda e: any(x["id"] == "SENTINEL01" for x in e), "the sentinel command")
+    refused = {cancel["id"], no_session["id"], "CONSUMERCMD"}
+    assert not any(e["id"] in refused or e.get("cause") in refused for e in after)  # nothing entered the history
+    assert {e["type"] for e in after if e["type"].startswith("control.")} == {C.RESPOND, "control.rejected"}
 
 
 def test_no_gate_is_no_route(nats_server, jetstream, tmp_path) -> None:
