@@ -28,7 +28,9 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from bridge.core.attrmatch import Filter
 from bridge.core.capture import FULL, event_capture
+from bridge.core.lanes import lane_token
 from bridge.nats import streams as S
+from bridge.nats.subjects import session_filter
 
 log = structlog.get_logger("relay")
 
@@ -243,8 +245,6 @@ class Hub:
     async def replay(self, sub: Subscription, start: str | list[tuple[str, int, int]] | None,
                      on_exhausted: Callable[[Exhausted], None]) -> None:
         """Replay into ``sub`` (already registered, ``replaying``) then hand it to live."""
-        from bridge.core.lanes import lane_token
-        from bridge.nats.subjects import events_filter
 
         covered_all = start == "all"
         covered: set[str] = set()
@@ -272,7 +272,7 @@ class Hub:
                                 sub._put(it)
 
                         try:
-                            subject = events_filter(lane_token(session))
+                            subject = session_filter(lane_token(session))
                         except ValueError:
                             subject = STREAM_FILTER
                         await self._read(subject, begin, last, take)

@@ -24,7 +24,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from bridge.config import Settings
 from bridge.core.control import HELLO_SUBJECT
 from bridge.core.lanes import lane_token
-from bridge.nats.subjects import command_subject
+from bridge.nats import streams as S
+from bridge.nats.subjects import command_subject, events_filter, ingest_subject
+from bridge.services.relay import ingest
 from bridge.core.attrmatch import InvalidFilter, compile_filter
 from bridge.core.capture import LEVELS, level_rank
 from bridge.nats.connection import connect_service
@@ -63,6 +65,7 @@ class Metrics:
                                    "subscriptions ended because a notice-or-above event found the queue full", registry=r)
         self.refusals = Counter("aep_bridge_relay_refusals_total", "requests and frames refused", ["code"], registry=r)
         self.exhausted = Counter("aep_bridge_relay_replay_exhausted_total", "resume positions older than the replay buffer", registry=r)
+        self.ingested = Counter("aep_bridge_relay_ingested_events_total", "events posted by emitters and stored (new)", registry=r)
         self.commands = Counter("aep_bridge_relay_commands_total", "control commands routed to the gate", registry=r)
         self.resumes = Counter("aep_bridge_relay_resumes_total", "subscriptions that resumed (from, Last-Event-ID)", ["kind"], registry=r)
 
@@ -95,6 +98,7 @@ class Relay:
         self.app.router.add_get("/healthz", self.healthz)
         self.app.router.add_get("/metrics", self.metrics_page)
         self.app.router.add_get("/events", self.discovery)
+        self.app.router.add_post("/events", self.ingest)
         self.app.router.add_get("/.well-known/aep", self.discovery)
         self.app.router.add_get("/stream", self.stream)
         self.app.router.add_get("/socket", self.socket)
@@ -152,6 +156,43 @@ class Relay:
             "endpoints": {"events": "/events", "stream": "/stream", "socket": "/socket"},
             "capabilities": self.capabilities(await self.accepts()),
         })
+
+    # ------------------------------------------------------------ POST /events
+
+    async def ingest(self, request: web.Request) -> web.Response:
+        who = self.principal(request)
+        if who is None or (who.role == "anonymous"):
+            return self.refuse(401, "unauthorized", "posting events needs an emitter token")
+        if not who.may_emit:
+            return self.refuse(403, "unauthorized", f"role {who.role} may not emit")
+        version = request.headers.get("AEP-Version", "")
+        if version.split(".")[0] != "0" or version not in VERSIONS:
+            self.metrics.refusals.labels("version").inc()
+            return web.json_response({"versions": VERSIONS}, status=426)
+        ctype = request.content_type
+        if ctype not in ("application/json", "application/x-ndjson"):
+            return self.refuse(415, "unsupported-media-type", "application/json or application/x-ndjson")
+        try:
+            body = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            return self.refuse(413, "too-large", f"at most {self.cfg.max_body} bytes per request")
+        try:
+            checked = ingest.check_lines(ingest.split_body(body, ctype == "application/x-ndjson"))
+        except ingest.InvalidEvent as exc:
+            self.metrics.refusals.labels("invalid-event").inc()
+            return web.json_response({"error": "invalid-event", "detail": exc.detail, "line": exc.line}, status=400)
+        if not checked:
+            return self.refuse(400, "invalid-event", "no event in the body")
+        new = dup = 0
+        for raw, event in checked:
+            ack = await self.js.publish(ingest_subject(ingest.lane_of(event), event["type"]), raw,
+                                        headers={"Nats-Msg-Id": ingest.msg_id(event)})
+            if ack.duplicate:
+                dup += 1
+            else:
+                new += 1
+        self.metrics.ingested.inc(new)
+        return web.json_response({"accepted": new, "duplicates": dup}, status=202)
 
     # ------------------------------------------------------------ SSE
 
@@ -437,15 +478,15 @@ class Relay:
             return await refuse("unauthorized", "control needs an operator token")
         ctype = frame["type"]
         session = frame.get("session")
-        if ctype not in CONTROL_TYPES:
-            return await refuse("unsupported", f"this relay routes only {', '.join(CONTROL_TYPES)}")
         if not isinstance(cid, str) or not cid or not isinstance(frame.get("source"), str):
             return await refuse("unsupported", "a command is an AEP event with a string id and source")
-        if not isinstance(session, str) or not session:
-            return await refuse("no-route", "a command names its target session")
+        if not isinstance(session, str) or not session or not await self.claimed(session):
+            return await refuse("no-route", "no Hermes session of this fleet has that name")
         hello = await self.gate_hello()
         if hello is None:
             return await refuse("no-route", "no gate answers: no Hermes session takes commands through this relay")
+        if ctype not in CONTROL_TYPES:
+            return await refuse("unsupported", f"this relay routes only {', '.join(CONTROL_TYPES)}")
         accepts = ((hello.get("capabilities") or {}).get("control") or {}).get("accepts") or []
         if ctype not in accepts:
             return await refuse("unsupported", f"the gate accepts {accepts}")
@@ -494,6 +535,16 @@ class Relay:
             await send(data)
         except (ConnectionResetError, ConnectionError, RuntimeError):
             pass
+
+    async def claimed(self, session: str) -> bool:
+        """Whether ``session`` is one of the fleet's Hermes sessions (its events are on
+        AEP_EVENTS under aep.hermes.<lane>.>): the only sessions the gate can act on. A
+        session known only from posted events (aep.ingest.>) has no claimant here."""
+        try:
+            info = await self.js.stream_info(S.AEP_EVENTS, subjects_filter=events_filter(lane_token(session)))
+        except Exception:  # noqa: BLE001 - an unusable name or NATS away: no route
+            return False
+        return bool(info.state.subjects)
 
     async def gate_hello(self) -> dict[str, Any] | None:
         now = asyncio.get_running_loop().time()
