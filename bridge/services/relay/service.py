@@ -49,7 +49,7 @@ class Pending:
     """A command published for the gate, waiting for its ack."""
 
     session: str
-    senders: list[tuple[Any, int]]  # (send, capture ceiling of that sender)
+    senders: list[tuple[Any, int, dict]]  # (send, the sender's capture ceiling, its subscriptions)
     deadline: float
 
 
@@ -259,6 +259,7 @@ class Relay:
                     sent += len(body)
                     continue
                 if not live and (replay is None or replay.done()) and not sub.queue:
+                    await resp.write(b": replay-complete\n\n")  # live=0: the replay is over
                     break
                 try:
                     await asyncio.wait_for(sub.wake.wait(), self.cfg.heartbeat_s)
@@ -361,7 +362,8 @@ class Relay:
                     await ws.close()
                     break
                 elif "." in ftype:
-                    await self._event_in(msg.data.encode("utf-8") if isinstance(msg.data, str) else msg.data, frame, who, send)
+                    await self._event_in(msg.data.encode("utf-8") if isinstance(msg.data, str) else msg.data, frame, who,
+                                         send, subs)
                 # any other frame type (and hello again, pong, roster...) is ignored: forward compatibility
         except (ConnectionResetError, ConnectionError):
             pass
@@ -461,7 +463,8 @@ class Relay:
         except (ConnectionResetError, ConnectionError, RuntimeError):
             pass
 
-    async def _event_in(self, raw: bytes, frame: dict[str, Any], who: Principal, send: Any) -> None:
+    async def _event_in(self, raw: bytes, frame: dict[str, Any], who: Principal, send: Any,
+                        subs: dict[str, Subscription]) -> None:
         """An Event sent to the relay: only control commands (AEP-0004), only from operator
         tokens (authentication unconditionally). The relay's refusals are `error` frames with
         ``cause`` = the command's id, never Events: they enter no session's history. A
@@ -493,11 +496,11 @@ class Relay:
         key = (frame["source"], cid)
         waiting = self.pending.get(key)
         if waiting is not None:  # a retry while the decision is pending: the one ack answers it
-            if all(send is not other for other, _ in waiting.senders):
-                waiting.senders.append((send, who.max_capture))
+            if all(send is not other for other, _, _ in waiting.senders):
+                waiting.senders.append((send, who.max_capture, subs))
             return
         window = ((hello.get("capabilities") or {}).get("control") or {}).get("ack_window_ms") or 10000
-        entry = Pending(session, [(send, who.max_capture)], asyncio.get_running_loop().time() + window / 1000 + 5)
+        entry = Pending(session, [(send, who.max_capture, subs)], asyncio.get_running_loop().time() + window / 1000 + 5)
         self.pending[key] = entry
         self.pending_by_cid.setdefault(cid, []).append(key)
         try:
@@ -527,7 +530,9 @@ class Relay:
             if entry is None or entry.session != item.event.get("session"):
                 continue
             self._forget(key)
-            for send, ceiling in entry.senders:
+            for send, ceiling, subs in entry.senders:
+                if any(sub.filter.matches(item.event) for sub in subs.values()):
+                    continue  # a subscription of the sender's delivers it: once, not twice
                 asyncio.ensure_future(self._deliver_ack(send, item.data(ceiling)))
 
     async def _deliver_ack(self, send: Any, data: bytes) -> None:
