@@ -28,7 +28,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from bridge.core.attrmatch import Filter
 from bridge.core.capture import FULL, event_capture
-from bridge.core.lanes import lane_token
+from bridge.core.lanes import UNKNOWN, lane_token
 from bridge.nats import streams as S
 from bridge.nats.subjects import session_filter
 
@@ -272,7 +272,9 @@ class Hub:
                                 sub._put(it)
 
                         try:
-                            subject = session_filter(lane_token(session))
+                            # the unknown lane is filed under `_unknown` (session "unknown", lane
+                            # "unknown"), a real session named so under `unknown`: read the window
+                            subject = STREAM_FILTER if session == UNKNOWN else session_filter(lane_token(session))
                         except ValueError:
                             subject = STREAM_FILTER
                         await self._read(subject, begin, last, take)
