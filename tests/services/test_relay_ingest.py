@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import subprocess
+import sys
 import uuid
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -95,3 +99,28 @@ def test_batch_stored_in_order_in_its_own_space_deduped_and_byte_identical(relay
     assert {m.subject for m in mine} == {f"aep.ingest.{s_}.tool.called"}  # never aep.hermes.>
     assert [e["data"] for e in sse["events"]] == lines
     assert [f.encode() for f in frames] == lines
+
+
+def test_a_relay_without_tokens_is_a_loopback_development_relay(nats_server, jetstream, tmp_path):
+    relay = RelayProcess(nats_server.url, tmp_path, tokens=False).start()
+    try:
+        s_ = sid()
+        code, body = post(relay, encode(event(s_, 1)), token=None, ctype="application/json")
+        assert (code, body) == (202, {"accepted": 1, "duplicates": 0})
+
+        async def control():
+            async with aiohttp.ClientSession() as s:
+                ws = await s.ws_connect(relay.ws_url)
+                await ws.send_json({"type": "hello", "versions": ["0.1"], "role": "consumer"})
+                await ws.receive(timeout=5)
+                await ws.send_json({**event(s_, 2, type_="control.attention.respond"), "id": "CMD-ANON"})
+                return json.loads((await ws.receive(timeout=5)).data)
+
+        refused = asyncio.run(control())
+        assert refused["code"] == "unauthorized" and refused["cause"] == "CMD-ANON"  # control never without a token
+    finally:
+        relay.stop()
+    env = {"AEP_BRIDGE_RELAY_LISTEN": "0.0.0.0:0"}
+    out = subprocess.run([str(Path(sys.executable).with_name("aep-bridge")), "relay"], capture_output=True, text=True,
+                         env={**os.environ, "AEP_BRIDGE_NATS_URL": nats_server.url, **env}, timeout=30)
+    assert out.returncode == 2 and "off loopback" in out.stderr  # never open to the network without a token

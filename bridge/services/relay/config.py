@@ -23,8 +23,9 @@
 * ``AEP_BRIDGE_RELAY_QUEUE``: events queued per subscription before backpressure (default 10000).
 * ``AEP_BRIDGE_RELAY_HEARTBEAT_S``: SSE ``: ping`` / idle interval (default 15).
 
-With no token configured at all the relay serves consumers anonymously on loopback only,
-and refuses control and ingest (they require authentication unconditionally).
+With no token configured at all (a development relay) it serves consumers and takes posted
+events anonymously, on loopback only, and refuses control (AEP-0004: authentication is
+required unconditionally).
 Tokens are compared in constant time and never logged.
 """
 
@@ -66,7 +67,7 @@ class Principal:
 
     @property
     def may_emit(self) -> bool:
-        return self.role in ("emitter", "all")
+        return self.role in ("emitter", "all", "anonymous")
 
 
 ANONYMOUS = Principal("anonymous", "anonymous")
