@@ -18,7 +18,7 @@ from bridge.commands.control import build_command
 from bridge.core import control as C
 from bridge.core.aep import encode_event
 from tests.services.test_gate import Plane, new_session, start_plane, start_session, stop_plane
-from tests.support.relay import CONSUMER, OPERATOR, RelayProcess, auth
+from tests.support.relay import CONSUMER, EMITTER as EMITTER_TOKEN, OPERATOR, RelayProcess, auth
 
 HELLO = {"type": "hello", "versions": ["0.1"], "role": "consumer", "identity": {"agent": "op-console"}}
 
@@ -142,3 +142,51 @@ def test_no_gate_is_no_route(nats_server, jetstream, tmp_path) -> None:
         assert refused["code"] == "no-route" and refused["cause"] == "NOGATE1"
     finally:
         relay.stop()
+
+
+def test_roster_lists_the_sessions_a_shim_holds_with_the_gates_control_block(control_plane) -> None:
+    plane, relay = control_plane
+    session = new_session()
+    start_session(plane, session)
+    shim = plane.held(session, "call-roster")
+    req = plane.request_of(session, "call-roster")
+
+    async def roster(token: str, role: str = "consumer") -> Any:
+        async with aiohttp.ClientSession() as s:
+            ws = await s.ws_connect(relay.ws_url, headers=auth(token))
+            await ws.send_json({**HELLO, "role": role})
+            hello = json.loads((await ws.receive(timeout=5)).data)
+            await ws.send_json({"type": "roster", "id": "r-1"})
+            answer = json.loads((await ws.receive(timeout=10)).data)
+            await ws.send_json({"type": "ping"})
+            alive = json.loads((await ws.receive(timeout=5)).data)
+            return hello, answer, alive
+
+    hello, held, _ = asyncio.run(roster(CONSUMER))
+    gate_hello = plane_hello(plane)
+    assert hello["capabilities"]["roster"] == {}
+    assert held["type"] == "roster" and held["id"] == "r-1"
+    mine = [e for e in held["entries"] if e["session"] == session]
+    assert mine == [{"session": session, "agent": "hermes", "instance": plane.instance,
+                     "control": gate_hello["capabilities"]["control"]}]  # verbatim, one entry per claim
+    _, refused, alive = asyncio.run(roster(EMITTER_TOKEN, role="emitter"))
+    assert refused["type"] == "error" and refused["code"] == "unauthorized" and refused["id"] == "r-1"
+    assert alive == {"type": "pong"}  # the connection survives the refusal
+    # answered: the shim lets go, the claim is gone
+    plane.respond(session, req["id"], {"option": "allow"})
+    shim.communicate(timeout=15)
+    _, after, _ = asyncio.run(roster(OPERATOR))
+    assert not [e for e in after["entries"] if e["session"] == session]
+
+
+def plane_hello(plane: Plane) -> dict[str, Any]:
+    import nats
+
+    async def ask() -> dict[str, Any]:
+        nc = await nats.connect(plane.url)
+        try:
+            return json.loads((await nc.request(C.HELLO_SUBJECT, b"", timeout=2)).data)
+        finally:
+            await nc.close()
+
+    return asyncio.run(ask())

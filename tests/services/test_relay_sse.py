@@ -52,7 +52,7 @@ def test_healthz_and_discovery_need_no_token(relay):
     caps = a["capabilities"]
     assert caps["filters"] == ["attr-match"]
     assert caps["replay"] == {"buffer": 10000, "all": True}
-    assert "roster" not in caps  # not implemented: not declared
+    assert caps["roster"] == {}  # the roster frame is implemented (test_relay_control.py)
 
 
 @pytest.mark.parametrize("token,status", [(None, 401), ("wrong-token-0123456789", 401), (EMITTER, 403)])

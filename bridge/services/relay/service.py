@@ -25,6 +25,7 @@ from bridge.config import Settings
 from bridge.core.control import HELLO_SUBJECT
 from bridge.core.lanes import lane_token
 from bridge.nats import streams as S
+from bridge.nats.streams import CONTROL_BUCKET
 from bridge.nats.subjects import command_subject, events_filter, ingest_subject
 from bridge.services.relay import ingest
 from bridge.core.attrmatch import InvalidFilter, compile_filter
@@ -68,6 +69,13 @@ class Metrics:
         self.ingested = Counter("aep_bridge_relay_ingested_events_total", "events posted by emitters and stored (new)", registry=r)
         self.commands = Counter("aep_bridge_relay_commands_total", "control commands routed to the gate", registry=r)
         self.resumes = Counter("aep_bridge_relay_resumes_total", "subscriptions that resumed (from, Last-Event-ID)", ["kind"], registry=r)
+
+
+def instance_of(source: str) -> str:
+    """The instance in a bridge event's source (``aep://<instance>/...``), else ""."""
+    if source.startswith("aep://"):
+        return source[6:].split("/", 1)[0]
+    return ""
 
 
 def bearer(request: web.Request) -> str | None:
@@ -129,6 +137,7 @@ class Relay:
             "replay": {"buffer": self.cfg.replay_buffer, "all": True},
             "capture": list(LEVELS),
             "control": {"accepts": accepts},
+            "roster": {},
             "experimental": {"x-aep-bridge": {"replay_buffer": "global count: the last N events of AEP_EVENTS"}},
         }
 
@@ -356,6 +365,8 @@ class Relay:
                         if task:
                             task.cancel()
                     await send({"type": "unsubscribed", "id": sid})
+                elif ftype == "roster":
+                    await self._roster(frame, who, role, send)
                 elif ftype == "ping":
                     await send({"type": "pong", **({"t": frame["t"]} if "t" in frame else {})})
                 elif ftype == "closing":
@@ -540,6 +551,60 @@ class Relay:
             await send(data)
         except (ConnectionResetError, ConnectionError, RuntimeError):
             pass
+
+    async def _roster(self, frame: dict[str, Any], who: Principal, role: str, send: Any) -> None:
+        """AEP-0003 §4.1: the live claims this relay can route to, a snapshot. A claim is a
+        Hermes session a shim holds right now (an open card of the gate: a pre_tool_call
+        waiting for an answer), with the gate's declared control block verbatim."""
+        rid = frame.get("id")
+        if rid is None:
+            return  # a roster request carries an id; without one there is nothing to answer
+        if not who.may_consume or role == "emitter":
+            self.metrics.refusals.labels("unauthorized").inc()
+            await send({"type": "error", "id": rid, "code": "unauthorized", "detail": "roster is watch-class"})
+            return
+        hello = await self.gate_hello()
+        entries: list[dict[str, Any]] = []
+        if hello is not None:
+            control = (hello.get("capabilities") or {}).get("control")
+            seen: set[tuple[str, str]] = set()
+            for card in await self.open_cards():
+                session, source = card.get("session"), str(card.get("source") or "")
+                if not isinstance(session, str) or (session, source) in seen:
+                    continue
+                seen.add((session, source))
+                entry: dict[str, Any] = {"session": session, "agent": "hermes"}
+                instance = instance_of(source)
+                if instance:
+                    entry["instance"] = instance
+                if isinstance(control, dict):
+                    entry["control"] = control
+                entries.append(entry)
+        await send({"type": "roster", "id": rid, "entries": entries})
+
+    async def open_cards(self) -> list[dict[str, Any]]:
+        try:
+            kv = await self.js.key_value(CONTROL_BUCKET.bucket)
+            watcher = await kv.watch("card.*", ignore_deletes=True)
+        except Exception:  # noqa: BLE001 - no control bucket (no gate ever ran): nothing held
+            return []
+        out = []
+        try:
+            async for entry in watcher:
+                if entry is None:
+                    break
+                try:
+                    card = _decode(entry.value)
+                except msgspec.DecodeError:
+                    continue
+                if isinstance(card, dict) and card.get("state") == "open":
+                    out.append(card)
+        finally:
+            try:
+                await watcher.stop()
+            except Exception:  # noqa: BLE001
+                pass
+        return out
 
     async def claimed(self, session: str) -> bool:
         """Whether ``session`` is one of the fleet's Hermes sessions (its events are on
