@@ -104,6 +104,7 @@ class Relay:
         self.hub.listeners.append(self._on_item)
         self.app = web.Application(client_max_size=cfg.max_body, middlewares=[self._logged])
         self.app.router.add_get("/healthz", self.healthz)
+        self.app.router.add_get("/readyz", self.readyz)
         self.app.router.add_get("/metrics", self.metrics_page)
         self.app.router.add_get("/events", self.discovery)
         self.app.router.add_post("/events", self.ingest)
@@ -121,7 +122,7 @@ class Relay:
         except web.HTTPException as exc:
             log.info("http", method=request.method, path=request.path, status=exc.status)
             raise
-        if request.path not in ("/healthz", "/metrics"):
+        if request.path not in ("/healthz", "/readyz", "/metrics"):
             log.info("http", method=request.method, path=request.path, status=getattr(resp, "status", 0))
         return resp
 
@@ -154,6 +155,11 @@ class Relay:
     async def healthz(self, request: web.Request) -> web.Response:
         ok = self.nc is None or not self.nc.is_closed
         return web.json_response({"status": "ok" if ok else "nats closed", "position": self.hub.position}, status=200 if ok else 503)
+
+    async def readyz(self, request: web.Request) -> web.Response:
+        """Ready: connected to NATS and the hub consuming AEP_EVENTS."""
+        ok = self.nc is not None and self.nc.is_connected and self.hub._sub is not None
+        return web.json_response({"ready": ok}, status=200 if ok else 503)
 
     async def metrics_page(self, request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(self.metrics.registry), content_type="text/plain", charset="utf-8")
