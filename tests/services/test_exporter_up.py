@@ -26,8 +26,8 @@ def metrics(url: str) -> dict[str, float]:
 def test_up_export_runs_the_exporter_and_the_demo_reaches_the_sink(tmp_path):
     port = free_port()
     with Receiver() as rx, running_up(tmp_path, "--export", f"otlp+http://127.0.0.1:{rx.port}/v1/logs?name=otel",
-                                      "--export-port", str(port), workers=3) as (proc, env, info, tmp):
-        assert set(info["workers"]) == {"mapper", "pairing", "exporter"}
+                                      "--export-port", str(port), workers=4) as (proc, env, info, tmp):
+        assert set(info["workers"]) == {"mapper", "pairing", "exporter", "relay"}
         base = f"http://127.0.0.1:{port}"
         assert info["metrics"]["exporter"] == f"{base}/metrics"
         wait_for(lambda: http_json(f"{base}/readyz")[0] == 200, 30, what="the exporter's /readyz")
