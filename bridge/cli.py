@@ -25,7 +25,7 @@ COMMAND_MODULES = (
     "bridge.commands.export",  # export (the AEP-0005 bridges)
     "bridge.commands.shim",  # spool, hermes install/uninstall/doctor
     "bridge.commands.bootstrap",  # bootstrap
-    "bridge.commands.services",  # mapper, pairing
+    "bridge.commands.services",  # mapper, pairing, exporter, relay
     "bridge.commands.stack",  # up, demo, tail
     "bridge.commands.sim",  # simulate, verify
     "bridge.commands.control",  # gate, control respond|instruct|hello|pending

@@ -45,6 +45,19 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="sinks file, YAML or JSON (default: AEP_BRIDGE_EXPORT_CONFIG)")
     e.set_defaults(func=cmd_exporter)
 
+    r = sub.add_parser(
+        "relay",
+        help="run the AEP door: AEP-0003 discovery, SSE and WebSocket over AEP_EVENTS",
+        description="Serve AEP_EVENTS to any AEP consumer: GET /events and /.well-known/aep (discovery), "
+        "GET /stream (SSE), /socket (WebSocket), /healthz, /metrics. Settings: AEP_BRIDGE_RELAY_LISTEN "
+        "(default 127.0.0.1:8787), AEP_BRIDGE_RELAY_TOKEN, AEP_BRIDGE_RELAY_TOKENS_FILE, "
+        "AEP_BRIDGE_RELAY_TLS_CERT/_KEY, AEP_BRIDGE_RELAY_REPLAY_BUFFER (see bridge/services/relay/config.py).",
+    )
+    r.add_argument("--nats", default=None, metavar="URL", help="NATS server URL(s) (default: AEP_BRIDGE_NATS_URL)")
+    r.add_argument("--listen", default=None, metavar="HOST:PORT", help="overrides AEP_BRIDGE_RELAY_LISTEN")
+    r.add_argument("--log-format", choices=["json", "console"], default=None)
+    r.set_defaults(func=cmd_relay)
+
 
 def settings_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from bridge.config import Settings
@@ -113,3 +126,22 @@ def cmd_exporter(args: argparse.Namespace) -> int:
         return 2
     configure_logging(settings.log_format, settings.log_level)
     return run_service(Exporter(settings, sinks).run())
+
+
+def cmd_relay(args: argparse.Namespace) -> int:
+    import os
+
+    from bridge.services.relay import RelayConfigError, from_env, run_relay
+    from bridge.services.runtime import configure_logging
+
+    settings = settings_from_args(args)
+    env = dict(os.environ)
+    if args.listen:
+        env["AEP_BRIDGE_RELAY_LISTEN"] = args.listen
+    try:
+        cfg = from_env(env)
+    except (RelayConfigError, OSError) as exc:
+        print(f"aep-bridge relay: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(settings.log_format, settings.log_level)
+    return run_service(run_relay(settings, cfg))

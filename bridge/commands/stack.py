@@ -27,6 +27,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="also run `aep-bridge exporter` with this sink (repeatable): kafka://HOST:PORT/TOPIC"
                         "[?format=cloudevents|otlp|ocsf] or otlp+http://HOST:PORT/v1/logs")
     u.add_argument("--export-port", type=int, default=None, help="with --export: exporter metrics port (default 9467, or free)")
+    u.add_argument("--relay-port", type=int, default=None, help="the relay's port, the AEP door (default 8787, or free)")
     u.set_defaults(func=cmd_up)
 
     d = sub.add_parser("demo", help="replay real Hermes sessions through the shim into a running bridge and summarise")
@@ -78,7 +79,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             return 2
     up = Up(settings, nats_url=args.nats, port=args.port, state_dir=state_dir,
             mapper_port=args.mapper_port, pairing_port=args.pairing_port, gate=args.gate, gate_port=args.gate_port,
-            export=args.export, export_port=args.export_port)
+            export=args.export, export_port=args.export_port, relay_port=args.relay_port)
     try:
         return asyncio.run(up.run(demo=args.demo, follow=not args.no_follow, color=sys.stdout.isatty()))
     except Exception as exc:

@@ -35,6 +35,7 @@ ROLE_INBOX = {
     "gate": "_INBOX.aep-gate",
     "operator": "_INBOX.aep-operator",  # aep-bridge control
     "exporter": "_INBOX.aep-exporter",
+    "relay": "_INBOX.aep-relay",  # aep-bridge relay: the AEP-0003 door (reads AEP_EVENTS)
 }
 
 

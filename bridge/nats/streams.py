@@ -29,7 +29,7 @@ from nats.js.api import (
     StreamConfig,
 )
 
-from bridge.nats.subjects import DLQ_PREFIX, EVENTS_PREFIX, MAPPED_PREFIX, RAW_PREFIX
+from bridge.nats.subjects import DLQ_PREFIX, EVENTS_PREFIX, INGEST_PREFIX, MAPPED_PREFIX, RAW_PREFIX
 
 DAY = 24 * 3600.0
 GiB = 1024**3
@@ -46,6 +46,7 @@ RAW_SUBJECTS = f"{RAW_PREFIX}.>"
 MAPPED_SUBJECTS = f"{MAPPED_PREFIX}.>"
 DLQ_SUBJECTS = f"{DLQ_PREFIX}.>"
 EVENTS_SUBJECTS = f"{EVENTS_PREFIX}.>"
+INGEST_SUBJECTS = f"{INGEST_PREFIX}.>"  # events other AEP emitters post to the relay (POST /events)
 
 LANES_BUCKET = "aep_lanes"  # s.<token> = known session, t.<task id token> = task alias
 PAIRING_BUCKET = "aep_pairing"  # pairing progress q.<partition>; p.<partition>: checkpoints of older releases
@@ -189,7 +190,7 @@ DLQ_STREAM = StreamSpec(
     max_age_s=30 * DAY, max_bytes=1 * GiB,
 )
 EVENTS_STREAM = StreamSpec(
-    AEP_EVENTS, (EVENTS_SUBJECTS,), "the consumer-facing AEP event stream",
+    AEP_EVENTS, (EVENTS_SUBJECTS, INGEST_SUBJECTS), "the consumer-facing AEP event stream",
     max_age_s=30 * DAY, max_bytes=20 * GiB,
 )
 STREAMS: tuple[StreamSpec, ...] = (RAW_STREAM, MAPPED_STREAM, DLQ_STREAM, EVENTS_STREAM)

@@ -24,15 +24,16 @@ RAW_PREFIX = RAW_SUBJECT_PREFIX.rstrip(".")  # hermes.raw
 MAPPED_PREFIX = "bridge.mapped"
 DLQ_PREFIX = "bridge.dlq"
 EVENTS_PREFIX = "aep.hermes"
+INGEST_PREFIX = "aep.ingest"  # events other AEP emitters POST to the relay (never aep.hermes.>)
 TICK_TOKEN = "__tick__"
 # Far below nats-server's max_control_line (4096 by default, which also holds the verb, the
 # reply subject and the sizes): the longest subject built here is ~300 characters.
 MAX_SUBJECT_CHARS = 1024
 
 __all__ = [
-    "DLQ_PREFIX", "EVENTS_PREFIX", "INVALID_HOOK", "MAPPED_PREFIX", "MAX_SUBJECT_CHARS", "RAW_PREFIX", "TICK_TOKEN",
+    "DLQ_PREFIX", "EVENTS_PREFIX", "INGEST_PREFIX", "INVALID_HOOK", "MAPPED_PREFIX", "MAX_SUBJECT_CHARS", "RAW_PREFIX", "TICK_TOKEN",
     "TOKEN_MAX_CHARS", "UNKNOWN_HOOK", "UNKNOWN_TOKEN", "SubjectError",
-    "ack_subjects", "command_subject", "dlq_subject", "event_subject", "events_filter", "events_subject", "kv_subject", "lane_token", "mapped_filter",
+    "ack_subjects", "command_subject", "dlq_subject", "event_subject", "events_filter", "events_subject", "ingest_subject", "session_filter", "kv_subject", "lane_token", "mapped_filter",
     "mapped_subject", "raw_filter", "raw_subject", "raw_tokens", "tick_subject", "token",
 ]
 
@@ -112,6 +113,18 @@ def command_subject(lane_tok: str, command_type: str) -> str:
 def ack_subjects(lane_tok: str) -> tuple[str, str]:
     """Where the gate acks a command of that lane: ``control.accepted`` / ``control.rejected``."""
     return events_subject(lane_tok, "control.accepted"), events_subject(lane_tok, "control.rejected")
+
+
+def ingest_subject(lane_tok: str, event_type: str) -> str:
+    """Where the relay stores an event another AEP emitter posted: its own subject space."""
+    if not valid_type(event_type):
+        raise SubjectError("bad_type", f"not an AEP type ({len(event_type)} characters)")
+    return _bounded(f"{INGEST_PREFIX}.{_lane(lane_tok)}.{event_type}")
+
+
+def session_filter(lane_tok: str) -> str:
+    """A session's events on AEP_EVENTS, the bridge's and posted ones alike."""
+    return f"aep.*.{_lane(lane_tok)}.>"
 
 
 def events_filter(lane_tok: str | None = None) -> str:

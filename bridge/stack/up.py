@@ -24,6 +24,10 @@ answer held calls. With ``--nats URL`` the server and its credentials are the ca
 (``AEP_BRIDGE_NATS_*`` from the environment).
 `--export URL` (repeatable: kafka://HOST:PORT/TOPIC, otlp+http://HOST:PORT/v1/logs)
 adds a supervised `aep-bridge exporter` with those sinks (bridge/services/exporter/).
+
+The relay (`aep-bridge relay`, the AEP door for SDKs and dashboards) always runs too, on
+127.0.0.1:8787 (or a free port), with a bearer token generated at each start (every right);
+the banner and ``up.json`` (``relay``: url, token) give both.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import asyncio
 import importlib.util
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -57,6 +62,7 @@ from bridge.stack.server import EmbeddedNats, free_port, port_is_free, terminate
 from bridge.stack.tail import tail
 
 LOCAL_USER = "aep-local"
+RELAY_PORT = 8787
 CREDENTIAL_KEYS = ("AEP_BRIDGE_NATS_USER", "AEP_BRIDGE_NATS_PASSWORD", "AEP_BRIDGE_NATS_TOKEN",
                    "AEP_BRIDGE_NATS_CREDS", "AEP_BRIDGE_NATS_NKEY_SEED")
 
@@ -130,7 +136,7 @@ class Up:
     def __init__(self, settings: Settings, *, nats_url: str | None, port: int | None, state_dir: Path,
                  out: TextIO = sys.stdout, mapper_port: int | None = None, pairing_port: int | None = None,
                  gate: bool = False, gate_port: int | None = None, export: list[str] | None = None,
-                 export_port: int | None = None) -> None:
+                 export_port: int | None = None, relay_port: int | None = None) -> None:
         self.settings = settings
         self.external_url = nats_url
         self.port = port
@@ -149,6 +155,9 @@ class Up:
         self.export_port = 0
         if self.export:
             self.export_port = export_port or (EXPORTER_METRICS_PORT if port_is_free(EXPORTER_METRICS_PORT) else free_port())
+        # the relay: the AEP-0003 door, on loopback, with a token generated for this run
+        self.relay_port = relay_port or (RELAY_PORT if port_is_free(RELAY_PORT) else free_port())
+        self.relay_token = secrets.token_urlsafe(24)
         self.url = ""
         self.stop_event: asyncio.Event | None = None
         self.password: str | None = None  # of LOCAL_USER on the embedded server (generated at start)
@@ -220,6 +229,10 @@ class Up:
         env["AEP_BRIDGE_METRICS_HOST"] = "127.0.0.1"  # the workers' HTTP ports: loopback only
         return env
 
+    @property
+    def relay_url(self) -> str:
+        return f"http://127.0.0.1:{self.relay_port}"
+
     def _gate_env(self) -> dict[str, str]:
         """The gate accepts both commands unless the environment sets the switches itself."""
         env = self._env()
@@ -253,6 +266,10 @@ class Up:
         if self.gate:
             self.workers.append(Worker("gate", base + ["gate", "--metrics-port", str(self.gate_port)],
                                        logs / "gate.log", self._gate_env()))
+        relay_env = {**self._env(), "AEP_BRIDGE_RELAY_LISTEN": f"127.0.0.1:{self.relay_port}",
+                     "AEP_BRIDGE_RELAY_TOKEN": self.relay_token}
+        relay_env.pop("AEP_BRIDGE_RELAY_TOKENS_FILE", None)
+        self.workers.append(Worker("relay", base + ["relay"], logs / "relay.log", relay_env))
         if self.export:
             # The sinks go in a 0600 file, not on the command line: a Kafka URL may carry a
             # SASL password, and every local user can read a process's arguments.
@@ -295,6 +312,8 @@ class Up:
             "workers": {w.name: (w.proc.pid if w.proc else None) for w in self.workers},
             # what a shim (and demo, tail, control) needs to connect: the generated credential
             "shim_env": self.credential_env(),
+            # the AEP door: SDKs, dashboards and `curl -H "Authorization: Bearer <token>"`
+            "relay": {"url": self.relay_url, "token": self.relay_token},
         }
         if self.gate:
             metrics["gate"] = f"http://127.0.0.1:{self.gate_port}/metrics"
@@ -323,6 +342,8 @@ class Up:
         if self.export:
             self.say(f"  exporter       http://127.0.0.1:{self.export_port}/metrics   /healthz   /readyz   -> "
                      + ", ".join(shown_url(u) for u in self.export))
+        self.say(f"  relay (AEP)    {self.relay_url}   token {self.relay_token}   (generated for this run)")
+        self.say("                 discovery /events, SSE /stream, WebSocket /socket, POST /events; /metrics")
         self.say(f"  logs           {self.state_dir / 'logs'}")
         self.say("  watch          aep-bridge tail            (or: aep-bridge tail --json)")
         self.say("  replay a demo  aep-bridge demo")

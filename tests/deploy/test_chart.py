@@ -604,9 +604,9 @@ def test_no_secret_in_the_defaults() -> None:
             if m["kind"] in ("Deployment", "Job"):
                 component = m["metadata"]["labels"]["app.kubernetes.io/component"]
                 for var, entry in env_entries(m, component).items():
-                    if re.search(r"PASSWORD|TOKEN", var):
+                    if re.search(r"PASSWORD|TOKEN", var) and not var.endswith("_FILE"):
                         assert "secretKeyRef" in entry.get("valueFrom", {}), (values_file.name, var)
-                    if re.search(r"CREDS|SEED|TLS_KEY", var):
+                    if re.search(r"CREDS|SEED|TLS_KEY|TOKENS_FILE", var):  # files mounted from Secrets
                         assert entry["value"].startswith("/etc/aep-bridge/"), (values_file.name, var)
 
 
@@ -736,6 +736,7 @@ NATS_ROLES = {  # user in nats.config.merge -> role (Secret key "<role>-password
     "aep-operator": "operator",
     "hermes-shim-control": "shim-control",  # a shim of a fleet that runs the control plane
     "aep-exporter": "exporter",  # present whether or not exporter.enabled
+    "aep-relay": "relay",  # present whether or not relay.enabled
 }
 
 

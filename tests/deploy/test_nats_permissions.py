@@ -70,6 +70,7 @@ PASSWORDS = {
     "AEP_OPERATOR_PASSWORD": "operator-pw",
     "AEP_SHIM_CONTROL_PASSWORD": "shim-control-pw",
     "AEP_EXPORTER_PASSWORD": "exporter-pw",
+    "AEP_RELAY_PASSWORD": "relay-pw",
 }
 USERS = {
     "bootstrap": ("aep-bootstrap", "bootstrap-pw"),
@@ -82,6 +83,7 @@ USERS = {
     "operator": ("aep-operator", "operator-pw"),
     "shim-control": ("hermes-shim-control", "shim-control-pw"),
     "exporter": ("aep-exporter", "exporter-pw"),
+    "relay": ("aep-relay", "relay-pw"),
 }
 #: each role's own inbox prefix (bridge.nats.connection.ROLE_INBOX; the shim's names its
 #: instance): its user may subscribe there only
@@ -90,6 +92,7 @@ INBOX = {
     "consumer": "_INBOX.aep-consumer", "gate": "_INBOX.aep-gate", "operator": "_INBOX.aep-operator",
     "shim": "_INBOX.hermes.gateway-0", "shim-control": "_INBOX.hermes.gateway-0",
     "gateway-0": "_INBOX.hermes.gateway-0", "exporter": "_INBOX.aep-exporter",
+    "relay": "_INBOX.aep-relay",
 }
 DENY_WAIT = 0.3  # seconds to wait for a refused request (the server refuses at once)
 
@@ -628,7 +631,7 @@ def test_sample_and_values_grant_the_same_permissions() -> None:
         for u in account["users"]
     }
     assert values.keys() == {"aep-bootstrap", "aep-mapper", "aep-pairing", "hermes-shim", "aep-consumer",
-                             "aep-gate", "aep-operator", "hermes-shim-control", "aep-exporter"}
+                             "aep-gate", "aep-operator", "hermes-shim-control", "aep-exporter", "aep-relay"}
     assert sample.keys() == values.keys() | {"hermes-gateway-0"}
     for user, rules in values.items():
         assert sample[user] == rules, user
@@ -656,11 +659,14 @@ def test_sample_and_values_grant_the_same_permissions() -> None:
         "aep-mapper", "aep-pairing"}
     assert {s for s in sample["aep-pairing"][1] if s.startswith("bridge.mapped.")} == {"bridge.mapped.*.__tick__"}
     # Only the gate publishes its events and acks; only the operator (and pairing's
-    # aep.hermes.>) may publish commands; nobody else touches the control buckets.
+    # aep.hermes.>) and the relay (for operator tokens) may publish commands; nobody else
+    # touches the control buckets, and the relay only reads the held calls (roster).
     assert {user for user, rules in sample.items() if "aep.hermes.*.control.accepted" in rules[1]} == {"aep-gate"}
     assert {user for user, rules in sample.items() if "$KV.aep_control.>" in rules[1]} == {"aep-gate"}
     assert {user for user, rules in sample.items() if any("aep_control" in s for s in rules[1])} == {
-        "aep-gate", "aep-operator"}
+        "aep-gate", "aep-operator", "aep-relay"}
+    assert {user for user, rules in sample.items() if "aep.hermes.*.control.attention.respond" in rules[1]} == {
+        "aep-operator", "aep-relay"}
     for password_var, *_ in sample.values():
         assert password_var in PASSWORDS
     assert sample.keys() == {name for name, _ in USERS.values()}, "the scenario connects as every user"
@@ -708,3 +714,53 @@ def test_the_real_shim_publishes_with_its_user_and_only_as_its_instance(server: 
         published = f"hermes.raw.{instance}.pre_tool_call" in asyncio.run(raw_subjects(server["url"]))
         spooled = any(p.stat().st_size for p in spool.glob("*.spool")) if spool.exists() else False
         assert (published, spooled) == (allowed, not allowed), (role, instance, proc.stderr)
+
+
+def test_the_real_relay_does_its_job_as_its_user_and_nothing_else(server: dict, tmp_path: Path) -> None:
+    """`aep-bridge relay` as user aep-relay: ingest, SSE replay, WebSocket, roster, with no
+    permission error; the same user may not write the bridge's own subjects nor read upstream."""
+    import aiohttp
+
+    from tests.support.relay import EMITTER, OPERATOR, RelayProcess, auth, encode, event, read_sse
+
+    asyncio.run(bootstrap(server["url"]))
+    url = server["url"].replace("nats://", "nats://aep-relay:relay-pw@")
+    relay = RelayProcess(url, tmp_path).start()
+    ev = event("perm-relay", 1)
+
+    async def use() -> tuple[int, dict, dict]:
+        async with aiohttp.ClientSession() as s:
+            async with s.post(relay.url + "/events", data=encode(ev),
+                              headers={**auth(EMITTER), "AEP-Version": "0.1", "Content-Type": "application/json"}) as r:
+                posted = r.status
+            got = await read_sse(s, relay.url + "/stream", headers=auth(OPERATOR), params={"from": "all", "live": "0",
+                                                                                      "filter": '{"session":"perm-relay"}'})
+            ws = await s.ws_connect(relay.ws_url, headers=auth(OPERATOR))
+            await ws.send_json({"type": "hello", "versions": ["0.1"], "role": "consumer"})
+            await ws.receive(timeout=5)
+            await ws.send_json({"type": "roster", "id": "r"})
+            roster = json.loads((await ws.receive(timeout=10)).data)
+            await ws.close()
+            return posted, got, roster
+
+    try:
+        posted, got, roster = asyncio.run(use())
+    finally:
+        relay.stop()
+    assert posted == 202
+    assert [e["data"] for e in got["events"]] == [encode(ev)]
+    assert roster == {"type": "roster", "id": "r", "entries": []}
+    assert "Permissions Violation" not in relay.logs() and "Traceback" not in relay.logs()
+
+    async def refused() -> None:
+        c = await Client.connect(server["url"], "relay")
+        try:
+            await expect_publish_refused(c, "aep.hermes.s1.session.started")  # the bridge's own events
+            await expect_publish_refused(c, "aep.hermes.s1.control.accepted")  # acks are the gate's
+            await expect_publish_refused(c, "hermes.raw.gw.pre_tool_call")
+            await expect_api_refused(c, c.js.pull_subscribe("hermes.raw.>", durable="x", stream="HERMES_RAW"), "HERMES_RAW")
+            await expect_api_refused(c, c.js.delete_stream("AEP_EVENTS"), "$JS.API.STREAM.DELETE.AEP_EVENTS")
+        finally:
+            await c.close()
+
+    asyncio.run(refused())

@@ -39,7 +39,7 @@ def test_bootstrap_creates_everything_with_explicit_limits(nats_factory) -> None
         assert raw.max_age == 7 * 24 * 3600 and raw.max_bytes == 10 * 1024**3 and raw.duplicate_window == 120
         assert getattr(raw.retention, "value", raw.retention) == "limits"
         assert getattr(raw.storage, "value", raw.storage) == "file"
-        assert js.stream_info("AEP_EVENTS").config.subjects == ["aep.hermes.>"]
+        assert js.stream_info("AEP_EVENTS").config.subjects == ["aep.hermes.>", "aep.ingest.>"]  # the relay's POST /events
         assert js.stream_info("BRIDGE_MAPPED").config.subjects == ["bridge.mapped.>"]
         assert js.stream_info("BRIDGE_DLQ").config.max_age == 30 * 24 * 3600
         for spec in (*S.STREAMS, *S.BUCKETS, *S.OBJECT_STORES):

@@ -27,8 +27,8 @@ def metrics(url: str) -> dict[str, float]:
 def test_up_export_runs_the_exporter_and_the_demo_reaches_the_sink(tmp_path):
     port = free_port()
     with Receiver() as rx, running_up(tmp_path, "--export", f"otlp+http://127.0.0.1:{rx.port}/v1/logs?name=otel",
-                                      "--export-port", str(port), workers=3) as (proc, env, info, tmp):
-        assert set(info["workers"]) == {"mapper", "pairing", "exporter"}
+                                      "--export-port", str(port), workers=4) as (proc, env, info, tmp):
+        assert set(info["workers"]) == {"mapper", "pairing", "exporter", "relay"}
         # A sink URL may hold a SASL password: not on a command line every local user can read
         argv = Path(f"/proc/{info['workers']['exporter']}/cmdline").read_bytes()
         assert b"otlp+http" not in argv and b"127.0.0.1:%d" % rx.port not in argv, argv

@@ -330,6 +330,11 @@ def test_up_listens_on_loopback_only_and_requires_its_generated_credential(tmp_p
                 time.sleep(0.1)
             assert _listening(mport) <= {"127.0.0.1", "::1"} and _listening(mport), (name, _listening(mport))
         assert _listening(port) == {"127.0.0.1"}, _listening(port)
+        relay_port = int(info["relay"]["url"].rsplit(":", 1)[1])  # the AEP door: loopback too
+        wait_for_listen = time.monotonic() + 30
+        while not _listening(relay_port) and time.monotonic() < wait_for_listen:
+            time.sleep(0.1)  # the relay starts with the other workers
+        assert _listening(relay_port) == {"127.0.0.1"}, _listening(relay_port)
 
         # The shim configured as up says, then `tail` (which reads up.json) sees its event.
         r = run_hook(dumps(envelope("on_session_start", session="s-up-17")),

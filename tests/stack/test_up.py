@@ -12,6 +12,9 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.parse
+import urllib.request
 from collections import Counter
 from pathlib import Path
 
@@ -41,7 +44,7 @@ def cli(*args: str, env: dict[str, str], timeout: float = 120) -> subprocess.Com
 
 
 @contextlib.contextmanager
-def running_up(tmp_path: Path, *extra: str, workers: int = 2):
+def running_up(tmp_path: Path, *extra: str, workers: int = 3):
     """`aep-bridge up` with free ports and its own state directory, until `workers` workers run."""
     env = {**os.environ, "XDG_STATE_HOME": str(tmp_path / "state"), "AEP_BRIDGE_CONFIG": os.devnull}
     for var in ("AEP_BRIDGE_NATS_URL", "AEP_HERMES_CONTROL", "AEP_INSTRUCT", "AEP_HERMES_HOLD_MS"):
@@ -51,7 +54,7 @@ def running_up(tmp_path: Path, *extra: str, workers: int = 2):
     out = open(tmp_path / "up.out", "w")
     proc = subprocess.Popen(
         [sys.executable, "-m", "bridge.cli", "up", "--port", str(port), "--mapper-port", str(free_port()),
-         "--pairing-port", str(free_port()), *extra],
+         "--pairing-port", str(free_port()), "--relay-port", str(free_port()), *extra],
         env=env, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
     )
     info_path = state / "up.json"
@@ -114,7 +117,7 @@ def test_up_demo_tail_restart_and_clean_stop(up):
     url = info["nats_url"]
     summary_file = tmp / "summary.json"
     # The control plane is opt-in: no gate without --gate.
-    assert set(info["workers"]) == {"mapper", "pairing"} and "gate" not in info["metrics"] and "control" not in info
+    assert set(info["workers"]) == {"mapper", "pairing", "relay"} and "gate" not in info["metrics"] and "control" not in info
 
     started = time.monotonic()
     demo = cli("demo", "--json-summary", str(summary_file), env=env)
@@ -142,8 +145,22 @@ def test_up_demo_tail_restart_and_clean_stop(up):
     everything = cli("tail", "--nats", url, "--all", "--idle-exit", "2", "--color", "never", env=env).stdout
     assert "── lane unknown ──" in everything
 
+    # The relay serves the same events to any AEP consumer, with the token up generated.
+    relay = info["relay"]
+    assert len(relay["token"]) >= 24 and relay["token"] in (tmp / "up.out").read_text()  # the banner gives it
+    stream = f"{relay['url']}/stream?from=all&live=0&filter=" + urllib.parse.quote(json.dumps({"session": session}))
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(stream, timeout=10)
+    assert refused.value.code == 401
+    req = urllib.request.Request(stream, headers={"Authorization": f"Bearer {relay['token']}"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        sse = r.read().decode()
+    data = [json.loads(line[6:]) for line in sse.splitlines() if line.startswith("data: ")]
+    assert data and {e["session"] for e in data} == {session}
+    assert sum(1 for e in data if e["type"] == "run.started") == summary["sessions"][session]["runs"]["started"]
+
     # Kill the workers: up restarts them and no event is lost.
-    for name in ("mapper", "pairing"):
+    for name in ("mapper", "pairing", "relay"):
         os.kill(info["workers"][name], signal.SIGKILL)
     state = tmp / "state" / "aep-bridge" / "up.json"
     wait_for(lambda: all(p is not None and pid_alive(p) and p not in info["workers"].values()
@@ -171,10 +188,10 @@ def test_up_gate_runs_the_control_plane_and_stops_it_with_the_rest(tmp_path):
     from tests.support.shim import compiled_hook, dumps, envelope, run_hook, shim_env
 
     gate_port = free_port()
-    with running_up(tmp_path, "--gate", "--gate-port", str(gate_port), workers=3) as (proc, env, info, tmp):
+    with running_up(tmp_path, "--gate", "--gate-port", str(gate_port), workers=4) as (proc, env, info, tmp):
         url = info["nats_url"]
         state = tmp / "state" / "aep-bridge"
-        assert set(info["workers"]) == {"mapper", "pairing", "gate"}
+        assert set(info["workers"]) == {"mapper", "pairing", "gate", "relay"}
         assert info["metrics"]["gate"] == f"http://127.0.0.1:{gate_port}/metrics"
         accepts = ["control.attention.respond", "x.hermes.control.instruct"]
         # the shim settings carry up's generated NATS credential (finding 17 of issue 13)

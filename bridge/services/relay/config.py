@@ -1,0 +1,208 @@
+"""The relay's settings (``AEP_BRIDGE_RELAY_*``) and its tokens.
+
+* ``AEP_BRIDGE_RELAY_LISTEN``: ``HOST:PORT`` (default ``127.0.0.1:8787``).
+* ``AEP_BRIDGE_RELAY_TOKEN``: one bearer token with every right (consume, operate, emit).
+* ``AEP_BRIDGE_RELAY_TOKENS_FILE``: per-client tokens, JSON or YAML::
+
+      tokens:
+        - {name: dashboard, token: "...", role: consumer, max_capture: metadata}
+        - {name: oncall, token: "...", role: operator}
+        - {name: ci, token: "...", role: emitter}
+
+  ``role``: ``consumer`` (watch), ``operator`` (watch and steer: control on the WebSocket),
+  ``emitter`` (POST /events only). ``max_capture`` (consumers and operators, default
+  ``full``, i.e. as stored): the highest capture level this client ever receives; a
+  subscription asking for more is served at this ceiling.
+* ``AEP_BRIDGE_RELAY_TLS_CERT`` / ``AEP_BRIDGE_RELAY_TLS_KEY``: serve HTTPS/WSS. Listening
+  off loopback without TLS is refused unless ``AEP_BRIDGE_RELAY_INSECURE=1`` (TLS terminated
+  by a proxy in front, AEP-0003 §11); listening off loopback without any token is refused.
+* ``AEP_BRIDGE_RELAY_REPLAY_BUFFER``: the replay buffer (default 10000), a GLOBAL count: the
+  relay replays from the last N events AEP_EVENTS holds (fewer when the stream's age and
+  byte limits have evicted more). A resume position older than that window is
+  ``replay-exhausted``.
+* ``AEP_BRIDGE_RELAY_QUEUE``: events queued per subscription before backpressure (default 10000).
+* ``AEP_BRIDGE_RELAY_HEARTBEAT_S``: SSE ``: ping`` / idle interval (default 15).
+
+With no token configured at all (a development relay) it serves consumers and takes posted
+events anonymously, on loopback only, and refuses control (AEP-0004: authentication is
+required unconditionally).
+Tokens are compared in constant time and never logged.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from bridge.core.capture import FULL, LEVELS, level_rank
+
+DEFAULT_LISTEN = "127.0.0.1:8787"
+ROLES = ("consumer", "operator", "emitter", "all")
+
+
+class RelayConfigError(ValueError):
+    """A relay setting that cannot be used (the message names it, never a token value)."""
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who a request authenticated as."""
+
+    name: str
+    role: str  # consumer | operator | emitter | all | anonymous
+    max_capture: int = FULL
+
+    @property
+    def may_consume(self) -> bool:
+        return self.role in ("consumer", "operator", "all", "anonymous")
+
+    @property
+    def may_control(self) -> bool:
+        return self.role in ("operator", "all")
+
+    @property
+    def may_emit(self) -> bool:
+        return self.role in ("emitter", "all", "anonymous")
+
+
+ANONYMOUS = Principal("anonymous", "anonymous")
+
+
+@dataclass
+class RelayConfig:
+    host: str = "127.0.0.1"
+    port: int = 8787
+    tokens: list[tuple[bytes, Principal]] = field(default_factory=list)
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    insecure: bool = False
+    replay_buffer: int = 10000
+    queue: int = 10000
+    heartbeat_s: float = 15.0
+    max_body: int = 4 * 1024 * 1024
+
+    @property
+    def auth_required(self) -> bool:
+        return bool(self.tokens)
+
+    @property
+    def loopback(self) -> bool:
+        if self.host in ("localhost",):
+            return True
+        try:
+            return ipaddress.ip_address(self.host).is_loopback
+        except ValueError:
+            return False
+
+    def authenticate(self, token: str | None) -> Principal | None:
+        """The principal of ``token``; ANONYMOUS when no token is configured at all; None
+        when refused (a token is required, or the one given is unknown)."""
+        if not self.tokens:
+            return ANONYMOUS
+        if not token:
+            return None
+        given = token.encode("utf-8", "surrogateescape")
+        found = None
+        for secret, principal in self.tokens:  # every comparison runs: no early exit on a match
+            if hmac.compare_digest(secret, given) and found is None:
+                found = principal
+        return found
+
+    def check(self) -> None:
+        if not self.loopback:
+            if not self.tokens:
+                raise RelayConfigError(f"listening on {self.host} (off loopback) needs AEP_BRIDGE_RELAY_TOKEN or AEP_BRIDGE_RELAY_TOKENS_FILE")
+            if not (self.tls_cert and self.tls_key) and not self.insecure:
+                raise RelayConfigError(
+                    f"listening on {self.host} (off loopback) needs TLS (AEP_BRIDGE_RELAY_TLS_CERT/_KEY), "
+                    "or AEP_BRIDGE_RELAY_INSECURE=1 when a proxy in front terminates it")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise RelayConfigError("AEP_BRIDGE_RELAY_TLS_CERT and AEP_BRIDGE_RELAY_TLS_KEY go together")
+
+    @property
+    def url(self) -> str:
+        scheme = "https" if self.tls_cert else "http"
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{scheme}://{host}:{self.port}"
+
+
+def parse_listen(value: str) -> tuple[str, int]:
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise RelayConfigError(f"AEP_BRIDGE_RELAY_LISTEN={value!r}: expected HOST:PORT")
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+def parse_tokens(doc: Any, where: str) -> list[tuple[bytes, Principal]]:
+    entries = doc.get("tokens") if isinstance(doc, dict) else doc
+    if not isinstance(entries, list):
+        raise RelayConfigError(f"{where}: expected {{tokens: [...]}}")
+    out: list[tuple[bytes, Principal]] = []
+    for i, entry in enumerate(entries):
+        if not isinstance(entry, dict):
+            raise RelayConfigError(f"{where}: tokens[{i}] is not an object")
+        name = str(entry.get("name") or f"token{i}")
+        token = entry.get("token")
+        role = entry.get("role", "consumer")
+        if not isinstance(token, str) or len(token) < 16:
+            raise RelayConfigError(f"{where}: tokens[{i}] ({name}): token must be a string of at least 16 characters")
+        if role not in ("consumer", "operator", "emitter"):
+            raise RelayConfigError(f"{where}: tokens[{i}] ({name}): role {role!r} (expected consumer, operator or emitter)")
+        cap = entry.get("max_capture", "full")
+        if cap not in LEVELS:
+            raise RelayConfigError(f"{where}: tokens[{i}] ({name}): max_capture {cap!r} (expected one of {', '.join(LEVELS)})")
+        out.append((token.encode(), Principal(name, role, level_rank(cap))))
+    return out
+
+
+def load_tokens_file(path: str) -> list[tuple[bytes, Principal]]:
+    text = Path(path).read_text(encoding="utf-8")
+    try:
+        doc = json.loads(text)
+    except ValueError:
+        from ruamel.yaml import YAML
+
+        doc = YAML(typ="safe").load(text)
+    return parse_tokens(doc, path)
+
+
+def from_env(environ: Mapping[str, str] | None = None) -> RelayConfig:
+    env = os.environ if environ is None else environ
+
+    def get(name: str) -> str | None:
+        value = env.get("AEP_BRIDGE_RELAY_" + name)
+        return value if value else None
+
+    def get_int(name: str, default: int, low: int, high: int) -> int:
+        raw = get(name)
+        if raw is None:
+            return default
+        try:
+            value = int(raw)
+        except ValueError:
+            raise RelayConfigError(f"AEP_BRIDGE_RELAY_{name}: not an integer") from None
+        if not low <= value <= high:
+            raise RelayConfigError(f"AEP_BRIDGE_RELAY_{name}={value}: expected {low}..{high}")
+        return value
+
+    host, port = parse_listen(get("LISTEN") or DEFAULT_LISTEN)
+    tokens: list[tuple[bytes, Principal]] = []
+    single = get("TOKEN")
+    if single:
+        tokens.append((single.encode(), Principal("relay-token", "all")))
+    if get("TOKENS_FILE"):
+        tokens.extend(load_tokens_file(get("TOKENS_FILE") or ""))
+    cfg = RelayConfig(
+        host=host, port=port, tokens=tokens, tls_cert=get("TLS_CERT"), tls_key=get("TLS_KEY"),
+        insecure=get("INSECURE") == "1",
+        replay_buffer=get_int("REPLAY_BUFFER", 10000, 1, 10**9),
+        queue=get_int("QUEUE", 10000, 1, 10**7),
+        heartbeat_s=float(get_int("HEARTBEAT_S", 15, 1, 30)),
+    )
+    cfg.check()
+    return cfg

@@ -1,0 +1,326 @@
+"""The relay's fan-out: one ordered consumer on AEP_EVENTS per relay process, every event
+decoded once and serialized once per capture ceiling, handed to every subscription in
+process; replay from JetStream (AEP_EVENTS is the replay buffer) per subscription.
+
+A subscription (an SSE stream, or one `subscribe` of a WebSocket) has an attr-match filter,
+a capture ceiling and a bounded queue. Delivery order within a subscription is stream
+order. Replay and live meet without a gap or a duplicate: the subscription is registered
+with the hub before its replay starts, live events that arrive meanwhile wait in
+``pending``; the replay reads up to the stream's last sequence at its start (which is at
+least the hub's position), then ``pending`` is offered, minus what the replay covered.
+
+Backpressure (AEP-0003 §8.4): a full queue drops `debug`/`info` events (counted), and on
+a `notice`-or-above event marks the subscription ``overflowed``: its binding ends it
+(SSE: the stream ends; WS: a `closing` frame with positions, then close) so the consumer
+resumes exactly. Nothing of severity notice or above is ever dropped silently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import msgspec
+import structlog
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+from bridge.core.attrmatch import Filter
+from bridge.core.capture import FULL, event_capture
+from bridge.core.lanes import UNKNOWN, lane_token
+from bridge.nats import streams as S
+from bridge.nats.subjects import session_filter
+
+log = structlog.get_logger("relay")
+
+_decode = msgspec.json.Decoder().decode
+_encode = msgspec.json.Encoder().encode
+LOW_SEVERITY = frozenset(("debug", "info"))
+STREAM_FILTER = "aep.>"
+
+
+class Item:
+    """One event of AEP_EVENTS: its stream sequence, its exact bytes, the decoded event,
+    and its serializations per ceiling and binding, made on first use and shared."""
+
+    __slots__ = ("seq", "raw", "event", "_data", "_sse")
+
+    def __init__(self, seq: int, raw: bytes, event: dict[str, Any]) -> None:
+        self.seq = seq
+        self.raw = raw
+        self.event = event
+        self._data: dict[int, bytes] = {}
+        self._sse: dict[int, bytes] = {}
+
+    @property
+    def session(self) -> str | None:
+        s = self.event.get("session")
+        return s if isinstance(s, str) else None
+
+    @property
+    def position(self) -> tuple[int, int] | None:
+        seq = self.event.get("seq")
+        if self.session is None or not isinstance(seq, int):
+            return None
+        epoch = self.event.get("epoch", 0)
+        return (epoch if isinstance(epoch, int) else 0, seq)
+
+    @property
+    def low_severity(self) -> bool:
+        return self.event.get("severity", "info") in LOW_SEVERITY
+
+    def data(self, ceiling: int) -> bytes:
+        """The event's bytes under ``ceiling``: the stored bytes themselves when within it
+        (byte identity across bindings), else the down-levelled event (AEP-0001 §8.2)."""
+        try:
+            level = event_capture(self.event)
+        except ValueError:  # an unknown capture level: above every ceiling
+            level = FULL + 1
+        if level <= ceiling:
+            return self.raw
+        out = self._data.get(ceiling)
+        if out is None:  # the rule of core.capture.downlevel: the envelope, `capture: none`
+            out = self._data[ceiling] = _encode({k: v for k, v in self.event.items() if k != "data"} | {"capture": "none"})
+        return out
+
+    def sse(self, ceiling: int) -> bytes:
+        out = self._sse.get(ceiling)
+        if out is None:
+            etype = self.event.get("type")
+            head = b"event: " + str(etype).encode() + b"\n" if isinstance(etype, str) and "\n" not in etype else b""
+            pos = self.position
+            if pos is not None and "\n" not in (self.session or "") and "\r" not in (self.session or ""):
+                head += f"id: {self.session}:{pos[0]}:{pos[1]}\n".encode()
+            out = self._sse[ceiling] = head + b"data: " + self.data(ceiling) + b"\n\n"
+        return out
+
+
+@dataclass
+class Exhausted:
+    session: str
+    epoch: int
+    seq: int
+
+
+@dataclass(eq=False)
+class Subscription:
+    """One filtered, capture-gated, bounded stream of items for one consumer."""
+
+    filter: Filter
+    ceiling: int = FULL
+    limit: int = 10000
+    sub_id: str = ""
+    queue: collections.deque = field(default_factory=collections.deque)
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    replaying: bool = False
+    pending: list[Item] = field(default_factory=list)
+    overflowed: bool = False
+    closed: bool = False
+    drops: int = 0
+    delivered: dict[str, tuple[int, int]] = field(default_factory=dict)  # session -> last position handed out
+    on_drop: Callable[[], None] | None = None
+
+    def offer(self, item: Item) -> None:
+        if self.closed or self.overflowed:
+            return
+        if self.replaying:
+            self.pending.append(item)
+            if len(self.pending) > self.limit * 4 and not self.overflowed:
+                self.overflowed = True
+                self.wake.set()
+            return
+        self._put(item)
+
+    def _put(self, item: Item) -> None:
+        if not self.filter.matches(item.event):
+            return
+        if len(self.queue) >= self.limit:
+            if item.low_severity:
+                self.drops += 1
+                if self.on_drop:
+                    self.on_drop()
+                return
+            self.overflowed = True  # deliver-or-disconnect: the binding ends the stream
+            self.wake.set()
+            return
+        self.queue.append(item)
+        self.wake.set()
+
+    def mark(self, item: Item) -> None:
+        pos = item.position
+        if pos is not None:
+            self.delivered[item.session or ""] = pos
+
+    def take(self, most: int = 256) -> list[Any]:
+        out = []
+        while self.queue and len(out) < most:
+            out.append(self.queue.popleft())
+        if not self.queue:
+            self.wake.clear()
+        return out
+
+
+class RefusedFrom(ValueError):
+    """A `from` that cannot be honoured (malformed)."""
+
+
+def parse_from(value: Any) -> str | list[tuple[str, int, int]]:
+    """``"all"`` or a list of (session, epoch, seq); RefusedFrom otherwise."""
+    if value == "all":
+        return "all"
+    if not isinstance(value, list):
+        raise RefusedFrom("`from` is an array of {session, epoch, seq} or the string \"all\"")
+    out = []
+    for p in value:
+        if not isinstance(p, dict):
+            raise RefusedFrom("each `from` position is an object {session, epoch, seq}")
+        s, e, q = p.get("session"), p.get("epoch", 0), p.get("seq")
+        if not isinstance(s, str) or not s or type(e) is not int or type(q) is not int or e < 0 or q < 0:
+            raise RefusedFrom("a `from` position needs a string session and integer epoch and seq >= 0")
+        out.append((s, e, q))
+    return out
+
+
+def parse_last_event_id(value: str) -> tuple[str, int, int] | None:
+    session, sep, rest = value.rpartition(":")
+    session, sep2, epoch = session.rpartition(":")
+    if not sep or not sep2 or not session:
+        return None
+    try:
+        return session, int(epoch), int(rest)
+    except ValueError:
+        return None
+
+
+class Hub:
+    """The one live consumer of this relay process and the subscriptions it feeds."""
+
+    def __init__(self, js: Any, replay_buffer: int, metrics: Any = None) -> None:
+        self.js = js
+        self.replay_buffer = replay_buffer
+        self.metrics = metrics
+        self.subs: set[Subscription] = set()
+        self.position = 0  # stream sequence of the last live event seen
+        self.listeners: list[Callable[[Item], None]] = []
+        self._sub: Any = None
+
+    async def start(self) -> None:
+        info = await self.js.stream_info(S.AEP_EVENTS)
+        self.position = info.state.last_seq
+        cfg = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=self.position + 1)
+        self._sub = await self.js.subscribe(STREAM_FILTER, stream=S.AEP_EVENTS, ordered_consumer=True, config=cfg,
+                                            cb=self._on_msg, pending_msgs_limit=-1, pending_bytes_limit=-1)
+
+    async def stop(self) -> None:
+        if self._sub is not None:
+            try:
+                await self._sub.unsubscribe()
+            except Exception:  # noqa: BLE001 - a closed connection: nothing left to stop
+                pass
+
+    async def _on_msg(self, msg: Any) -> None:
+        item = make_item(msg)
+        if item is None:
+            return
+        self.position = item.seq
+        for listener in self.listeners:
+            listener(item)
+        for sub in tuple(self.subs):
+            sub.offer(item)
+
+    def add(self, sub: Subscription) -> None:
+        self.subs.add(sub)
+
+    def remove(self, sub: Subscription) -> None:
+        sub.closed = True
+        self.subs.discard(sub)
+
+    async def window(self) -> tuple[int, int, int]:
+        """(first sequence the relay replays, last sequence, stream's first sequence)."""
+        info = await self.js.stream_info(S.AEP_EVENTS)
+        first, last = info.state.first_seq, info.state.last_seq
+        return max(first, last - self.replay_buffer + 1, 1), last, first
+
+    async def replay(self, sub: Subscription, start: str | list[tuple[str, int, int]] | None,
+                     on_exhausted: Callable[[Exhausted], None]) -> None:
+        """Replay into ``sub`` (already registered, ``replaying``) then hand it to live."""
+
+        covered_all = start == "all"
+        covered: set[str] = set()
+        last = 0
+        try:
+            if start:
+                begin, last, _first = await self.window()
+                if covered_all:
+                    await self._read(STREAM_FILTER, begin, last, lambda it: sub._put(it))
+                else:
+                    for session, epoch, seq in start:  # type: ignore[union-attr]
+                        covered.add(session)
+                        state = {"first": True}
+
+                        def take(it: Item, session: str = session, after: tuple[int, int] = (epoch, seq),
+                                 state: dict = state) -> None:
+                            if it.session != session:
+                                return
+                            pos = it.position
+                            if state["first"]:
+                                state["first"] = False
+                                if pos is not None and begin > 1 and pos > (after[0], after[1] + 1):
+                                    on_exhausted(Exhausted(session, pos[0], pos[1]))
+                            if pos is None or pos > after:
+                                sub._put(it)
+
+                        try:
+                            # the unknown lane is filed under `_unknown` (session "unknown", lane
+                            # "unknown"), a real session named so under `unknown`: read the window
+                            subject = STREAM_FILTER if session == UNKNOWN else session_filter(lane_token(session))
+                        except ValueError:
+                            subject = STREAM_FILTER
+                        await self._read(subject, begin, last, take)
+        finally:
+            sub.replaying = False
+            for it in sub.pending:
+                if it.seq > last or (not covered_all and it.session not in covered):
+                    sub._put(it)
+            sub.pending.clear()
+
+    async def _read(self, subject: str, begin: int, last: int, take: Callable[[Item], None]) -> None:
+        if last < begin:
+            return
+        cfg = ConsumerConfig(ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
+                             opt_start_seq=begin, inactive_threshold=30.0, max_ack_pending=-1)
+        psub = await self.js.pull_subscribe(subject, durable=None, stream=S.AEP_EVENTS, config=cfg)
+        try:
+            info = await psub.consumer_info()
+            remaining = info.num_pending
+            while remaining > 0:
+                try:
+                    msgs = await psub.fetch(min(remaining, 512), timeout=5.0)
+                except asyncio.TimeoutError:
+                    return
+                for msg in msgs:
+                    remaining -= 1
+                    item = make_item(msg)
+                    if item is None:
+                        continue
+                    if item.seq > last:
+                        return
+                    take(item)
+                await asyncio.sleep(0)
+        finally:
+            try:
+                await psub.unsubscribe()
+            except Exception:  # noqa: BLE001
+                pass
+
+
+def make_item(msg: Any) -> Item | None:
+    try:
+        seq = msg.metadata.sequence.stream
+        event = _decode(msg.data)
+    except Exception:  # noqa: BLE001 - not an AEP event: nothing to relay
+        return None
+    if not isinstance(event, dict):
+        return None
+    return Item(seq, bytes(msg.data), event)

@@ -1,0 +1,92 @@
+"""POST /events (AEP-0003 §3.2): events from other AEP emitters, checked and stored on
+AEP_EVENTS under ``aep.ingest.<lane token>.<type>`` (never ``aep.hermes.>``, which only the
+bridge's own pipeline writes).
+
+* ``AEP-Version`` is required; a missing or unsupported major version answers 426 with the
+  versions served. ``Content-Type``: ``application/json`` (one event) or
+  ``application/x-ndjson`` (a batch, order kept); anything else 415. Over the body limit: 413.
+* Every event is checked against the AEP 0.1 envelope (the bridge's own struct,
+  ``bridge.core.aep.Event``, and the AEP-0001 §5.2 requiredness rules); one bad line rejects
+  the whole batch with 400 ``invalid-event`` and the index of the first failing line, and
+  nothing of that batch is stored.
+* Dedupe: the JetStream message id is a digest of ``(source, id)`` (AEP-0001 §7.4), so a
+  retry inside the stream's duplicate window (120 s) is absorbed; 202 reports how many
+  events were new and how many duplicates.
+* The stored bytes are the posted line itself (byte identity across POST, SSE and WS), unless
+  it spans lines (pretty-printed JSON), which is re-encoded compactly so SSE ``data:`` and
+  JSONL keep one event per line.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from typing import Any
+
+import msgspec
+
+from bridge.core.aep import Event
+from bridge.core.lanes import lane_token
+
+_decode_event = msgspec.json.Decoder(Event).decode
+_decode = msgspec.json.Decoder().decode
+_encode = msgspec.json.Encoder().encode
+
+_COMMAND = re.compile(r"^(control\.attention\.respond|control\.cancel|control\.pause|control\.resume"
+                      r"|x\.[a-z0-9_-]+\.control\..+|attention\.routed)$")
+
+
+class InvalidEvent(ValueError):
+    def __init__(self, line: int, detail: str) -> None:
+        super().__init__(detail)
+        self.line = line
+        self.detail = detail
+
+
+def envelope_problem(event: dict[str, Any]) -> str | None:
+    """What AEP-0001 §5.2 requires beyond the struct: agent.* events carry no
+    session/run/step/seq; commands and attention.routed carry session and no seq; every
+    other event carries session and seq."""
+    etype = event["type"]
+    if etype.startswith("agent."):
+        extra = [k for k in ("session", "run", "step", "seq") if k in event]
+        return f"agent.* events carry no {', '.join(extra)}" if extra else None
+    if _COMMAND.match(etype):
+        if "session" not in event:
+            return f"{etype} needs session"
+        return f"{etype} carries no seq" if "seq" in event else None
+    missing = [k for k in ("session", "seq") if k not in event]
+    return f"missing {', '.join(missing)}" if missing else None
+
+
+def check_lines(lines: list[bytes]) -> list[tuple[bytes, dict[str, Any]]]:
+    """The events to store, as (bytes, event); InvalidEvent at the first bad one."""
+    out = []
+    for i, line in enumerate(lines):
+        try:
+            _decode_event(line)
+            event = _decode(line)
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            raise InvalidEvent(i, str(exc)) from None
+        problem = envelope_problem(event)
+        if problem:
+            raise InvalidEvent(i, problem)
+        if b"\n" in line or b"\r" in line:
+            line = _encode(event)
+        out.append((line, event))
+    return out
+
+
+def split_body(body: bytes, ndjson: bool) -> list[bytes]:
+    if not ndjson:
+        return [body.strip()]
+    return [ln.strip() for ln in body.split(b"\n") if ln.strip()]
+
+
+def msg_id(event: dict[str, Any]) -> str:
+    return hashlib.sha256(f"{event['source']}\x00{event['id']}".encode()).hexdigest()[:32]
+
+
+def lane_of(event: dict[str, Any]) -> str:
+    session = event.get("session")
+    return lane_token(session) if isinstance(session, str) and session else "_agent"

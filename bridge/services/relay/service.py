@@ -1,0 +1,695 @@
+"""The relay's HTTP surface (aiohttp): discovery, /healthz, /metrics, SSE /stream,
+WebSocket /socket. Bindings and frames per AEP-0003; the fan-out is ``hub.Hub``.
+
+Logging: aiohttp's access log is off (its line carries the query string, where an
+EventSource client's ``access_token`` travels); the relay logs method, path and status
+only, and never a header or a query string.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import ssl
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import unquote
+
+import msgspec
+import structlog
+from aiohttp import WSMsgType, web
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+
+from bridge.config import Settings
+from bridge.core.control import HELLO_SUBJECT
+from bridge.core.lanes import lane_token
+from bridge.nats import streams as S
+from bridge.nats.streams import CONTROL_BUCKET
+from bridge.nats.subjects import command_subject, events_filter, ingest_subject
+from bridge.services.relay import ingest
+from bridge.core.attrmatch import InvalidFilter, compile_filter
+from bridge.core.capture import LEVELS, level_rank
+from bridge.nats.connection import connect_service
+from bridge.services.relay.config import Principal, RelayConfig
+from bridge.services.relay.hub import Exhausted, Hub, Item, RefusedFrom, Subscription, parse_from, parse_last_event_id
+
+log = structlog.get_logger("relay")
+
+VERSIONS = ["0.1"]
+MAX_SUBS_PER_CONNECTION = 64
+MAX_FROM_POSITIONS = 256
+CONTROL_TYPES = ("control.attention.respond", "x.hermes.control.instruct")
+ACK_TYPES = frozenset(("control.accepted", "control.rejected"))
+_encode = msgspec.json.Encoder().encode
+_decode = msgspec.json.Decoder().decode
+
+
+@dataclass
+class Pending:
+    """A command published for the gate, waiting for its ack."""
+
+    session: str
+    senders: list[tuple[Any, int, dict]]  # (send, the sender's capture ceiling, its subscriptions)
+    deadline: float
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.connections = Gauge("aep_bridge_relay_connections", "open SSE and WebSocket connections", ["binding"], registry=r)
+        self.subscriptions = Gauge("aep_bridge_relay_subscriptions", "live subscriptions (an SSE stream is one)", registry=r)
+        self.delivered = Counter("aep_bridge_relay_delivered_events_total", "events delivered", ["binding"], registry=r)
+        self.bytes = Counter("aep_bridge_relay_delivered_bytes_total", "bytes of events delivered", ["binding"], registry=r)
+        self.drops = Counter("aep_bridge_relay_dropped_events_total", "debug/info events dropped toward slow consumers", registry=r)
+        self.disconnects = Counter("aep_bridge_relay_backpressure_disconnects_total",
+                                   "subscriptions ended because a notice-or-above event found the queue full", registry=r)
+        self.refusals = Counter("aep_bridge_relay_refusals_total", "requests and frames refused", ["code"], registry=r)
+        self.exhausted = Counter("aep_bridge_relay_replay_exhausted_total", "resume positions older than the replay buffer", registry=r)
+        self.ingested = Counter("aep_bridge_relay_ingested_events_total", "events posted by emitters and stored (new)", registry=r)
+        self.commands = Counter("aep_bridge_relay_commands_total", "control commands routed to the gate", registry=r)
+        self.resumes = Counter("aep_bridge_relay_resumes_total", "subscriptions that resumed (from, Last-Event-ID)", ["kind"], registry=r)
+
+
+def instance_of(source: str) -> str:
+    """The instance in a bridge event's source (``aep://<instance>/...``), else ""."""
+    if source.startswith("aep://"):
+        return source[6:].split("/", 1)[0]
+    return ""
+
+
+def bearer(request: web.Request) -> str | None:
+    auth = request.headers.get("Authorization", "")
+    if auth[:7].lower() == "bearer ":
+        return auth[7:].strip()
+    return request.query.get("access_token")
+
+
+class Relay:
+    """One relay process: the hub, the aiohttp application, the counters."""
+
+    def __init__(self, cfg: RelayConfig, js: Any = None, nc: Any = None, instance: str = "") -> None:
+        self.cfg = cfg
+        self.js = js
+        self.nc = nc
+        self.instance = instance
+        self.metrics = Metrics()
+        self.hub = Hub(js, cfg.replay_buffer, self.metrics)
+        self.sockets: set[web.WebSocketResponse] = set()
+        self.socket_subs: dict[web.WebSocketResponse, dict[str, Subscription]] = {}
+        self.stopping = asyncio.Event()
+        self.pending: dict[tuple[str, str], Pending] = {}
+        self.pending_by_cid: dict[str, list[tuple[str, str]]] = {}
+        self._hello: tuple[float, dict[str, Any] | None] | None = None
+        self.hub.listeners.append(self._on_item)
+        self.app = web.Application(client_max_size=cfg.max_body, middlewares=[self._logged])
+        self.app.router.add_get("/healthz", self.healthz)
+        self.app.router.add_get("/readyz", self.readyz)
+        self.app.router.add_get("/metrics", self.metrics_page)
+        self.app.router.add_get("/events", self.discovery)
+        self.app.router.add_post("/events", self.ingest)
+        self.app.router.add_get("/.well-known/aep", self.discovery)
+        self.app.router.add_get("/stream", self.stream)
+        self.app.router.add_get("/socket", self.socket)
+        self.app.on_shutdown.append(self._on_shutdown)
+
+    # ------------------------------------------------------------ plumbing
+
+    @web.middleware
+    async def _logged(self, request: web.Request, handler: Any) -> Any:
+        try:
+            resp = await handler(request)
+        except web.HTTPException as exc:
+            log.info("http", method=request.method, path=request.path, status=exc.status)
+            raise
+        if request.path not in ("/healthz", "/readyz", "/metrics"):
+            log.info("http", method=request.method, path=request.path, status=getattr(resp, "status", 0))
+        return resp
+
+    async def accepts(self) -> list[str]:
+        """What this relay routes: the gate's declared accepts (none without a gate)."""
+        hello = await self.gate_hello()
+        control = ((hello or {}).get("capabilities") or {}).get("control") or {}
+        return [t for t in control.get("accepts") or [] if t in CONTROL_TYPES]
+
+    def capabilities(self, accepts: list[str]) -> dict[str, Any]:
+        return {
+            "filters": ["attr-match"],
+            "replay": {"buffer": self.cfg.replay_buffer, "all": True},
+            "capture": list(LEVELS),
+            "control": {"accepts": accepts},
+            "roster": {},
+            "experimental": {"x-aep-bridge": {"replay_buffer": "global count: the last N events of AEP_EVENTS"}},
+        }
+
+    def refuse(self, status: int, code: str, detail: str, **extra: Any) -> web.Response:
+        self.metrics.refusals.labels(code).inc()
+        headers = {"WWW-Authenticate": 'Bearer realm="aep"'} if status == 401 else None
+        return web.json_response({"error": code, "detail": detail, **extra}, status=status, headers=headers)
+
+    def principal(self, request: web.Request) -> Principal | None:
+        return self.cfg.authenticate(bearer(request))
+
+    # ------------------------------------------------------------ plain endpoints
+
+    async def healthz(self, request: web.Request) -> web.Response:
+        ok = self.nc is None or not self.nc.is_closed
+        return web.json_response({"status": "ok" if ok else "nats closed", "position": self.hub.position}, status=200 if ok else 503)
+
+    async def readyz(self, request: web.Request) -> web.Response:
+        """Ready: connected to NATS and the hub consuming AEP_EVENTS."""
+        ok = self.nc is not None and self.nc.is_connected and self.hub._sub is not None
+        return web.json_response({"ready": ok}, status=200 if ok else 503)
+
+    async def metrics_page(self, request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(self.metrics.registry), content_type="text/plain", charset="utf-8")
+
+    async def discovery(self, request: web.Request) -> web.Response:
+        return web.json_response({
+            "aep": VERSIONS,
+            "role": "collector",
+            "endpoints": {"events": "/events", "stream": "/stream", "socket": "/socket"},
+            "capabilities": self.capabilities(await self.accepts()),
+        })
+
+    # ------------------------------------------------------------ POST /events
+
+    async def ingest(self, request: web.Request) -> web.Response:
+        who = self.principal(request)
+        if who is None:
+            return self.refuse(401, "unauthorized", "posting events needs an emitter token")
+        if not who.may_emit:
+            return self.refuse(403, "unauthorized", f"role {who.role} may not emit")
+        version = request.headers.get("AEP-Version", "")
+        if version.split(".")[0] != "0" or version not in VERSIONS:
+            self.metrics.refusals.labels("version").inc()
+            return web.json_response({"versions": VERSIONS}, status=426)
+        ctype = request.content_type
+        if ctype not in ("application/json", "application/x-ndjson"):
+            return self.refuse(415, "unsupported-media-type", "application/json or application/x-ndjson")
+        try:
+            body = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            return self.refuse(413, "too-large", f"at most {self.cfg.max_body} bytes per request")
+        try:
+            checked = ingest.check_lines(ingest.split_body(body, ctype == "application/x-ndjson"))
+        except ingest.InvalidEvent as exc:
+            self.metrics.refusals.labels("invalid-event").inc()
+            return web.json_response({"error": "invalid-event", "detail": exc.detail, "line": exc.line}, status=400)
+        if not checked:
+            return self.refuse(400, "invalid-event", "no event in the body")
+        new = dup = 0
+        for raw, event in checked:
+            ack = await self.js.publish(ingest_subject(ingest.lane_of(event), event["type"]), raw,
+                                        headers={"Nats-Msg-Id": ingest.msg_id(event)})
+            if ack.duplicate:
+                dup += 1
+            else:
+                new += 1
+        self.metrics.ingested.inc(new)
+        return web.json_response({"accepted": new, "duplicates": dup}, status=202)
+
+    # ------------------------------------------------------------ SSE
+
+    async def stream(self, request: web.Request) -> web.StreamResponse:
+        who = self.principal(request)
+        if who is None:
+            return self.refuse(401, "unauthorized", "a bearer token is required")
+        if not who.may_consume:
+            return self.refuse(403, "unauthorized", f"role {who.role} may not consume")
+        q = request.query
+        try:
+            flt = compile_filter(json.loads(q["filter"]) if "filter" in q else {})
+            ceiling = who.max_capture
+            if "capture" in q:
+                ceiling = min(ceiling, level_rank(q["capture"]))
+            start: Any = None
+            if "from" in q:
+                start = "all" if q["from"] == "all" else parse_from(json.loads(q["from"]))
+            elif request.headers.get("Last-Event-ID"):
+                pos = parse_last_event_id(request.headers["Last-Event-ID"])
+                if pos is None:
+                    raise RefusedFrom("Last-Event-ID is {session}:{epoch}:{seq}")
+                start = [pos]
+        except (InvalidFilter, RefusedFrom, ValueError) as exc:
+            return self.refuse(400, "invalid-filter", str(exc))
+        if isinstance(start, list) and len(start) > MAX_FROM_POSITIONS:
+            return self.refuse(400, "limit-exceeded", f"at most {MAX_FROM_POSITIONS} from positions")
+        live = q.get("live", "1") != "0"
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                           "X-Accel-Buffering": "no"})
+        await resp.prepare(request)
+        sub = Subscription(flt, ceiling, self.cfg.queue, on_drop=self.metrics.drops.inc)
+
+        def exhausted(ex: Exhausted) -> None:
+            self.metrics.exhausted.inc()
+            sub.queue.append(f": replay-exhausted {ex.session} {ex.epoch}:{ex.seq}\n\n".encode())
+
+        if start:
+            sub.replaying = True
+            self.metrics.resumes.labels("all" if start == "all" else "position").inc()
+        self.hub.add(sub)
+        self.metrics.connections.labels("sse").inc()
+        self.metrics.subscriptions.inc()
+        replay = asyncio.create_task(self._replay(sub, start, exhausted)) if start else None
+        sent = delivered = 0
+        try:
+            await resp.write(b": aep-bridge relay\n\n")
+            while not self.stopping.is_set():
+                if sub.overflowed:
+                    self.metrics.disconnects.inc()
+                    break
+                items = sub.take()
+                if items:
+                    chunks = []
+                    for it in items:
+                        if isinstance(it, Item):
+                            chunks.append(it.sse(ceiling))
+                            sub.mark(it)
+                            delivered += 1
+                        else:
+                            chunks.append(it)
+                    body = b"".join(chunks)
+                    await resp.write(body)
+                    sent += len(body)
+                    continue
+                if not live and (replay is None or replay.done()) and not sub.queue:
+                    await resp.write(b": replay-complete\n\n")  # live=0: the replay is over
+                    break
+                try:
+                    await asyncio.wait_for(sub.wake.wait(), self.cfg.heartbeat_s)
+                except asyncio.TimeoutError:
+                    await resp.write(b": ping\n\n")
+        except (ConnectionResetError, ConnectionError, asyncio.CancelledError):
+            pass
+        finally:
+            self.hub.remove(sub)
+            if replay is not None and not replay.done():
+                replay.cancel()
+            self.metrics.connections.labels("sse").dec()
+            self.metrics.subscriptions.dec()
+            self.metrics.delivered.labels("sse").inc(delivered)
+            self.metrics.bytes.labels("sse").inc(sent)
+        return resp
+
+    async def _replay(self, sub: Subscription, start: Any, exhausted: Any) -> None:
+        try:
+            await self.hub.replay(sub, start, exhausted)
+        except Exception as exc:  # noqa: BLE001 - a replay that failed ends the subscription, resumable
+            log.warning("replay failed", error=str(exc))
+            sub.overflowed = True
+        finally:
+            sub.wake.set()
+
+    # ------------------------------------------------------------ WebSocket
+
+    async def socket(self, request: web.Request) -> web.StreamResponse:
+        who = self.principal(request)
+        if who is None:
+            return self.refuse(401, "unauthorized", "a bearer token is required")
+        ws = web.WebSocketResponse(max_msg_size=1 << 20, autoping=True)
+        await ws.prepare(request)
+        self.sockets.add(ws)
+        subs: dict[str, Subscription] = {}
+        self.socket_subs[ws] = subs
+        tasks: dict[str, asyncio.Task] = {}
+        lock = asyncio.Lock()
+        self.metrics.connections.labels("ws").inc()
+        role = None
+
+        async def send(obj: Any) -> None:
+            async with lock:
+                await ws.send_frame(obj if isinstance(obj, bytes) else _encode(obj), WSMsgType.TEXT)
+
+        try:
+            async for msg in ws:
+                if msg.type == WSMsgType.BINARY:
+                    await send({"type": "error", "code": "invalid-frame", "detail": "binary frames are reserved in 0.1"})
+                    await ws.close(code=1003)
+                    break
+                if msg.type != WSMsgType.TEXT:
+                    continue
+                try:
+                    frame = _decode(msg.data)
+                except msgspec.DecodeError:
+                    frame = None
+                if not isinstance(frame, dict) or not isinstance(frame.get("type"), str):
+                    if role is None:
+                        await send({"type": "error", "code": "hello-required", "detail": "the first frame is hello"})
+                        await ws.close()
+                        break
+                    await send({"type": "error", "code": "invalid-frame", "detail": "a frame is a JSON object with a string type"})
+                    continue
+                ftype = frame["type"]
+                if role is None:
+                    if ftype != "hello":
+                        self.metrics.refusals.labels("hello-required").inc()
+                        await send({"type": "error", "code": "hello-required", "detail": "the first frame is hello"})
+                        await ws.close()
+                        break
+                    versions = frame.get("versions")
+                    chosen = next((v for v in versions if v in VERSIONS), None) if isinstance(versions, list) else None
+                    if chosen is None:
+                        self.metrics.refusals.labels("version-unsupported").inc()
+                        await send({"type": "error", "code": "version-unsupported", "versions": VERSIONS})
+                        await ws.close()
+                        break
+                    role = frame.get("role") if frame.get("role") in ("emitter", "consumer", "both") else "consumer"
+                    await send({"type": "hello", "versions": [chosen], "role": "both",
+                                "identity": {"agent": "aep-bridge-relay", "instance": self.instance or "relay"},
+                                "capabilities": self.capabilities(await self.accepts())})
+                    continue
+                if ftype == "subscribe":
+                    await self._subscribe(frame, who, role, subs, tasks, send, ws)
+                elif ftype == "unsubscribe":
+                    sid = frame.get("id")
+                    sub = subs.pop(sid, None) if isinstance(sid, str) else None
+                    if sub is not None:
+                        self.hub.remove(sub)
+                        self.metrics.subscriptions.dec()
+                        task = tasks.pop(sid, None)
+                        if task:
+                            task.cancel()
+                    await send({"type": "unsubscribed", "id": sid})
+                elif ftype == "roster":
+                    await self._roster(frame, who, role, send)
+                elif ftype == "ping":
+                    await send({"type": "pong", **({"t": frame["t"]} if "t" in frame else {})})
+                elif ftype == "closing":
+                    await ws.close()
+                    break
+                elif "." in ftype:
+                    await self._event_in(msg.data.encode("utf-8") if isinstance(msg.data, str) else msg.data, frame, who,
+                                         send, subs)
+                # any other frame type (and hello again, pong, roster...) is ignored: forward compatibility
+        except (ConnectionResetError, ConnectionError):
+            pass
+        finally:
+            for sid, sub in subs.items():
+                self.hub.remove(sub)
+                self.metrics.subscriptions.dec()
+            for task in tasks.values():
+                task.cancel()
+            self.sockets.discard(ws)
+            self.socket_subs.pop(ws, None)
+            self.metrics.connections.labels("ws").dec()
+        return ws
+
+    async def _subscribe(self, frame: dict[str, Any], who: Principal, role: str, subs: dict[str, Subscription],
+                         tasks: dict[str, asyncio.Task], send: Any, ws: web.WebSocketResponse) -> None:
+        sid = frame.get("id")
+
+        async def refuse(code: str, detail: str) -> None:
+            self.metrics.refusals.labels(code).inc()
+            await send({"type": "error", "id": sid, "code": code, "detail": detail})
+
+        if not isinstance(sid, str) or not sid:
+            return await refuse("invalid-filter", "subscribe needs a string id")
+        if not who.may_consume or role == "emitter":
+            return await refuse("unauthorized", "this connection may not subscribe")
+        if sid in subs:
+            return await refuse("invalid-filter", f"subscription {sid!r} exists")
+        if len(subs) >= MAX_SUBS_PER_CONNECTION:
+            return await refuse("limit-exceeded", f"at most {MAX_SUBS_PER_CONNECTION} subscriptions per connection")
+        try:
+            flt = compile_filter(frame.get("filter", {}))
+            ceiling = who.max_capture
+            if "capture" in frame:
+                if not isinstance(frame["capture"], str):
+                    raise ValueError("capture is a level name")
+                ceiling = min(ceiling, level_rank(frame["capture"]))
+            start = parse_from(frame["from"]) if "from" in frame and frame["from"] is not None else None
+        except (InvalidFilter, RefusedFrom, ValueError) as exc:
+            return await refuse("invalid-filter", str(exc))
+        if isinstance(start, list) and len(start) > MAX_FROM_POSITIONS:
+            return await refuse("limit-exceeded", f"at most {MAX_FROM_POSITIONS} from positions")
+        sub = Subscription(flt, ceiling, self.cfg.queue, sub_id=sid, on_drop=self.metrics.drops.inc)
+
+        def exhausted(ex: Exhausted) -> None:
+            self.metrics.exhausted.inc()
+            sub.queue.append({"type": "replay-exhausted", "sub": sid, "session": ex.session,
+                              "earliest": {"epoch": ex.epoch, "seq": ex.seq}})
+
+        if start:
+            sub.replaying = True
+            self.metrics.resumes.labels("all" if start == "all" else "position").inc()
+        subs[sid] = sub
+        self.hub.add(sub)
+        self.metrics.subscriptions.inc()
+        await send({"type": "subscribed", "id": sid})
+        tasks[sid] = asyncio.create_task(self._pump(sub, start, exhausted, send, ws, subs))
+
+    async def _pump(self, sub: Subscription, start: Any, exhausted: Any, send: Any, ws: web.WebSocketResponse,
+                    subs: dict[str, Subscription]) -> None:
+        replay = asyncio.create_task(self._replay(sub, start, exhausted)) if start else None
+        delivered = sent = 0
+        try:
+            while not ws.closed:
+                if sub.overflowed:
+                    self.metrics.disconnects.inc()
+                    await self._close_socket(ws, "backpressure")
+                    return
+                items = sub.take()
+                if not items:
+                    await sub.wake.wait()
+                    continue
+                for it in items:
+                    if isinstance(it, Item):
+                        data = it.data(sub.ceiling)
+                        await send(data)
+                        sub.mark(it)
+                        delivered += 1
+                        sent += len(data)
+                    else:
+                        await send(it)
+        except (ConnectionResetError, ConnectionError, asyncio.CancelledError):
+            pass
+        finally:
+            if replay is not None and not replay.done():
+                replay.cancel()
+            self.metrics.delivered.labels("ws").inc(delivered)
+            self.metrics.bytes.labels("ws").inc(sent)
+
+    async def _close_socket(self, ws: web.WebSocketResponse, reason: str) -> None:
+        subs = self.socket_subs.get(ws, {})
+        delivered = [{"sub": sid, "session": session, "epoch": pos[0], "seq": pos[1]}
+                     for sid, sub in subs.items() for session, pos in sub.delivered.items()]
+        try:
+            await ws.send_frame(_encode({"type": "closing", "reason": reason, "delivered": delivered}), WSMsgType.TEXT)
+            await ws.close()
+        except (ConnectionResetError, ConnectionError, RuntimeError):
+            pass
+
+    async def _event_in(self, raw: bytes, frame: dict[str, Any], who: Principal, send: Any,
+                        subs: dict[str, Subscription]) -> None:
+        """An Event sent to the relay: only control commands (AEP-0004), only from operator
+        tokens (authentication unconditionally). The relay's refusals are `error` frames with
+        ``cause`` = the command's id, never Events: they enter no session's history. A
+        command that passes is published byte-identically to AEP_EVENTS, where the gate takes
+        it (and where it stays, in the session's history); the gate's control.accepted /
+        control.rejected comes back to the sender through the hub."""
+        cid = frame.get("id")
+
+        async def refuse(code: str, detail: str) -> None:
+            self.metrics.refusals.labels(code).inc()
+            await send({"type": "error", "cause": cid, "code": code, "detail": detail})
+
+        if not who.may_control:
+            return await refuse("unauthorized", "control needs an operator token")
+        ctype = frame["type"]
+        session = frame.get("session")
+        if not isinstance(cid, str) or not cid or not isinstance(frame.get("source"), str):
+            return await refuse("unsupported", "a command is an AEP event with a string id and source")
+        if not isinstance(session, str) or not session or not await self.claimed(session):
+            return await refuse("no-route", "no Hermes session of this fleet has that name")
+        hello = await self.gate_hello()
+        if hello is None:
+            return await refuse("no-route", "no gate answers: no Hermes session takes commands through this relay")
+        if ctype not in CONTROL_TYPES:
+            return await refuse("unsupported", f"this relay routes only {', '.join(CONTROL_TYPES)}")
+        accepts = ((hello.get("capabilities") or {}).get("control") or {}).get("accepts") or []
+        if ctype not in accepts:
+            return await refuse("unsupported", f"the gate accepts {accepts}")
+        key = (frame["source"], cid)
+        waiting = self.pending.get(key)
+        if waiting is not None:  # a retry while the decision is pending: the one ack answers it
+            if all(send is not other for other, _, _ in waiting.senders):
+                waiting.senders.append((send, who.max_capture, subs))
+            return
+        window = ((hello.get("capabilities") or {}).get("control") or {}).get("ack_window_ms") or 10000
+        entry = Pending(session, [(send, who.max_capture, subs)], asyncio.get_running_loop().time() + window / 1000 + 5)
+        self.pending[key] = entry
+        self.pending_by_cid.setdefault(cid, []).append(key)
+        try:
+            await self.js.publish(command_subject(lane_token(session), ctype), raw)
+        except Exception as exc:  # noqa: BLE001 - NATS away: the sender's window runs out (timeout)
+            log.warning("command not published", error=type(exc).__name__)
+            self._forget(key)
+            return await refuse("no-route", "the relay could not reach the event store")
+        self.metrics.commands.inc()
+
+    def _forget(self, key: tuple[str, str]) -> None:
+        self.pending.pop(key, None)
+        keys = self.pending_by_cid.get(key[1], [])
+        if key in keys:
+            keys.remove(key)
+        if not keys:
+            self.pending_by_cid.pop(key[1], None)
+
+    def _on_item(self, item: Item) -> None:
+        """Hub listener: a gate ack for a pending command goes to its sender(s), once."""
+        etype = item.event.get("type")
+        if etype not in ACK_TYPES:
+            return
+        cause = item.event.get("cause")
+        for key in list(self.pending_by_cid.get(cause, ()) if isinstance(cause, str) else ()):
+            entry = self.pending.get(key)
+            if entry is None or entry.session != item.event.get("session"):
+                continue
+            self._forget(key)
+            for send, ceiling, subs in entry.senders:
+                if any(sub.filter.matches(item.event) for sub in subs.values()):
+                    continue  # a subscription of the sender's delivers it: once, not twice
+                asyncio.ensure_future(self._deliver_ack(send, item.data(ceiling)))
+
+    async def _deliver_ack(self, send: Any, data: bytes) -> None:
+        try:
+            await send(data)
+        except (ConnectionResetError, ConnectionError, RuntimeError):
+            pass
+
+    async def _roster(self, frame: dict[str, Any], who: Principal, role: str, send: Any) -> None:
+        """AEP-0003 §4.1: the live claims this relay can route to, a snapshot. A claim is a
+        Hermes session a shim holds right now (an open card of the gate: a pre_tool_call
+        waiting for an answer), with the gate's declared control block verbatim."""
+        rid = frame.get("id")
+        if rid is None:
+            return  # a roster request carries an id; without one there is nothing to answer
+        if not who.may_consume or role == "emitter":
+            self.metrics.refusals.labels("unauthorized").inc()
+            await send({"type": "error", "id": rid, "code": "unauthorized", "detail": "roster is watch-class"})
+            return
+        hello = await self.gate_hello()
+        entries: list[dict[str, Any]] = []
+        if hello is not None:
+            control = (hello.get("capabilities") or {}).get("control")
+            seen: set[tuple[str, str]] = set()
+            for card in await self.open_cards():
+                session, source = card.get("session"), str(card.get("source") or "")
+                if not isinstance(session, str) or (session, source) in seen:
+                    continue
+                seen.add((session, source))
+                entry: dict[str, Any] = {"session": session, "agent": "hermes"}
+                instance = instance_of(source)
+                if instance:
+                    entry["instance"] = instance
+                if isinstance(control, dict):
+                    entry["control"] = control
+                entries.append(entry)
+        await send({"type": "roster", "id": rid, "entries": entries})
+
+    async def open_cards(self) -> list[dict[str, Any]]:
+        try:
+            kv = await self.js.key_value(CONTROL_BUCKET.bucket)
+            watcher = await kv.watch("card.*", ignore_deletes=True)
+        except Exception:  # noqa: BLE001 - no control bucket (no gate ever ran): nothing held
+            return []
+        out = []
+        try:
+            async for entry in watcher:
+                if entry is None:
+                    break
+                try:
+                    card = _decode(entry.value)
+                except msgspec.DecodeError:
+                    continue
+                if isinstance(card, dict) and card.get("state") == "open":
+                    out.append(card)
+        finally:
+            try:
+                await watcher.stop()
+            except Exception:  # noqa: BLE001
+                pass
+        return out
+
+    async def claimed(self, session: str) -> bool:
+        """Whether ``session`` is one of the fleet's Hermes sessions (its events are on
+        AEP_EVENTS under aep.hermes.<lane>.>): the only sessions the gate can act on. A
+        session known only from posted events (aep.ingest.>) has no claimant here."""
+        try:
+            info = await self.js.stream_info(S.AEP_EVENTS, subjects_filter=events_filter(lane_token(session)))
+        except Exception:  # noqa: BLE001 - an unusable name or NATS away: no route
+            return False
+        return bool(info.state.subjects)
+
+    async def gate_hello(self) -> dict[str, Any] | None:
+        now = asyncio.get_running_loop().time()
+        if self._hello is not None and now - self._hello[0] < 5.0:
+            return self._hello[1]
+        doc = None
+        if self.nc is not None:
+            try:
+                doc = _decode((await self.nc.request(HELLO_SUBJECT, b"", timeout=1.0)).data)
+            except Exception:  # noqa: BLE001 - no gate (no responders, timeout): no route
+                doc = None
+        self._hello = (now, doc if isinstance(doc, dict) else None)
+        return self._hello[1]
+
+    async def _expire(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            now = asyncio.get_running_loop().time()
+            for key, entry in list(self.pending.items()):
+                if entry.deadline < now:
+                    self._forget(key)
+
+    async def _on_shutdown(self, app: web.Application) -> None:
+        self.stopping.set()
+        for ws in list(self.sockets):
+            await self._close_socket(ws, "shutdown")
+
+    # ------------------------------------------------------------ life
+
+    async def start(self) -> web.AppRunner:
+        if self.js is not None:
+            await self.hub.start()
+        self._expirer = asyncio.ensure_future(self._expire())
+        runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
+        await runner.setup()
+        ctx = None
+        if self.cfg.tls_cert:
+            ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            ctx.load_cert_chain(self.cfg.tls_cert, self.cfg.tls_key)
+        site = web.TCPSite(runner, self.cfg.host, self.cfg.port, ssl_context=ctx, shutdown_timeout=2.0)
+        await site.start()
+        if self.cfg.port == 0:  # an ephemeral port (tests): the one bound
+            self.cfg.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        return runner
+
+
+async def run_relay(settings: Settings, cfg: RelayConfig) -> int:
+    nc = await connect_service(settings, name=f"aep-bridge-relay-{settings.instance}", role="relay")
+    js = nc.jetstream()
+    relay = Relay(cfg, js, nc, settings.instance)
+    runner = await relay.start()
+    log.info("relay listening", url=cfg.url, auth="tokens" if cfg.auth_required else "none (loopback)",
+             replay_buffer=cfg.replay_buffer)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    async def watch() -> None:
+        while not nc.is_closed:
+            await asyncio.sleep(1.0)
+        stop.set()
+
+    watcher = asyncio.create_task(watch())
+    await stop.wait()
+    watcher.cancel()
+    await relay.hub.stop()
+    await runner.cleanup()
+    closed = nc.is_closed
+    if not closed:
+        await nc.close()
+    return 1 if closed else 0

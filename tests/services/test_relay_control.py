@@ -1,0 +1,192 @@
+"""Control through the relay (AEP-0004 on the AEP-0003 WebSocket), end to end as processes: a
+real nats-server, the gate, mapper and pairing, the real shim holding a pre_tool_call the way
+Hermes runs it, and the relay. An operator's `control.attention.respond` goes relay -> gate ->
+shim; the gate's ack comes back to the sender once; the relay's own refusals are `error`
+frames with `cause` that never enter the session's history."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from typing import Any, Iterator
+
+import aiohttp
+import pytest
+
+from bridge.commands.control import build_command
+from bridge.core import control as C
+from bridge.core.aep import encode_event
+from tests.services.test_gate import Plane, new_session, start_plane, start_session, stop_plane
+from tests.support.relay import CONSUMER, EMITTER as EMITTER_TOKEN, OPERATOR, RelayProcess, auth
+
+HELLO = {"type": "hello", "versions": ["0.1"], "role": "consumer", "identity": {"agent": "op-console"}}
+
+
+@pytest.fixture(scope="module")
+def control_plane(nats_backend: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Plane, RelayProcess]]:
+    if nats_backend == "external":
+        pytest.skip("the control-plane tests start servers of their own")
+    tmp = tmp_path_factory.mktemp("relay-control")
+    plane, services = start_plane(nats_backend, tmp, {"AEP_HERMES_CONTROL": "1", "AEP_INSTRUCT": "1"})
+    relay = RelayProcess(plane.url, tmp).start()
+    try:
+        yield plane, relay
+    finally:
+        relay.stop()
+        stop_plane(plane, services)
+
+
+async def operator_socket(s: aiohttp.ClientSession, relay: RelayProcess, token: str = OPERATOR) -> tuple[Any, dict]:
+    ws = await s.ws_connect(relay.ws_url, headers=auth(token))
+    await ws.send_json(HELLO)
+    hello = json.loads((await ws.receive(timeout=5)).data)
+    return ws, hello
+
+
+def command(session: str, request: str, option: str, cid: str | None = None) -> bytes:
+    return encode_event(build_command(C.RESPOND, session, {"answer": {"option": option}}, sender="relay-test",
+                                      subject=request, command_id=cid))
+
+
+def test_operator_answers_a_held_call_through_relay_gate_shim(control_plane) -> None:
+    plane, relay = control_plane
+    session = new_session()
+    start_session(plane, session)
+    shim = plane.held(session, "call-r1")
+    req = plane.request_of(session, "call-r1")
+    cid = uuid.uuid4().hex.upper()[:26]
+    cmd = command(session, req["id"], "deny", cid)
+
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            ws, hello = await operator_socket(s, relay)
+            await ws.send_str(cmd.decode())
+            await ws.send_str(cmd.decode())  # a retry under the same id while the decision is pending
+            ack = await ws.receive(timeout=15)
+            await ws.send_json({"type": "ping", "t": 1})
+            nxt = json.loads((await ws.receive(timeout=5)).data)
+            await ws.close()
+            return hello, ack.data, nxt
+
+    hello, ack, nxt = asyncio.run(go())
+    out, err = shim.communicate(timeout=15)
+    assert set(hello["capabilities"]["control"]["accepts"]) == {C.RESPOND, C.INSTRUCT}  # the gate's, relayed
+    answer = json.loads(out)
+    assert answer["action"] == "block", answer  # the shim's answer to Hermes carries the decision
+    evs = plane.wait(session, lambda e: "control.accepted" in [x["type"] for x in e], "control.accepted")
+    stored_ack = next(e for e in evs if e["type"] == "control.accepted")
+    assert json.loads(ack) == stored_ack and stored_ack["cause"] == cid
+    stored_cmds = [e for e in evs if e["type"] == C.RESPOND]
+    assert len(stored_cmds) == 1 and stored_cmds[0]["id"] == cid  # published once, byte-identically
+    assert nxt == {"type": "pong", "t": 1}  # answered once: the next frame is the pong, not a second ack
+
+
+def test_relay_behalf_refusals_never_enter_history(control_plane) -> None:
+    plane, relay = control_plane
+    session = new_session()
+    start_session(plane, session)
+    plane.wait(session, lambda e: len(e) >= 1, "the session's first events")
+
+    cancel = json.loads(command(session, "r", "allow"))
+    cancel["type"] = "control.cancel"
+    cancel["data"] = {"scope": "session"}
+    no_session = json.loads(command(session, "r", "allow"))
+    del no_session["session"]
+
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            ws, _ = await operator_socket(s, relay)
+            out = []
+            for frame in (cancel, no_session):
+                await ws.send_json(frame)
+                out.append(json.loads((await ws.receive(timeout=5)).data))
+            cws, _ = await operator_socket(s, relay, token=CONSUMER)
+            await cws.send_json(json.loads(command(session, "r", "allow", "CONSUMERCMD")))
+            out.append(json.loads((await cws.receive(timeout=5)).data))
+            return out
+
+    unsupported, no_route, unauthorized = asyncio.run(go())
+    assert unsupported == {"type": "error", "cause": cancel["id"], "code": "unsupported", "detail": unsupported["detail"]}
+    assert no_route["code"] == "no-route" and no_route["cause"] == no_session["id"]
+    assert unauthorized["code"] == "unauthorized" and unauthorized["cause"] == "CONSUMERCMD"
+    # a command that passes is on AEP_EVENTS at once (the relay publishes before answering
+    # anything): so a sentinel command sent after the refusals, and seen, closes the window
+    sentinel = command(session, "no-such-request", "allow", "SENTINEL01")
+
+    async def send_sentinel():
+        async with aiohttp.ClientSession() as s:
+            ws, _ = await operator_socket(s, relay)
+            await ws.send_str(sentinel.decode())
+            return json.loads((await ws.receive(timeout=15)).data)
+
+    nack = asyncio.run(send_sentinel())
+    assert nack["type"] == "control.rejected" and nack["cause"] == "SENTINEL01"  # the gate's own nack, in history
+    after = plane.wait(session, lambda e: any(x["id"] == "SENTINEL01" for x in e), "the sentinel command")
+    refused = {cancel["id"], no_session["id"], "CONSUMERCMD"}
+    assert not any(e["id"] in refused or e.get("cause") in refused for e in after)  # nothing entered the history
+    assert {e["type"] for e in after if e["type"].startswith("control.")} == {C.RESPOND, "control.rejected"}
+
+
+def test_no_gate_is_no_route(nats_server, jetstream, tmp_path) -> None:
+    relay = RelayProcess(nats_server.url, tmp_path).start()
+    try:
+        async def go():
+            async with aiohttp.ClientSession() as s:
+                ws, hello = await operator_socket(s, relay)
+                await ws.send_str(command("s-nogate", "r", "allow", "NOGATE1").decode())
+                return hello, json.loads((await ws.receive(timeout=5)).data)
+
+        hello, refused = asyncio.run(go())
+        assert hello["capabilities"]["control"]["accepts"] == []
+        assert refused["code"] == "no-route" and refused["cause"] == "NOGATE1"
+    finally:
+        relay.stop()
+
+
+def test_roster_lists_the_sessions_a_shim_holds_with_the_gates_control_block(control_plane) -> None:
+    plane, relay = control_plane
+    session = new_session()
+    start_session(plane, session)
+    shim = plane.held(session, "call-roster")
+    req = plane.request_of(session, "call-roster")
+
+    async def roster(token: str, role: str = "consumer") -> Any:
+        async with aiohttp.ClientSession() as s:
+            ws = await s.ws_connect(relay.ws_url, headers=auth(token))
+            await ws.send_json({**HELLO, "role": role})
+            hello = json.loads((await ws.receive(timeout=5)).data)
+            await ws.send_json({"type": "roster", "id": "r-1"})
+            answer = json.loads((await ws.receive(timeout=10)).data)
+            await ws.send_json({"type": "ping"})
+            alive = json.loads((await ws.receive(timeout=5)).data)
+            return hello, answer, alive
+
+    hello, held, _ = asyncio.run(roster(CONSUMER))
+    gate_hello = plane_hello(plane)
+    assert hello["capabilities"]["roster"] == {}
+    assert held["type"] == "roster" and held["id"] == "r-1"
+    mine = [e for e in held["entries"] if e["session"] == session]
+    assert mine == [{"session": session, "agent": "hermes", "instance": plane.instance,
+                     "control": gate_hello["capabilities"]["control"]}]  # verbatim, one entry per claim
+    _, refused, alive = asyncio.run(roster(EMITTER_TOKEN, role="emitter"))
+    assert refused["type"] == "error" and refused["code"] == "unauthorized" and refused["id"] == "r-1"
+    assert alive == {"type": "pong"}  # the connection survives the refusal
+    # answered: the shim lets go, the claim is gone
+    plane.respond(session, req["id"], {"option": "allow"})
+    shim.communicate(timeout=15)
+    _, after, _ = asyncio.run(roster(OPERATOR))
+    assert not [e for e in after["entries"] if e["session"] == session]
+
+
+def plane_hello(plane: Plane) -> dict[str, Any]:
+    import nats
+
+    async def ask() -> dict[str, Any]:
+        nc = await nats.connect(plane.url)
+        try:
+            return json.loads((await nc.request(C.HELLO_SUBJECT, b"", timeout=2)).data)
+        finally:
+            await nc.close()
+
+    return asyncio.run(ask())

@@ -1,0 +1,126 @@
+"""POST /events on the relay (AEP-0003 §3.2) from emitter tokens: status codes, schema check
+(a bad line rejects the whole batch, nothing stored), dedupe on (source, id), storage under
+aep.ingest.> (never aep.hermes.>), byte identity of a posted line over SSE and WS."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from tests.support.relay import ALL, CONSUMER, EMITTER, OPERATOR, RelayProcess, auth, encode, event, read_sse
+
+V = {"AEP-Version": "0.1"}
+
+
+@pytest.fixture
+def relay(nats_server, jetstream, tmp_path):
+    r = RelayProcess(nats_server.url, tmp_path).start()
+    try:
+        yield r
+    finally:
+        r.stop()
+
+
+def post(relay, body: bytes, *, token=EMITTER, ctype="application/x-ndjson", headers=V):
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            async with s.post(relay.url + "/events", data=body, headers={**auth(token), **headers, "Content-Type": ctype}) as r:
+                text = await r.text()
+                return r.status, (json.loads(text) if text.startswith("{") else text)
+
+    return asyncio.run(go())
+
+
+def sid() -> str:
+    return "i" + uuid.uuid4().hex[:12]
+
+
+@pytest.mark.parametrize("token,status", [(None, 401), ("unknown-token-0123456789", 401), (CONSUMER, 403), (OPERATOR, 403)])
+def test_only_emitter_tokens_post(relay, token, status):
+    code, body = post(relay, encode(event(sid(), 1)), token=token, ctype="application/json")
+    assert code == status and body["error"] == "unauthorized"
+
+
+def test_status_codes(relay, jetstream):
+    ev = encode(event(sid(), 1))
+    assert post(relay, ev, headers={"AEP-Version": "1.0"}) == (426, {"versions": ["0.1"]})
+    assert post(relay, ev, headers={}) == (426, {"versions": ["0.1"]})
+    assert post(relay, ev, ctype="text/plain")[0] == 415
+    assert post(relay, b"x" * (5 * 1024 * 1024))[0] == 413
+    s_ = sid()
+    good, bad = encode(event(s_, 1)), json.loads(encode(event(s_, 2)))
+    del bad["id"]
+    code, body = post(relay, good + b"\n" + encode(bad) + b"\n")
+    assert code == 400 and body["error"] == "invalid-event" and body["line"] == 1
+    no_seq = json.loads(encode(event(s_, 3)))
+    del no_seq["seq"]
+    assert post(relay, encode(no_seq), ctype="application/json")[1]["error"] == "invalid-event"
+    stored = jetstream.fetch(f"aep.ingest.{s_}.>", stream="AEP_EVENTS", expected=0, timeout=0.5)
+    assert stored == []  # nothing of a rejected batch is stored
+
+
+def test_batch_stored_in_order_in_its_own_space_deduped_and_byte_identical(relay, jetstream, nats_server):
+    s_ = sid()
+    lines = [encode(event(s_, i, data={"text": "é ✓"})) for i in range(1, 4)]
+
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            sse = asyncio.create_task(read_sse(s, relay.url + "/stream", want=3, headers=auth(CONSUMER),
+                                               params={"filter": json.dumps({"session": s_})}))
+            ws = await s.ws_connect(relay.ws_url, headers=auth(CONSUMER))
+            await ws.send_json({"type": "hello", "versions": ["0.1"], "role": "consumer"})
+            await ws.receive(timeout=5)
+            await ws.send_json({"type": "subscribe", "id": "i", "filter": {"session": s_}})
+            await ws.receive(timeout=5)
+            await asyncio.sleep(0.5)
+            async with s.post(relay.url + "/events", data=b"\n".join(lines) + b"\n",
+                              headers={**auth(EMITTER), **V, "Content-Type": "application/x-ndjson"}) as r:
+                first = (r.status, await r.json())
+            async with s.post(relay.url + "/events", data=lines[1],
+                              headers={**auth(ALL), **V, "Content-Type": "application/json"}) as r:
+                again = (r.status, await r.json())
+            frames = [(await ws.receive(timeout=5)).data for _ in range(3)]
+            return first, again, frames, await sse
+
+    first, again, frames, sse = asyncio.run(go())
+    assert first == (202, {"accepted": 3, "duplicates": 0})
+    assert again == (202, {"accepted": 0, "duplicates": 1})  # the same (source, id): absorbed
+    stored = jetstream.fetch("aep.>", stream="AEP_EVENTS")
+    mine = [m for m in stored if json.loads(m.data).get("session") == s_]
+    assert [m.data for m in mine] == lines  # once each, in batch order, the posted bytes
+    assert {m.subject for m in mine} == {f"aep.ingest.{s_}.tool.called"}  # never aep.hermes.>
+    assert [e["data"] for e in sse["events"]] == lines
+    assert [f.encode() for f in frames] == lines
+
+
+def test_a_relay_without_tokens_is_a_loopback_development_relay(nats_server, jetstream, tmp_path):
+    relay = RelayProcess(nats_server.url, tmp_path, tokens=False).start()
+    try:
+        s_ = sid()
+        code, body = post(relay, encode(event(s_, 1)), token=None, ctype="application/json")
+        assert (code, body) == (202, {"accepted": 1, "duplicates": 0})
+
+        async def control():
+            async with aiohttp.ClientSession() as s:
+                ws = await s.ws_connect(relay.ws_url)
+                await ws.send_json({"type": "hello", "versions": ["0.1"], "role": "consumer"})
+                await ws.receive(timeout=5)
+                await ws.send_json({**event(s_, 2, type_="control.attention.respond"), "id": "CMD-ANON"})
+                return json.loads((await ws.receive(timeout=5)).data)
+
+        refused = asyncio.run(control())
+        assert refused["code"] == "unauthorized" and refused["cause"] == "CMD-ANON"  # control never without a token
+    finally:
+        relay.stop()
+    env = {"AEP_BRIDGE_RELAY_LISTEN": "0.0.0.0:0"}
+    out = subprocess.run([str(Path(sys.executable).with_name("aep-bridge")), "relay"], capture_output=True, text=True,
+                         env={**os.environ, "AEP_BRIDGE_NATS_URL": nats_server.url, **env}, timeout=30)
+    assert out.returncode == 2 and "off loopback" in out.stderr  # never open to the network without a token

@@ -1,0 +1,208 @@
+"""The relay's HTTP side (AEP-0003 §3.3, §3.4, §5, §6, §8.1) against a real relay process on a
+real nats-server: discovery, auth, SSE live delivery, filter fail-closed, capture ceiling,
+resume (from, Last-Event-ID), replay-all, replay-exhausted under real eviction."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+
+import aiohttp
+import pytest
+
+from tests.support.relay import (
+    ALL, CONSUMER, EMITTER, META_CONSUMER, OPERATOR, RelayProcess, auth, event, publish, read_sse,
+)
+
+
+@pytest.fixture
+def relay(nats_server, jetstream, tmp_path):
+    r = RelayProcess(nats_server.url, tmp_path).start()
+    try:
+        yield r
+    finally:
+        r.stop()
+
+
+def sid() -> str:
+    return "s" + uuid.uuid4().hex[:12]
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_healthz_and_discovery_need_no_token(relay):
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            async with s.get(relay.url + "/healthz") as r:
+                assert r.status == 200
+            docs = []
+            for path in ("/events", "/.well-known/aep"):
+                async with s.get(relay.url + path) as r:
+                    assert r.status == 200 and r.content_type == "application/json"
+                    docs.append(await r.json())
+            return docs
+
+    a, b = run(go())
+    assert a == b
+    assert a["aep"] == ["0.1"]
+    assert a["endpoints"] == {"events": "/events", "stream": "/stream", "socket": "/socket"}
+    caps = a["capabilities"]
+    assert caps["filters"] == ["attr-match"]
+    assert caps["replay"] == {"buffer": 10000, "all": True}
+    assert caps["roster"] == {}  # the roster frame is implemented (test_relay_control.py)
+
+
+@pytest.mark.parametrize("token,status", [(None, 401), ("wrong-token-0123456789", 401), (EMITTER, 403)])
+def test_stream_refused_without_a_consuming_token(relay, token, status):
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            async with s.get(relay.url + "/stream", headers=auth(token)) as r:
+                return r.status, await r.json(), r.headers.get("WWW-Authenticate")
+
+    code, body, challenge = run(go())
+    assert code == status and body["error"] == "unauthorized"
+    assert (challenge is not None) == (status == 401)
+
+
+@pytest.mark.parametrize("token", [CONSUMER, OPERATOR, ALL])
+def test_live_delivery_byte_identical_with_ids(relay, nats_server, token):
+    s_ = sid()
+    events = [event(s_, i) for i in range(1, 4)]
+
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            reader = asyncio.create_task(read_sse(s, relay.url + "/stream", want=3, headers=auth(token),
+                                                  params={"filter": json.dumps({"session": s_})}))
+            await asyncio.sleep(0.5)
+            raw = await publish(nats_server.url, events)
+            return raw, await reader
+
+    raw, got = run(go())
+    assert got["status"] == 200
+    assert [e["data"] for e in got["events"]] == raw  # the stored bytes, unchanged
+    assert [e["id"] for e in got["events"]] == [f"{s_}:0:{i}" for i in range(1, 4)]
+    assert [e["event"] for e in got["events"]] == ["tool.called"] * 3
+
+
+def test_access_token_query_works_and_no_token_is_ever_logged(relay, nats_server):
+    s_ = sid()
+
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            got = await read_sse(s, relay.url + "/stream", params={"access_token": CONSUMER, "from": "all", "live": "0",
+                                                                 "filter": json.dumps({"session": s_})})
+            bad = await read_sse(s, relay.url + "/stream", params={"access_token": "not-a-real-token-xyz"})
+            hdr = await read_sse(s, relay.url + "/stream", headers=auth(OPERATOR),
+                                 params={"live": "0", "filter": json.dumps({"session": s_})})
+            return got, bad, hdr
+
+    run(publish(nats_server.url, [event(s_, 1)]))
+    got, bad, hdr = run(go())
+    assert got["status"] == 200 and len(got["events"]) == 1
+    assert bad["status"] == 401 and hdr["status"] == 200
+    logs = relay.logs()
+    assert "/stream" in logs  # requests are logged...
+    for secret in (CONSUMER, OPERATOR, ALL, META_CONSUMER, EMITTER, "not-a-real-token-xyz"):
+        assert secret not in logs  # ...without a token
+
+
+@pytest.mark.parametrize("flt", [{"time": "x"}, {"data": 1}, {"Bad Key!": 1}, {"type": "*"}, {"severity": {"gt": "info"}}, [1]])
+def test_filter_fails_closed(relay, flt):
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            return await read_sse(s, relay.url + "/stream", headers=auth(CONSUMER), params={"filter": json.dumps(flt)})
+
+    got = run(go())
+    assert got["status"] == 400 and json.loads(got["body"])["error"] == "invalid-filter"
+
+
+def test_capture_ceiling_down_levels_never_up_and_consumer_maximum_is_enforced(relay, nats_server):
+    s_ = sid()
+    full = event(s_, 1, capture="full", data={"tool": {"name": "terminal"}, "content": "secret text"})
+    meta = event(s_, 2, capture="metadata")
+    none = event(s_, 3, capture="none", data={})
+
+    async def read(token, capture=None):
+        params = {"from": "all", "live": "0", "filter": json.dumps({"session": s_})}
+        if capture:
+            params["capture"] = capture
+        async with aiohttp.ClientSession() as s:
+            return await read_sse(s, relay.url + "/stream", headers=auth(token), params=params)
+
+    raw = run(publish(nats_server.url, [full, meta, none]))
+    as_stored = run(read(CONSUMER))
+    assert [e["data"] for e in as_stored["events"]] == raw
+    for got in (run(read(CONSUMER, "metadata")), run(read(META_CONSUMER)), run(read(META_CONSUMER, "full"))):
+        first = json.loads(got["events"][0]["data"])
+        assert first["capture"] == "none" and "data" not in first  # above the ceiling: envelope only
+        assert {k: v for k, v in first.items() if k not in ("capture",)} == {k: v for k, v in full.items() if k not in ("capture", "data")}
+        assert [e["data"] for e in got["events"][1:]] == raw[1:]  # within it: unchanged, never up-levelled
+    got = run(read(CONSUMER, "none"))
+    assert [json.loads(e["data"])["capture"] for e in got["events"]] == ["none", "none", "none"]
+    assert got["events"][2]["data"] == raw[2]
+
+
+def test_resume_from_positions_last_event_id_and_live0(relay, nats_server):
+    a, b = sid(), sid()
+    raw = run(publish(nats_server.url, [event(a, i) for i in range(1, 6)] + [event(b, i) for i in range(1, 4)]))
+
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            both = await read_sse(s, relay.url + "/stream", headers=auth(CONSUMER), params={
+                "live": "0", "from": json.dumps([{"session": a, "epoch": 0, "seq": 3}, {"session": b, "epoch": 0, "seq": 0}])})
+            lei = await read_sse(s, relay.url + "/stream", headers={**auth(CONSUMER), "Last-Event-ID": f"{a}:0:4"},
+                                 params={"live": "0"})
+            # `from` wins over Last-Event-ID
+            both2 = await read_sse(s, relay.url + "/stream", headers={**auth(CONSUMER), "Last-Event-ID": f"{a}:0:4"},
+                                   params={"live": "0", "from": json.dumps([{"session": a, "epoch": 0, "seq": 1}])})
+            bad = await read_sse(s, relay.url + "/stream", headers=auth(CONSUMER), params={"from": json.dumps([{"session": a}])})
+            return both, lei, both2, bad
+
+    both, lei, both2, bad = run(go())
+    assert sorted(e["data"] for e in both["events"]) == sorted(raw[3:5] + raw[5:8])
+    assert [e["data"] for e in lei["events"]] == raw[4:5]
+    assert [e["data"] for e in both2["events"]] == raw[1:5]
+    assert not any(c.startswith("replay-exhausted") for c in both["comments"] + lei["comments"])
+    assert bad["status"] == 400 and json.loads(bad["body"])["error"] == "invalid-filter"
+
+
+def test_replay_all_then_live(relay, nats_server):
+    s_ = sid()
+    raw = run(publish(nats_server.url, [event(s_, i) for i in range(1, 4)]))
+
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            reader = asyncio.create_task(read_sse(s, relay.url + "/stream", want=5, headers=auth(CONSUMER),
+                                                  params={"from": "all", "filter": json.dumps({"session": s_})}))
+            await asyncio.sleep(1.0)
+            more = await publish(nats_server.url, [event(s_, i) for i in range(4, 6)])
+            return more, await reader
+
+    more, got = run(go())
+    assert [e["data"] for e in got["events"]] == raw + more  # replay, then live: no gap, no duplicate
+    assert not any(c.startswith("replay-exhausted") for c in got["comments"])
+
+
+def test_replay_exhausted_under_real_eviction(nats_server, jetstream, tmp_path):
+    relay = RelayProcess(nats_server.url, tmp_path, env={"AEP_BRIDGE_RELAY_REPLAY_BUFFER": "5"}).start()
+    try:
+        s_ = sid()
+        raw = run(publish(nats_server.url, [event(s_, i) for i in range(1, 13)]))
+
+        async def go():
+            async with aiohttp.ClientSession() as s:
+                async with s.get(relay.url + "/events") as r:
+                    doc = await r.json()
+                got = await read_sse(s, relay.url + "/stream", headers=auth(CONSUMER), params={
+                    "live": "0", "from": json.dumps([{"session": s_, "epoch": 0, "seq": 2}])})
+                return doc, got
+
+        doc, got = run(go())
+        assert doc["capabilities"]["replay"]["buffer"] == 5
+        assert got["comments"][1] == f"replay-exhausted {s_} 0:8"  # [0] is the relay's greeting
+        assert [e["data"] for e in got["events"]] == raw[7:]  # from the earliest held position
+    finally:
+        relay.stop()
