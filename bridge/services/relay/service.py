@@ -14,7 +14,6 @@ import signal
 import ssl
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import unquote
 
 import msgspec
 import structlog
