@@ -18,6 +18,10 @@ Theory of operation
 * Exporters (the AEP-0005 bridges) apply their own ceiling, ``max_capture``, to
   finished AEP events: an event above it keeps its envelope and loses its payload
   (``exported_payload``, ``downlevel``).
+* A fan-out hop (the relay) delivers each subscription at its ceiling field by field
+  (``downlevel_fields``): an event above it lands on ``metadata`` with its metadata-level
+  fields, for the payload types whose field levels ``bridge.core.aep`` declares; other
+  types keep their envelope alone.
 """
 
 from __future__ import annotations
@@ -463,4 +467,148 @@ def downlevel(event: dict[str, Any], max_capture: int) -> dict[str, Any]:
         return event
     out = {k: v for k, v in event.items() if k != "data"}
     out["capture"] = "none"
+    return out
+
+
+# ---------------------------------------------------------------- a fan-out hop's ceiling (AEP-0001 §8.2, AEP-0003 §6.4)
+#
+# The relay delivers each subscription at its ceiling. Down-levelling there is field by field
+# for the types whose payload fields carry their capture levels (`bridge.core.aep`, the types
+# that are our schemas): the event keeps what its new level admits. Where it lands: an event
+# above the ceiling goes to `metadata` (or to `none` under a `none` ceiling), never to
+# `redacted`: that level claims the text passed the §9.4 pipeline, which a mechanical hop
+# cannot mint (§8.2 e), and a `redacted` source event is within a `redacted` ceiling anyway.
+# A type without known levels (foreign and vendor types) keeps its envelope and loses its
+# payload: dropping more than the levels require is always legal (§8.2 b).
+
+
+def _shape(tp: Any) -> tuple[int, Any]:
+    """(capture level, shape) of one field's msgspec type info. A shape is a dict of the
+    fields of a nested payload, ``[shape]`` for a list of payloads, or None (a leaf)."""
+    level = FULL  # a field without an annotation is content, to be safe
+    while True:
+        if isinstance(tp, msgspec.inspect.Metadata):
+            schema = tp.extra_json_schema or {}
+            if "x-aep-capture" in schema:
+                level = LEVEL_RANK[schema["x-aep-capture"]]
+            tp = tp.type
+        elif isinstance(tp, msgspec.inspect.UnionType):
+            kinds = [t for t in tp.types if not isinstance(t, msgspec.inspect.UnsetType)]
+            if len(kinds) != 1:
+                return level, None
+            tp = kinds[0]
+        else:
+            break
+    if isinstance(tp, msgspec.inspect.StructType):
+        return level, _fields(tp)
+    if isinstance(tp, msgspec.inspect.ListType):
+        _, inner = _shape(tp.item_type)
+        return level, [inner] if isinstance(inner, dict) else None
+    return level, None
+
+
+def _fields(info: msgspec.inspect.StructType) -> dict[str, tuple[int, Any]]:
+    return {f.encode_name: _shape(f.type) for f in info.fields}
+
+
+@lru_cache(maxsize=None)
+def payload_fields(event_type: str) -> dict[str, tuple[int, Any]] | None:
+    """The payload fields of a type this bridge knows, name -> (capture level, shape); None for others."""
+    cls = aep.PAYLOAD_TYPES.get(event_type)
+    return None if cls is None else _fields(msgspec.inspect.type_info(cls))
+
+
+def _project(value: Any, shape: dict[str, tuple[int, Any]], level: int) -> dict[str, Any]:
+    """The fields of an object ``value`` that ``level`` admits, recursively; fields the shape
+    does not declare, and values that do not have the declared shape, are dropped."""
+    out: dict[str, Any] = {}
+    for key, item in value.items():
+        declared = shape.get(key)
+        if declared is None or declared[0] > level:
+            continue
+        inner = declared[1]
+        if isinstance(inner, dict):
+            if not isinstance(item, dict):
+                continue
+            item = _project(item, inner, level)
+        elif isinstance(inner, list):
+            if not isinstance(item, list):
+                continue
+            item = [_project(x, inner[0], level) for x in item if isinstance(x, dict)]
+        out[key] = item
+    return out
+
+
+# The `[metadata*]` fields (AEP-0002 §5.1): at `metadata` they hold structural text only, at
+# `redacted`+ authored text. A hop cannot tell which an event above metadata carries, so it
+# rebuilds them from structure (AEP-0003 §9.2): the prompt from agent, kind and subject, a
+# label from its id; a form answer keeps its booleans and numbers, never a string (a select
+# id and typed free text look alike).
+
+
+def _label_ids(items: Any) -> None:
+    if isinstance(items, list):
+        for item in items:
+            if "id" in item:
+                item["label"] = item["id"]
+            else:
+                item.pop("label", None)
+
+
+def _structural_request(event: dict[str, Any], data: dict[str, Any]) -> None:
+    if "prompt" in data:
+        agent, kind, subject = event.get("agent"), data.get("kind"), event.get("subject")
+        prompt = f"{agent if isinstance(agent, str) else 'agent'} requests {kind if isinstance(kind, str) else 'attention'}"
+        data["prompt"] = f"{prompt}: {subject}" if isinstance(subject, str) else prompt
+    _label_ids(data.get("options"))
+    for spec in data.get("fields") or ():
+        if "label" in spec:
+            spec["label"] = spec.get("id", "")
+        _label_ids(spec.get("choices"))
+
+
+def _structural_answer(event: dict[str, Any], data: dict[str, Any]) -> None:
+    answer = data.get("answer")
+    if isinstance(answer, dict) and "values" in answer:
+        values = answer["values"]
+        kept = {k: v for k, v in values.items() if isinstance(v, (bool, int, float))} if isinstance(values, dict) else {}
+        if kept:
+            answer["values"] = kept
+        else:
+            del answer["values"]
+
+
+_STRUCTURAL: dict[str, Callable[[dict[str, Any], dict[str, Any]], None]] = {
+    "attention.requested": _structural_request,
+    "attention.answered": _structural_answer,
+    "control.attention.respond": _structural_answer,
+}
+
+
+def downlevel_fields(event: dict[str, Any], max_capture: int) -> dict[str, Any]:
+    """The event as a fan-out hop with ceiling ``max_capture`` delivers it (AEP-0001 §8.2).
+
+    Within the ceiling: the event itself, unchanged. Above it: `capture` becomes `metadata`
+    (`none` under a `none` ceiling); at `metadata` the payload keeps its metadata-level fields
+    (`[metadata*]` fields rebuilt from structure) when the type is known, else the event loses
+    its payload. An unknown `capture` value counts as above every ceiling. Pure: ``event`` is
+    not modified.
+    """
+    try:
+        level = event_capture(event)
+    except ValueError:
+        level = FULL + 1
+    if level <= max_capture:
+        return event
+    new = min(max_capture, METADATA)
+    out = {k: v for k, v in event.items() if k != "data"}
+    out["capture"] = LEVELS[new]
+    shape = payload_fields(event.get("type")) if isinstance(event.get("type"), str) else None
+    data = event.get("data")
+    if new == METADATA and shape is not None and isinstance(data, dict):
+        kept = _project(data, shape, METADATA)
+        fix = _STRUCTURAL.get(event["type"])
+        if fix is not None:
+            fix(event, kept)
+        out["data"] = kept
     return out
