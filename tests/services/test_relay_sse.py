@@ -137,12 +137,29 @@ def test_capture_ceiling_down_levels_never_up_and_consumer_maximum_is_enforced(r
     assert [e["data"] for e in as_stored["events"]] == raw
     for got in (run(read(CONSUMER, "metadata")), run(read(META_CONSUMER)), run(read(META_CONSUMER, "full"))):
         first = json.loads(got["events"][0]["data"])
-        assert first["capture"] == "none" and "data" not in first  # above the ceiling: envelope only
+        assert first["capture"] == "metadata" and "data" not in first  # above the ceiling, a type without field levels: envelope only
         assert {k: v for k, v in first.items() if k not in ("capture",)} == {k: v for k, v in full.items() if k not in ("capture", "data")}
         assert [e["data"] for e in got["events"][1:]] == raw[1:]  # within it: unchanged, never up-levelled
     got = run(read(CONSUMER, "none"))
     assert [json.loads(e["data"])["capture"] for e in got["events"]] == ["none", "none", "none"]
     assert got["events"][2]["data"] == raw[2]
+
+
+def test_capture_ceiling_down_levels_field_by_field(relay, nats_server):
+    """conformance/live.js `capture-downlevel`: a redacted run.started at a metadata ceiling keeps
+    its metadata fields, loses the redacted one and says `capture: metadata` (AEP-0001 §8.2)."""
+    s_ = sid()
+    ev = event(s_, 1, "run.started", capture="redacted", data={"trigger": "user", "prompt": "CANARY free text"})
+
+    async def read(capture):
+        params = {"from": "all", "live": "0", "filter": json.dumps({"session": s_}), "capture": capture}
+        async with aiohttp.ClientSession() as s:
+            return await read_sse(s, relay.url + "/stream", headers=auth(CONSUMER), params=params)
+
+    raw = run(publish(nats_server.url, [ev]))
+    down = json.loads(run(read("metadata"))["events"][0]["data"])
+    assert down == {k: v for k, v in ev.items() if k != "data"} | {"capture": "metadata", "data": {"trigger": "user"}}
+    assert run(read("redacted"))["events"][0]["data"] == raw[0]  # within the ceiling: the stored bytes
 
 
 def test_resume_from_positions_last_event_id_and_live0(relay, nats_server):

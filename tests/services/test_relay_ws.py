@@ -143,10 +143,10 @@ def test_several_subscriptions_capture_ceiling_at_subscribe(relay, nats_server):
     acks, raw, got, ack2, capped = run(go())
     assert acks == [{"type": "subscribed", "id": "A"}, {"type": "subscribed", "id": "B"}]
     down = [json.loads(g) for g in got if json.loads(g)["session"] == a][0]
-    assert down["capture"] == "none" and "data" not in down
+    assert down["capture"] == "metadata" and "data" not in down
     assert raw[1].decode() in got  # within the ceiling: the stored bytes
     assert ack2 == {"type": "subscribed", "id": "C"}
-    assert capped["capture"] == "none" and "data" not in capped
+    assert capped["capture"] == "metadata" and "data" not in capped
 
 
 def test_resume_with_from_gaps_duplicates_and_replay_exhausted(nats_server, jetstream, tmp_path):

@@ -27,7 +27,7 @@ import structlog
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from bridge.core.attrmatch import Filter
-from bridge.core.capture import FULL, event_capture
+from bridge.core.capture import FULL, downlevel_fields, event_capture
 from bridge.core.lanes import UNKNOWN, lane_token
 from bridge.nats import streams as S
 from bridge.nats.subjects import session_filter
@@ -80,8 +80,8 @@ class Item:
         if level <= ceiling:
             return self.raw
         out = self._data.get(ceiling)
-        if out is None:  # the rule of core.capture.downlevel: the envelope, `capture: none`
-            out = self._data[ceiling] = _encode({k: v for k, v in self.event.items() if k != "data"} | {"capture": "none"})
+        if out is None:  # field by field for the types we know, else the envelope alone
+            out = self._data[ceiling] = _encode(downlevel_fields(self.event, ceiling))
         return out
 
     def sse(self, ceiling: int) -> bytes:
