@@ -13,10 +13,9 @@ from pathlib import Path
 import pytest
 
 from bridge.core.bridges.cloudevents import from_cloudevent
-from bridge.core.capture import FULL
 from tests.corpus import envelopes
 from tests.natsfixture import JetStreamClient
-from tests.support.services import Service, http_json, wait_for
+from tests.support.services import Service, wait_for
 from tests.support.shim import compiled_hook, run_hook, shim_env
 from tests.support.tansu import Tansu
 from tests.core.test_bridges_pins import OCSF_TYPES, ocsf_problems

@@ -23,7 +23,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 
 from bridge.stack.server import free_port, terminate
 from tests.support.services import Service, http_json, wait_for

@@ -13,12 +13,10 @@ import time
 
 import pytest
 
-from bridge.config import Settings
 from bridge.core import deadletter
 from bridge.core.aep import encode_event
 from bridge.core.capture import CapturePolicy
 from bridge.nats.lanes import epoch_of
-from bridge.services.mapper import Mapper
 from tests.corpus import envelopes
 from tests.natsfixture import JetStreamClient
 from tests.support.services import Service, expected_events, publish_all, raw_records, wait_for

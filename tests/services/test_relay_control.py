@@ -9,32 +9,17 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from typing import Any, Iterator
+from typing import Any
 
 import aiohttp
-import pytest
 
 from bridge.commands.control import build_command
 from bridge.core import control as C
 from bridge.core.aep import encode_event
-from tests.services.test_gate import Plane, new_session, start_plane, start_session, stop_plane
+from tests.services.test_gate import Plane, new_session, start_session
 from tests.support.relay import CONSUMER, EMITTER as EMITTER_TOKEN, OPERATOR, RelayProcess, auth
 
 HELLO = {"type": "hello", "versions": ["0.1"], "role": "consumer", "identity": {"agent": "op-console"}}
-
-
-@pytest.fixture(scope="module")
-def control_plane(nats_backend: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Plane, RelayProcess]]:
-    if nats_backend == "external":
-        pytest.skip("the control-plane tests start servers of their own")
-    tmp = tmp_path_factory.mktemp("relay-control")
-    plane, services = start_plane(nats_backend, tmp, {"AEP_HERMES_CONTROL": "1", "AEP_INSTRUCT": "1"})
-    relay = RelayProcess(plane.url, tmp).start()
-    try:
-        yield plane, relay
-    finally:
-        relay.stop()
-        stop_plane(plane, services)
 
 
 async def operator_socket(s: aiohttp.ClientSession, relay: RelayProcess, token: str = OPERATOR) -> tuple[Any, dict]:
@@ -49,8 +34,8 @@ def command(session: str, request: str, option: str, cid: str | None = None) -> 
                                       subject=request, command_id=cid))
 
 
-def test_operator_answers_a_held_call_through_relay_gate_shim(control_plane) -> None:
-    plane, relay = control_plane
+def test_operator_answers_a_held_call_through_relay_gate_shim(relay_plane) -> None:
+    plane, relay = relay_plane
     session = new_session()
     start_session(plane, session)
     shim = plane.held(session, "call-r1")
@@ -82,8 +67,8 @@ def test_operator_answers_a_held_call_through_relay_gate_shim(control_plane) -> 
     assert nxt == {"type": "pong", "t": 1}  # answered once: the next frame is the pong, not a second ack
 
 
-def test_relay_behalf_refusals_never_enter_history(control_plane) -> None:
-    plane, relay = control_plane
+def test_relay_behalf_refusals_never_enter_history(relay_plane) -> None:
+    plane, relay = relay_plane
     session = new_session()
     start_session(plane, session)
     plane.wait(session, lambda e: len(e) >= 1, "the session's first events")
@@ -144,8 +129,8 @@ def test_no_gate_is_no_route(nats_server, jetstream, tmp_path) -> None:
         relay.stop()
 
 
-def test_roster_lists_the_sessions_a_shim_holds_with_the_gates_control_block(control_plane) -> None:
-    plane, relay = control_plane
+def test_roster_lists_the_sessions_a_shim_holds_with_the_gates_control_block(relay_plane) -> None:
+    plane, relay = relay_plane
     session = new_session()
     start_session(plane, session)
     shim = plane.held(session, "call-roster")

@@ -20,15 +20,6 @@ from tests.support.relay import ALL, CONSUMER, EMITTER, OPERATOR, RelayProcess, 
 V = {"AEP-Version": "0.1"}
 
 
-@pytest.fixture
-def relay(nats_server, jetstream, tmp_path):
-    r = RelayProcess(nats_server.url, tmp_path).start()
-    try:
-        yield r
-    finally:
-        r.stop()
-
-
 def post(relay, body: bytes, *, token=EMITTER, ctype="application/x-ndjson", headers=V):
     async def go():
         async with aiohttp.ClientSession() as s:

@@ -14,35 +14,20 @@ import json
 import threading
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
-import pytest
 
 import aep_sdk  # the official SDK (test extra: agenteventprotocol-sdk)
 from aep_sdk import aio as sdk_aio
 
-from tests.services.test_gate import Plane, new_session, start_plane, start_session, stop_plane
-from tests.support.relay import CONSUMER, OPERATOR, RelayProcess
+from tests.services.test_gate import Plane, new_session, start_session
+from tests.support.relay import CONSUMER, OPERATOR
 from tests.support.services import wait_for
 from tests.support.shim import dumps, run_hook
 
 OBSERVED = Path(__file__).resolve().parents[3] / "shared" / "hermes" / "observed_envelopes.jsonl"
 if not OBSERVED.exists():  # the worktree sits next to shared/
     OBSERVED = Path("/work/shared/hermes/observed_envelopes.jsonl")
-
-
-@pytest.fixture(scope="module")
-def fleet(nats_backend: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Plane, RelayProcess]]:
-    if nats_backend == "external":
-        pytest.skip("these tests start servers of their own")
-    tmp = tmp_path_factory.mktemp("relay-sdk")
-    plane, services = start_plane(nats_backend, tmp, {"AEP_HERMES_CONTROL": "1", "AEP_INSTRUCT": "1"})
-    relay = RelayProcess(plane.url, tmp).start()
-    try:
-        yield plane, relay
-    finally:
-        relay.stop()
-        stop_plane(plane, services)
 
 
 def observed() -> list[dict[str, Any]]:
@@ -57,8 +42,8 @@ def key(ev: dict[str, Any]) -> tuple[str, str]:
     return ev["source"], ev["id"]
 
 
-def test_sdk_subscribers_receive_real_sessions_and_resume_across_a_relay_restart(fleet) -> None:
-    plane, relay = fleet
+def test_sdk_subscribers_receive_real_sessions_and_resume_across_a_relay_restart(relay_plane) -> None:
+    plane, relay = relay_plane
     # Kill the relay mid-session: each session's first half before, its second half after
     # (a resuming consumer names the sessions it knows; a session that starts while it is
     # away is for `from: "all"` or a history store, AEP-0003 §5).
@@ -139,8 +124,8 @@ def test_sdk_subscribers_receive_real_sessions_and_resume_across_a_relay_restart
         assert len(state["sessions"]) >= 5
 
 
-def test_sdk_control_client_answers_a_held_call_through_relay_gate_shim(fleet) -> None:
-    plane, relay = fleet
+def test_sdk_control_client_answers_a_held_call_through_relay_gate_shim(relay_plane) -> None:
+    plane, relay = relay_plane
     session = new_session()
     start_session(plane, session)
     shim = plane.held(session, "call-sdk")

@@ -16,15 +16,6 @@ from tests.support.relay import (
 )
 
 
-@pytest.fixture
-def relay(nats_server, jetstream, tmp_path):
-    r = RelayProcess(nats_server.url, tmp_path).start()
-    try:
-        yield r
-    finally:
-        r.stop()
-
-
 def sid() -> str:
     return "s" + uuid.uuid4().hex[:12]
 

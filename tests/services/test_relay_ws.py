@@ -12,21 +12,11 @@ import uuid
 from typing import Any
 
 import aiohttp
-import pytest
 
-from tests.support.relay import CONSUMER, EMITTER, META_CONSUMER, OPERATOR, RelayProcess, auth, encode, event, publish, read_sse
+from tests.support.relay import CONSUMER, EMITTER, META_CONSUMER, RelayProcess, auth, encode, event, publish, read_sse
 
 HELLO = {"type": "hello", "versions": ["0.1"], "role": "consumer", "identity": {"agent": "test"}, "capabilities": {}}
 REFUSAL_CODES = {"invalid-filter", "unknown-dialect", "unauthorized", "limit-exceeded"}
-
-
-@pytest.fixture
-def relay(nats_server, jetstream, tmp_path):
-    r = RelayProcess(nats_server.url, tmp_path).start()
-    try:
-        yield r
-    finally:
-        r.stop()
 
 
 def sid() -> str:

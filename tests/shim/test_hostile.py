@@ -10,7 +10,6 @@ import os
 import resource
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 

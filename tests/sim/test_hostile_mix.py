@@ -19,7 +19,6 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-import pytest
 
 from bridge.sim.fleet import Fleet, FleetConfig
 from bridge.sim.harness import Pipeline
