@@ -462,6 +462,7 @@ class SessionInfo(msgspec.Struct, kw_only=True):
     source: str = ""
     instance: str = ""
     ended: bool = False
+    session: str = ""  # the session id itself (its lane token may be a hash); "" in records before it
 
 
 def instruct_decision(cmd: Command, session: SessionInfo | None, queued: int) -> str | Reject:

@@ -18,6 +18,7 @@ from bridge.core import control as C
 from bridge.core.aep import encode_event
 from tests.services.test_gate import Plane, new_session, start_session
 from tests.support.relay import CONSUMER, EMITTER as EMITTER_TOKEN, OPERATOR, RelayProcess, auth
+from tests.support.shim import envelope
 
 HELLO = {"type": "hello", "versions": ["0.1"], "role": "consumer", "identity": {"agent": "op-console"}}
 
@@ -129,7 +130,9 @@ def test_no_gate_is_no_route(nats_server, jetstream, tmp_path) -> None:
         relay.stop()
 
 
-def test_roster_lists_the_sessions_a_shim_holds_with_the_gates_control_block(relay_plane) -> None:
+def test_roster_lists_the_live_hermes_sessions_with_the_gates_control_block(relay_plane) -> None:
+    """A Hermes session is a live claim from the gate's first sight of it to its finalize,
+    whether or not a call is held right now; the entry carries the gate's control block."""
     plane, relay = relay_plane
     session = new_session()
     start_session(plane, session)
@@ -147,21 +150,39 @@ def test_roster_lists_the_sessions_a_shim_holds_with_the_gates_control_block(rel
             alive = json.loads((await ws.receive(timeout=5)).data)
             return hello, answer, alive
 
+    def mine(answer: dict[str, Any]) -> list[dict[str, Any]]:
+        return [e for e in answer["entries"] if e["session"] == session]
+
     hello, held, _ = asyncio.run(roster(CONSUMER))
     gate_hello = plane_hello(plane)
     assert hello["capabilities"]["roster"] == {}
     assert held["type"] == "roster" and held["id"] == "r-1"
-    mine = [e for e in held["entries"] if e["session"] == session]
-    assert mine == [{"session": session, "agent": "hermes", "instance": plane.instance,
-                     "control": gate_hello["capabilities"]["control"]}]  # verbatim, one entry per claim
+    claim = {"session": session, "agent": "hermes", "instance": plane.instance,
+             "control": gate_hello["capabilities"]["control"]}  # verbatim, one entry per claim
+    assert mine(held) == [claim]
     _, refused, alive = asyncio.run(roster(EMITTER_TOKEN, role="emitter"))
     assert refused["type"] == "error" and refused["code"] == "unauthorized" and refused["id"] == "r-1"
     assert alive == {"type": "pong"}  # the connection survives the refusal
-    # answered: the shim lets go, the claim is gone
+    # answered: the shim lets go, the session is still live (and steerable)
     plane.respond(session, req["id"], {"option": "allow"})
     shim.communicate(timeout=15)
     _, after, _ = asyncio.run(roster(OPERATOR))
-    assert not [e for e in after["entries"] if e["session"] == session]
+    assert mine(after) == [claim]
+    # finalized: no live route any more, and a command to it is refused no-route
+    plane.hook(envelope("on_session_end", session=session, turn_id=f"{session}:t:1", completed=True, interrupted=False))
+    plane.hook(envelope("on_session_finalize", session=session, reason="shutdown"))
+    plane.wait(session, lambda e: "session.ended" in [x["type"] for x in e], "session.ended")
+
+    async def refused_after_end() -> dict[str, Any]:
+        async with aiohttp.ClientSession() as s:
+            ws, _ = await operator_socket(s, relay)
+            await ws.send_str(command(session, req["id"], "allow", "ENDED1").decode())
+            return json.loads((await ws.receive(timeout=5)).data)
+
+    _, ended, _ = asyncio.run(roster(CONSUMER))
+    assert mine(ended) == []
+    late = asyncio.run(refused_after_end())
+    assert late["type"] == "error" and late["code"] == "no-route" and late["cause"] == "ENDED1"
 
 
 def plane_hello(plane: Plane) -> dict[str, Any]:

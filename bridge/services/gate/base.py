@@ -129,9 +129,9 @@ class GateBase:
                 continue
         return None
 
-    async def learn(self, token: str, source: str, instance: str, ended: bool = False) -> None:
+    async def learn(self, token: str, source: str, instance: str, ended: bool = False, session: str = "") -> None:
         info, _ = await self.kv_get(self.kv, f"sess.{token}", SessionInfo)
-        new = SessionInfo(source=source, instance=instance, ended=ended)
+        new = SessionInfo(source=source, instance=instance, ended=ended, session=session)
         if info != new:
             await self.kv_put(self.kv, f"sess.{token}", new)
 

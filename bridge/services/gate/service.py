@@ -82,7 +82,7 @@ class Gate(Commands):
             await self.finalize(token, result.lane, source, raw.instance or "", raw_seq)
             return
         if not result.unknown:
-            await self.learn(token, source, raw.instance or "")
+            await self.learn(token, source, raw.instance or "", session=result.lane)
         reply = (msg.headers or {}).get(GATE_REPLY_HEADER)
         if hook == "pre_tool_call" and reply and not shim_reply_ok(reply, msg.subject.split(".")[2], "g"):
             # Only the publisher's own inbox space: never a stream, a bucket or another role's inbox.

@@ -99,7 +99,7 @@ class Steering(GateBase):
     async def finalize(self, token: str, lane: str, source: str, instance: str, raw_seq: int) -> None:
         """The real session end: drop what is still queued, audited before its session.ended."""
         async with self.lane(token):
-            await self.learn(token, source, instance, ended=True)
+            await self.learn(token, source, instance, ended=True, session=lane)
             queue, rev = await self.kv_get(self.queues, f"q.{token}", list[Instruction])
             if not queue:
                 return

@@ -90,3 +90,9 @@ def msg_id(event: dict[str, Any]) -> str:
 def lane_of(event: dict[str, Any]) -> str:
     session = event.get("session")
     return lane_token(session) if isinstance(session, str) and session else "_agent"
+
+
+def is_command(event_type: str) -> bool:
+    """A control command (AEP-0004): routed to a target, never stored as an emitter's event.
+    The acks (control.accepted / control.rejected) are events; attention.routed is an event."""
+    return bool(_COMMAND.match(event_type)) and event_type != "attention.routed"

@@ -21,12 +21,13 @@ from aiohttp import WSMsgType, web
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from bridge.config import Settings
-from bridge.core.control import HELLO_SUBJECT
-from bridge.core.lanes import lane_token
+from bridge.core.control import HELLO_SUBJECT, SessionInfo
+from bridge.core.lanes import lane_from_token, lane_token
 from bridge.nats import streams as S
 from bridge.nats.streams import CONTROL_BUCKET
 from bridge.nats.subjects import command_subject, events_filter, ingest_subject
 from bridge.services.relay import ingest
+from bridge.services.relay.claims import Claimant, Claims
 from bridge.core.attrmatch import InvalidFilter, compile_filter
 from bridge.core.capture import LEVELS, level_rank
 from bridge.nats.connection import connect_service
@@ -70,13 +71,6 @@ class Metrics:
         self.resumes = Counter("aep_bridge_relay_resumes_total", "subscriptions that resumed (from, Last-Event-ID)", ["kind"], registry=r)
 
 
-def instance_of(source: str) -> str:
-    """The instance in a bridge event's source (``aep://<instance>/...``), else ""."""
-    if source.startswith("aep://"):
-        return source[6:].split("/", 1)[0]
-    return ""
-
-
 def bearer(request: web.Request) -> str | None:
     auth = request.headers.get("Authorization", "")
     if auth[:7].lower() == "bearer ":
@@ -100,6 +94,7 @@ class Relay:
         self.pending: dict[tuple[str, str], Pending] = {}
         self.pending_by_cid: dict[str, list[tuple[str, str]]] = {}
         self._hello: tuple[float, dict[str, Any] | None] | None = None
+        self.claims = Claims()
         self.hub.listeners.append(self._on_item)
         self.app = web.Application(client_max_size=cfg.max_body, middlewares=[self._logged])
         self.app.router.add_get("/healthz", self.healthz)
@@ -315,6 +310,7 @@ class Relay:
         lock = asyncio.Lock()
         self.metrics.connections.labels("ws").inc()
         role = None
+        claimant: Claimant | None = None
 
         async def send(obj: Any) -> None:
             async with lock:
@@ -354,6 +350,8 @@ class Relay:
                         await ws.close()
                         break
                     role = frame.get("role") if frame.get("role") in ("emitter", "consumer", "both") else "consumer"
+                    if role in ("emitter", "both"):
+                        claimant = Claimant.from_hello(send, frame)
                     await send({"type": "hello", "versions": [chosen], "role": "both",
                                 "identity": {"agent": "aep-bridge-relay", "instance": self.instance or "relay"},
                                 "capabilities": self.capabilities(await self.accepts())})
@@ -378,8 +376,11 @@ class Relay:
                     await ws.close()
                     break
                 elif "." in ftype:
-                    await self._event_in(msg.data.encode("utf-8") if isinstance(msg.data, str) else msg.data, frame, who,
-                                         send, subs)
+                    raw = msg.data.encode("utf-8") if isinstance(msg.data, str) else msg.data
+                    if ingest.is_command(ftype):
+                        await self._event_in(raw, frame, who, send, subs)
+                    else:
+                        await self._emit_in(raw, frame, who, claimant, send)
                 # any other frame type (and hello again, pong, roster...) is ignored: forward compatibility
         except (ConnectionResetError, ConnectionError):
             pass
@@ -389,6 +390,8 @@ class Relay:
                 self.metrics.subscriptions.dec()
             for task in tasks.values():
                 task.cancel()
+            if claimant is not None:
+                self.claims.release(claimant)
             self.sockets.discard(ws)
             self.socket_subs.pop(ws, None)
             self.metrics.connections.labels("ws").dec()
@@ -479,14 +482,46 @@ class Relay:
         except (ConnectionResetError, ConnectionError, RuntimeError):
             pass
 
+    async def _emit_in(self, raw: bytes, frame: dict[str, Any], who: Principal, claimant: Claimant | None,
+                       send: Any) -> None:
+        """An Event from a WebSocket emitter (AEP-0003 §3.5 rule 3): checked and stored like a
+        POST (``aep.ingest.>``, deduped on ``(source, id)``, the frame's bytes kept), and its
+        session becomes a live claim of this connection (the roster, command routing)."""
+        eid = frame.get("id")
+
+        async def refuse(code: str, detail: str) -> None:
+            self.metrics.refusals.labels(code).inc()
+            await send({"type": "error", "cause": eid if isinstance(eid, str) else None, "code": code,
+                        "detail": detail})
+
+        if claimant is None or not who.may_emit:
+            return await refuse("unauthorized", "events are sent on an emitter connection with an emitter token")
+        try:
+            [(data, event)] = ingest.check_lines([raw])
+        except ingest.InvalidEvent as exc:
+            return await refuse("invalid-event", exc.detail)
+        try:
+            ack = await self.js.publish(ingest_subject(ingest.lane_of(event), event["type"]), data,
+                                        headers={"Nats-Msg-Id": ingest.msg_id(event)})
+        except Exception as exc:  # noqa: BLE001 - NATS away: the emitter is told, nothing is claimed
+            log.warning("event not stored", error=type(exc).__name__)
+            return await refuse("unavailable", "the relay could not reach the event store")
+        if not ack.duplicate:
+            self.metrics.ingested.inc()
+        session = event.get("session")
+        if isinstance(session, str) and session and not self.claims.claim(claimant, session):
+            self.metrics.refusals.labels("limit-exceeded").inc()
+
     async def _event_in(self, raw: bytes, frame: dict[str, Any], who: Principal, send: Any,
                         subs: dict[str, Subscription]) -> None:
-        """An Event sent to the relay: only control commands (AEP-0004), only from operator
-        tokens (authentication unconditionally). The relay's refusals are `error` frames with
-        ``cause`` = the command's id, never Events: they enter no session's history. A
-        command that passes is published byte-identically to AEP_EVENTS, where the gate takes
-        it (and where it stays, in the session's history); the gate's control.accepted /
-        control.rejected comes back to the sender through the hub."""
+        """A control command (AEP-0004), only from operator tokens (authentication
+        unconditionally), routed to its one live claimant (`bridge.services.relay.claims`).
+        The relay's refusals are `error` frames with ``cause`` = the command's id, never
+        Events: they enter no session's history. A command for a Hermes session is published
+        byte-identically to AEP_EVENTS, where the gate takes it (and where it stays, in the
+        session's history); one for a WebSocket emitter's session is forwarded to that
+        connection byte-identically and stored under ``aep.ingest.>``. The target's
+        control.accepted / control.rejected comes back to the sender through the hub."""
         cid = frame.get("id")
 
         async def refuse(code: str, detail: str) -> None:
@@ -499,32 +534,47 @@ class Relay:
         session = frame.get("session")
         if not isinstance(cid, str) or not cid or not isinstance(frame.get("source"), str):
             return await refuse("unsupported", "a command is an AEP event with a string id and source")
-        if not isinstance(session, str) or not session or not await self.claimed(session):
-            return await refuse("no-route", "no Hermes session of this fleet has that name")
+        if not isinstance(session, str) or not session:
+            return await refuse("no-route", "a command names its session")
+        emitters = self.claims.of(session)
         hello = await self.gate_hello()
-        if hello is None:
-            return await refuse("no-route", "no gate answers: no Hermes session takes commands through this relay")
-        if ctype not in CONTROL_TYPES:
-            return await refuse("unsupported", f"this relay routes only {', '.join(CONTROL_TYPES)}")
-        accepts = ((hello.get("capabilities") or {}).get("control") or {}).get("accepts") or []
-        if ctype not in accepts:
-            return await refuse("unsupported", f"the gate accepts {accepts}")
+        hermes = hello is not None and await self.hermes_session(session) is not None
+        if len(emitters) + hermes == 0:
+            return await refuse("no-route", "no live claimant of this session is connected to this relay")
+        if len(emitters) + hermes > 1:
+            return await refuse("ambiguous", f"{len(emitters) + hermes} live claimants of this session")
+        if emitters:
+            target = emitters[0]
+            if not target.accepts(ctype):
+                return await refuse("unsupported", f"the claimant accepts {(target.control or {}).get('accepts', [])}")
+            window = (target.control or {}).get("ack_window_ms")
+        else:
+            assert hello is not None
+            accepts = ((hello.get("capabilities") or {}).get("control") or {}).get("accepts") or []
+            if ctype not in accepts or ctype not in CONTROL_TYPES:
+                return await refuse("unsupported", f"the gate accepts {accepts}")
+            window = ((hello.get("capabilities") or {}).get("control") or {}).get("ack_window_ms")
         key = (frame["source"], cid)
         waiting = self.pending.get(key)
         if waiting is not None:  # a retry while the decision is pending: the one ack answers it
             if all(send is not other for other, _, _ in waiting.senders):
                 waiting.senders.append((send, who.max_capture, subs))
             return
-        window = ((hello.get("capabilities") or {}).get("control") or {}).get("ack_window_ms") or 10000
+        window = window if isinstance(window, int) and 0 < window <= 600_000 else 10_000
         entry = Pending(session, [(send, who.max_capture, subs)], asyncio.get_running_loop().time() + window / 1000 + 5)
         self.pending[key] = entry
         self.pending_by_cid.setdefault(cid, []).append(key)
         try:
-            await self.js.publish(command_subject(lane_token(session), ctype), raw)
-        except Exception as exc:  # noqa: BLE001 - NATS away: the sender's window runs out (timeout)
-            log.warning("command not published", error=type(exc).__name__)
+            if emitters:
+                await self.js.publish(ingest_subject(lane_token(session), ctype), raw,
+                                      headers={"Nats-Msg-Id": ingest.msg_id(frame)})
+                await emitters[0].send(raw)
+            else:
+                await self.js.publish(command_subject(lane_token(session), ctype), raw)
+        except Exception as exc:  # noqa: BLE001 - NATS or the target away: refused, the sender may retry
+            log.warning("command not routed", error=type(exc).__name__)
             self._forget(key)
-            return await refuse("no-route", "the relay could not reach the event store")
+            return await refuse("no-route", "the relay could not reach the target or the event store")
         self.metrics.commands.inc()
 
     def _forget(self, key: tuple[str, str]) -> None:
@@ -558,9 +608,10 @@ class Relay:
             pass
 
     async def _roster(self, frame: dict[str, Any], who: Principal, role: str, send: Any) -> None:
-        """AEP-0003 §4.1: the live claims this relay can route to, a snapshot. A claim is a
-        Hermes session a shim holds right now (an open card of the gate: a pre_tool_call
-        waiting for an answer), with the gate's declared control block verbatim."""
+        """AEP-0003 §4.1: a snapshot of the live claims this relay routes to, one entry per
+        claim (`bridge.services.relay.claims`): the live Hermes sessions with the gate's
+        declared control block verbatim (none without a gate: no route), then the sessions
+        of this replica's WebSocket emitters with their own declarations verbatim."""
         rid = frame.get("id")
         if rid is None:
             return  # a roster request carries an id; without one there is nothing to answer
@@ -571,39 +622,35 @@ class Relay:
         hello = await self.gate_hello()
         entries: list[dict[str, Any]] = []
         if hello is not None:
+            identity = hello.get("identity") if isinstance(hello.get("identity"), dict) else {}
             control = (hello.get("capabilities") or {}).get("control")
-            seen: set[tuple[str, str]] = set()
-            for card in await self.open_cards():
-                session, source = card.get("session"), str(card.get("source") or "")
-                if not isinstance(session, str) or (session, source) in seen:
-                    continue
-                seen.add((session, source))
-                entry: dict[str, Any] = {"session": session, "agent": "hermes"}
-                instance = instance_of(source)
-                if instance:
-                    entry["instance"] = instance
+            for session, info in await self.hermes_sessions():
+                entry: dict[str, Any] = {"session": session}
+                if isinstance(identity.get("agent"), str):
+                    entry["agent"] = identity["agent"]
+                if info.instance:
+                    entry["instance"] = info.instance
                 if isinstance(control, dict):
                     entry["control"] = control
                 entries.append(entry)
+        entries.extend(self.claims.entries())
         await send({"type": "roster", "id": rid, "entries": entries})
 
-    async def open_cards(self) -> list[dict[str, Any]]:
+    async def _kv_scan(self, keys: str) -> list[tuple[str, bytes]]:
+        """(key, value) of the control bucket's live keys matching ``keys``, read through a
+        watch (the one bucket read the relay's NATS role has)."""
         try:
             kv = await self.js.key_value(CONTROL_BUCKET.bucket)
-            watcher = await kv.watch("card.*", ignore_deletes=True)
-        except Exception:  # noqa: BLE001 - no control bucket (no gate ever ran): nothing held
+            watcher = await kv.watch(keys, ignore_deletes=True)
+        except Exception:  # noqa: BLE001 - no control bucket (no gate ever ran): nothing known
             return []
         out = []
         try:
             async for entry in watcher:
                 if entry is None:
                     break
-                try:
-                    card = _decode(entry.value)
-                except msgspec.DecodeError:
-                    continue
-                if isinstance(card, dict) and card.get("state") == "open":
-                    out.append(card)
+                if entry.value:
+                    out.append((entry.key, entry.value))
         finally:
             try:
                 await watcher.stop()
@@ -611,15 +658,39 @@ class Relay:
                 pass
         return out
 
-    async def claimed(self, session: str) -> bool:
-        """Whether ``session`` is one of the fleet's Hermes sessions (its events are on
-        AEP_EVENTS under aep.hermes.<lane>.>): the only sessions the gate can act on. A
-        session known only from posted events (aep.ingest.>) has no claimant here."""
+    @staticmethod
+    def _live(token: str, value: bytes) -> tuple[str, SessionInfo] | None:
         try:
-            info = await self.js.stream_info(S.AEP_EVENTS, subjects_filter=events_filter(lane_token(session)))
-        except Exception:  # noqa: BLE001 - an unusable name or NATS away: no route
-            return False
-        return bool(info.state.subjects)
+            info = msgspec.json.decode(value, type=SessionInfo)
+        except msgspec.DecodeError:
+            return None
+        if info.ended:
+            return None
+        session = info.session
+        if not session:
+            try:
+                session = lane_from_token(token)
+            except ValueError:  # a hashed token from a record older than SessionInfo.session
+                return None
+        return (session, info) if lane_token(session) == token else None
+
+    async def hermes_sessions(self) -> list[tuple[str, SessionInfo]]:
+        """The live Hermes sessions: seen by the gate, not finalized."""
+        out = []
+        for key, value in await self._kv_scan("sess.*"):
+            live = self._live(key[5:], value)
+            if live is not None:
+                out.append(live)
+        return out
+
+    async def hermes_session(self, session: str) -> SessionInfo | None:
+        """The gate's record of ``session`` if it is a live Hermes session, else None."""
+        token = lane_token(session)
+        for _, value in await self._kv_scan(f"sess.{token}"):
+            live = self._live(token, value)
+            if live is not None and live[0] == session:
+                return live[1]
+        return None
 
     async def gate_hello(self) -> dict[str, Any] | None:
         now = asyncio.get_running_loop().time()

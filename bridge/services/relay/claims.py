@@ -1,0 +1,97 @@
+"""Live claims (AEP-0003 §4.1, AEP-0004 §4): who the relay can route a command to.
+
+Two kinds of claimant terminate here:
+
+* **WebSocket emitters.** A connection whose hello says ``emitter`` (or ``both``) claims every
+  session it sends an Event for, for as long as it stays open. Its roster entry relays its
+  hello's ``identity.agent``/``identity.instance`` and its declared ``capabilities.control``
+  and ``capabilities.emits`` verbatim. A claim lives in the replica that terminates the
+  connection: with several relay replicas, a consumer sees (and can command) the WebSocket
+  emitters of the replica it is connected to.
+* **Hermes sessions** (the fleet). The gate is their control target on NATS: a Hermes session
+  is live while the gate has seen it (its ``sess.<lane token>`` record in the control
+  bucket) and not seen its ``on_session_finalize``. Every replica sees the same set. The
+  entry carries the Hermes instance the session runs on, and the gate's declared control
+  block verbatim (the gate answers for every shim).
+
+A command is routed only to exactly one live claimant: none is ``no-route``, more than one is
+``ambiguous`` (never a guess, never a broadcast).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+MAX_CLAIMS_PER_CONNECTION = 4096  # sessions one emitter connection may claim (memory bound)
+
+
+@dataclass(eq=False)
+class Claimant:
+    """One emitter connection: its hello's declarations and the sessions it claimed."""
+
+    send: Any  # async callable: a frame or bytes to that connection
+    identity: dict[str, Any]
+    capabilities: dict[str, Any]
+    sessions: set[str] = field(default_factory=set)
+
+    @classmethod
+    def from_hello(cls, send: Any, hello: dict[str, Any]) -> Claimant:
+        identity = hello.get("identity")
+        capabilities = hello.get("capabilities")
+        return cls(send, identity if isinstance(identity, dict) else {},
+                   capabilities if isinstance(capabilities, dict) else {})
+
+    @property
+    def control(self) -> dict[str, Any] | None:
+        control = self.capabilities.get("control")
+        return control if isinstance(control, dict) else None
+
+    def accepts(self, command_type: str) -> bool:
+        accepts = (self.control or {}).get("accepts")
+        return isinstance(accepts, list) and command_type in accepts
+
+    def entry(self, session: str) -> dict[str, Any]:
+        """The roster entry of one claim: declarations verbatim, nothing inferred (§4.1 rule 4)."""
+        out: dict[str, Any] = {"session": session}
+        for key in ("agent", "instance"):
+            if isinstance(self.identity.get(key), str):
+                out[key] = self.identity[key]
+        if self.control is not None:
+            out["control"] = self.control
+        if "emits" in self.capabilities:
+            out["emits"] = self.capabilities["emits"]
+        return out
+
+
+class Claims:
+    """The WebSocket emitters' claims of this replica: session -> claimants."""
+
+    def __init__(self) -> None:
+        self.by_session: dict[str, list[Claimant]] = {}
+
+    def claim(self, who: Claimant, session: str) -> bool:
+        """Record that ``who`` claims ``session``; False when it holds too many already."""
+        if session in who.sessions:
+            return True
+        if len(who.sessions) >= MAX_CLAIMS_PER_CONNECTION:
+            return False
+        who.sessions.add(session)
+        self.by_session.setdefault(session, []).append(who)
+        return True
+
+    def release(self, who: Claimant) -> None:
+        """The connection closed: every claim it held ends."""
+        for session in who.sessions:
+            left = [c for c in self.by_session.get(session, []) if c is not who]
+            if left:
+                self.by_session[session] = left
+            else:
+                self.by_session.pop(session, None)
+        who.sessions.clear()
+
+    def of(self, session: str) -> list[Claimant]:
+        return list(self.by_session.get(session, ()))
+
+    def entries(self) -> list[dict[str, Any]]:
+        return [c.entry(session) for session, claimants in self.by_session.items() for c in claimants]
