@@ -76,10 +76,12 @@ def test_an_emitters_events_are_stored_and_its_sessions_are_live_claims(relay) -
             await ws.send_str("{not json")  # a bad frame: refused in-band, the claim survives
             bad = await next_frame(ws)
             still = [e for e in await roster(s, relay) if e["session"] == session]
+            async with s.get(relay.url + "/metrics") as r:
+                gauge = [ln for ln in (await r.text()).splitlines() if ln.startswith("aep_bridge_relay_claims ")]
             await ws.close()
             await asyncio.sleep(0.3)
             after = [e for e in await roster(s, relay) if e["session"] == session]
-            return during, still, {"sse": sse, "bad": bad}, after
+            return during, still, {"sse": sse, "bad": bad, "gauge": gauge}, after
 
     during, still, seen, after = asyncio.run(go())
     entry = {"session": session, "agent": "claimant", "instance": "host-a/1", "control": CONTROL, "emits": ["session"]}
@@ -87,6 +89,7 @@ def test_an_emitters_events_are_stored_and_its_sessions_are_live_claims(relay) -
     assert still == [entry]
     assert [e["data"] for e in seen["sse"]["events"]] == [ev]  # stored once, byte-identical
     assert seen["bad"]["type"] == "error" and seen["bad"]["code"] == "invalid-frame"
+    assert seen["gauge"] == ["aep_bridge_relay_claims 1.0"]
     assert after == []  # the connection closed: the claim is gone
 
 

@@ -66,8 +66,10 @@ class Metrics:
                                    "subscriptions ended because a notice-or-above event found the queue full", registry=r)
         self.refusals = Counter("aep_bridge_relay_refusals_total", "requests and frames refused", ["code"], registry=r)
         self.exhausted = Counter("aep_bridge_relay_replay_exhausted_total", "resume positions older than the replay buffer", registry=r)
-        self.ingested = Counter("aep_bridge_relay_ingested_events_total", "events posted by emitters and stored (new)", registry=r)
-        self.commands = Counter("aep_bridge_relay_commands_total", "control commands routed to the gate", registry=r)
+        self.ingested = Counter("aep_bridge_relay_ingested_events_total", "events from emitters (POST, WebSocket) stored (new)", registry=r)
+        self.commands = Counter("aep_bridge_relay_commands_total", "control commands routed (to the gate or a WebSocket emitter)", registry=r)
+        self.claims = Gauge("aep_bridge_relay_claims", "live claims of this replica's WebSocket emitters (sessions x connections)",
+                            registry=r)
         self.resumes = Counter("aep_bridge_relay_resumes_total", "subscriptions that resumed (from, Last-Event-ID)", ["kind"], registry=r)
 
 
@@ -156,6 +158,7 @@ class Relay:
         return web.json_response({"ready": ok}, status=200 if ok else 503)
 
     async def metrics_page(self, request: web.Request) -> web.Response:
+        self.metrics.claims.set(sum(len(c) for c in self.claims.by_session.values()))
         return web.Response(body=generate_latest(self.metrics.registry), content_type="text/plain", charset="utf-8")
 
     async def discovery(self, request: web.Request) -> web.Response:
