@@ -180,3 +180,32 @@ def test_claims_registry_one_entry_per_claim_and_release() -> None:
     assert claims.of("s1") == [b] and claims.of("s2") == [] and claims.entries() == [b.entry("s1")]
     junk = Claimant.from_hello(None, {"type": "hello", "identity": "x", "capabilities": [1]})
     assert junk.entry("s") == {"session": "s"}  # nothing declared, nothing synthesized
+
+
+def test_a_type_too_long_for_a_subject_is_refused_not_a_crash(relay) -> None:
+    """A type the envelope pattern admits but no subject may carry (over 128 characters):
+    400 on POST, an in-band error on the WebSocket, and both keep serving."""
+    session = "w" + uuid.uuid4().hex[:10]
+    long_type = "x.vendor." + "a" * 200 + ".b"
+    ev = encode({**event(session, 1, long_type), "agent": "claimant"})
+
+    async def go() -> tuple[int, dict, dict, int]:
+        async with aiohttp.ClientSession() as s:
+            async with s.post(relay.url + "/events", data=ev, headers={**auth(EMITTER), "AEP-Version": "0.1",
+                                                                        "Content-Type": "application/json"}) as r:
+                posted, body = r.status, await r.json()
+            ws = await connect(s, relay, emitter_hello("claimant"), EMITTER)
+            await ws.send_str(ev.decode())
+            refused = await next_frame(ws)
+            await ws.send_json({"type": "ping"})
+            alive = await next_frame(ws)
+            async with s.post(relay.url + "/events", data=encode({**event(session, 2), "agent": "claimant"}),
+                              headers={**auth(EMITTER), "AEP-Version": "0.1", "Content-Type": "application/json"}) as r:
+                after = r.status
+            return posted, body, {"refused": refused, "alive": alive}, after
+
+    posted, body, ws, after = asyncio.run(go())
+    assert posted == 400 and body["error"] == "invalid-event" and "type" in body["detail"]
+    assert ws["refused"]["code"] == "invalid-event" and ws["refused"]["cause"] == f"{session}-1"
+    assert ws["alive"] == {"type": "pong"}
+    assert after == 202

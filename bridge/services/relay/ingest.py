@@ -27,6 +27,7 @@ import msgspec
 
 from bridge.core.aep import Event
 from bridge.core.lanes import lane_token
+from bridge.nats.subjects import valid_type
 
 _decode_event = msgspec.json.Decoder(Event).decode
 _decode = msgspec.json.Decoder().decode
@@ -69,6 +70,8 @@ def check_lines(lines: list[bytes]) -> list[tuple[bytes, dict[str, Any]]]:
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
             raise InvalidEvent(i, str(exc)) from None
         problem = envelope_problem(event)
+        if not problem and not valid_type(event["type"]):  # the pattern admits types no subject can carry
+            problem = f"type has {len(event['type'])} characters (a stored type has at most 128)"
         if problem:
             raise InvalidEvent(i, problem)
         if b"\n" in line or b"\r" in line:
