@@ -20,8 +20,10 @@ Theory of operation
   (``exported_payload``, ``downlevel``).
 * A fan-out hop (the relay) delivers each subscription at its ceiling field by field
   (``downlevel_fields``): an event above it lands on ``metadata`` with its metadata-level
-  fields, for the payload types whose field levels ``bridge.core.aep`` declares; other
-  types keep their envelope alone.
+  fields: the levels ``bridge.core.aep`` declares for the types this bridge emits, those of
+  the AEP payload schemas (vendored in ``bridge/data/aep_spec/``) for the other standard
+  types; vendor and unknown types keep their envelope alone. Reading those schemas, once,
+  at first use (``importlib.resources``) is the one thing here that touches a file.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import json
 import re
 from dataclasses import dataclass, field
 from functools import lru_cache
+from importlib import resources
 from typing import Any, Callable, Iterable
 
 import msgspec
@@ -473,13 +476,16 @@ def downlevel(event: dict[str, Any], max_capture: int) -> dict[str, Any]:
 # ---------------------------------------------------------------- a fan-out hop's ceiling (AEP-0001 §8.2, AEP-0003 §6.4)
 #
 # The relay delivers each subscription at its ceiling. Down-levelling there is field by field
-# for the types whose payload fields carry their capture levels (`bridge.core.aep`, the types
-# that are our schemas): the event keeps what its new level admits. Where it lands: an event
-# above the ceiling goes to `metadata` (or to `none` under a `none` ceiling), never to
-# `redacted`: that level claims the text passed the §9.4 pipeline, which a mechanical hop
-# cannot mint (§8.2 e), and a `redacted` source event is within a `redacted` ceiling anyway.
-# A type without known levels (foreign and vendor types) keeps its envelope and loses its
-# payload: dropping more than the levels require is always legal (§8.2 b).
+# for the types whose payload fields carry their capture levels: the event keeps what its new
+# level admits. The levels of a type come from `bridge.core.aep` when this bridge emits it (our
+# types are our schemas, at least as strict as the spec's: tests/core/test_spec_levels.py),
+# else from the AEP payload schema of the standard type (`bridge/data/aep_spec/types/`, what
+# other emitters POST to the relay). Where it lands: an event above the ceiling goes to
+# `metadata` (or to `none` under a `none` ceiling), never to `redacted`: that level claims the
+# text passed the §9.4 pipeline, which a mechanical hop cannot mint (§8.2 e), and a `redacted`
+# source event is within a `redacted` ceiling anyway. A type without known levels (vendor
+# types we do not emit, unregistered ones, registered ones without a schema) keeps its
+# envelope and loses its payload: dropping more than the levels require is always legal (§8.2 b).
 
 
 def _shape(tp: Any) -> tuple[int, Any]:
@@ -511,11 +517,123 @@ def _fields(info: msgspec.inspect.StructType) -> dict[str, tuple[int, Any]]:
     return {f.encode_name: _shape(f.type) for f in info.fields}
 
 
-@lru_cache(maxsize=None)
+# ---- the levels of the AEP payload schemas
+
+SPEC_DATA = "bridge.data"  # the package holding aep_spec/ (a name, not an import: the core imports no other floor)
+
+
+def _level_of(value: Any) -> int:
+    """An `x-aep-capture` value's rank; an unknown one is `full` (to be safe)."""
+    return LEVEL_RANK.get(value, FULL) if isinstance(value, str) else FULL
+
+
+def _pointer(ref: str, root: dict[str, Any]) -> Any:
+    """The node a local reference (`#`, `#/$defs/x`, `#/definitions/x`) names in ``root``, or None."""
+    if not ref.startswith("#"):
+        return None  # another document: not followed
+    node: Any = root
+    for part in ref[2:].split("/") if len(ref) > 1 else ():
+        node = node.get(part.replace("~1", "/").replace("~0", "~")) if isinstance(node, dict) else None
+    return node
+
+
+def _resolve(node: Any, root: dict[str, Any]) -> tuple[dict[str, Any] | None, list[int]]:
+    """A schema node with its `$ref` chain followed, and the capture levels annotated along the
+    chain; ``{}`` for no schema object, None for a reference that leaves the document, does not
+    resolve to a schema object or loops (what it stands for is unknown: content)."""
+    levels: list[int] = []
+    seen: set[str] = set()
+    while isinstance(node, dict):
+        if "x-aep-capture" in node:
+            levels.append(_level_of(node["x-aep-capture"]))
+        ref = node.get("$ref")
+        if not isinstance(ref, str):
+            return node, levels
+        if ref in seen:
+            return None, levels
+        seen.add(ref)
+        node = _pointer(ref, root)
+        if not isinstance(node, dict):
+            return None, levels
+    return {}, levels
+
+
+def _deepest_level(node: Any, root: dict[str, Any]) -> int:
+    """The highest `x-aep-capture` anywhere within a schema node, references followed (one that
+    does not resolve: `full`); NONE if none."""
+    top, stack, seen = NONE, [node], set()
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            if "x-aep-capture" in item:
+                top = max(top, _level_of(item["x-aep-capture"]))
+            ref = item.get("$ref")
+            if isinstance(ref, str) and ref not in seen:
+                seen.add(ref)
+                target = _pointer(ref, root)
+                if target is None:
+                    top = FULL
+                stack.append(target)
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return top
+
+
+def _schema_field(node: Any, root: dict[str, Any], depth: int = 0) -> tuple[int, Any]:
+    """(capture level, shape) of one property of a payload schema, the way `_shape` reads a
+    struct field: an object with `properties` is a nested shape, an array whose `items` has
+    `properties` is ``[shape]``, anything else a leaf. A field without `x-aep-capture` is
+    `full` (content, to be safe); a leaf (or an array's items) holding annotations the shape
+    does not model (combinators, `additionalProperties`...) is raised to the highest of them."""
+    node, levels = _resolve(node, root)
+    if node is None or depth > 32:
+        return FULL, None
+    level = max(levels) if levels else FULL
+    if isinstance(node.get("properties"), dict):
+        return level, _schema_fields(node, root, depth + 1)
+    items, item_levels = _resolve(node.get("items"), root)
+    if items is not None and isinstance(items.get("properties"), dict):
+        return max([level, *item_levels]), [_schema_fields(items, root, depth + 1)]
+    return max(level, _deepest_level(node, root)), None
+
+
+def _schema_fields(node: dict[str, Any], root: dict[str, Any], depth: int = 0) -> dict[str, tuple[int, Any]]:
+    return {name: _schema_field(sub, root, depth) for name, sub in node["properties"].items()}
+
+
+def schema_payload_fields(schema: dict[str, Any]) -> dict[str, tuple[int, Any]]:
+    """The payload fields of a payload JSON Schema, name -> (capture level, shape), as `payload_fields`."""
+    node, _ = _resolve(schema, schema)
+    return _schema_fields(node, schema) if node is not None and isinstance(node.get("properties"), dict) else {}
+
+
+@lru_cache(maxsize=1)
+def spec_payload_fields() -> dict[str, dict[str, tuple[int, Any]]]:
+    """The payload fields of every registered AEP type with a payload schema, read once from
+    the vendored registry (`bridge/data/aep_spec/`)."""
+    spec = resources.files(SPEC_DATA).joinpath("aep_spec")
+    registry = json.loads(spec.joinpath("registry", "types.json").read_text(encoding="utf-8"))
+    table = {}
+    for entry in registry["types"]:
+        if entry.get("schema"):
+            schema = json.loads(spec.joinpath("types", entry["schema"]).read_text(encoding="utf-8"))
+            table[entry["type"]] = schema_payload_fields(schema)
+    return table
+
+
+@lru_cache(maxsize=1)
+def _field_table() -> dict[str, dict[str, tuple[int, Any]]]:
+    table = dict(spec_payload_fields())
+    table.update((t, _fields(msgspec.inspect.type_info(cls))) for t, cls in aep.PAYLOAD_TYPES.items())
+    return table
+
+
 def payload_fields(event_type: str) -> dict[str, tuple[int, Any]] | None:
-    """The payload fields of a type this bridge knows, name -> (capture level, shape); None for others."""
-    cls = aep.PAYLOAD_TYPES.get(event_type)
-    return None if cls is None else _fields(msgspec.inspect.type_info(cls))
+    """The payload fields of a type whose field levels are known, name -> (capture level, shape):
+    ours for the types this bridge emits, the AEP payload schema's for the other standard
+    types; None for others. (One table built once: no cache keyed by the types events carry.)"""
+    return _field_table().get(event_type)
 
 
 def _project(value: Any, shape: dict[str, tuple[int, Any]], level: int) -> dict[str, Any]:

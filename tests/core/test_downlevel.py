@@ -1,7 +1,8 @@
 """A fan-out hop's capture ceiling (bridge/core/capture.py `downlevel_fields`, AEP-0001 §8.2):
 field-level down-levelling against the AEP repository's corpus (tests/fixtures/aep/downlevel/),
 never up-levelled, never a `redacted` claim minted, within the ceiling the event itself, and
-types without known field levels reduced to their envelope."""
+types without known field levels reduced to their envelope. (The levels of the standard types
+we do not emit, read from the spec's schemas: tests/core/test_spec_levels.py.)"""
 
 from __future__ import annotations
 
@@ -60,7 +61,7 @@ def test_corpus(case):
     shape = payload_fields(event["type"])
     if case["expect_data"] is None:
         assert "data" not in out
-    elif shape is None:  # a type whose field levels we do not know: the envelope alone
+    elif shape is None:  # a type whose field levels we do not know (DL8, a vendor type): the envelope alone
         assert "data" not in out
     else:
         _legal_subset(out["data"], case["expect_data"], shape)
@@ -68,10 +69,12 @@ def test_corpus(case):
         assert "SECRET" not in json.dumps(out)  # the corpus marks what must not survive
 
 
-# The corpus cases this bridge meets exactly (its types declare every field the case keeps);
-# DL6/DL10 keep less (tool.completed `status` is not a field of ours) and DL13-DL18 are types
-# we do not know (the envelope alone). Pinned so a narrowing shows up here.
-EXACT = {"DL1", "DL2", "DL3", "DL4", "DL5", "DL7", "DL8", "DL9", "DL11", "DL12"}
+# The corpus cases this bridge meets exactly (the field levels it knows declare every field the
+# case keeps); DL6/DL10 keep less (tool.completed `status` is a field of the spec, not of ours,
+# and our types are authoritative for what we emit). DL13-DL18 are types we do not emit, read
+# from the spec's payload schemas. Pinned so a narrowing shows up here.
+EXACT = {"DL1", "DL2", "DL3", "DL4", "DL5", "DL7", "DL8", "DL9", "DL11", "DL12",
+         "DL13", "DL14", "DL15", "DL16", "DL17", "DL18"}
 
 
 def test_corpus_exact_where_our_types_declare_the_fields():
@@ -145,8 +148,8 @@ def test_odd_input_loses_content_never_raises():
 
 
 def test_the_field_levels_are_the_annotations_of_our_types():
-    """The table is read from `bridge.core.aep` (the types that are our schemas): it follows
-    every payload type there and the `x-aep-capture` of each field."""
+    """For the types we emit the table is read from `bridge.core.aep` (the types that are our
+    schemas): it follows every payload type there and the `x-aep-capture` of each field."""
     schemas = msgspec.json.schema_components(list(aep.PAYLOAD_TYPES.values()))[1]
     for event_type, cls in aep.PAYLOAD_TYPES.items():
         props = schemas[cls.__name__].get("properties", {})

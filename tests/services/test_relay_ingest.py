@@ -92,6 +92,32 @@ def test_batch_stored_in_order_in_its_own_space_deduped_and_byte_identical(relay
     assert [f.encode() for f in frames] == lines
 
 
+def test_posted_standard_types_we_do_not_emit_are_down_levelled_field_by_field(relay):
+    """Events another emitter posts, of standard types the bridge never emits, reach a
+    `metadata` subscription with the metadata-level fields their AEP payload schema declares
+    (AEP-0001 §8.2); a vendor type keeps its envelope alone."""
+    s_ = sid()
+    status = event(s_, 1, "progress.status", capture="full", data={"phase": "build", "percent": 40, "message": "CANARY text"})
+    error = event(s_, 2, "error.raised", capture="redacted", data={"error": {"type": "Timeout", "message": "CANARY"}, "fatal": False})
+    vendor = event(s_, 3, "x.foo.progress.status", capture="full", data={"phase": "build"})
+    lines = [encode(e) for e in (status, error, vendor)]
+    assert post(relay, b"\n".join(lines) + b"\n")[0] == 202
+
+    async def read(capture):
+        async with aiohttp.ClientSession() as s:
+            return await read_sse(s, relay.url + "/stream", want=3, headers=auth(CONSUMER), params={
+                "from": "all", "live": "0", "filter": json.dumps({"session": s_}), "capture": capture})
+
+    got = [json.loads(e["data"]) for e in asyncio.run(read("metadata"))["events"]]
+    envelope = [{k: v for k, v in e.items() if k not in ("capture", "data")} for e in (status, error, vendor)]
+    assert got == [envelope[0] | {"capture": "metadata", "data": {"phase": "build", "percent": 40}},
+                   envelope[1] | {"capture": "metadata", "data": {"error": {"type": "Timeout"}, "fatal": False}},
+                   envelope[2] | {"capture": "metadata"}]
+    assert [json.loads(e["data"]) for e in asyncio.run(read("none"))["events"]] == \
+        [env | {"capture": "none"} for env in envelope]
+    assert [e["data"] for e in asyncio.run(read("full"))["events"]] == lines  # within the ceiling: the posted bytes
+
+
 def test_a_relay_without_tokens_is_a_loopback_development_relay(nats_server, jetstream, tmp_path):
     relay = RelayProcess(nats_server.url, tmp_path, tokens=False).start()
     try:

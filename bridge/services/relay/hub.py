@@ -80,7 +80,7 @@ class Item:
         if level <= ceiling:
             return self.raw
         out = self._data.get(ceiling)
-        if out is None:  # field by field for the types we know, else the envelope alone
+        if out is None:  # field by field for the types with known levels, else the envelope alone
             out = self._data[ceiling] = _encode(downlevel_fields(self.event, ceiling))
         return out
 
