@@ -622,17 +622,35 @@ def spec_payload_fields() -> dict[str, dict[str, tuple[int, Any]]]:
     return table
 
 
+def _merged(ours: dict[str, tuple[int, Any]], spec: dict[str, tuple[int, Any]]) -> dict[str, tuple[int, Any]]:
+    """Our fields over the spec's: ours decide every field both define (level and shape, merged
+    one level down into nested objects and lists of objects); a field only the spec defines
+    keeps the spec's level (a posted ``tool.completed`` keeps its ``status`` at metadata)."""
+    out = dict(spec)
+    for name, (level, shape) in ours.items():
+        other = spec.get(name)
+        if other is not None and isinstance(shape, dict) and isinstance(other[1], dict):
+            shape = _merged(shape, other[1])
+        elif (other is not None and isinstance(shape, list) and isinstance(other[1], list)
+              and isinstance(shape[0], dict) and isinstance(other[1][0], dict)):
+            shape = [_merged(shape[0], other[1][0])]
+        out[name] = (level, shape)
+    return out
+
+
 @lru_cache(maxsize=1)
 def _field_table() -> dict[str, dict[str, tuple[int, Any]]]:
-    table = dict(spec_payload_fields())
-    table.update((t, _fields(msgspec.inspect.type_info(cls))) for t, cls in aep.PAYLOAD_TYPES.items())
+    spec = spec_payload_fields()
+    table = dict(spec)
+    for t, cls in aep.PAYLOAD_TYPES.items():
+        table[t] = _merged(_fields(msgspec.inspect.type_info(cls)), spec.get(t, {}))
     return table
 
 
 def payload_fields(event_type: str) -> dict[str, tuple[int, Any]] | None:
     """The payload fields of a type whose field levels are known, name -> (capture level, shape):
-    ours for the types this bridge emits, the AEP payload schema's for the other standard
-    types; None for others. (One table built once: no cache keyed by the types events carry.)"""
+    ours for the types this bridge emits (with the fields only the AEP payload schema defines
+    added at the schema's levels), the schema's for the other standard types; None for others. (One table built once: no cache keyed by the types events carry.)"""
     return _field_table().get(event_type)
 
 

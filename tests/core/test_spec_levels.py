@@ -198,13 +198,23 @@ def test_the_comparison_sees_a_looser_field():
                       "t: d[].e is redacted here, full in the spec", "t: f is metadata here, redacted in the spec"]
 
 
-def test_the_types_we_emit_keep_our_levels():
+def test_the_types_we_emit_keep_our_levels_and_gain_the_spec_only_fields():
+    spec = spec_payload_fields()
     for event_type, cls in aep.PAYLOAD_TYPES.items():
-        assert payload_fields(event_type) == _fields(msgspec.inspect.type_info(cls)), event_type
-    # a field the spec declares and we do not: not ours, so dropped at metadata (legal, §8.2 b)
+        ours = _fields(msgspec.inspect.type_info(cls))
+        table = payload_fields(event_type)
+        for name, (level, _) in ours.items():
+            assert table[name][0] == level, (event_type, name)  # ours decide every field we define
+        for name in set(table) - set(ours):
+            assert table[name] == spec[event_type][name], (event_type, name)  # the rest is the spec's
+        assert set(table) == set(ours) | set(spec.get(event_type, {})), event_type
+    # a field the spec declares and we do not: kept at the spec's level (status is metadata)
     ev = {"aep": "0.1", "id": "T1", "type": "tool.completed", "agent": "a", "capture": "full",
           "data": {"tool": {"name": "t"}, "status": "success", "result": "x"}}
-    assert downlevel_fields(ev, METADATA)["data"] == {"tool": {"name": "t"}}
+    assert downlevel_fields(ev, METADATA)["data"] == {"tool": {"name": "t"}, "status": "success"}
+    # nested: attention.requested's fields[] keep our members and gain the spec's min/max
+    inner = payload_fields("attention.requested")["fields"][1][0]
+    assert {"min", "max"} <= set(inner) and set(spec["attention.requested"]["fields"][1][0]) <= set(inner)
 
 
 # ---------------------------------------------------------------- down-levelling the types we do not emit
