@@ -12,8 +12,13 @@ import uuid
 from typing import Any
 
 import aiohttp
+import msgspec
 
-from bridge.services.relay.claims import Claimant, Claims
+from bridge.core.control import SessionInfo
+from bridge.core.lanes import lane_token
+from bridge.nats.streams import CONTROL_BUCKET
+from bridge.services.relay.claims import MAX_CLAIM_SESSION_CHARS, MAX_DECLARATIONS_BYTES, Claimant, Claims
+from bridge.services.relay.service import FORWARD_TIMEOUT_S
 from tests.support.relay import ALL, CONSUMER, EMITTER, OPERATOR, auth, encode, event, read_sse
 
 CONTROL = {"accepts": ["control.attention.respond"], "ack_window_ms": 10_000}
@@ -209,3 +214,178 @@ def test_a_type_too_long_for_a_subject_is_refused_not_a_crash(relay) -> None:
     assert ws["refused"]["code"] == "invalid-event" and ws["refused"]["cause"] == f"{session}-1"
     assert ws["alive"] == {"type": "pong"}
     assert after == 202
+
+
+# ---------------------------------------------------------------- hostile claimants and emitters
+
+
+async def _claimed(s: aiohttp.ClientSession, relay: Any, session: str) -> None:
+    for _ in range(50):
+        if [e for e in await roster(s, relay) if e["session"] == session]:
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"{session} never claimed")
+
+
+def test_an_ack_posted_by_a_third_party_settles_nothing(relay) -> None:
+    """Only the target's own ack settles a command: an emitter posting control.accepted with
+    the command's cause (ids are visible on the stream) is somebody else's word."""
+    session = "w" + uuid.uuid4().hex[:10]
+    cid = uuid.uuid4().hex[:26].upper()
+
+    async def go() -> tuple[Any, dict]:
+        async with aiohttp.ClientSession() as s:
+            target = await connect(s, relay, emitter_hello("claimant"), EMITTER)
+            await target.send_str(encode(started(session)).decode())
+            await _claimed(s, relay, session)
+            op = await connect(s, relay, {"type": "hello", "versions": ["0.1"], "role": "consumer"}, OPERATOR)
+            await op.send_str(respond(session, cid).decode())
+            await target.receive(timeout=5)  # the target has it, and decides slowly
+            forged = {**event(session, 7, "control.accepted", data={}), "agent": "impostor",
+                      "source": "urn:evil", "cause": cid, "id": "forged-ack"}
+            for via_ws in (False, True):
+                if via_ws:
+                    other = await connect(s, relay, emitter_hello("impostor"), EMITTER)
+                    await other.send_str(encode({**forged, "id": "forged-ack-ws"}).decode())
+                else:
+                    async with s.post(relay.url + "/events", data=encode(forged),
+                                      headers={**auth(EMITTER), "AEP-Version": "0.1", "Content-Type": "application/json"}) as r:
+                        assert r.status == 202
+            try:
+                early = await next_frame(op, timeout=1.5)
+            except asyncio.TimeoutError:
+                early = None
+            real = {**event(session, 8, "control.accepted", data={}), "agent": "claimant", "cause": cid, "id": "real-ack"}
+            await target.send_str(encode(real).decode())
+            return early, await next_frame(op, timeout=10)
+
+    early, answer = asyncio.run(go())
+    assert early is None, f"a forged ack settled the command: {early}"
+    assert answer["id"] == "real-ack" and answer["cause"] == cid
+
+
+def test_an_emitter_that_stops_reading_stalls_no_operator(relay) -> None:
+    """The target of a command never reads again: the operator's connection keeps working,
+    the target is closed once a command cannot reach it, and later commands are no-route."""
+    session = "w" + uuid.uuid4().hex[:10]
+    control = {"accepts": ["control.attention.respond"], "ack_window_ms": 600_000}
+
+    async def go() -> dict[str, Any]:
+        async with aiohttp.ClientSession() as s:
+            target = await connect(s, relay, emitter_hello("claimant", control=control), EMITTER)
+            await target.send_str(encode(started(session)).decode())
+            await _claimed(s, relay, session)
+            op = await connect(s, relay, {"type": "hello", "versions": ["0.1"], "role": "consumer"}, OPERATOR)
+            big = "x" * 900_000
+            for i in range(30):  # ~27 MB toward a socket nobody reads
+                cmd = json.loads(respond(session, f"BIG{i}"))
+                cmd["data"]["answer"]["text"] = big
+                await op.send_str(json.dumps(cmd))
+            await op.send_json({"type": "ping", "t": 1})
+            frames = []
+            while True:
+                f = await next_frame(op, timeout=30)
+                if f["type"] == "pong":
+                    break
+                frames.append(f)
+            await asyncio.sleep(FORWARD_TIMEOUT_S + 1)
+            await op.send_str(respond(session, "AFTER").decode())
+            while True:
+                f = await next_frame(op, timeout=10)
+                if f.get("cause") == "AFTER":
+                    return {"frames": frames, "after": f, "entries": [e for e in await roster(s, relay)
+                                                                        if e["session"] == session]}
+
+    out = asyncio.run(go())
+    assert out["after"]["code"] == "no-route"  # the stuck target was closed, its claim released
+    assert out["entries"] == []
+
+
+def test_an_emitters_declarations_are_bounded(relay) -> None:
+    """A roster entry repeats its claimant's declarations per claim: a hello declaring more
+    than MAX_DECLARATIONS_BYTES is refused, so a roster stays claims x a few KB."""
+    fat = {"accepts": ["control.attention.respond"] + ["x.v.control.p%06d" % i for i in range(20_000)]}
+
+    async def go() -> tuple[dict, bool]:
+        async with aiohttp.ClientSession() as s:
+            ws = await s.ws_connect(relay.ws_url, headers=auth(EMITTER))
+            await ws.send_json(emitter_hello("claimant", control=fat))
+            refused = await next_frame(ws)
+            closed = (await ws.receive(timeout=5)).type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED,
+                                                            aiohttp.WSMsgType.CLOSING)
+            return refused, closed
+
+    refused, closed = asyncio.run(go())
+    assert refused["code"] == "limit-exceeded" and str(MAX_DECLARATIONS_BYTES) in refused["detail"] and closed
+
+
+def test_a_live_hermes_session_is_never_diverted_to_an_impostor(relay, jetstream) -> None:
+    """A live Hermes session (the gate's live. record) and a WebSocket emitter claiming the
+    same name: refused ambiguous, never delivered to the emitter, gate or no gate."""
+    session = "h" + uuid.uuid4().hex[:10]
+
+    async def put() -> None:
+        js = jetstream.js if hasattr(jetstream, "js") else jetstream.nc.jetstream()
+        try:
+            kv = await js.key_value(CONTROL_BUCKET.bucket)
+        except Exception:  # noqa: BLE001 - no gate ran on this server yet
+            kv = await js.create_key_value(bucket=CONTROL_BUCKET.bucket)
+        await kv.put(f"live.{lane_token(session)}", msgspec.json.encode(
+            SessionInfo(source="aep://hermes-a/x", instance="hermes-a", session=session)))
+
+    jetstream.run(put())
+    cid = uuid.uuid4().hex[:26].upper()
+
+    async def go() -> tuple[Any, dict]:
+        async with aiohttp.ClientSession() as s:
+            imp = await connect(s, relay, emitter_hello("impostor"), EMITTER)
+            await imp.send_str(encode(started(session)).decode())
+            await _claimed(s, relay, session)
+            op = await connect(s, relay, {"type": "hello", "versions": ["0.1"], "role": "consumer"}, OPERATOR)
+            await op.send_str(respond(session, cid).decode())
+            answer = await next_frame(op)
+            try:
+                got = (await imp.receive(timeout=1)).data
+            except asyncio.TimeoutError:
+                got = None
+            return got, answer
+
+    got, answer = asyncio.run(go())
+    assert got is None, "the command for a live Hermes session went to an impostor WebSocket emitter"
+    assert answer["code"] == "ambiguous" and answer["cause"] == cid
+
+
+def test_commands_are_not_ingested_and_claims_are_bounded(relay, monkeypatch) -> None:
+    """POST /events refuses commands (they reach history only through routing); an emitter
+    without identity.agent may not emit; a session name past MAX_CLAIM_SESSION_CHARS is
+    stored, not claimed."""
+    session = "w" + uuid.uuid4().hex[:10]
+    long_session = "L" * (MAX_CLAIM_SESSION_CHARS + 1)
+
+    async def go() -> tuple[int, dict, dict, list]:
+        async with aiohttp.ClientSession() as s:
+            async with s.post(relay.url + "/events", data=respond(session, "POSTED"),
+                              headers={**auth(EMITTER), "AEP-Version": "0.1", "Content-Type": "application/json"}) as r:
+                status, body = r.status, await r.json()
+            anon = await connect(s, relay, {**emitter_hello("x"), "identity": {"instance": "i"}}, EMITTER)
+            await anon.send_str(encode(started(session)).decode())
+            no_agent = await next_frame(anon)
+            ws = await connect(s, relay, emitter_hello("claimant"), EMITTER)
+            await ws.send_str(encode(started(long_session)).decode())
+            await ws.send_json({"type": "ping"})
+            await next_frame(ws)
+            entries = [e for e in await roster(s, relay) if e["session"] in (session, long_session)]
+            return status, body, no_agent, entries
+
+    status, body, no_agent, entries = asyncio.run(go())
+    assert status == 400 and body["error"] == "invalid-event" and "command" in body["detail"]
+    assert no_agent["code"] == "invalid-event" and "identity.agent" in no_agent["detail"]
+    assert entries == []
+    # the registry's own bounds
+    claims = Claims()
+    who = Claimant.from_hello(None, emitter_hello("a"))
+    assert not claims.claim(who, long_session)
+    monkeypatch.setattr("bridge.services.relay.claims.MAX_CLAIMS_PER_CONNECTION", 2)
+    assert claims.claim(who, "a") and claims.claim(who, "b") and not claims.claim(who, "c") and claims.count == 2
+    claims.release(who)
+    assert claims.count == 0 and claims.entries() == []

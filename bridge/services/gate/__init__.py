@@ -24,7 +24,8 @@ docs/ARCHITECTURE.md "Control plane" is the contract; in short:
 * State, in JetStream KV so a restart loses nothing:
   ``aep_control`` (TTL 7 d): ``cmd.<key>`` dedupe record + recorded ack and events,
   ``card.<request id>`` held calls, ``seq.<lane token>`` the session's last gate seq,
-  ``sess.<lane token>`` session source / ended; ``aep_instruct`` (TTL 30 d):
+  ``sess.<lane token>`` session source / ended; ``live.<lane token>`` while it is live (the
+  relay's roster); ``aep_instruct`` (TTL 30 d):
   ``q.<lane token>`` the instruction queue.
 * Time: an expiry sweep (``SWEEP_S``) and an is-the-hook-still-there probe of every
   open card (``AEP_GATE_PROBE_MS``, default 1000): a NATS "no responders" means the

@@ -134,6 +134,12 @@ class GateBase:
         new = SessionInfo(source=source, instance=instance, ended=ended, session=session)
         if info != new:
             await self.kv_put(self.kv, f"sess.{token}", new)
+            # live.<token>: the sessions a command can reach now, the relay's roster (a scan of
+            # the live ones, not of every session the bucket keeps for 7 days)
+            if ended:
+                await self.kv.delete(f"live.{token}")
+            else:
+                await self.kv_put(self.kv, f"live.{token}", new)
 
     async def record(self, cmd: Command, token: str, card: str, ack: Event, events: list[Event],
                      stream_seq: int | None) -> None:

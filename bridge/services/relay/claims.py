@@ -20,10 +20,14 @@ A command is routed only to exactly one live claimant: none is ``no-route``, mor
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
 MAX_CLAIMS_PER_CONNECTION = 4096  # sessions one emitter connection may claim (memory bound)
+MAX_CLAIMS = 50_000  # claims of all the connections of one replica
+MAX_CLAIM_SESSION_CHARS = 1024  # a longer session name is stored, not claimed
+MAX_DECLARATIONS_BYTES = 4096  # an emitter hello's identity + control + emits, as JSON: a roster entry's bound
 
 
 @dataclass(eq=False)
@@ -33,14 +37,24 @@ class Claimant:
     send: Any  # async callable: a frame or bytes to that connection
     identity: dict[str, Any]
     capabilities: dict[str, Any]
+    close: Any = None  # async callable: end that connection (it stopped reading)
     sessions: set[str] = field(default_factory=set)
 
     @classmethod
-    def from_hello(cls, send: Any, hello: dict[str, Any]) -> Claimant:
+    def from_hello(cls, send: Any, hello: dict[str, Any], close: Any = None) -> Claimant:
         identity = hello.get("identity")
         capabilities = hello.get("capabilities")
         return cls(send, identity if isinstance(identity, dict) else {},
-                   capabilities if isinstance(capabilities, dict) else {})
+                   capabilities if isinstance(capabilities, dict) else {}, close)
+
+    @property
+    def agent(self) -> str | None:
+        agent = self.identity.get("agent")
+        return agent if isinstance(agent, str) and agent else None
+
+    def declarations_size(self) -> int:
+        """The JSON size of what a roster entry repeats per claim."""
+        return len(json.dumps([self.identity, self.control, self.capabilities.get("emits")], default=str))
 
     @property
     def control(self) -> dict[str, Any] | None:
@@ -69,15 +83,19 @@ class Claims:
 
     def __init__(self) -> None:
         self.by_session: dict[str, list[Claimant]] = {}
+        self.count = 0
 
     def claim(self, who: Claimant, session: str) -> bool:
-        """Record that ``who`` claims ``session``; False when it holds too many already."""
+        """Record that ``who`` claims ``session``; False past a bound (the connection's, the
+        replica's, or a session name too long to list)."""
         if session in who.sessions:
             return True
-        if len(who.sessions) >= MAX_CLAIMS_PER_CONNECTION:
+        if (len(who.sessions) >= MAX_CLAIMS_PER_CONNECTION or self.count >= MAX_CLAIMS
+                or len(session) > MAX_CLAIM_SESSION_CHARS):
             return False
         who.sessions.add(session)
         self.by_session.setdefault(session, []).append(who)
+        self.count += 1
         return True
 
     def release(self, who: Claimant) -> None:
@@ -88,6 +106,7 @@ class Claims:
                 self.by_session[session] = left
             else:
                 self.by_session.pop(session, None)
+        self.count -= len(who.sessions)
         who.sessions.clear()
 
     def of(self, session: str) -> list[Claimant]:

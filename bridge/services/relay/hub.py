@@ -44,12 +44,13 @@ class Item:
     """One event of AEP_EVENTS: its stream sequence, its exact bytes, the decoded event,
     and its serializations per ceiling and binding, made on first use and shared."""
 
-    __slots__ = ("seq", "raw", "event", "_data", "_sse")
+    __slots__ = ("seq", "raw", "event", "subject", "_data", "_sse")
 
-    def __init__(self, seq: int, raw: bytes, event: dict[str, Any]) -> None:
+    def __init__(self, seq: int, raw: bytes, event: dict[str, Any], subject: str = "") -> None:
         self.seq = seq
         self.raw = raw
         self.event = event
+        self.subject = subject  # where it was stored: aep.hermes.> (the bridge's own) or aep.ingest.>
         self._data: dict[int, bytes] = {}
         self._sse: dict[int, bytes] = {}
 
@@ -323,4 +324,4 @@ def make_item(msg: Any) -> Item | None:
         return None
     if not isinstance(event, dict):
         return None
-    return Item(seq, bytes(msg.data), event)
+    return Item(seq, bytes(msg.data), event, msg.subject)

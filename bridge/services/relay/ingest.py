@@ -5,6 +5,8 @@ bridge's own pipeline writes).
 * ``AEP-Version`` is required; a missing or unsupported major version answers 426 with the
   versions served. ``Content-Type``: ``application/json`` (one event) or
   ``application/x-ndjson`` (a batch, order kept); anything else 415. Over the body limit: 413.
+* Commands (``control.*`` but the acks, ``x.<vendor>.control.*``) are refused: they reach a
+  session's history only through the relay's routing (operators, the WebSocket).
 * Every event is checked against the AEP 0.1 envelope (the bridge's own struct,
   ``bridge.core.aep.Event``, and the AEP-0001 §5.2 requiredness rules); one bad line rejects
   the whole batch with 400 ``invalid-event`` and the index of the first failing line, and
@@ -72,6 +74,8 @@ def check_lines(lines: list[bytes]) -> list[tuple[bytes, dict[str, Any]]]:
         problem = envelope_problem(event)
         if not problem and not valid_type(event["type"]):  # the pattern admits types no subject can carry
             problem = f"type has {len(event['type'])} characters (a stored type has at most 128)"
+        if not problem and is_command(event["type"]):
+            problem = f"{event['type']} is a command: operators send commands on the WebSocket (AEP-0004 §4)"
         if problem:
             raise InvalidEvent(i, problem)
         if b"\n" in line or b"\r" in line:
@@ -99,3 +103,14 @@ def is_command(event_type: str) -> bool:
     """A control command (AEP-0004): routed to a target, never stored as an emitter's event.
     The acks (control.accepted / control.rejected) are events; attention.routed is an event."""
     return bool(_COMMAND.match(event_type)) and event_type != "attention.routed"
+
+
+def command_problem(raw: bytes) -> str | None:
+    """Why ``raw`` is not a well-formed AEP command (the envelope struct and AEP-0001 §5.2:
+    a session, no seq), or None."""
+    try:
+        _decode_event(raw)
+        event = _decode(raw)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        return str(exc)
+    return envelope_problem(event) or (None if valid_type(event["type"]) else "type too long")

@@ -9,6 +9,7 @@ only, and never a header or a query string.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import signal
 import ssl
@@ -18,18 +19,18 @@ from typing import Any
 import msgspec
 import structlog
 from aiohttp import WSMsgType, web
+from nats.js.errors import BucketNotFoundError
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from bridge.config import Settings
 from bridge.core.control import HELLO_SUBJECT, SessionInfo
 from bridge.core.lanes import lane_from_token, lane_token
-from bridge.nats import streams as S
 from bridge.nats.streams import CONTROL_BUCKET
-from bridge.nats.subjects import command_subject, events_filter, ingest_subject
+from bridge.nats.subjects import EVENTS_PREFIX, command_subject, ingest_subject
 from bridge.services.relay import ingest
-from bridge.services.relay.claims import Claimant, Claims
+from bridge.services.relay.claims import MAX_DECLARATIONS_BYTES, Claimant, Claims
 from bridge.core.attrmatch import InvalidFilter, compile_filter
-from bridge.core.capture import LEVELS, level_rank, payload_fields
+from bridge.core.capture import LEVELS, downlevel_fields, level_rank, payload_fields
 from bridge.nats.connection import connect_service
 from bridge.services.relay.config import Principal, RelayConfig
 from bridge.services.relay.hub import Exhausted, Hub, Item, RefusedFrom, Subscription, parse_from, parse_last_event_id
@@ -39,6 +40,8 @@ log = structlog.get_logger("relay")
 VERSIONS = ["0.1"]
 MAX_SUBS_PER_CONNECTION = 64
 MAX_FROM_POSITIONS = 256
+FORWARD_TIMEOUT_S = 5.0  # a WebSocket emitter that does not take a command within this is closed
+LIVE_CACHE_S = 1.0  # the live Hermes sessions are read at most this often for rosters
 CONTROL_TYPES = ("control.attention.respond", "x.hermes.control.instruct")
 ACK_TYPES = frozenset(("control.accepted", "control.rejected"))
 _encode = msgspec.json.Encoder().encode
@@ -47,11 +50,16 @@ _decode = msgspec.json.Decoder().decode
 
 @dataclass
 class Pending:
-    """A command published for the gate, waiting for its ack."""
+    """A routed command waiting for its ack."""
 
     session: str
     senders: list[tuple[Any, int, dict]]  # (send, the sender's capture ceiling, its subscriptions)
     deadline: float
+    target: Claimant | None = None  # the WebSocket emitter it went to; None: the gate
+
+
+class StoreUnavailable(Exception):
+    """The control bucket could not be read (NATS trouble): nothing is known, nothing routed."""
 
 
 class Metrics:
@@ -97,6 +105,8 @@ class Relay:
         self.pending_by_cid: dict[str, list[tuple[str, str]]] = {}
         self._hello: tuple[float, dict[str, Any] | None] | None = None
         self.claims = Claims()
+        self._tasks: set[asyncio.Future] = set()
+        self._live_cache: tuple[float, asyncio.Future] | None = None
         self.hub.listeners.append(self._on_item)
         self.app = web.Application(client_max_size=cfg.max_body, middlewares=[self._logged])
         self.app.router.add_get("/healthz", self.healthz)
@@ -354,7 +364,13 @@ class Relay:
                         break
                     role = frame.get("role") if frame.get("role") in ("emitter", "consumer", "both") else "consumer"
                     if role in ("emitter", "both"):
-                        claimant = Claimant.from_hello(send, frame)
+                        claimant = Claimant.from_hello(send, frame, ws.close)
+                        if claimant.declarations_size() > MAX_DECLARATIONS_BYTES:
+                            self.metrics.refusals.labels("limit-exceeded").inc()
+                            await send({"type": "error", "code": "limit-exceeded",
+                                        "detail": f"an emitter's identity, control and emits: at most {MAX_DECLARATIONS_BYTES} bytes of JSON"})
+                            await ws.close()
+                            break
                     await send({"type": "hello", "versions": [chosen], "role": "both",
                                 "identity": {"agent": "aep-bridge-relay", "instance": self.instance or "relay"},
                                 "capabilities": self.capabilities(await self.accepts())})
@@ -489,7 +505,9 @@ class Relay:
                        send: Any) -> None:
         """An Event from a WebSocket emitter (AEP-0003 §3.5 rule 3): checked and stored like a
         POST (``aep.ingest.>``, deduped on ``(source, id)``, the frame's bytes kept), and its
-        session becomes a live claim of this connection (the roster, command routing)."""
+        session becomes a live claim of this connection (the roster, command routing). An ack
+        (control.accepted / control.rejected) of a command routed to this very connection
+        settles that command toward its sender."""
         eid = frame.get("id")
 
         async def refuse(code: str, detail: str) -> None:
@@ -499,6 +517,8 @@ class Relay:
 
         if claimant is None or not who.may_emit:
             return await refuse("unauthorized", "events are sent on an emitter connection with an emitter token")
+        if claimant.agent is None:
+            return await refuse("invalid-event", "the emitter's hello names no identity.agent (AEP-0003 §4 rule 3)")
         try:
             [(data, event)] = ingest.check_lines([raw])
         except ingest.InvalidEvent as exc:
@@ -514,6 +534,8 @@ class Relay:
         session = event.get("session")
         if isinstance(session, str) and session and not self.claims.claim(claimant, session):
             self.metrics.refusals.labels("limit-exceeded").inc()
+        if event["type"] in ACK_TYPES:
+            self._settle(event, data, claimant)
 
     async def _event_in(self, raw: bytes, frame: dict[str, Any], who: Principal, send: Any,
                         subs: dict[str, Subscription]) -> None:
@@ -523,8 +545,9 @@ class Relay:
         Events: they enter no session's history. A command for a Hermes session is published
         byte-identically to AEP_EVENTS, where the gate takes it (and where it stays, in the
         session's history); one for a WebSocket emitter's session is forwarded to that
-        connection byte-identically and stored under ``aep.ingest.>``. The target's
-        control.accepted / control.rejected comes back to the sender through the hub."""
+        connection byte-identically, then stored under ``aep.ingest.>``. The target's ack
+        comes back to the sender once: the gate's from ``aep.hermes.>`` through the hub, an
+        emitter's from its own connection; an ack anyone else posts settles nothing."""
         cid = frame.get("id")
 
         async def refuse(code: str, detail: str) -> None:
@@ -539,24 +562,33 @@ class Relay:
             return await refuse("unsupported", "a command is an AEP event with a string id and source")
         if not isinstance(session, str) or not session:
             return await refuse("no-route", "a command names its session")
-        emitters = self.claims.of(session)
-        hello = await self.gate_hello()
-        hermes = hello is not None and await self.hermes_session(session) is not None
-        if len(emitters) + hermes == 0:
+        problem = ingest.command_problem(raw)
+        if problem:
+            return await refuse("unsupported", f"not an AEP command: {problem}")
+        try:
+            hermes = await self.hermes_session(session)
+        except StoreUnavailable:
+            return await refuse("no-route", "the relay could not read the control bucket")
+        hello = await self.gate_hello() if hermes is not None else None
+        emitters = self.claims.of(session)  # after the awaits: a claim made meanwhile counts
+        claimants = len(emitters) + (hermes is not None)
+        if claimants == 0:
             return await refuse("no-route", "no live claimant of this session is connected to this relay")
-        if len(emitters) + hermes > 1:
-            return await refuse("ambiguous", f"{len(emitters) + hermes} live claimants of this session")
-        if emitters:
-            target = emitters[0]
+        if claimants > 1:
+            return await refuse("ambiguous", f"{claimants} live claimants of this session")
+        target: Claimant | None = emitters[0] if emitters else None
+        if target is not None:
             if not target.accepts(ctype):
                 return await refuse("unsupported", f"the claimant accepts {(target.control or {}).get('accepts', [])}")
             window = (target.control or {}).get("ack_window_ms")
         else:
-            assert hello is not None
-            accepts = ((hello.get("capabilities") or {}).get("control") or {}).get("accepts") or []
+            if hello is None:
+                return await refuse("no-route", "no gate answers: the Hermes session takes no command now")
+            control = (hello.get("capabilities") or {}).get("control") or {}
+            accepts = control.get("accepts") or []
             if ctype not in accepts or ctype not in CONTROL_TYPES:
                 return await refuse("unsupported", f"the gate accepts {accepts}")
-            window = ((hello.get("capabilities") or {}).get("control") or {}).get("ack_window_ms")
+            window = control.get("ack_window_ms")
         key = (frame["source"], cid)
         waiting = self.pending.get(key)
         if waiting is not None:  # a retry while the decision is pending: the one ack answers it
@@ -564,21 +596,46 @@ class Relay:
                 waiting.senders.append((send, who.max_capture, subs))
             return
         window = window if isinstance(window, int) and 0 < window <= 600_000 else 10_000
-        entry = Pending(session, [(send, who.max_capture, subs)], asyncio.get_running_loop().time() + window / 1000 + 5)
+        entry = Pending(session, [(send, who.max_capture, subs)],
+                        asyncio.get_running_loop().time() + window / 1000 + 5, target)
         self.pending[key] = entry
         self.pending_by_cid.setdefault(cid, []).append(key)
+        if target is not None:  # off the sender's read loop: a target that stops reading stalls no one
+            task = asyncio.ensure_future(self._forward(target, raw, session, ctype, key, refuse))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+            return
         try:
-            if emitters:
-                await self.js.publish(ingest_subject(lane_token(session), ctype), raw,
-                                      headers={"Nats-Msg-Id": ingest.msg_id(frame)})
-                await emitters[0].send(raw)
-            else:
-                await self.js.publish(command_subject(lane_token(session), ctype), raw)
-        except Exception as exc:  # noqa: BLE001 - NATS or the target away: refused, the sender may retry
-            log.warning("command not routed", error=type(exc).__name__)
+            await self.js.publish(command_subject(lane_token(session), ctype), raw)
+        except Exception as exc:  # noqa: BLE001 - NATS away: refused, the sender may retry
+            log.warning("command not published", error=type(exc).__name__)
             self._forget(key)
-            return await refuse("no-route", "the relay could not reach the target or the event store")
+            return await refuse("no-route", "the relay could not reach the event store")
         self.metrics.commands.inc()
+
+    async def _forward(self, target: Claimant, raw: bytes, session: str, ctype: str, key: tuple[str, str],
+                       refuse: Any) -> None:
+        """A command to a WebSocket emitter: delivered first (a target that does not take it
+        within FORWARD_TIMEOUT_S is closed: it stopped reading), then kept in the session's
+        history (AEP-0004 §4 item 4)."""
+        try:
+            await asyncio.wait_for(target.send(raw), FORWARD_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 - gone, or not reading
+            log.warning("command not delivered", error=type(exc).__name__)
+            self._forget(key)
+            self.claims.release(target)
+            if target.close is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(target.close(), 1.0)
+            with contextlib.suppress(Exception):
+                await refuse("no-route", "the claimant did not take the command")
+            return
+        self.metrics.commands.inc()
+        try:
+            await self.js.publish(ingest_subject(lane_token(session), ctype), raw,
+                                  headers={"Nats-Msg-Id": ingest.msg_id(_decode(raw))})
+        except Exception as exc:  # noqa: BLE001 - delivered; only the history copy is missing
+            log.warning("command delivered but not stored", error=type(exc).__name__)
 
     def _forget(self, key: tuple[str, str]) -> None:
         self.pending.pop(key, None)
@@ -589,20 +646,30 @@ class Relay:
             self.pending_by_cid.pop(key[1], None)
 
     def _on_item(self, item: Item) -> None:
-        """Hub listener: a gate ack for a pending command goes to its sender(s), once."""
-        etype = item.event.get("type")
-        if etype not in ACK_TYPES:
-            return
-        cause = item.event.get("cause")
+        """Hub listener: the gate's ack of a pending Hermes command goes to its sender(s),
+        once. Only an ack stored under ``aep.hermes.>`` (which only the bridge writes) counts:
+        one posted under ``aep.ingest.>`` with the same cause is somebody else's word."""
+        if item.event.get("type") in ACK_TYPES and item.subject.startswith(EVENTS_PREFIX + "."):
+            self._settle(item.event, item, None)
+
+    def _settle(self, event: dict[str, Any], payload: Item | bytes, target: Claimant | None) -> None:
+        """The ack ``event`` from ``target`` (None: the gate) settles the commands routed to
+        that target under its cause and session."""
+        cause = event.get("cause")
         for key in list(self.pending_by_cid.get(cause, ()) if isinstance(cause, str) else ()):
             entry = self.pending.get(key)
-            if entry is None or entry.session != item.event.get("session"):
+            if entry is None or entry.session != event.get("session") or entry.target is not target:
                 continue
             self._forget(key)
             for send, ceiling, subs in entry.senders:
-                if any(sub.filter.matches(item.event) for sub in subs.values()):
+                if target is None and any(sub.filter.matches(event) for sub in subs.values()):
                     continue  # a subscription of the sender's delivers it: once, not twice
-                asyncio.ensure_future(self._deliver_ack(send, item.data(ceiling)))
+                if isinstance(payload, Item):
+                    data = payload.data(ceiling)
+                else:
+                    shown = downlevel_fields(event, ceiling)
+                    data = payload if shown is event else _encode(shown)
+                asyncio.ensure_future(self._deliver_ack(send, data))
 
     async def _deliver_ack(self, send: Any, data: bytes) -> None:
         try:
@@ -627,7 +694,11 @@ class Relay:
         if hello is not None:
             identity = hello.get("identity") if isinstance(hello.get("identity"), dict) else {}
             control = (hello.get("capabilities") or {}).get("control")
-            for session, info in await self.hermes_sessions():
+            try:
+                live = await self.hermes_sessions()
+            except StoreUnavailable:
+                live = []  # the control bucket unreadable: no Hermes session is reachable now
+            for session, info in live:
                 entry: dict[str, Any] = {"session": session}
                 if isinstance(identity.get("agent"), str):
                     entry["agent"] = identity["agent"]
@@ -641,31 +712,36 @@ class Relay:
 
     async def _kv_scan(self, keys: str) -> list[tuple[str, bytes]]:
         """(key, value) of the control bucket's live keys matching ``keys``, read through a
-        watch (the one bucket read the relay's NATS role has)."""
+        watch (the one bucket read the relay's NATS role has). No bucket: nothing (no gate
+        ever ran); any other failure: StoreUnavailable."""
         try:
             kv = await self.js.key_value(CONTROL_BUCKET.bucket)
-            watcher = await kv.watch(keys, ignore_deletes=True)
-        except Exception:  # noqa: BLE001 - no control bucket (no gate ever ran): nothing known
+        except BucketNotFoundError:
             return []
+        except Exception as exc:  # noqa: BLE001
+            raise StoreUnavailable(type(exc).__name__) from exc
         out = []
+        watcher = None
         try:
+            watcher = await kv.watch(keys, ignore_deletes=True)
             async for entry in watcher:
                 if entry is None:
                     break
                 if entry.value:
                     out.append((entry.key, entry.value))
+        except Exception as exc:  # noqa: BLE001 - NATS trouble mid-scan: unknown, not empty
+            raise StoreUnavailable(type(exc).__name__) from exc
         finally:
-            try:
-                await watcher.stop()
-            except Exception:  # noqa: BLE001
-                pass
+            if watcher is not None:
+                with contextlib.suppress(Exception):
+                    await watcher.stop()
         return out
 
     @staticmethod
     def _live(token: str, value: bytes) -> tuple[str, SessionInfo] | None:
         try:
             info = msgspec.json.decode(value, type=SessionInfo)
-        except msgspec.DecodeError:
+        except (msgspec.DecodeError, msgspec.ValidationError):
             return None
         if info.ended:
             return None
@@ -678,9 +754,21 @@ class Relay:
         return (session, info) if lane_token(session) == token else None
 
     async def hermes_sessions(self) -> list[tuple[str, SessionInfo]]:
-        """The live Hermes sessions: seen by the gate, not finalized."""
+        """The live Hermes sessions (the gate's ``live.*`` keys: seen, not finalized), read at
+        most once a second however many consumers ask."""
+        now = asyncio.get_running_loop().time()
+        cached = self._live_cache
+        if cached is None or now - cached[0] > LIVE_CACHE_S:
+            cached = self._live_cache = (now, asyncio.ensure_future(self._scan_live()))
+        try:
+            return await asyncio.shield(cached[1])
+        except StoreUnavailable:
+            self._live_cache = None
+            raise
+
+    async def _scan_live(self) -> list[tuple[str, SessionInfo]]:
         out = []
-        for key, value in await self._kv_scan("sess.*"):
+        for key, value in await self._kv_scan("live.*"):
             live = self._live(key[5:], value)
             if live is not None:
                 out.append(live)
@@ -689,7 +777,7 @@ class Relay:
     async def hermes_session(self, session: str) -> SessionInfo | None:
         """The gate's record of ``session`` if it is a live Hermes session, else None."""
         token = lane_token(session)
-        for _, value in await self._kv_scan(f"sess.{token}"):
+        for _, value in await self._kv_scan(f"live.{token}"):
             live = self._live(token, value)
             if live is not None and live[0] == session:
                 return live[1]
