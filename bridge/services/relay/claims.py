@@ -9,8 +9,8 @@ Two kinds of claimant terminate here:
   connection: with several relay replicas, a consumer sees (and can command) the WebSocket
   emitters of the replica it is connected to.
 * **Hermes sessions** (the fleet). The gate is their control target on NATS: a Hermes session
-  is live while the gate has seen it (its ``sess.<lane token>`` record in the control
-  bucket) and not seen its ``on_session_finalize``. Every replica sees the same set. The
+  is live while the gate has seen it and not seen its ``on_session_finalize`` (its
+  ``live.<lane token>`` record in the control bucket). Every replica sees the same set. The
   entry carries the Hermes instance the session runs on, and the gate's declared control
   block verbatim (the gate answers for every shim).
 
