@@ -27,11 +27,12 @@ from bridge.nats import streams as S
 from bridge.nats.streams import CONTROL_BUCKET
 from bridge.nats.subjects import command_subject, events_filter, ingest_subject
 from bridge.services.relay import ingest
-from bridge.core.attrmatch import InvalidFilter, compile_filter
+from bridge.core.attrmatch import InvalidFilter
 from bridge.core.capture import LEVELS, level_rank
 from bridge.nats.connection import connect_service
 from bridge.services.relay.config import Principal, RelayConfig
-from bridge.services.relay.hub import Exhausted, Hub, Item, RefusedFrom, Subscription, parse_from, parse_last_event_id
+from bridge.services.relay.hub import (Exhausted, Hub, Item, RefusedFrom, Subscription, intern_filter, parse_from,
+                                       parse_last_event_id)
 
 log = structlog.get_logger("relay")
 
@@ -218,7 +219,7 @@ class Relay:
             return self.refuse(403, "unauthorized", f"role {who.role} may not consume")
         q = request.query
         try:
-            flt = compile_filter(json.loads(q["filter"]) if "filter" in q else {})
+            flt = intern_filter(json.loads(q["filter"]) if "filter" in q else {})
             ceiling = who.max_capture
             if "capture" in q:
                 ceiling = min(ceiling, level_rank(q["capture"]))
@@ -261,10 +262,9 @@ class Relay:
                 items = sub.take()
                 if items:
                     chunks = []
-                    for it in items:
+                    for it in items:  # no sub.mark: an SSE client resumes from its own Last-Event-ID
                         if isinstance(it, Item):
                             chunks.append(it.sse(ceiling))
-                            sub.mark(it)
                             delivered += 1
                         else:
                             chunks.append(it)
@@ -276,8 +276,9 @@ class Relay:
                     await resp.write(b": replay-complete\n\n")  # live=0: the replay is over
                     break
                 try:
-                    await asyncio.wait_for(sub.wake.wait(), self.cfg.heartbeat_s)
-                except asyncio.TimeoutError:
+                    async with asyncio.timeout(self.cfg.heartbeat_s):  # no task per wait, unlike wait_for
+                        await sub.wake.wait()
+                except TimeoutError:
                     await resp.write(b": ping\n\n")
         except (ConnectionResetError, ConnectionError, asyncio.CancelledError):
             pass
@@ -411,7 +412,7 @@ class Relay:
         if len(subs) >= MAX_SUBS_PER_CONNECTION:
             return await refuse("limit-exceeded", f"at most {MAX_SUBS_PER_CONNECTION} subscriptions per connection")
         try:
-            flt = compile_filter(frame.get("filter", {}))
+            flt = intern_filter(frame.get("filter", {}))
             ceiling = who.max_capture
             if "capture" in frame:
                 if not isinstance(frame["capture"], str):
