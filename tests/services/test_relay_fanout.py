@@ -65,3 +65,39 @@ def test_item_fields_are_computed_once_from_the_event():
     assert (it2.session, it2.position, it2.low_severity) == (None, None, True)
     ev3 = {"type": "x", "session": "s", "seq": 2, "epoch": "bad", "severity": "debug"}
     assert Item(5, encode(ev3), ev3).position == (0, 2)
+
+
+def msg(ev: dict, seq: int) -> SimpleNamespace:
+    return SimpleNamespace(metadata=SimpleNamespace(sequence=SimpleNamespace(stream=seq)), data=encode(ev))
+
+
+def test_direct_writes_one_flush_per_batch_and_the_task_takes_over_when_they_cannot():
+    async def go():
+        hub = Hub(js=None, replay_buffer=10)
+        flt = intern_filter({"session": "s1"})
+        written: list[list[int]] = []
+        refuse = {"now": False}
+
+        def direct(sub: Subscription) -> bool:
+            if refuse["now"]:
+                return False
+            written.append([i.seq for i in sub.take(len(sub.queue))])
+            return True
+
+        parked, busy = Subscription(flt), Subscription(flt)
+        for s in (parked, busy):
+            s.direct = direct
+            hub.add(s)
+        parked.idle = True  # its task waits; busy's task is writing
+        for seq in (1, 2, 3):
+            await hub._on_msg(msg(event("s1", seq), seq))
+        assert not parked.wake.is_set() and busy.wake.is_set()
+        await asyncio.sleep(0)  # the hub's one flush for the batch
+        assert written == [[1, 2, 3]], "one write for the three events, only for the parked subscription"
+        assert not parked.queue and [i.seq for i in busy.queue] == [1, 2, 3]
+        refuse["now"] = True  # a full or closing connection
+        await hub._on_msg(msg(event("s1", 4), 4))
+        await asyncio.sleep(0)
+        assert parked.wake.is_set() and [i.seq for i in parked.queue] == [4], "kept for the task"
+
+    asyncio.run(go())

@@ -115,6 +115,14 @@ class Subscription:
     drops: int = 0
     delivered: dict[str, tuple[int, int]] = field(default_factory=dict)  # session -> last position handed out
     on_drop: Callable[[], None] | None = None
+    # Direct writes (SSE): while its task is parked (``idle``), the binding's ``direct`` writes
+    # what is queued at once, from the hub's one flush per batch of events, instead of waking
+    # one task per subscription per event; it answers False when it cannot (a slow or closing
+    # connection), and the task takes over.
+    direct: Callable[["Subscription"], bool] | None = None
+    idle: bool = False
+    dirty: bool = False
+    ready: Callable[["Subscription"], None] | None = None  # set by Hub.add
 
     def offer(self, item: Item, matched: bool | None = None) -> None:
         """Hand ``item`` over; ``matched``: the filter's verdict, when the caller knows it."""
@@ -141,7 +149,10 @@ class Subscription:
             self.wake.set()
             return
         self.queue.append(item)
-        self.wake.set()
+        if self.idle and self.direct is not None and self.ready is not None:
+            self.ready(self)
+        else:
+            self.wake.set()
 
     def mark(self, item: Item) -> None:
         if item.position is not None:
@@ -210,6 +221,8 @@ class Hub:
         self.position = 0  # stream sequence of the last live event seen
         self.listeners: list[Callable[[Item], None]] = []
         self._sub: Any = None
+        self._dirty: list[Subscription] = []
+        self._flushing = False
 
     async def start(self) -> None:
         info = await self.js.stream_info(S.AEP_EVENTS)
@@ -244,7 +257,31 @@ class Hub:
             sub.offer(item, matched)
 
     def add(self, sub: Subscription) -> None:
+        sub.ready = self._ready
         self.subs.add(sub)
+
+    def _ready(self, sub: Subscription) -> None:
+        """``sub`` has items for a direct write: flush once the current batch is offered."""
+        if not sub.dirty:
+            sub.dirty = True
+            self._dirty.append(sub)
+            if not self._flushing:
+                self._flushing = True
+                asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flushing = False
+        dirty, self._dirty = self._dirty, []
+        for sub in dirty:
+            sub.dirty = False
+            if not sub.queue or sub.closed:
+                continue
+            try:
+                done = not sub.overflowed and sub.idle and sub.direct is not None and sub.direct(sub)
+            except Exception:  # noqa: BLE001 - the task meets the same error and ends the stream
+                done = False
+            if not done:
+                sub.wake.set()
 
     def remove(self, sub: Subscription) -> None:
         sub.closed = True
