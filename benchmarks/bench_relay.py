@@ -6,7 +6,8 @@ ordered consumer per subscriber, in the same run (issue 16's benchmark; not a ti
                                                [--rate 1000] [--seconds 5]
 
 1. An embedded nats-server, bootstrapped; the relay as its own process (`aep-bridge relay`).
-   The subscribers run in --procs worker processes (this script with --worker), so that the
+   The subscribers run in --procs worker processes (this script with --worker; in the latency
+   measurement one of them runs alone in one more process), so that the
    measuring side is not one Python process taking 100 deliveries per event; the publisher
    runs in this process, which does nothing else during a measurement.
    * relay path: each subscriber is one HTTP/1.1 SSE stream (`GET /stream` with a session
@@ -33,8 +34,10 @@ ordered consumer per subscriber, in the same run (issue 16's benchmark; not a ti
    - its consumer's process, decode, fan-out, HTTP writes, the SSE client's read - counts as
    added). The output says which was used.
 4. CPU per process over each measurement (from /proc; 100 % = one core): publisher,
-   subscriber workers, reference consumer, relay, nats-server; and `uptime`'s load average
-   before and after, since the 2 cores may be shared with other work.
+   subscriber workers, reference consumer, relay, nats-server; the whole machine's busy time
+   and what of it was other work (machine minus these processes), and `uptime`'s load
+   average before and after: the 2 cores may be shared with other work, and the relay's
+   tail latency follows it.
 Targets (issue 16): ratio >= 0.5, added p99 <= 50 ms at 1,000 events/s; stretch: ratio > 1.
 """
 
@@ -194,6 +197,13 @@ def cpu_ticks(pid: int) -> int:
         return 0
 
 
+def machine_ticks() -> int:
+    """CPU time (ticks, all cores) the machine spent busy: what is not idle or iowait."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:9]]
+    return sum(v) - v[3] - v[4]
+
+
 def load() -> str:
     with open("/proc/loadavg") as f:
         return " ".join(f.read().split()[:3])
@@ -204,6 +214,9 @@ class Workers:
 
     def __init__(self, kind: str, url: str, subs: int, procs: int, n: int, latency: bool, tmp: str, ref_url: str | None):
         self.specs = []
+        if latency and subs > 1:  # one of the S alone in its own process: what one subscriber sees
+            self.specs.append(("probe", kind, url, 1, str(Path(tmp) / f"{kind}-probe.delays")))
+            subs -= 1
         per = [subs // procs + (1 if i < subs % procs else 0) for i in range(procs)]
         for i, k in enumerate(p for p in per if p):
             self.specs.append(("sub", kind, url, k, str(Path(tmp) / f"{kind}-{i}.delays")))
@@ -234,10 +247,10 @@ class Workers:
             await p.wait()
         return out
 
-    def delays(self, role: str) -> list[int]:
+    def delays(self, *roles: str) -> list[int]:
         values = array.array("q")
         for r, _kind, _url, _k, out in self.specs:
-            if r == role and os.path.exists(out):
+            if r in roles and os.path.exists(out):
                 with open(out, "rb") as f:
                     values.frombytes(f.read())
         return sorted(values)
@@ -285,14 +298,14 @@ async def run_path(kind: str, a: argparse.Namespace, server, relay_pid: int, rel
         await w.start()
         await asyncio.sleep(0.5)
         load0 = load()
-        c0 = (os.times(), cpu_ticks(relay_pid), cpu_ticks(server.proc.pid))
+        c0 = (os.times(), cpu_ticks(relay_pid), cpu_ticks(server.proc.pid), machine_ticks())
         w0 = time.perf_counter()
         first, last_pub = await publish(pjs, n, rate)
         res = await w.results()
         wall = time.perf_counter() - w0
         t = os.times()
-        c1 = (t, cpu_ticks(relay_pid), cpu_ticks(server.proc.pid))
-        subs = [r for r in res if r["role"] == "sub"]
+        c1 = (t, cpu_ticks(relay_pid), cpu_ticks(server.proc.pid), machine_ticks())
+        subs = [r for r in res if r["role"] in ("sub", "probe")]
         short = sum(r["short"] for r in subs)
         last = max(r["last"] for r in subs)
         out = {
@@ -309,8 +322,11 @@ async def run_path(kind: str, a: argparse.Namespace, server, relay_pid: int, rel
                 "nats-server": (c1[2] - c0[2]) / TICK / wall,
             },
         }
+        out["machine"] = (c1[3] - c0[3]) / TICK / wall
+        out["others"] = out["machine"] - sum(out["cpu"].values())  # other work on the machine
         if latency:
-            out["delays"] = w.delays("sub")
+            out["delays"] = w.delays("sub", "probe")
+            out["probe"] = w.delays("probe")
             out["ref"] = w.delays("ref")
         return out
     finally:
@@ -366,8 +382,10 @@ async def main(a: argparse.Namespace) -> None:
                           f"p99 {pct(d, .99):7.1f} ms  max {pct(d, 1):7.1f} ms ({len(d):,} deliveries); "
                           f"last delivery {r['lag_ms']:,.0f} ms after the last publish: "
                           f"{'keeps up' if r['keeps_up'] else 'FALLS BEHIND'}")
-                    print(f"      reference (1 ordered consumer, own process): p50 {pct(ref, .5):6.1f} ms  "
-                          f"p99 {pct(ref, .99):6.1f} ms  [{cpu_line(r)}]")
+                    print(f"      the one subscriber alone in its process: p50 {pct(r['probe'], .5):6.1f} ms  "
+                          f"p99 {pct(r['probe'], .99):6.1f} ms; reference (1 more ordered consumer, own process): "
+                          f"p50 {pct(ref, .5):6.1f} ms  p99 {pct(ref, .99):6.1f} ms")
+                    print(f"      [{cpu_line(r)}]")
                 if "relay" in lat:
                     rl = lat["relay"]
                     p99 = pct(rl["delays"], .99)
@@ -389,7 +407,8 @@ def cpu_line(r: dict) -> str:
     c = r["cpu"]
     return ("cpu %: " + ", ".join(f"{k} {v * 100:.0f}" for k, v in c.items() if k != "reference" or v)
             + (f"; {r['per_read']:.1f} events per SSE read" if r["per_read"] else "")
-            + f"; load {r['load'][0]} -> {r['load'][1]}")
+            + f"; whole machine {r['machine'] * 100:.0f} % busy of {os.cpu_count() * 100}, other work {r['others'] * 100:.0f} %"
+            + f"; load average {r['load'][0]} -> {r['load'][1]}")
 
 
 if __name__ == "__main__":
