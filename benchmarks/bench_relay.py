@@ -56,6 +56,7 @@ import time
 import urllib.parse
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -285,7 +286,7 @@ def pct(values: list[int], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))] / 1e6 if values else float("nan")
 
 
-async def run_path(kind: str, a: argparse.Namespace, server, relay_pid: int, relay_url: str, tmp: str,  # type: ignore[no-untyped-def]
+async def run_path(kind: str, a: argparse.Namespace, server: Any, relay_pid: int, relay_url: str, tmp: str,
                    n: int, rate: float | None) -> dict:
     import nats
 
@@ -405,9 +406,10 @@ async def main(a: argparse.Namespace) -> None:
 
 def cpu_line(r: dict) -> str:
     c = r["cpu"]
-    return ("cpu %: " + ", ".join(f"{k} {v * 100:.0f}" for k, v in c.items() if k != "reference" or v)
+    return ("cpu %: " + ", ".join(f"{k} {max(v, 0.0) * 100:.0f}" for k, v in c.items() if k != "reference" or v)
             + (f"; {r['per_read']:.1f} events per SSE read" if r["per_read"] else "")
-            + f"; whole machine {r['machine'] * 100:.0f} % busy of {os.cpu_count() * 100}, other work {r['others'] * 100:.0f} %"
+            + f"; whole machine {r['machine'] * 100:.0f} % busy of {os.cpu_count() * 100}, "
+            + f"other work {max(r['others'], 0.0) * 100:.0f} %"
             + f"; load average {r['load'][0]} -> {r['load'][1]}")
 
 
