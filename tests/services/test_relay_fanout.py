@@ -101,3 +101,21 @@ def test_direct_writes_one_flush_per_batch_and_the_task_takes_over_when_they_can
         assert parked.wake.is_set() and [i.seq for i in parked.queue] == [4], "kept for the task"
 
     asyncio.run(go())
+
+
+def test_a_direct_write_that_fails_ends_the_stream_so_the_consumer_resumes():
+    async def go():
+        hub = Hub(js=None, replay_buffer=10)
+        sub = Subscription(intern_filter({}))
+
+        def direct(s: Subscription) -> bool:
+            s.take(len(s.queue))  # taken, then the write fails: those items are gone from the queue
+            raise RuntimeError("transport gone")
+
+        sub.direct, sub.idle = direct, True
+        hub.add(sub)
+        await hub._on_msg(msg(event("s1", 1), 1))
+        await asyncio.sleep(0)
+        assert sub.overflowed and sub.wake.is_set(), "ended (resumable), not silently short of an event"
+
+    asyncio.run(go())

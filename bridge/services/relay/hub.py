@@ -278,7 +278,9 @@ class Hub:
                 continue
             try:
                 done = not sub.overflowed and sub.idle and sub.direct is not None and sub.direct(sub)
-            except Exception:  # noqa: BLE001 - the task meets the same error and ends the stream
+            except Exception as exc:  # noqa: BLE001 - what it took may be lost: end the stream, resumable
+                log.warning("direct write failed", error=str(exc))
+                sub.overflowed = True
                 done = False
             if not done:
                 sub.wake.set()
