@@ -17,6 +17,7 @@ BENCHES = [
     ("mapper vs the nats-py relay ceiling", ["bench_mapper.py", "--n", "50000"]),
     ("the pure mapping stage, per raw message", ["bench_mapping.py"]),
     ("pairing vs the relay ceiling, memory per idle session", ["bench_pairing.py", "--n", "50000"]),
+    ("relay SSE fan-out to 100 subscribers vs a bare nats-py consumer each", ["bench_relay.py"]),
     ("pairing state over an hour of stream time (pure core)", ["pairing_growth.py", "--minutes", "60", "--rate", "250"]),
 ]
 

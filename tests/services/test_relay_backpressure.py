@@ -74,3 +74,29 @@ def test_a_stalled_websocket_subscriber_gets_closing_with_positions(nats_server,
     last = events[-1]
     assert closing["delivered"] == [{"sub": "slow", "session": s_, "epoch": 0, "seq": last["seq"]}]  # resume exactly here
     assert [e["seq"] for e in events] == list(range(1, last["seq"] + 1))  # nothing skipped before the cut
+
+
+def test_a_stalled_sse_subscriber_is_cut_off_in_order(nats_server, jetstream, tmp_path):
+    """SSE writes go straight to the connection while it takes them; a client that stops
+    reading fills it, the writes fall back to waiting for the client, the queue (1) fills and
+    the stream ends: cut off, in order, nothing skipped, not fed forever."""
+    relay = RelayProcess(nats_server.url, tmp_path, env={"AEP_BRIDGE_RELAY_QUEUE": "1"}).start()
+    s_ = "bs" + uuid.uuid4().hex[:10]
+    try:
+        async def go():
+            async with aiohttp.ClientSession() as s:
+                async with s.get(relay.url + "/stream", params={"filter": json.dumps({"session": s_})},
+                                 headers=auth(CONSUMER), timeout=aiohttp.ClientTimeout(total=None)) as resp:
+                    assert await resp.content.readline() == b": aep-bridge relay\n"  # subscribed; now stall
+                    big = "x" * 200_000
+                    await publish(nats_server.url, [event(s_, i, severity="warning", data={"big": big})
+                                                    for i in range(1, 80)])
+                    await asyncio.sleep(1.0)  # the relay takes the last events while nobody reads
+                    return await asyncio.wait_for(resp.content.read(), 60)  # to the stream's end
+
+        body = asyncio.run(go())
+    finally:
+        relay.stop()
+    seqs = [int(line.rsplit(b":", 1)[1]) for line in body.split(b"\n") if line.startswith(b"id: ")]
+    assert 0 < len(seqs) < 79  # it was cut off, not fed forever
+    assert seqs == list(range(1, len(seqs) + 1))  # nothing skipped before the cut

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import json
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -26,7 +28,7 @@ import msgspec
 import structlog
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-from bridge.core.attrmatch import Filter
+from bridge.core.attrmatch import Filter, compile_filter
 from bridge.core.capture import FULL, downlevel_fields, event_capture
 from bridge.core.lanes import UNKNOWN, lane_token
 from bridge.nats import streams as S
@@ -42,34 +44,27 @@ STREAM_FILTER = "aep.>"
 
 class Item:
     """One event of AEP_EVENTS: its stream sequence, its exact bytes, the decoded event,
-    and its serializations per ceiling and binding, made on first use and shared."""
+    and its serializations per ceiling and binding, made on first use and shared. What every
+    subscription asks of it (session, position, severity) is worked out once, here."""
 
-    __slots__ = ("seq", "raw", "event", "subject", "_data", "_sse")
+    __slots__ = ("seq", "raw", "event", "subject", "session", "position", "low_severity", "_data", "_sse")
 
     def __init__(self, seq: int, raw: bytes, event: dict[str, Any], subject: str = "") -> None:
         self.seq = seq
         self.raw = raw
         self.event = event
         self.subject = subject  # where it was stored: aep.hermes.> (the bridge's own) or aep.ingest.>
+        s = event.get("session")
+        self.session: str | None = s if isinstance(s, str) else None
+        q = event.get("seq")
+        if self.session is None or not isinstance(q, int):
+            self.position: tuple[int, int] | None = None
+        else:
+            epoch = event.get("epoch", 0)
+            self.position = (epoch if isinstance(epoch, int) else 0, q)
+        self.low_severity: bool = event.get("severity", "info") in LOW_SEVERITY
         self._data: dict[int, bytes] = {}
         self._sse: dict[int, bytes] = {}
-
-    @property
-    def session(self) -> str | None:
-        s = self.event.get("session")
-        return s if isinstance(s, str) else None
-
-    @property
-    def position(self) -> tuple[int, int] | None:
-        seq = self.event.get("seq")
-        if self.session is None or not isinstance(seq, int):
-            return None
-        epoch = self.event.get("epoch", 0)
-        return (epoch if isinstance(epoch, int) else 0, seq)
-
-    @property
-    def low_severity(self) -> bool:
-        return self.event.get("severity", "info") in LOW_SEVERITY
 
     def data(self, ceiling: int) -> bytes:
         """The event's bytes under ``ceiling``: the stored bytes themselves when within it
@@ -121,8 +116,17 @@ class Subscription:
     drops: int = 0
     delivered: dict[str, tuple[int, int]] = field(default_factory=dict)  # session -> last position handed out
     on_drop: Callable[[], None] | None = None
+    # Direct writes (SSE): while its task is parked (``idle``), the binding's ``direct`` writes
+    # what is queued at once, from the hub's one flush per batch of events, instead of waking
+    # one task per subscription per event; it answers False when it cannot (a slow or closing
+    # connection), and the task takes over.
+    direct: Callable[["Subscription"], bool] | None = None
+    idle: bool = False
+    dirty: bool = False
+    ready: Callable[["Subscription"], None] | None = None  # set by Hub.add
 
-    def offer(self, item: Item) -> None:
+    def offer(self, item: Item, matched: bool | None = None) -> None:
+        """Hand ``item`` over; ``matched``: the filter's verdict, when the caller knows it."""
         if self.closed or self.overflowed:
             return
         if self.replaying:
@@ -131,10 +135,10 @@ class Subscription:
                 self.overflowed = True
                 self.wake.set()
             return
-        self._put(item)
+        self._put(item, matched)
 
-    def _put(self, item: Item) -> None:
-        if not self.filter.matches(item.event):
+    def _put(self, item: Item, matched: bool | None = None) -> None:
+        if not (self.filter.matches(item.event) if matched is None else matched):
             return
         if len(self.queue) >= self.limit:
             if item.low_severity:
@@ -146,12 +150,14 @@ class Subscription:
             self.wake.set()
             return
         self.queue.append(item)
-        self.wake.set()
+        if self.idle and self.direct is not None and self.ready is not None:
+            self.ready(self)
+        else:
+            self.wake.set()
 
     def mark(self, item: Item) -> None:
-        pos = item.position
-        if pos is not None:
-            self.delivered[item.session or ""] = pos
+        if item.position is not None:
+            self.delivered[item.session or ""] = item.position
 
     def take(self, most: int = 256) -> list[Any]:
         out = []
@@ -160,6 +166,17 @@ class Subscription:
         if not self.queue:
             self.wake.clear()
         return out
+
+
+_filters: "weakref.WeakValueDictionary[str, Filter]" = weakref.WeakValueDictionary()
+
+
+def intern_filter(spec: Any) -> Filter:
+    """`compile_filter` (InvalidFilter on a bad one), with equal filters sharing one `Filter`
+    while a subscription holds it, so the hub matches an event once per distinct filter."""
+    flt = compile_filter(spec)
+    key = json.dumps(spec, sort_keys=True, separators=(",", ":"))
+    return _filters.setdefault(key, flt)
 
 
 class RefusedFrom(ValueError):
@@ -205,6 +222,8 @@ class Hub:
         self.position = 0  # stream sequence of the last live event seen
         self.listeners: list[Callable[[Item], None]] = []
         self._sub: Any = None
+        self._dirty: list[Subscription] = []
+        self._flushing = False
 
     async def start(self) -> None:
         info = await self.js.stream_info(S.AEP_EVENTS)
@@ -227,11 +246,45 @@ class Hub:
         self.position = item.seq
         for listener in self.listeners:
             listener(item)
+        # one verdict per distinct filter, not per subscription: equal filters are one
+        # object (intern_filter), so a hundred dashboards on one filter cost one match
+        verdicts: dict[int, bool] = {}
+        event = item.event
         for sub in tuple(self.subs):
-            sub.offer(item)
+            key = id(sub.filter)
+            matched = verdicts.get(key)
+            if matched is None:
+                matched = verdicts[key] = sub.filter.matches(event)
+            sub.offer(item, matched)
 
     def add(self, sub: Subscription) -> None:
+        sub.ready = self._ready
         self.subs.add(sub)
+
+    def _ready(self, sub: Subscription) -> None:
+        """``sub`` has items for a direct write: flush once the current batch is offered."""
+        if not sub.dirty:
+            sub.dirty = True
+            self._dirty.append(sub)
+            if not self._flushing:
+                self._flushing = True
+                asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flushing = False
+        dirty, self._dirty = self._dirty, []
+        for sub in dirty:
+            sub.dirty = False
+            if not sub.queue or sub.closed:
+                continue
+            try:
+                done = not sub.overflowed and sub.idle and sub.direct is not None and sub.direct(sub)
+            except Exception as exc:  # noqa: BLE001 - what it took may be lost: end the stream, resumable
+                log.warning("direct write failed", error=str(exc))
+                sub.overflowed = True
+                done = False
+            if not done:
+                sub.wake.set()
 
     def remove(self, sub: Subscription) -> None:
         sub.closed = True

@@ -18,7 +18,7 @@ from typing import Any
 
 import msgspec
 import structlog
-from aiohttp import WSMsgType, web
+from aiohttp import WSMsgType, hdrs, web
 from nats.js.errors import BucketNotFoundError
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
@@ -29,11 +29,12 @@ from bridge.nats.streams import CONTROL_BUCKET
 from bridge.nats.subjects import EVENTS_PREFIX, command_subject, ingest_subject
 from bridge.services.relay import ingest
 from bridge.services.relay.claims import MAX_DECLARATIONS_BYTES, Claimant, Claims
-from bridge.core.attrmatch import InvalidFilter, compile_filter
+from bridge.core.attrmatch import InvalidFilter
 from bridge.core.capture import LEVELS, downlevel_fields, level_rank, payload_fields
 from bridge.nats.connection import connect_service
 from bridge.services.relay.config import Principal, RelayConfig
-from bridge.services.relay.hub import Exhausted, Hub, Item, RefusedFrom, Subscription, parse_from, parse_last_event_id
+from bridge.services.relay.hub import (Exhausted, Hub, Item, RefusedFrom, Subscription, intern_filter, parse_from,
+                                       parse_last_event_id)
 
 log = structlog.get_logger("relay")
 
@@ -42,6 +43,7 @@ MAX_SUBS_PER_CONNECTION = 64
 MAX_FROM_POSITIONS = 256
 FORWARD_TIMEOUT_S = 5.0  # a WebSocket emitter that does not take a command within this is closed
 LIVE_CACHE_S = 1.0  # the live Hermes sessions are read at most this often for rosters
+DIRECT_BUFFER = 1 << 16  # bytes waiting in a connection's buffer past which SSE writes wait for the client
 CONTROL_TYPES = ("control.attention.respond", "x.hermes.control.instruct")
 ACK_TYPES = frozenset(("control.accepted", "control.rejected"))
 _encode = msgspec.json.Encoder().encode
@@ -226,7 +228,7 @@ class Relay:
             return self.refuse(403, "unauthorized", f"role {who.role} may not consume")
         q = request.query
         try:
-            flt = compile_filter(json.loads(q["filter"]) if "filter" in q else {})
+            flt = intern_filter(json.loads(q["filter"]) if "filter" in q else {})
             ceiling = who.max_capture
             if "capture" in q:
                 ceiling = min(ceiling, level_rank(q["capture"]))
@@ -260,36 +262,66 @@ class Relay:
         self.metrics.subscriptions.inc()
         replay = asyncio.create_task(self._replay(sub, start, exhausted)) if start else None
         sent = delivered = 0
+        loop = asyncio.get_running_loop()
+        last_write = loop.time()
+        transport = request.transport
+        chunked = resp.headers.get(hdrs.TRANSFER_ENCODING, "").lower() == "chunked"
+
+        def frames(items: list[Any]) -> bytes:
+            nonlocal delivered, sent
+            chunks = []
+            for it in items:  # no sub.mark: an SSE client resumes from its own Last-Event-ID
+                if isinstance(it, Item):
+                    chunks.append(it.sse(ceiling))
+                    delivered += 1
+                else:
+                    chunks.append(it)
+            body = b"".join(chunks)
+            sent += len(body)
+            return body
+
+        def direct(s: Subscription) -> bool:
+            """Write what is queued now, on the connection itself (the response's headers went
+            with the first write; the body is chunked by hand when aiohttp chunks it), unless
+            the connection is closing or its buffer is full: then the task writes, through
+            aiohttp, and waits for the client to drain."""
+            nonlocal last_write
+            if transport is None or transport.is_closing() or transport.get_write_buffer_size() > DIRECT_BUFFER:
+                return False
+            body = frames(s.take(len(s.queue)))
+            transport.write(b"%x\r\n%b\r\n" % (len(body), body) if chunked else body)
+            last_write = loop.time()
+            return True
+
         try:
             await resp.write(b": aep-bridge relay\n\n")
+            sub.direct = direct
             while not self.stopping.is_set():
                 if sub.overflowed:
                     self.metrics.disconnects.inc()
                     break
                 items = sub.take()
                 if items:
-                    chunks = []
-                    for it in items:
-                        if isinstance(it, Item):
-                            chunks.append(it.sse(ceiling))
-                            sub.mark(it)
-                            delivered += 1
-                        else:
-                            chunks.append(it)
-                    body = b"".join(chunks)
-                    await resp.write(body)
-                    sent += len(body)
+                    await resp.write(frames(items))
+                    last_write = loop.time()
                     continue
                 if not live and (replay is None or replay.done()) and not sub.queue:
                     await resp.write(b": replay-complete\n\n")  # live=0: the replay is over
                     break
+                sub.idle = True  # direct writes may go out while the task waits
                 try:
-                    await asyncio.wait_for(sub.wake.wait(), self.cfg.heartbeat_s)
-                except asyncio.TimeoutError:
-                    await resp.write(b": ping\n\n")
+                    async with asyncio.timeout(self.cfg.heartbeat_s):  # no task per wait, unlike wait_for
+                        await sub.wake.wait()
+                except TimeoutError:
+                    if loop.time() - last_write >= self.cfg.heartbeat_s:  # silent that long: ping
+                        await resp.write(b": ping\n\n")
+                        last_write = loop.time()
+                finally:
+                    sub.idle = False
         except (ConnectionResetError, ConnectionError, asyncio.CancelledError):
             pass
         finally:
+            sub.direct = None
             self.hub.remove(sub)
             if replay is not None and not replay.done():
                 replay.cancel()
@@ -433,7 +465,7 @@ class Relay:
         if len(subs) >= MAX_SUBS_PER_CONNECTION:
             return await refuse("limit-exceeded", f"at most {MAX_SUBS_PER_CONNECTION} subscriptions per connection")
         try:
-            flt = compile_filter(frame.get("filter", {}))
+            flt = intern_filter(frame.get("filter", {}))
             ceiling = who.max_capture
             if "capture" in frame:
                 if not isinstance(frame["capture"], str):
