@@ -47,7 +47,7 @@ def test_one_match_per_distinct_filter_and_every_subscription_served():
         Counting.calls = 0
         for seq in (1, 2):
             ev = event("s1", seq)
-            await hub._on_msg(SimpleNamespace(metadata=SimpleNamespace(sequence=SimpleNamespace(stream=seq)),
+            await hub._on_msg(SimpleNamespace(metadata=SimpleNamespace(sequence=SimpleNamespace(stream=seq)), subject="aep.hermes.s.x",
                                               data=encode(ev)))
         assert Counting.calls == 4, "2 events x 2 distinct filters, not x 4 subscriptions"
         assert [[i.seq for i in s.queue] for s in subs] == [[1, 2], [1, 2], [1, 2], []]
@@ -68,7 +68,8 @@ def test_item_fields_are_computed_once_from_the_event():
 
 
 def msg(ev: dict, seq: int) -> SimpleNamespace:
-    return SimpleNamespace(metadata=SimpleNamespace(sequence=SimpleNamespace(stream=seq)), data=encode(ev))
+    return SimpleNamespace(metadata=SimpleNamespace(sequence=SimpleNamespace(stream=seq)), data=encode(ev),
+                           subject="aep.hermes.s.tool.called")
 
 
 def test_direct_writes_one_flush_per_batch_and_the_task_takes_over_when_they_cannot():
