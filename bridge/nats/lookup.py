@@ -11,6 +11,9 @@ stream, on the subject the copy would have had, from that time on: JetStream's
 than the window are looked up, so the normal path never pays for it. Errors (no
 permission, a timeout) answer "not found": the caller then publishes, a duplicate at
 worst, never a loss.
+
+`find_msg_id` looks for one id; `msg_ids_on` reads the ids of a whole stretch of a
+subject once, for a caller with many ids to look up on it (a redelivered batch).
 """
 
 from __future__ import annotations
@@ -19,11 +22,14 @@ import base64
 import calendar
 import json
 import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
 DEFAULT_MARGIN_NS = 10 * 1_000_000_000  # a shim host's clock vs the server's, plus the shim's deadline
 SERVER_MARGIN_NS = 1_000_000_000  # two JetStream timestamps (stream leaders' clocks may differ a little)
 DEFAULT_MAX_PROBES = 64
+MSG_ID_HEADER = b"Nats-Msg-Id: "
 
 
 def rfc3339_ns(ns: int) -> str:
@@ -43,26 +49,70 @@ def stored_ns(msg: Any) -> int | None:
     return int(ts.timestamp() * 1e9) if ts is not None else None
 
 
+def msg_id_of(headers: bytes) -> str | None:
+    """The ``Nats-Msg-Id`` in a raw header block (``NATS/1.0\\r\\nKey: value\\r\\n...``)."""
+    start = headers.find(MSG_ID_HEADER)
+    if start < 0:
+        return None
+    start += len(MSG_ID_HEADER)
+    end = headers.find(b"\r\n", start)
+    return headers[start:end if end >= 0 else len(headers)].decode("utf-8", "replace")
+
+
+async def _stored_on(nc: Any, stream: str, subject: str, since_ns: int, *, api_prefix: str,
+                     timeout: float) -> AsyncIterator[tuple[int, int, bytes]]:
+    """(stream seq, stored time ns, raw headers) of each message on ``subject`` from ``since_ns`` on."""
+    api = f"{api_prefix}.STREAM.MSG.GET.{stream}"
+    request: dict[str, Any] = {"start_time": rfc3339_ns(max(since_ns, 0)), "next_by_subj": subject}
+    while True:
+        reply = await nc.request(api, json.dumps(request).encode(), timeout=timeout)
+        found = json.loads(reply.data).get("message")
+        if not found:
+            return  # {"error": {"code": 404, ...}}: nothing more on the subject
+        seq = int(found["seq"])
+        yield seq, parse_rfc3339_ns(found["time"]), base64.b64decode(found.get("hdrs") or "")
+        request = {"seq": seq + 1, "next_by_subj": subject}
+
+
 async def find_msg_id(nc: Any, stream: str, subject: str, msg_id: str, since_ns: int, *,
                       before_seq: int | None = None, until_ns: int | None = None,
                       max_probes: int = DEFAULT_MAX_PROBES, api_prefix: str = "$JS.API",
                       timeout: float = 5.0) -> int | None:
     """The stream sequence of a message on ``subject`` stored at or after ``since_ns`` whose
     ``Nats-Msg-Id`` is ``msg_id`` (stopping at ``before_seq`` / after ``until_ns``), or None."""
-    needle = b"Nats-Msg-Id: " + msg_id.encode() + b"\r\n"
-    api = f"{api_prefix}.STREAM.MSG.GET.{stream}"
-    request: dict[str, Any] = {"start_time": rfc3339_ns(max(since_ns, 0)), "next_by_subj": subject}
-    for _ in range(max_probes):
-        reply = await nc.request(api, json.dumps(request).encode(), timeout=timeout)
-        found = json.loads(reply.data).get("message")
-        if not found:
-            return None  # {"error": {"code": 404, ...}}: nothing more on the subject
-        seq = int(found["seq"])
-        if before_seq is not None and seq >= before_seq:
-            return None
-        if until_ns is not None and parse_rfc3339_ns(found["time"]) > until_ns:
-            return None
-        if needle in base64.b64decode(found.get("hdrs") or ""):
-            return seq
-        request = {"seq": seq + 1, "next_by_subj": subject}
+    needle = MSG_ID_HEADER + msg_id.encode() + b"\r\n"
+    probes = 0
+    async with aclosing(_stored_on(nc, stream, subject, since_ns, api_prefix=api_prefix, timeout=timeout)) as stored_on:
+        async for seq, stored, headers in stored_on:
+            if before_seq is not None and seq >= before_seq:
+                return None
+            if until_ns is not None and stored > until_ns:
+                return None
+            if needle in headers:
+                return seq
+            probes += 1
+            if probes >= max_probes:
+                return None
     return None
+
+
+async def msg_ids_on(nc: Any, stream: str, subject: str, since_ns: int, until_ns: int, *, max_probes: int,
+                     api_prefix: str = "$JS.API", timeout: float = 5.0) -> tuple[set[str], bool]:
+    """The ``Nats-Msg-Id`` of every message on ``subject`` stored from ``since_ns`` to
+    ``until_ns``, and whether that is all of them (False: ``max_probes`` messages were read
+    and there are more)."""
+    ids: set[str] = set()
+    if max_probes <= 0:
+        return ids, False
+    probes = 0
+    async with aclosing(_stored_on(nc, stream, subject, since_ns, api_prefix=api_prefix, timeout=timeout)) as stored_on:
+        async for _seq, stored, headers in stored_on:
+            if stored > until_ns:
+                return ids, True
+            if probes >= max_probes:
+                return ids, False
+            probes += 1
+            msg_id = msg_id_of(headers)
+            if msg_id is not None:
+                ids.add(msg_id)
+    return ids, True

@@ -56,9 +56,12 @@ Theory of operation
   events were made from that copy; it is acked and counted
   (`aep_bridge_mapper_resends_dropped_total`). Likewise a redelivered raw message
   stored longer ago than half of BRIDGE_MAPPED's window (an earlier attempt may have
-  stored some events before its ack was lost) publishes only the events its lane
-  subject does not hold yet. Lookups cost nothing on the normal
-  path; one that fails lets the copy through (a duplicate at worst, never a loss).
+  stored some events before its ack was lost) publishes only the events BRIDGE_MAPPED
+  does not hold yet: the ids on its lane subject (and on `_unknown` for an event whose
+  lane came from a look-up) stored since the raw message, read once per batch and
+  subject, at most LATE_SCAN_BUDGET messages per batch. Lookups cost nothing on the
+  normal path; one that fails or runs out of budget lets the copy through (a duplicate
+  at worst, never a loss).
 """
 
 from __future__ import annotations
@@ -78,14 +81,14 @@ from bridge.core.aep import PAYLOAD_TYPES, encode_event
 from bridge.core.capture import CapturePolicy
 from bridge.core.deadletter import KNOWN_REASONS as DLQ_REASONS
 from bridge.core.envelope import EnvelopeError, check_raw, decode_raw
-from bridge.core.lanes import event_lane_token, partition_of
+from bridge.core.lanes import UNKNOWN_TOKEN, event_lane_token, lane_candidates, partition_of
 from bridge.core.mapping import HOOKS
 from bridge.core.pipeline import map_record, record_from_raw
 from bridge.nats import streams as S
 from bridge.nats import subjects as subj
 from bridge.nats.connection import connect_service, server_list
 from bridge.nats.lanes import KvLanes, epoch_of
-from bridge.nats.lookup import DEFAULT_MARGIN_NS, SERVER_MARGIN_NS, find_msg_id, stored_ns
+from bridge.nats.lookup import DEFAULT_MARGIN_NS, SERVER_MARGIN_NS, find_msg_id, msg_ids_on, stored_ns
 from bridge.services.runtime import OTHER, BoundedLabel, Health, HttpServer, Stopper, close_connection, watch_connection
 
 log = structlog.get_logger("aep_bridge.mapper")
@@ -98,6 +101,10 @@ INSTANCE_FORGET_S = 24 * 3600.0
 # Hermes instances with their own last-seen series; more share the series `other`.
 MAX_INSTANCE_SERIES = 4096
 FINISHED_MAX = 16384  # finished raw seqs remembered above the known ack floor
+# BRIDGE_MAPPED messages one batch may read to find the events of its late redeliveries
+# (one request each: ~0.4-0.5 ms on a local server, 4-5 s in all). Past it a late copy goes
+# through: a duplicate at worst.
+LATE_SCAN_BUDGET = 10_000
 
 
 class MapperMetrics:
@@ -239,6 +246,10 @@ class Mapper:
         # Half of HERMES_RAW's / BRIDGE_MAPPED's duplicate windows (read at bind): older copies are looked up.
         self.late_after_ns = int(S.DUPLICATE_WINDOW_S * 1e9) // 2
         self.mapped_late_after_ns = int(S.DUPLICATE_WINDOW_S * 1e9) // 2
+        # What this batch read of BRIDGE_MAPPED for its late redeliveries (`mapped_ids`):
+        # subject -> (read from, stored ns; monotonic time read; the ids), and what it may still read.
+        self._late_scans: dict[str, tuple[int, float, set[str]]] = {}
+        self._late_budget = LATE_SCAN_BUDGET
 
     # ------------------------------------------------------------ setup
 
@@ -314,8 +325,13 @@ class Mapper:
         if result.problems:
             self.metrics.problems.inc()
         publish = self.js.publish_async
-        events = await self.already_mapped(msg, subject, result.events)
-        for event, body in zip(events, bodies[len(bodies) - len(events):]):
+        # An event whose lane came from a look-up may have been filed under `_unknown` by an
+        # earlier attempt whose lane wait gave up (the session's first event held by a dead replica).
+        maybe_unknown = not result.unknown and bool(lane_candidates(record.envelope))
+        stored = await self.already_mapped(msg, subject, result.events, maybe_unknown)
+        for event, body in zip(result.events, bodies):
+            if event.id in stored:
+                continue
             futures.append(await publish(subject, body, headers={"Nats-Msg-Id": event.id, HINTS_HEADER: hints}))
             self.metrics.event_out(event.type).inc()
         if result.unknown:
@@ -425,36 +441,59 @@ class Mapper:
             return False
         return found is not None
 
-    async def already_mapped(self, msg: Any, subject: str, events: list[Any]) -> list[Any]:
+    async def already_mapped(self, msg: Any, subject: str, events: list[Any], maybe_unknown: bool = False) -> set[str]:
         """For a redelivered raw message stored longer ago than half of BRIDGE_MAPPED's duplicate
-        window: the events an earlier attempt did not store yet. An attempt publishes in order on
-        one connection, so what it stored is a prefix. First deliveries are not looked up (a
-        mapper catching up on a backlog would pay for every message); a server that lost the
-        consumer's delivery counts in a crash redelivers as a first delivery at once, and those
-        copies, close together, are dropped by pairing's dedupe of recent ids."""
+        window: the ids of its events an earlier attempt stored already (not to publish again).
+
+        Looked for on the event's subject, and on the unknown lane's when ``maybe_unknown`` (the
+        lane came from a look-up an earlier attempt may have given up on), from the raw message's
+        stored time (no attempt is earlier) to half a window ago (a younger copy is dropped by the
+        window); see `mapped_ids`. Reading at most 64 messages of the subject missed copies on a
+        busy lane (`_unknown` collects every session's unknown events; the likely cause of the
+        kill -9 test's 4 duplicates in 1 CI run of 3). First deliveries are not looked up (a mapper catching up on
+        a backlog would pay for every message); a server that lost the consumer's delivery counts
+        in a crash redelivers as a first delivery at once, and those copies, close together, are
+        dropped by pairing's dedupe of recent ids."""
         stored = stored_ns(msg)
         if not events or getattr(msg.metadata, "num_delivered", 1) <= 1 or stored is None \
                 or time.time_ns() - stored <= self.mapped_late_after_ns:
-            return events  # a first delivery, or any earlier attempt is inside the window
+            return set()  # a first delivery, or any earlier attempt is inside the window
         self.metrics.resend_checks.inc()
+        subjects = [subject]
+        if maybe_unknown:
+            unknown = subj.mapped_subject(partition_of(UNKNOWN_TOKEN, self.settings.partitions), UNKNOWN_TOKEN)
+            if unknown != subject:
+                subjects.append(unknown)
+        found: set[str] = set()
+        for s in subjects:
+            ids = await self.mapped_ids(s, stored - SERVER_MARGIN_NS, msg.metadata.sequence.stream)
+            found.update(e.id for e in events if e.id in ids)
+        if found:
+            self.metrics.resends.inc(len(found))
+        return found
 
-        async def stored_already(event: Any) -> bool:
-            try:
-                return await find_msg_id(self.nc, S.BRIDGE_MAPPED, subject, event.id, stored - SERVER_MARGIN_NS,
-                                         api_prefix=getattr(self.js, "_prefix", "$JS.API")) is not None
-            except Exception as exc:  # let it through: a duplicate at worst, never a loss
-                log.warning("resend_check_failed", raw_seq=msg.metadata.sequence.stream, error=f"{type(exc).__name__}: {exc}")
-                return False
-
-        if await stored_already(events[-1]):
-            done = len(events)
-        else:
-            done = 0
-            while done < len(events) - 1 and await stored_already(events[done]):
-                done += 1
-        if done:
-            self.metrics.resends.inc(done)
-        return events[done:]
+    async def mapped_ids(self, subject: str, since_ns: int, raw_seq: int) -> set[str]:
+        """The ids stored on ``subject`` of BRIDGE_MAPPED from ``since_ns`` to half a window ago,
+        read once per batch (a redelivered batch is mostly late messages of a few lanes): kept
+        for a quarter of the window, so that a copy not seen (younger than half a window when
+        read) is still inside the window when this batch publishes. At most the batch's budget
+        (LATE_SCAN_BUDGET messages) is read; what is not read is not found."""
+        now = time.monotonic()
+        scan = self._late_scans.get(subject)
+        if scan is not None and scan[0] <= since_ns and now - scan[1] < self.mapped_late_after_ns / 2e9:
+            return scan[2]
+        try:
+            ids, complete = await msg_ids_on(self.nc, S.BRIDGE_MAPPED, subject, since_ns,
+                                             time.time_ns() - self.mapped_late_after_ns, max_probes=self._late_budget,
+                                             api_prefix=getattr(self.js, "_prefix", "$JS.API"))
+        except Exception as exc:  # let it through: a duplicate at worst, never a loss
+            log.warning("resend_check_failed", raw_seq=raw_seq, error=f"{type(exc).__name__}: {exc}")
+            return set()
+        self._late_budget -= len(ids)
+        if not complete:
+            log.warning("resend_check_incomplete", raw_seq=raw_seq, subject=subject, read=len(ids))
+        self._late_scans[subject] = (since_ns, now, ids)
+        return ids
 
     async def dead_letter(self, msg: Any, reason: str, error: BaseException | str) -> asyncio.Future:
         """Publish the dead letter of a raw message (`bridge.core.deadletter`: no more than
@@ -477,6 +516,7 @@ class Mapper:
         """
         self.metrics.batch.observe(len(msgs))
         self._batch_pending, self._batch_done = [], set()
+        self._late_scans, self._late_budget = {}, LATE_SCAN_BUDGET
         for msg in msgs:
             try:
                 futures, ts_ns = await self.handle(msg)

@@ -12,13 +12,56 @@ from __future__ import annotations
 import asyncio
 import time
 
-from bridge.nats.lookup import find_msg_id, parse_rfc3339_ns, rfc3339_ns
+from bridge.nats.lookup import find_msg_id, msg_id_of, msg_ids_on, parse_rfc3339_ns, rfc3339_ns
 
 
 def test_rfc3339_round_trip():
     now = time.time_ns()
     assert parse_rfc3339_ns(rfc3339_ns(now)) == now
     assert parse_rfc3339_ns("2026-12-01T00:04:18Z") % 1_000_000_000 == 0
+
+
+def test_msg_id_of_a_header_block():
+    assert msg_id_of(b"NATS/1.0\r\nNats-Msg-Id: abc\r\nBridge-Hints: []\r\n\r\n") == "abc"
+    assert msg_id_of(b"NATS/1.0\r\nBridge-Hints: []\r\nNats-Msg-Id: last") == "last"
+    assert msg_id_of(b"NATS/1.0\r\nBridge-Hints: []\r\n\r\n") is None
+
+
+def test_msg_ids_on_reads_a_stretch_of_a_subject(nats_server, jetstream):
+    """Every id on a subject between two times, past 64 messages (a busy lane), and whether
+    that was all: the mapper's late redeliveries look their events up in one read per batch."""
+    import nats
+
+    stream = "LOOKUP_IDS_TEST"
+
+    async def main() -> None:
+        nc = await nats.connect(nats_server.url)
+        js = nc.jetstream()
+        try:
+            await js.add_stream(name=stream, subjects=["ids.>"])
+            before = time.time_ns()
+            for i in range(150):
+                await js.publish("ids.a", b"x", headers={"Nats-Msg-Id": f"a-{i}"})
+                await js.publish("ids.b", b"y", headers={"Nats-Msg-Id": f"b-{i}"})
+            await asyncio.sleep(0.05)
+            middle = time.time_ns()
+            await asyncio.sleep(0.05)
+            await js.publish("ids.a", b"x", headers={"Nats-Msg-Id": "a-later"})
+            ids, complete = await msg_ids_on(nc, stream, "ids.a", before, time.time_ns(), max_probes=1000)
+            assert complete and ids == {f"a-{i}" for i in range(150)} | {"a-later"}
+            ids, complete = await msg_ids_on(nc, stream, "ids.a", before, middle, max_probes=1000)
+            assert complete and ids == {f"a-{i}" for i in range(150)}, "nothing stored after until_ns"
+            ids, complete = await msg_ids_on(nc, stream, "ids.a", before, middle, max_probes=150)
+            assert complete and len(ids) == 150, "exactly the budget: the next one is past until_ns"
+            ids, complete = await msg_ids_on(nc, stream, "ids.a", before, middle, max_probes=100)
+            assert not complete and ids == {f"a-{i}" for i in range(100)}
+            assert await msg_ids_on(nc, stream, "ids.c", before, middle, max_probes=10) == (set(), True)
+            assert await msg_ids_on(nc, stream, "ids.a", before, middle, max_probes=0) == (set(), False)
+        finally:
+            await js.delete_stream(stream)
+            await nc.close()
+
+    asyncio.run(main())
 
 
 def test_find_msg_id_by_subject_from_a_start_time(nats_server, jetstream):

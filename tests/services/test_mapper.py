@@ -4,6 +4,7 @@ and what it writes to the dead-letter stream."""
 from __future__ import annotations
 
 import base64
+import collections
 import hashlib
 import json
 import random
@@ -136,7 +137,9 @@ def test_kill_9_replicas_repeatedly_loses_and_duplicates_nothing(nats_server_fn,
         got = client.fetch("bridge.mapped.>", stream="BRIDGE_MAPPED")
         ids = [json.loads(m.data)["id"] for m in got]
         assert kills >= 3, "the test must actually kill replicas mid-run"
-        assert len(ids) == len(set(ids)), "no duplicates"
+        counts = collections.Counter(ids)
+        twice = [(m.subject, m.seq, i) for m, i in zip(got, ids) if counts[i] > 1]
+        assert len(ids) == len(set(ids)), f"no duplicates (subject, BRIDGE_MAPPED seq, id): {twice}"
         assert set(ids) == want, "every expected event, nothing else"
     finally:
         for m in mappers:
