@@ -227,6 +227,18 @@ async def _claimed(s: aiohttp.ClientSession, relay: Any, session: str) -> None:
     raise AssertionError(f"{session} never claimed")
 
 
+async def claim_then_command(s: aiohttp.ClientSession, relay: Any, agent: str, session: str, cid: str,
+                             control: dict[str, Any] | None = CONTROL) -> tuple[Any, Any]:
+    """An emitter ``agent`` claims ``session``; an operator then sends it a command ``cid``.
+    Returns (the emitter's socket, the operator's)."""
+    claimant = await connect(s, relay, emitter_hello(agent, control=control), EMITTER)
+    await claimant.send_str(encode(started(session)).decode())
+    await _claimed(s, relay, session)
+    op = await connect(s, relay, {"type": "hello", "versions": ["0.1"], "role": "consumer"}, OPERATOR)
+    await op.send_str(respond(session, cid).decode())
+    return claimant, op
+
+
 def test_an_ack_posted_by_a_third_party_settles_nothing(relay) -> None:
     """Only the target's own ack settles a command: an emitter posting control.accepted with
     the command's cause (ids are visible on the stream) is somebody else's word."""
@@ -235,11 +247,7 @@ def test_an_ack_posted_by_a_third_party_settles_nothing(relay) -> None:
 
     async def go() -> tuple[Any, dict]:
         async with aiohttp.ClientSession() as s:
-            target = await connect(s, relay, emitter_hello("claimant"), EMITTER)
-            await target.send_str(encode(started(session)).decode())
-            await _claimed(s, relay, session)
-            op = await connect(s, relay, {"type": "hello", "versions": ["0.1"], "role": "consumer"}, OPERATOR)
-            await op.send_str(respond(session, cid).decode())
+            target, op = await claim_then_command(s, relay, "claimant", session, cid)
             await target.receive(timeout=5)  # the target has it, and decides slowly
             forged = {**event(session, 7, "control.accepted", data={}), "agent": "impostor",
                       "source": "urn:evil", "cause": cid, "id": "forged-ack"}
@@ -338,11 +346,7 @@ def test_a_live_hermes_session_is_never_diverted_to_an_impostor(relay, jetstream
 
     async def go() -> tuple[Any, dict]:
         async with aiohttp.ClientSession() as s:
-            imp = await connect(s, relay, emitter_hello("impostor"), EMITTER)
-            await imp.send_str(encode(started(session)).decode())
-            await _claimed(s, relay, session)
-            op = await connect(s, relay, {"type": "hello", "versions": ["0.1"], "role": "consumer"}, OPERATOR)
-            await op.send_str(respond(session, cid).decode())
+            imp, op = await claim_then_command(s, relay, "impostor", session, cid)
             answer = await next_frame(op)
             try:
                 got = (await imp.receive(timeout=1)).data
