@@ -87,12 +87,16 @@ def test_a_stalled_sse_subscriber_is_cut_off_in_order(nats_server, jetstream, tm
             async with aiohttp.ClientSession() as s:
                 async with s.get(relay.url + "/stream", params={"filter": json.dumps({"session": s_})},
                                  headers=auth(CONSUMER), timeout=aiohttp.ClientTimeout(total=None)) as resp:
-                    assert await resp.content.readline() == b": aep-bridge relay\n"  # subscribed; now stall
-                    big = "x" * 200_000
+                    assert await resp.content.readline() == b": aep-bridge relay\n"  # subscribed
+                    await publish(nats_server.url, [event(s_, 1, severity="warning")])
+                    first = b""
+                    while b"\n\n" not in first.split(b"id: ", 1)[-1]:  # the first event, read: delivery works
+                        first += await asyncio.wait_for(resp.content.readline(), 30)
+                    big = "x" * 200_000  # now stall
                     await publish(nats_server.url, [event(s_, i, severity="warning", data={"big": big})
-                                                    for i in range(1, 80)])
+                                                    for i in range(2, 80)])
                     await asyncio.sleep(1.0)  # the relay takes the last events while nobody reads
-                    return await asyncio.wait_for(resp.content.read(), 60)  # to the stream's end
+                    return first + await asyncio.wait_for(resp.content.read(), 60)  # to the stream's end
 
         body = asyncio.run(go())
     finally:
