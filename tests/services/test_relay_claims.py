@@ -7,6 +7,7 @@ by the claimant's ack, refused `unsupported`, `ambiguous` or `no-route` otherwis
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import uuid
 from typing import Any
@@ -393,3 +394,31 @@ def test_commands_are_not_ingested_and_claims_are_bounded(relay, monkeypatch) ->
     assert claims.claim(who, "a") and claims.claim(who, "b") and not claims.claim(who, "c") and claims.count == 2
     claims.release(who)
     assert claims.count == 0 and claims.entries() == []
+
+
+def test_a_subscribed_sender_gets_the_emitters_ack_once(relay) -> None:
+    """An operator subscribed to the session gets the ack through its subscription, not a
+    second time as the command's answer."""
+    session = "w" + uuid.uuid4().hex[:10]
+    cid = uuid.uuid4().hex[:26].upper()
+
+    async def go() -> list[dict[str, Any]]:
+        async with aiohttp.ClientSession() as s:
+            target = await connect(s, relay, emitter_hello("claimant"), EMITTER)
+            await target.send_str(encode(started(session)).decode())
+            await _claimed(s, relay, session)
+            op = await connect(s, relay, {"type": "hello", "versions": ["0.1"], "role": "both"}, OPERATOR)
+            await op.send_json({"type": "subscribe", "id": "mine", "filter": {"session": session}})
+            assert (await next_frame(op))["type"] == "subscribed"
+            await op.send_str(respond(session, cid).decode())
+            await target.receive(timeout=5)
+            ack = {**event(session, 1, "control.accepted", data={}), "agent": "claimant", "cause": cid, "id": "ack-1"}
+            await target.send_str(encode(ack).decode())
+            frames = []
+            with contextlib.suppress(asyncio.TimeoutError):
+                while True:
+                    frames.append(await next_frame(op, timeout=2))
+            return frames
+
+    frames = asyncio.run(go())
+    assert [f["id"] for f in frames if f.get("cause") == cid] == ["ack-1"]

@@ -694,7 +694,7 @@ class Relay:
                 continue
             self._forget(key)
             for send, ceiling, subs in entry.senders:
-                if target is None and any(sub.filter.matches(event) for sub in subs.values()):
+                if any(sub.filter.matches(event) for sub in subs.values()):
                     continue  # a subscription of the sender's delivers it: once, not twice
                 if isinstance(payload, Item):
                     data = payload.data(ceiling)
