@@ -219,7 +219,12 @@ def test_pull_delivers_the_context_once_confirmed(nats_server: NatsServer, jetst
 
         sub = await nc.subscribe(f"{C.INSTRUCT_PULL_PREFIX}.{session}", cb=on_pull)
         try:
-            return await run_shim(dumps(envelope("pre_llm_call", session=session)), instruct_env(nats_server.url, tmp_path, instance()))
+            result = await run_shim(dumps(envelope("pre_llm_call", session=session)), instruct_env(nats_server.url, tmp_path, instance()))
+            for _ in range(100):  # the shim may exit before the callback resumes with its confirmation
+                if not queue or "confirm" in seen:
+                    break
+                await asyncio.sleep(0.05)
+            return result
         finally:
             await sub.unsubscribe()
 
