@@ -650,7 +650,8 @@ def _field_table() -> dict[str, dict[str, tuple[int, Any]]]:
 def payload_fields(event_type: str) -> dict[str, tuple[int, Any]] | None:
     """The payload fields of a type whose field levels are known, name -> (capture level, shape):
     ours for the types this bridge emits (with the fields only the AEP payload schema defines
-    added at the schema's levels), the schema's for the other standard types; None for others. (One table built once: no cache keyed by the types events carry.)"""
+    added at the schema's levels), the schema's for the other standard types; None for others.
+    One table, built once: no cache keyed by the type strings events carry."""
     return _field_table().get(event_type)
 
 

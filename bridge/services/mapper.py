@@ -325,10 +325,7 @@ class Mapper:
         if result.problems:
             self.metrics.problems.inc()
         publish = self.js.publish_async
-        # An event whose lane came from a look-up may have been filed under `_unknown` by an
-        # earlier attempt whose lane wait gave up (the session's first event held by a dead replica).
-        maybe_unknown = not result.unknown and bool(lane_candidates(record.envelope))
-        stored = await self.already_mapped(msg, subject, result.events, maybe_unknown)
+        stored = await self.already_mapped(msg, subject, result.events, None if result.unknown else record.envelope)
         for event, body in zip(result.events, bodies):
             if event.id in stored:
                 continue
@@ -441,26 +438,27 @@ class Mapper:
             return False
         return found is not None
 
-    async def already_mapped(self, msg: Any, subject: str, events: list[Any], maybe_unknown: bool = False) -> set[str]:
+    async def already_mapped(self, msg: Any, subject: str, events: list[Any], envelope: Any = None) -> set[str]:
         """For a redelivered raw message stored longer ago than half of BRIDGE_MAPPED's duplicate
         window: the ids of its events an earlier attempt stored already (not to publish again).
 
-        Looked for on the event's subject, and on the unknown lane's when ``maybe_unknown`` (the
-        lane came from a look-up an earlier attempt may have given up on), from the raw message's
-        stored time (no attempt is earlier) to half a window ago (a younger copy is dropped by the
-        window); see `mapped_ids`. Reading at most 64 messages of the subject missed copies on a
-        busy lane (`_unknown` collects every session's unknown events; the likely cause of the
-        kill -9 test's 4 duplicates in 1 CI run of 3). First deliveries are not looked up (a mapper catching up on
-        a backlog would pay for every message); a server that lost the consumer's delivery counts
-        in a crash redelivers as a first delivery at once, and those copies, close together, are
-        dropped by pairing's dedupe of recent ids."""
+        Looked for on the event's subject, and also on the unknown lane's when the lane of
+        ``envelope`` (None: the events are on the unknown lane already) came from a look-up: an
+        earlier attempt whose lane wait gave up filed them there. From the raw message's stored
+        time (no attempt is earlier) to half a window ago (a younger copy is dropped by the
+        window), the whole stretch (`mapped_ids`): a busy lane (`_unknown` collects every
+        session's unknown events) holds more than a fixed number of probes would read. First
+        deliveries are not looked up (a mapper catching up on a backlog would pay for every
+        message); a server that lost the consumer's delivery counts in a crash redelivers as a
+        first delivery at once, and those copies, close together, are dropped by pairing's
+        dedupe of recent ids."""
         stored = stored_ns(msg)
         if not events or getattr(msg.metadata, "num_delivered", 1) <= 1 or stored is None \
                 or time.time_ns() - stored <= self.mapped_late_after_ns:
             return set()  # a first delivery, or any earlier attempt is inside the window
         self.metrics.resend_checks.inc()
         subjects = [subject]
-        if maybe_unknown:
+        if envelope is not None and lane_candidates(envelope):
             unknown = subj.mapped_subject(partition_of(UNKNOWN_TOKEN, self.settings.partitions), UNKNOWN_TOKEN)
             if unknown != subject:
                 subjects.append(unknown)
@@ -474,10 +472,10 @@ class Mapper:
 
     async def mapped_ids(self, subject: str, since_ns: int, raw_seq: int) -> set[str]:
         """The ids stored on ``subject`` of BRIDGE_MAPPED from ``since_ns`` to half a window ago,
-        read once per batch (a redelivered batch is mostly late messages of a few lanes): kept
-        for a quarter of the window, so that a copy not seen (younger than half a window when
-        read) is still inside the window when this batch publishes. At most the batch's budget
-        (LATE_SCAN_BUDGET messages) is read; what is not read is not found."""
+        read once per batch (a redelivered batch is mostly late messages of a few lanes) and
+        reused within it for at most a quarter of the window, so that a copy not seen (younger
+        than half a window when read) is still inside the window when the batch publishes. At
+        most the batch's budget (LATE_SCAN_BUDGET messages) is read; what is not read is not found."""
         now = time.monotonic()
         scan = self._late_scans.get(subject)
         if scan is not None and scan[0] <= since_ns and now - scan[1] < self.mapped_late_after_ns / 2e9:

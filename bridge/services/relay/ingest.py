@@ -62,18 +62,28 @@ def envelope_problem(event: dict[str, Any]) -> str | None:
     return f"missing {', '.join(missing)}" if missing else None
 
 
+def _checked(line: bytes) -> tuple[dict[str, Any], str | None]:
+    """The event of one line and what is wrong with it (None: nothing): the envelope struct,
+    AEP-0001 §5.2, and a type a subject can carry. InvalidEvent(0, ...) when it is not one."""
+    try:
+        _decode_event(line)
+        event = _decode(line)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise InvalidEvent(0, str(exc)) from None
+    problem = envelope_problem(event)
+    if not problem and not valid_type(event["type"]):  # the pattern admits types no subject can carry
+        problem = f"type has {len(event['type'])} characters (a stored type has at most 128)"
+    return event, problem
+
+
 def check_lines(lines: list[bytes]) -> list[tuple[bytes, dict[str, Any]]]:
     """The events to store, as (bytes, event); InvalidEvent at the first bad one."""
     out = []
     for i, line in enumerate(lines):
         try:
-            _decode_event(line)
-            event = _decode(line)
-        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-            raise InvalidEvent(i, str(exc)) from None
-        problem = envelope_problem(event)
-        if not problem and not valid_type(event["type"]):  # the pattern admits types no subject can carry
-            problem = f"type has {len(event['type'])} characters (a stored type has at most 128)"
+            event, problem = _checked(line)
+        except InvalidEvent as exc:
+            raise InvalidEvent(i, exc.detail) from None
         if not problem and is_command(event["type"]):
             problem = f"{event['type']} is a command: operators send commands on the WebSocket (AEP-0004 §4)"
         if problem:
@@ -106,11 +116,9 @@ def is_command(event_type: str) -> bool:
 
 
 def command_problem(raw: bytes) -> str | None:
-    """Why ``raw`` is not a well-formed AEP command (the envelope struct and AEP-0001 §5.2:
-    a session, no seq), or None."""
+    """Why ``raw`` is not a well-formed AEP command (as an event line, AEP-0001 §5.2: a
+    session, no seq), or None."""
     try:
-        _decode_event(raw)
-        event = _decode(raw)
-    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-        return str(exc)
-    return envelope_problem(event) or (None if valid_type(event["type"]) else "type too long")
+        return _checked(raw)[1]
+    except InvalidEvent as exc:
+        return exc.detail
