@@ -127,6 +127,11 @@ def session_filter(lane_tok: str) -> str:
     return f"aep.*.{_lane(lane_tok)}.>"
 
 
+def control_filter(lane_tok: str) -> str:
+    """A session's commands and acks on AEP_EVENTS under the bridge's prefix."""
+    return f"{EVENTS_PREFIX}.{_lane(lane_tok)}.control.>"
+
+
 def events_filter(lane_tok: str | None = None) -> str:
     return f"{EVENTS_PREFIX}.{_lane(lane_tok)}.>" if lane_tok is not None else f"{EVENTS_PREFIX}.>"
 

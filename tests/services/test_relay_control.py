@@ -52,11 +52,13 @@ def test_operator_answers_a_held_call_through_relay_gate_shim(relay_plane) -> No
             await ws.send_str(cmd.decode())  # a retry under the same id while the decision is pending
             ack = await ws.receive(timeout=15)
             await ws.send_json({"type": "ping", "t": 1})
-            nxt = json.loads((await ws.receive(timeout=5)).data)
+            before_pong = []  # a retry read after the decision is re-answered (the next test)
+            while (frame := (await ws.receive(timeout=5)).data) and json.loads(frame).get("type") != "pong":
+                before_pong.append(frame)
             await ws.close()
-            return hello, ack.data, nxt
+            return hello, ack.data, before_pong, json.loads(frame)
 
-    hello, ack, nxt = asyncio.run(go())
+    hello, ack, before_pong, nxt = asyncio.run(go())
     out, err = shim.communicate(timeout=15)
     assert set(hello["capabilities"]["control"]["accepts"]) == {C.RESPOND, C.INSTRUCT}  # the gate's, relayed
     answer = json.loads(out)
@@ -66,7 +68,52 @@ def test_operator_answers_a_held_call_through_relay_gate_shim(relay_plane) -> No
     assert json.loads(ack) == stored_ack and stored_ack["cause"] == cid
     stored_cmds = [e for e in evs if e["type"] == C.RESPOND]
     assert len(stored_cmds) == 1 and stored_cmds[0]["id"] == cid  # published once, byte-identically
-    assert nxt == {"type": "pong", "t": 1}  # answered once: the next frame is the pong, not a second ack
+    assert nxt == {"type": "pong", "t": 1}
+    assert before_pong in ([], [ack])  # one decision: at most its recorded ack again, byte-identical
+    acks = [e for e in plane.events(session) if e["type"] in ("control.accepted", "control.rejected")]
+    assert [e["cause"] for e in acks] == [cid]
+
+
+def test_a_retry_after_the_ack_gets_the_recorded_ack_and_enters_history_once(relay_plane) -> None:
+    """AEP-0004 §2.3/§3: a retry is always answered, by the recorded ack re-emitted
+    byte-identically, and never re-executed. The relay publishes a command under a
+    message id of its (source, id), so a retry is not a second copy in the session's
+    history; the gate's re-ack of it is a duplicate the store drops, so the relay finds
+    the recorded ack in the session's history after the command and answers with it.
+    (Seen in a clean-clone CI run: an ack that beat the retry left the command stored
+    twice and the retry unanswered.)"""
+    plane, relay = relay_plane
+    session = new_session()
+    start_session(plane, session)
+    shim = plane.held(session, "call-r2")
+    req = plane.request_of(session, "call-r2")
+    cid = uuid.uuid4().hex.upper()[:26]
+    cmd = command(session, req["id"], "allow", cid)
+
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            ws, _ = await operator_socket(s, relay)
+            await ws.send_str(cmd.decode())
+            first = (await ws.receive(timeout=15)).data
+            await ws.send_str(cmd.decode())  # after the decision: the lost-ack recovery path
+            again = (await ws.receive(timeout=10)).data
+            await ws.close()
+            other, _ = await operator_socket(s, relay)  # another connection retries too
+            await other.send_str(cmd.decode())
+            third = (await other.receive(timeout=10)).data
+            await other.close()
+            return first, again, third
+
+    first, again, third = asyncio.run(go())
+    out, _ = shim.communicate(timeout=15)
+    assert json.loads(out).get("action") != "block"  # allowed, once
+    assert json.loads(first)["type"] == "control.accepted" and json.loads(first)["cause"] == cid
+    assert again == first and third == first  # the recorded ack, byte-identical
+    evs = plane.wait(session, lambda e: "control.accepted" in [x["type"] for x in e], "control.accepted")
+    time.sleep(0.5)  # a second copy would be stored by now: it is published before any answer
+    evs = plane.events(session)
+    assert [e["id"] for e in evs if e["type"] == C.RESPOND] == [cid]  # in history once
+    assert [e["cause"] for e in evs if e["type"] in ("control.accepted", "control.rejected")] == [cid]  # one decision
 
 
 def test_relay_behalf_refusals_never_enter_history(relay_plane) -> None:

@@ -339,6 +339,19 @@ class Hub:
                     sub._put(it)
             sub.pending.clear()
 
+    async def first(self, subject: str, begin: int, match: Callable[[Item], bool]) -> Item | None:
+        """The first stored event on ``subject`` from sequence ``begin`` on that ``match``es,
+        or None (a short read: a command's recorded ack, just after the command)."""
+        info = await self.js.stream_info(S.AEP_EVENTS)
+        found: list[Item] = []
+
+        def take(item: Item) -> None:
+            if not found and match(item):
+                found.append(item)
+
+        await self._read(subject, begin, info.state.last_seq, take)
+        return found[0] if found else None
+
     async def _read(self, subject: str, begin: int, last: int, take: Callable[[Item], None]) -> None:
         if last < begin:
             return

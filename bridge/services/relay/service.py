@@ -26,7 +26,7 @@ from bridge.config import Settings
 from bridge.core.control import HELLO_SUBJECT, SessionInfo
 from bridge.core.lanes import lane_from_token, lane_token
 from bridge.nats.streams import CONTROL_BUCKET
-from bridge.nats.subjects import EVENTS_PREFIX, command_subject, ingest_subject
+from bridge.nats.subjects import EVENTS_PREFIX, command_subject, control_filter, ingest_subject
 from bridge.services.relay import ingest
 from bridge.services.relay.claims import MAX_DECLARATIONS_BYTES, Claimant, Claims
 from bridge.core.attrmatch import InvalidFilter
@@ -637,13 +637,36 @@ class Relay:
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
             return
-        try:
-            await self.js.publish(command_subject(lane_token(session), ctype), raw)
+        try:  # under its (source, id): a retry within the store's duplicate window is not a second copy
+            stored = await self.js.publish(command_subject(lane_token(session), ctype), raw,
+                                           headers={"Nats-Msg-Id": ingest.msg_id(frame)})
         except Exception as exc:  # noqa: BLE001 - NATS away: refused, the sender may retry
             log.warning("command not published", error=type(exc).__name__)
             self._forget(key)
             return await refuse("no-route", "the relay could not reach the event store")
         self.metrics.commands.inc()
+        if getattr(stored, "duplicate", False):
+            await self._recorded_ack(key, session, stored.seq)
+
+    async def _recorded_ack(self, key: tuple[str, str], session: str, command_seq: int) -> None:
+        """A retry the store already holds (AEP-0004 §2.3): the gate never sees it, and its
+        re-ack would be a duplicate the store drops too. So the recorded ack is read from
+        the session's history after the command (``command_seq``, the first copy's) and
+        re-sent byte-identically (§3). Not there yet: the decision is pending and the hub
+        delivers the one ack when it comes (the entry was registered before the publish)."""
+        cid = key[1]
+
+        def recorded(item: Item) -> bool:
+            ev = item.event
+            return ev.get("type") in ACK_TYPES and ev.get("cause") == cid and ev.get("session") == session
+
+        try:
+            item = await self.hub.first(control_filter(lane_token(session)), command_seq + 1, recorded)
+        except Exception as exc:  # noqa: BLE001 - the hub's live ack still settles it, or the window ends
+            log.warning("recorded ack not read", error=type(exc).__name__)
+            return
+        if item is not None:
+            self._settle(item.event, item, None, again=True)
 
     async def _forward(self, target: Claimant, raw: bytes, session: str, ctype: str, key: tuple[str, str],
                        refuse: Any) -> None:
@@ -684,9 +707,11 @@ class Relay:
         if item.event.get("type") in ACK_TYPES and item.subject.startswith(EVENTS_PREFIX + "."):
             self._settle(item.event, item, None)
 
-    def _settle(self, event: dict[str, Any], payload: Item | bytes, target: Claimant | None) -> None:
+    def _settle(self, event: dict[str, Any], payload: Item | bytes, target: Claimant | None,
+                again: bool = False) -> None:
         """The ack ``event`` from ``target`` (None: the gate) settles the commands routed to
-        that target under its cause and session."""
+        that target under its cause and session. ``again``: a recorded ack read back for a
+        retry, which no live subscription delivers a second time."""
         cause = event.get("cause")
         for key in list(self.pending_by_cid.get(cause, ()) if isinstance(cause, str) else ()):
             entry = self.pending.get(key)
@@ -694,7 +719,7 @@ class Relay:
                 continue
             self._forget(key)
             for send, ceiling, subs in entry.senders:
-                if any(sub.filter.matches(event) for sub in subs.values()):
+                if not again and any(sub.filter.matches(event) for sub in subs.values()):
                     continue  # a subscription of the sender's delivers it: once, not twice
                 if isinstance(payload, Item):
                     data = payload.data(ceiling)
