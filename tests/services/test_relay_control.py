@@ -74,15 +74,16 @@ def test_operator_answers_a_held_call_through_relay_gate_shim(relay_plane) -> No
     assert [e["cause"] for e in acks] == [cid]
 
 
-def test_a_retry_after_the_ack_gets_the_recorded_ack_and_enters_history_once(relay_plane) -> None:
+def test_a_retry_after_the_ack_gets_the_recorded_ack_and_enters_history_once(relay_plane, tmp_path) -> None:
     """AEP-0004 §2.3/§3: a retry is always answered, by the recorded ack re-emitted
-    byte-identically, and never re-executed. The relay publishes a command under a
-    message id of its (source, id), so a retry is not a second copy in the session's
-    history; the gate's re-ack of it is a duplicate the store drops, so the relay finds
-    the recorded ack in the session's history after the command and answers with it.
-    (Seen in a clean-clone CI run: an ack that beat the retry left the command stored
-    twice and the retry unanswered.)"""
+    byte-identically, and never re-executed. The relay that routed the command answers a
+    retry from the acks it remembers; another replica (or the same after a restart)
+    publishes it under a message id of its (source, id), so it is not a second copy in the
+    session's history, and reads the recorded ack back from that history (the gate's
+    re-ack of it would be a duplicate the store drops). (Seen in a clean-clone CI run: an
+    ack that beat the retry left the command stored twice and the retry unanswered.)"""
     plane, relay = relay_plane
+    replica = RelayProcess(plane.url, tmp_path).start()
     session = new_session()
     start_session(plane, session)
     shim = plane.held(session, "call-r2")
@@ -98,22 +99,47 @@ def test_a_retry_after_the_ack_gets_the_recorded_ack_and_enters_history_once(rel
             await ws.send_str(cmd.decode())  # after the decision: the lost-ack recovery path
             again = (await ws.receive(timeout=10)).data
             await ws.close()
-            other, _ = await operator_socket(s, relay)  # another connection retries too
-            await other.send_str(cmd.decode())
-            third = (await other.receive(timeout=10)).data
-            await other.close()
-            return first, again, third
+            answers = []
+            for where in (relay, replica, replica):  # another connection; another replica, twice
+                other, _ = await operator_socket(s, where)
+                await other.send_str(cmd.decode())
+                answers.append((await other.receive(timeout=10)).data)
+                await other.close()
+            return first, again, answers
 
-    first, again, third = asyncio.run(go())
+    try:
+        first, again, answers = asyncio.run(go())
+    finally:
+        replica.stop()
     out, _ = shim.communicate(timeout=15)
     assert json.loads(out).get("action") != "block"  # allowed, once
     assert json.loads(first)["type"] == "control.accepted" and json.loads(first)["cause"] == cid
-    assert again == first and third == first  # the recorded ack, byte-identical
+    assert again == first and answers == [first] * 3  # the recorded ack, byte-identical
     evs = plane.wait(session, lambda e: "control.accepted" in [x["type"] for x in e], "control.accepted")
     time.sleep(0.5)  # a second copy would be stored by now: it is published before any answer
     evs = plane.events(session)
     assert [e["id"] for e in evs if e["type"] == C.RESPOND] == [cid]  # in history once
     assert [e["cause"] for e in evs if e["type"] in ("control.accepted", "control.rejected")] == [cid]  # one decision
+    # the session ends: nothing routes to it any more, but a relay that remembers the
+    # decision still answers a retry with it (a new command gets no-route)
+    plane.hook(envelope("on_session_finalize", session=session, reason="shutdown"))
+    plane.wait(session, lambda e: "session.ended" in [x["type"] for x in e], "session.ended")
+
+    async def after_end() -> tuple[Any, Any]:
+        async with aiohttp.ClientSession() as s:
+            ws, _ = await operator_socket(s, relay)
+            for _ in range(40):  # the gate's finalize and the relay's 1 s roster cache: eventually
+                await ws.send_str(command(session, req["id"], "allow").decode())
+                fresh = json.loads((await ws.receive(timeout=10)).data)
+                if fresh.get("code") == "no-route":
+                    break
+                await asyncio.sleep(0.25)
+            await ws.send_str(cmd.decode())
+            return fresh, (await ws.receive(timeout=10)).data
+
+    fresh, retried = asyncio.run(after_end())
+    assert fresh["type"] == "error" and fresh["code"] == "no-route"
+    assert retried == first
 
 
 def test_relay_behalf_refusals_never_enter_history(relay_plane) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import json
 import weakref
 from dataclasses import dataclass, field
@@ -345,21 +346,28 @@ class Hub:
         info = await self.js.stream_info(S.AEP_EVENTS)
         found: list[Item] = []
 
-        def take(item: Item) -> None:
-            if not found and match(item):
+        def take(item: Item) -> bool:
+            if match(item):
                 found.append(item)
+                return True  # enough
+            return False
 
         await self._read(subject, begin, info.state.last_seq, take)
         return found[0] if found else None
 
-    async def _read(self, subject: str, begin: int, last: int, take: Callable[[Item], None]) -> None:
+    async def _read(self, subject: str, begin: int, last: int, take: Callable[[Item], bool | None]) -> None:
+        """``take`` each stored event on ``subject`` from ``begin`` to ``last``, until it
+        answers True. The ephemeral consumer is deleted after (unsubscribing leaves it on
+        the server until its inactivity threshold)."""
         if last < begin:
             return
         cfg = ConsumerConfig(ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
                              opt_start_seq=begin, inactive_threshold=30.0, max_ack_pending=-1)
         psub = await self.js.pull_subscribe(subject, durable=None, stream=S.AEP_EVENTS, config=cfg)
+        name = ""
         try:
             info = await psub.consumer_info()
+            name = info.name
             remaining = info.num_pending
             while remaining > 0:
                 try:
@@ -371,15 +379,17 @@ class Hub:
                     item = make_item(msg)
                     if item is None:
                         continue
-                    if item.seq > last:
+                    if item.seq > last or take(item):
                         return
-                    take(item)
                 await asyncio.sleep(0)
         finally:
             try:
                 await psub.unsubscribe()
             except Exception:  # noqa: BLE001
                 pass
+            if name:
+                with contextlib.suppress(Exception):
+                    await self.js.delete_consumer(S.AEP_EVENTS, name)
 
 
 def make_item(msg: Any) -> Item | None:

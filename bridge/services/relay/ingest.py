@@ -104,6 +104,12 @@ def msg_id(event: dict[str, Any]) -> str:
     return hashlib.sha256(f"{event['source']}\x00{event['id']}".encode()).hexdigest()[:32]
 
 
+def command_msg_id(event: dict[str, Any]) -> str:
+    """A command's message id for the gate: its own namespace, so an event posted under the
+    same (source, id) cannot make a later command a "duplicate" the gate never sees."""
+    return hashlib.sha256(f"command\x00{event['source']}\x00{event['id']}".encode()).hexdigest()[:32]
+
+
 def lane_of(event: dict[str, Any]) -> str:
     session = event.get("session")
     return lane_token(session) if isinstance(session, str) and session else "_agent"

@@ -9,6 +9,7 @@ only, and never a header or a query string.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import signal
@@ -46,6 +47,8 @@ LIVE_CACHE_S = 1.0  # the live Hermes sessions are read at most this often for r
 DIRECT_BUFFER = 1 << 16  # bytes waiting in a connection's buffer past which SSE writes wait for the client
 CONTROL_TYPES = ("control.attention.respond", "x.hermes.control.instruct")
 ACK_TYPES = frozenset(("control.accepted", "control.rejected"))
+ANSWERED_MAX = 10_000  # recorded gate acks kept for retries (each ~1 KiB with its Item)
+ANSWERED_TTL_S = 600.0
 _encode = msgspec.json.Encoder().encode
 _decode = msgspec.json.Decoder().decode
 
@@ -105,6 +108,9 @@ class Relay:
         self.stopping = asyncio.Event()
         self.pending: dict[tuple[str, str], Pending] = {}
         self.pending_by_cid: dict[str, list[tuple[str, str]]] = {}
+        # (source, id) -> (session, the gate's ack, when): a retry after the decision is
+        # answered from here; past it (another replica, a restart), from the history
+        self.answered: collections.OrderedDict[tuple[str, str], tuple[str, Item, float]] = collections.OrderedDict()
         self._hello: tuple[float, dict[str, Any] | None] | None = None
         self.claims = Claims()
         self._tasks: set[asyncio.Future] = set()
@@ -597,6 +603,10 @@ class Relay:
         problem = ingest.command_problem(raw)
         if problem:
             return await refuse("unsupported", f"not an AEP command: {problem}")
+        recorded = self._answered((frame["source"], cid), session)
+        if recorded is not None:  # a retry after the gate's decision: its recorded ack (§2.3, §3)
+            self.metrics.commands.inc()
+            return await send(recorded.data(who.max_capture))
         try:
             hermes = await self.hermes_session(session)
         except StoreUnavailable:
@@ -639,14 +649,29 @@ class Relay:
             return
         try:  # under its (source, id): a retry within the store's duplicate window is not a second copy
             stored = await self.js.publish(command_subject(lane_token(session), ctype), raw,
-                                           headers={"Nats-Msg-Id": ingest.msg_id(frame)})
+                                           headers={"Nats-Msg-Id": ingest.command_msg_id(frame)})
         except Exception as exc:  # noqa: BLE001 - NATS away: refused, the sender may retry
             log.warning("command not published", error=type(exc).__name__)
             self._forget(key)
             return await refuse("no-route", "the relay could not reach the event store")
         self.metrics.commands.inc()
-        if getattr(stored, "duplicate", False):
+        if getattr(stored, "duplicate", False) and isinstance(stored.seq, int) and stored.seq > 0:
             await self._recorded_ack(key, session, stored.seq)
+
+    def _answered(self, key: tuple[str, str], session: str) -> Item | None:
+        hit = self.answered.get(key)
+        if hit is None:
+            return None
+        if asyncio.get_running_loop().time() - hit[2] > ANSWERED_TTL_S:
+            self.answered.pop(key, None)
+            return None
+        return hit[1] if hit[0] == session else None
+
+    def _remember(self, key: tuple[str, str], session: str, ack: Item) -> None:
+        self.answered[key] = (session, ack, asyncio.get_running_loop().time())
+        self.answered.move_to_end(key)
+        while len(self.answered) > ANSWERED_MAX:
+            self.answered.popitem(last=False)
 
     async def _recorded_ack(self, key: tuple[str, str], session: str, command_seq: int) -> None:
         """A retry the store already holds (AEP-0004 §2.3): the gate never sees it, and its
@@ -718,6 +743,8 @@ class Relay:
             if entry is None or entry.session != event.get("session") or entry.target is not target:
                 continue
             self._forget(key)
+            if target is None and isinstance(payload, Item):
+                self._remember(key, entry.session, payload)
             for send, ceiling, subs in entry.senders:
                 if not again and any(sub.filter.matches(event) for sub in subs.values()):
                     continue  # a subscription of the sender's delivers it: once, not twice
