@@ -36,20 +36,26 @@ def command(session: str, request: str, option: str, cid: str | None = None) -> 
                                       subject=request, command_id=cid))
 
 
-def test_operator_answers_a_held_call_through_relay_gate_shim(relay_plane) -> None:
-    plane, relay = relay_plane
+def held_call(plane: Plane, call: str, option: str) -> tuple[str, Any, dict[str, Any], str, bytes]:
+    """A new session with ``call`` held by a real shim: (session, the shim, its
+    attention.requested, a command id, the command answering it with ``option``)."""
     session = new_session()
     start_session(plane, session)
-    shim = plane.held(session, "call-r1")
-    req = plane.request_of(session, "call-r1")
+    shim = plane.held(session, call)
+    req = plane.request_of(session, call)
     cid = uuid.uuid4().hex.upper()[:26]
-    cmd = command(session, req["id"], "deny", cid)
+    return session, shim, req, cid, command(session, req["id"], option, cid)
+
+
+def test_operator_answers_a_held_call_through_relay_gate_shim(relay_plane) -> None:
+    plane, relay = relay_plane
+    session, shim, req, cid, cmd = held_call(plane, "call-r1", "deny")
 
     async def go():
         async with aiohttp.ClientSession() as s:
             ws, hello = await operator_socket(s, relay)
             await ws.send_str(cmd.decode())
-            await ws.send_str(cmd.decode())  # a retry under the same id while the decision is pending
+            await ws.send_str(cmd.decode())  # a retry under the same id: pending or decided, answered once
             ack = await ws.receive(timeout=15)
             await ws.send_json({"type": "ping", "t": 1})
             before_pong = []  # a retry read after the decision is re-answered (the next test)
@@ -84,12 +90,7 @@ def test_a_retry_after_the_ack_gets_the_recorded_ack_and_enters_history_once(rel
     ack that beat the retry left the command stored twice and the retry unanswered.)"""
     plane, relay = relay_plane
     replica = RelayProcess(plane.url, tmp_path).start()
-    session = new_session()
-    start_session(plane, session)
-    shim = plane.held(session, "call-r2")
-    req = plane.request_of(session, "call-r2")
-    cid = uuid.uuid4().hex.upper()[:26]
-    cmd = command(session, req["id"], "allow", cid)
+    session, shim, req, cid, cmd = held_call(plane, "call-r2", "allow")
 
     async def go():
         async with aiohttp.ClientSession() as s:
@@ -115,7 +116,7 @@ def test_a_retry_after_the_ack_gets_the_recorded_ack_and_enters_history_once(rel
     assert json.loads(out).get("action") != "block"  # allowed, once
     assert json.loads(first)["type"] == "control.accepted" and json.loads(first)["cause"] == cid
     assert again == first and answers == [first] * 3  # the recorded ack, byte-identical
-    evs = plane.wait(session, lambda e: "control.accepted" in [x["type"] for x in e], "control.accepted")
+    plane.wait(session, lambda e: "control.accepted" in [x["type"] for x in e], "control.accepted")
     time.sleep(0.5)  # a second copy would be stored by now: it is published before any answer
     evs = plane.events(session)
     assert [e["id"] for e in evs if e["type"] == C.RESPOND] == [cid]  # in history once
