@@ -209,10 +209,7 @@ def test_roster_lists_the_live_hermes_sessions_with_the_gates_control_block(rela
     """A Hermes session is a live claim from the gate's first sight of it to its finalize,
     whether or not a call is held right now; the entry carries the gate's control block."""
     plane, relay = relay_plane
-    session = new_session()
-    start_session(plane, session)
-    shim = plane.held(session, "call-roster")
-    req = plane.request_of(session, "call-roster")
+    session, shim, req, _, _ = held_call(plane, "call-roster", "allow")
 
     async def roster(token: str, role: str = "consumer") -> Any:
         async with aiohttp.ClientSession() as s:

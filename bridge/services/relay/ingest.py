@@ -100,14 +100,12 @@ def split_body(body: bytes, ndjson: bool) -> list[bytes]:
     return [ln.strip() for ln in body.split(b"\n") if ln.strip()]
 
 
-def msg_id(event: dict[str, Any]) -> str:
-    return hashlib.sha256(f"{event['source']}\x00{event['id']}".encode()).hexdigest()[:32]
-
-
-def command_msg_id(event: dict[str, Any]) -> str:
-    """A command's message id for the gate: its own namespace, so an event posted under the
-    same (source, id) cannot make a later command a "duplicate" the gate never sees."""
-    return hashlib.sha256(f"command\x00{event['source']}\x00{event['id']}".encode()).hexdigest()[:32]
+def msg_id(event: dict[str, Any], space: str = "") -> str:
+    """The ``Nats-Msg-Id`` of an event's (source, id). ``space="command"``: a command published
+    for the gate, in a space of its own, so an event posted under the same (source, id)
+    cannot make a later command a "duplicate" the gate never sees."""
+    prefix = f"{space}\x00" if space else ""
+    return hashlib.sha256(f"{prefix}{event['source']}\x00{event['id']}".encode()).hexdigest()[:32]
 
 
 def lane_of(event: dict[str, Any]) -> str:

@@ -649,7 +649,7 @@ class Relay:
             return
         try:  # under its (source, id): a retry within the store's duplicate window is not a second copy
             stored = await self.js.publish(command_subject(lane_token(session), ctype), raw,
-                                           headers={"Nats-Msg-Id": ingest.command_msg_id(frame)})
+                                           headers={"Nats-Msg-Id": ingest.msg_id(frame, "command")})
         except Exception as exc:  # noqa: BLE001 - NATS away: refused, the sender may retry
             log.warning("command not published", error=type(exc).__name__)
             self._forget(key)
