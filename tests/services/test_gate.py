@@ -459,11 +459,16 @@ def test_instructions_are_delivered_once_in_order(plane: Plane) -> None:
     assert out == {"context": "first: use the staging registry\n\nsecond: keep answers short"}
     again = plane.hook(envelope("pre_llm_call", session=session, turn_id=f"{session}:t:3"), AEP_INSTRUCT="1")
     assert again == b"{}\n"  # delivered once
-    evs = plane.wait(session, lambda e: types(e).count("x.hermes.instruction.delivered") == 2, "two deliveries")
+    # the gate publishes its deliveries straight to AEP_EVENTS, the turn's run.started comes
+    # through mapper and pairing: arrival order is not seq order, so wait for both
+    run = f"{session}:t:2"
+    evs = plane.wait(session, lambda e: types(e).count("x.hermes.instruction.delivered") == 2
+                     and any(x["type"] == "run.started" and x.get("run") == run for x in e),
+                     "two deliveries and the turn's run.started")
     delivered = [e for e in evs if e["type"] == "x.hermes.instruction.delivered"]
     assert [d["cause"] for d in delivered] == [a[1]["cause"], b[1]["cause"]]
     assert all(d["data"]["queued_ms"] >= 0 for d in delivered)
-    started = [e for e in evs if e["type"] == "run.started" and e["run"] == f"{session}:t:2"]
+    started = [e for e in evs if e["type"] == "run.started" and e["run"] == run]
     assert started and all(d["seq"] > started[0]["seq"] for d in delivered)
 
 
