@@ -16,10 +16,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-
 import aep_sdk  # the official SDK (test extra: agenteventprotocol-sdk)
 from aep_sdk import aio as sdk_aio
 
+from bridge.nats.streams import MAPPER_DURABLE
 from tests.services.test_gate import Plane, new_session, start_session
 from tests.support.relay import CONSUMER, OPERATOR
 from tests.support.services import wait_for
@@ -40,6 +40,20 @@ def stored(plane: Plane) -> list[dict[str, Any]]:
 
 def key(ev: dict[str, Any]) -> tuple[str, str]:
     return ev["source"], ev["id"]
+
+
+def settled(plane: Plane) -> Any:
+    """A poll: the number of events on AEP_EVENTS once the mapper has acked every raw
+    message and the count has not moved since the previous poll (pairing caught up), else 0."""
+    last = {"n": -1}
+
+    def poll() -> int:
+        mapper = plane.client.run(plane.client.js.consumer_info("HERMES_RAW", MAPPER_DURABLE))
+        n = len(stored(plane))
+        still, last["n"] = n == last["n"], n
+        return n if still and not mapper.num_pending and not mapper.num_ack_pending else 0
+
+    return poll
 
 
 def test_sdk_subscribers_receive_real_sessions_and_resume_across_a_relay_restart(relay_plane) -> None:
@@ -87,8 +101,16 @@ def test_sdk_subscribers_receive_real_sessions_and_resume_across_a_relay_restart
         env = plane.env()
         for e in before:
             assert run_hook(dumps(e), env).returncode == 0
-        wait_for(lambda: len(stored(plane)) > 0 and len({key(x) for x in got_sync}) == len(stored(plane))
-                 and len({key(x) for x in got_aio}) == len(stored(plane)), 60, what="the first half through the relay")
+        # the first half is through when the pipeline is idle (see `settled`) and both have it
+        # all: a count that merely matches can be mid-backlog, and a session the subscribers
+        # never saw before the kill is not theirs to resume
+        quiet = settled(plane)
+
+        def first_half_through() -> bool:
+            n = quiet()
+            return n > 0 and len({key(x) for x in got_sync}) == n and len({key(x) for x in got_aio}) == n
+
+        wait_for(first_half_through, 60, interval=0.5, what="the first half through the relay")
         seen_before = {key(x) for x in stored(plane)}
         relay.stop(kill=True)  # mid-stream: the rest is written while the relay is down
         for e in after:
@@ -100,12 +122,15 @@ def test_sdk_subscribers_receive_real_sessions_and_resume_across_a_relay_restart
         # while the relay was down are not resumable positions (AEP-0003 §3.3.2): not expected.
         every: set[tuple[str, str]] = set()
 
+        quiet = settled(plane)
+
         def caught_up() -> bool:
+            idle = quiet() > 0  # the second half is all stored
             every.update(key(x) for x in stored(plane) if key(x) in seen_before or "seq" in x)
-            return {key(x) for x in got_sync} >= every and {key(x) for x in got_aio} >= every
+            return idle and {key(x) for x in got_sync} >= every and {key(x) for x in got_aio} >= every
 
         try:
-            wait_for(caught_up, 60, what="both SDK subscriptions to resume after the relay restart")
+            wait_for(caught_up, 60, interval=0.5, what="both SDK subscriptions to resume after the relay restart")
         except AssertionError:
             missing = {"sync": every - {key(x) for x in got_sync}, "aio": every - {key(x) for x in got_aio}}
             types = {k: sorted({(x["type"], x.get("session"), x.get("seq"), any(y.get("session") == x.get("session") for y in got_sync))
