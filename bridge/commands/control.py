@@ -162,10 +162,12 @@ async def send_command(settings: Any, event: Any, timeout: float) -> tuple[str, 
 
         async def on_ack(msg: Any) -> None:
             try:
-                cause = json.loads(msg.data).get("cause")
+                ack = json.loads(msg.data)
             except Exception:
                 return
-            if cause == event.id and not got.done():
+            # `cause` is the id alone: another source's command may use it too, the ack's id tells
+            if (isinstance(ack, dict) and ack.get("cause") == event.id
+                    and C.is_ack_of(ack.get("id"), event.source, event.id) and not got.done()):
                 got.set_result(msg.data)
 
         for subject in subj.ack_subjects(token):

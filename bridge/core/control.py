@@ -541,6 +541,19 @@ def gate_id(seed: str, time_ms: int) -> str:
     return ulid_from(time_ms, hashlib.sha256(seed.encode("utf-8", "surrogatepass")).digest())
 
 
+def ack_id(key: str, time_ms: int) -> str:
+    """The id of the gate's one ack of the command whose dedupe key is ``key``. Its 80-bit
+    random part hashes the key, so the ack names its command's (source, id): ``cause`` is the
+    id alone, and two sources may use one id (ids are unique per source, AEP-0004 §2.3)."""
+    return gate_id(f"ack/{key}", time_ms)
+
+
+def is_ack_of(ack: Any, source: str, command_id: str) -> bool:
+    """Is ``ack`` (an event id) the gate's ack of the command (``source``, ``command_id``)?"""
+    return (isinstance(ack, str) and len(ack) == 26
+            and ack[10:].upper() == ack_id(command_key(source, command_id), 0)[10:])
+
+
 @dataclass(frozen=True)
 class Where:
     """Where an event of a session goes: identity shared by the session's events."""
@@ -628,8 +641,8 @@ __all__ = [
     "ACCEPTED", "ACK_TYPES", "ACK_WINDOW_MS", "ALLOW", "CARD_TRANSITIONS", "COMMAND_FILTERS", "Card", "CmdRecord",
     "Command", "DEFAULT_DENY_MESSAGE", "DEFAULT_HOLD_MS", "DENY", "DROP_REASON", "DROP_SLOT", "GATE_SLOT",
     "HELLO_SUBJECT", "INSTRUCT", "Instruction", "MAX_QUEUE", "MAX_TEXT", "Position", "REJECTED", "RESPOND", "Reject",
-    "SessionInfo", "Verdict", "Where", "accepted_verbs", "ack_payload", "build_event", "card_payload", "command_key",
-    "dedupe_action", "drop_seqs", "gate_command", "gate_id", "gone_trigger", "hello", "instruct_decision",
+    "SessionInfo", "Verdict", "Where", "accepted_verbs", "ack_id", "ack_payload", "build_event", "card_payload", "command_key",
+    "dedupe_action", "drop_seqs", "gate_command", "gate_id", "gone_trigger", "hello", "instruct_decision", "is_ack_of",
     "interpret_answer", "joined_context", "next_seq", "parse_command", "respond_decision", "shim_answer",
     "tool_prompt", "transition",
 ]

@@ -226,6 +226,15 @@ def test_command_key_is_source_and_id() -> None:
     assert len({C.command_key("a", "1"), C.command_key("b", "1"), C.command_key("a", "2"), C.command_key("a\n1", "")}) == 4
 
 
+def test_an_ack_id_names_its_command_whatever_its_time() -> None:
+    ack = C.ack_id(C.command_key("aep://ops/a", "01CMD"), 1_700_000_000_000)
+    assert C.is_ack_of(ack, "aep://ops/a", "01CMD") and C.is_ack_of(ack.lower(), "aep://ops/a", "01CMD")
+    assert C.is_ack_of(C.ack_id(C.command_key("aep://ops/a", "01CMD"), 5), "aep://ops/a", "01CMD")
+    assert not C.is_ack_of(ack, "aep://ops/b", "01CMD")  # the same id from another source
+    assert not C.is_ack_of(ack, "aep://ops/a", "01CME")
+    assert not any(C.is_ack_of(x, "aep://ops/a", "01CMD") for x in (None, 1, "", ack[:-1], ack + "0"))
+
+
 @pytest.mark.parametrize(("last", "epoch", "anchor", "slot", "expected"), [
     (None, 7, 3, C.GATE_SLOT, 3 * SLOTS + C.GATE_SLOT),
     (C.Position(epoch=7, seq=3 * SLOTS + C.GATE_SLOT), 7, 3, C.GATE_SLOT, 3 * SLOTS + C.GATE_SLOT + 1),

@@ -24,6 +24,7 @@ from bridge.config import Settings
 from bridge.core import control as C
 from bridge.core.identity import SLOTS
 from bridge.core.lanes import lane_token
+from bridge.nats.streams import CONTROL_BUCKET
 from tests.natsfixture import JetStreamClient, NatsServer, make_server
 from tests.support.services import Service, wait_for
 from tests.support.shim import compiled_hook, dumps, envelope, run_hook, shim_env
@@ -61,6 +62,20 @@ class Plane:
 
     def instruct(self, session: str, text: Any, **kw: Any) -> tuple[str, dict[str, Any] | None, bytes | None]:
         return self.send(build_command(C.INSTRUCT, session, {"text": text}, sender=kw.pop("sender", "test-console"), **kw))
+
+    def gate_knows(self, session: str) -> bool:
+        """The gate has a `sess.<lane token>` record of ``session`` (it handled a raw event of it)."""
+        import nats.js.errors
+
+        async def get() -> bool:
+            kv = await self.client.js.key_value(CONTROL_BUCKET.bucket)
+            try:
+                await kv.get(f"sess.{lane_token(session)}")
+                return True
+            except nats.js.errors.KeyNotFoundError:
+                return False
+
+        return self.client.run(get())
 
     # -- the shim
 
@@ -181,9 +196,12 @@ def new_session() -> str:
 
 
 def start_session(plane: Plane, session: str) -> None:
-    """What a Hermes session's first turn sends before any tool call."""
+    """What a Hermes session's first turn sends before any tool call; returns once the gate
+    knows the session (its raw consumer and its command consumer run side by side: a command
+    sent at once could overtake the raw events and be refused as for an unknown session)."""
     plane.hook(envelope("on_session_start", session=session))
     plane.hook(envelope("pre_llm_call", session=session, turn_id=f"{session}:t:1"))
+    wait_for(lambda: plane.gate_knows(session), 10, interval=0.05, what=f"the gate to learn {session}")
 
 
 # ---------------------------------------------------------------- capabilities
@@ -347,6 +365,29 @@ def test_the_same_id_from_another_source_is_another_command(plane: Plane) -> Non
     b = build_command(C.INSTRUCT, session, {"text": "two"}, sender="console-b", command_id="01SAMEIDSAMEIDSAMEIDSAMEID")
     ra, rb = plane.send(a), plane.send(b)
     assert ra[0] == rb[0] == "accepted" and ra[2] != rb[2]
+    # both waiting at once (the gate paused): `aep-bridge control` takes its own ack, not the
+    # other's (`cause` is the id alone; the ack's id names the source too)
+    import asyncio
+    import signal
+
+    c = build_command(C.INSTRUCT, session, {"text": "three"}, sender="console-a", command_id="01SAMEIDSAMEIDSAMEIDSAMEI2")
+    d = build_command(C.INSTRUCT, session, {"text": " "}, sender="console-b", command_id="01SAMEIDSAMEIDSAMEIDSAMEI2")
+    settings = Settings()
+    settings.nats_url = plane.url
+
+    async def both() -> tuple[Any, Any]:
+        plane.gate.proc.send_signal(signal.SIGSTOP)
+        try:
+            tc = asyncio.ensure_future(send_command(settings, c, 10))
+            td = asyncio.ensure_future(send_command(settings, d, 10))
+            await asyncio.sleep(1.0)  # both published and waiting (sooner than that, the test is only weaker)
+        finally:
+            plane.gate.proc.send_signal(signal.SIGCONT)
+        return await tc, await td
+
+    (kc, dc), (kd, dd) = plane.client.run(both())
+    assert (kc, kd) == ("accepted", "rejected"), (dc, dd)
+    assert json.loads(dd)["data"]["reason"] == "invalid"
 
 
 # ---------------------------------------------------------------- every rejection reason

@@ -143,6 +143,50 @@ def test_a_retry_after_the_ack_gets_the_recorded_ack_and_enters_history_once(rel
     assert retried == first
 
 
+def test_the_same_command_id_from_two_sources_gets_each_its_own_ack(relay_plane) -> None:
+    """Two operators' commands under one id (ids are per source, AEP-0004 §2.3) pending at
+    once for one session: each sender gets the gate's ack of its own command. The ack's
+    `cause` is the id alone, so the relay tells them apart by the ack's id (it names the
+    command's (source, id)). The gate is paused so both are pending when the acks come."""
+    import signal
+
+    plane, relay = relay_plane
+    session, shim, req, cid, _ = held_call(plane, "call-r3", "allow")
+    first = encode_event(build_command(C.RESPOND, session, {"answer": {"option": "allow"}}, sender="console-a",
+                                       subject=req["id"], command_id=cid))
+    second = encode_event(build_command(C.RESPOND, session, {"answer": {"option": "deny"}}, sender="console-b",
+                                        subject=req["id"], command_id=cid))
+
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            a, _ = await operator_socket(s, relay)
+            b, _ = await operator_socket(s, relay)
+            await a.send_json({"type": "roster", "id": "warm"})  # the relay asks the gate's hello now (kept 5 s)
+            assert json.loads((await a.receive(timeout=10)).data)["type"] == "roster"
+            plane.gate.proc.send_signal(signal.SIGSTOP)
+            try:
+                await a.send_str(first.decode())
+                await a.send_json({"type": "ping", "t": "a"})  # processed in order: the command is pending
+                assert json.loads((await a.receive(timeout=5)).data) == {"type": "pong", "t": "a"}
+                await b.send_str(second.decode())
+                await b.send_json({"type": "ping", "t": "b"})
+                assert json.loads((await b.receive(timeout=5)).data) == {"type": "pong", "t": "b"}
+            finally:
+                plane.gate.proc.send_signal(signal.SIGCONT)
+            got_a = json.loads((await a.receive(timeout=15)).data)
+            got_b = json.loads((await b.receive(timeout=15)).data)
+            return got_a, got_b
+
+    got_a, got_b = asyncio.run(go())
+    out, _ = shim.communicate(timeout=15)
+    assert json.loads(out).get("action") != "block"  # the first command decided the call
+    evs = plane.wait(session, lambda e: [x["type"] for x in e].count("control.accepted")
+                     + [x["type"] for x in e].count("control.rejected") == 2, "both acks")
+    acks = {e["type"]: e for e in evs if e["type"] in ("control.accepted", "control.rejected")}
+    assert got_a == acks["control.accepted"] and got_b == acks["control.rejected"], (got_a, got_b)
+    assert got_b["data"]["reason"] == "refused" and got_a["id"] != got_b["id"]
+
+
 def test_relay_behalf_refusals_never_enter_history(relay_plane) -> None:
     plane, relay = relay_plane
     session = new_session()
@@ -225,7 +269,11 @@ def test_roster_lists_the_live_hermes_sessions_with_the_gates_control_block(rela
     def mine(answer: dict[str, Any]) -> list[dict[str, Any]]:
         return [e for e in answer["entries"] if e["session"] == session]
 
-    hello, held, _ = asyncio.run(roster(CONSUMER))
+    for _ in range(40):  # the relay reads the live sessions at most once a second: eventually
+        hello, held, _ = asyncio.run(roster(CONSUMER))
+        if mine(held):
+            break
+        time.sleep(0.25)
     gate_hello = plane_hello(plane)
     assert hello["capabilities"]["roster"] == {}
     assert held["type"] == "roster" and held["id"] == "r-1"

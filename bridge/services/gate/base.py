@@ -22,9 +22,9 @@ from bridge.core.control import (
     Reject,
     SessionInfo,
     Where,
+    ack_id,
     ack_payload,
     build_event,
-    gate_id,
     hello,
     next_seq,
 )
@@ -153,6 +153,6 @@ class GateBase:
 
     def ack_event(self, where: Where, cmd: Command, seq: int, now: int, reject: Reject | None) -> Event:
         etype, payload = ack_payload(self.config.policy, "rejected" if reject else "accepted", reject)
-        eid = gate_id(f"ack/{cmd.key}", now // 1_000_000)
+        eid = ack_id(cmd.key, now // 1_000_000)  # names (source, id): the relay tells acks apart by it
         return build_event(self.config.policy, etype, payload, where=where, event_id=eid, seq=seq, time_ns=now,
                              cause=cmd.id)

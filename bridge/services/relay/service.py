@@ -24,7 +24,7 @@ from nats.js.errors import BucketNotFoundError
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from bridge.config import Settings
-from bridge.core.control import HELLO_SUBJECT, SessionInfo
+from bridge.core.control import HELLO_SUBJECT, SessionInfo, is_ack_of
 from bridge.core.lanes import lane_from_token, lane_token
 from bridge.nats.streams import CONTROL_BUCKET
 from bridge.nats.subjects import EVENTS_PREFIX, command_subject, control_filter, ingest_subject
@@ -679,11 +679,12 @@ class Relay:
         the session's history after the command (``command_seq``, the first copy's) and
         re-sent byte-identically (§3). Not there yet: the decision is pending and the hub
         delivers the one ack when it comes (the entry was registered before the publish)."""
-        cid = key[1]
+        source, cid = key
 
         def recorded(item: Item) -> bool:
             ev = item.event
-            return ev.get("type") in ACK_TYPES and ev.get("cause") == cid and ev.get("session") == session
+            return (ev.get("type") in ACK_TYPES and ev.get("cause") == cid and ev.get("session") == session
+                    and is_ack_of(ev.get("id"), source, cid))
 
         try:
             item = await self.hub.first(control_filter(lane_token(session)), command_seq + 1, recorded)
@@ -735,12 +736,15 @@ class Relay:
     def _settle(self, event: dict[str, Any], payload: Item | bytes, target: Claimant | None,
                 again: bool = False) -> None:
         """The ack ``event`` from ``target`` (None: the gate) settles the commands routed to
-        that target under its cause and session. ``again``: a recorded ack read back for a
+        that target under its cause and session; the gate's, only the one command its id
+        names (another source may use the same id). ``again``: a recorded ack read back for a
         retry, which no live subscription delivers a second time."""
         cause = event.get("cause")
         for key in list(self.pending_by_cid.get(cause, ()) if isinstance(cause, str) else ()):
             entry = self.pending.get(key)
             if entry is None or entry.session != event.get("session") or entry.target is not target:
+                continue
+            if target is None and not is_ack_of(event.get("id"), *key):
                 continue
             self._forget(key)
             if target is None and isinstance(payload, Item):
