@@ -25,6 +25,7 @@ from bridge.core import control as C
 from bridge.core.identity import SLOTS
 from bridge.core.lanes import lane_token
 from bridge.nats.streams import CONTROL_BUCKET
+from bridge.services.gate.config import COMMAND_DURABLE
 from tests.natsfixture import JetStreamClient, NatsServer, make_server
 from tests.support.services import Service, wait_for
 from tests.support.shim import compiled_hook, dumps, envelope, run_hook, shim_env
@@ -380,7 +381,13 @@ def test_the_same_id_from_another_source_is_another_command(plane: Plane) -> Non
         try:
             tc = asyncio.ensure_future(send_command(settings, c, 10))
             td = asyncio.ensure_future(send_command(settings, d, 10))
-            await asyncio.sleep(1.0)  # both published and waiting (sooner than that, the test is only weaker)
+            for _ in range(200):  # both stored for the paused gate (each sender subscribed before publishing)
+                info = await plane.client.js.consumer_info("AEP_EVENTS", COMMAND_DURABLE)
+                if info.num_pending + info.num_ack_pending >= 2:
+                    break
+                await asyncio.sleep(0.05)
+            else:
+                raise AssertionError("the two commands never reached the paused gate's consumer")
         finally:
             plane.gate.proc.send_signal(signal.SIGCONT)
         return await tc, await td

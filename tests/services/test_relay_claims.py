@@ -422,3 +422,33 @@ def test_a_subscribed_sender_gets_the_emitters_ack_once(relay) -> None:
 
     frames = asyncio.run(go())
     assert [f["id"] for f in frames if f.get("cause") == cid] == ["ack-1"]
+
+
+def test_the_same_id_from_a_second_source_while_one_is_pending_is_ambiguous(relay) -> None:
+    """An emitter's ack names its command by `cause` alone: with two sources' commands under
+    one id pending for one claimant, its first ack would answer both. The second is refused
+    `ambiguous` (never delivered, never stored) until the first is settled; then it routes."""
+    session = "w" + uuid.uuid4().hex[:10]
+    cid = uuid.uuid4().hex[:26].upper()
+    other_source = json.loads(respond(session, cid)) | {"source": "urn:test:operator-b"}
+
+    async def go() -> dict[str, Any]:
+        async with aiohttp.ClientSession() as s:
+            claimant, op = await claim_then_command(s, relay, "claimant", session, cid)
+            first = await next_frame(claimant)
+            op_b = await connect(s, relay, {"type": "hello", "versions": ["0.1"], "role": "consumer"}, OPERATOR)
+            await op_b.send_json(other_source)
+            refused = await next_frame(op_b)
+            ack = {**event(session, 1, "control.accepted", data={}), "agent": "claimant", "cause": cid, "id": f"{session}-a"}
+            await claimant.send_str(encode(ack).decode())
+            answer = await next_frame(op)
+            await op_b.send_json(other_source)  # settled: now it is the only one of its id
+            second = await next_frame(claimant)
+            await claimant.send_str(encode({**ack, "id": f"{session}-b", "seq": 2}).decode())
+            answer_b = await next_frame(op_b)
+            return {"first": first, "refused": refused, "answer": answer, "second": second, "answer_b": answer_b}
+
+    out = asyncio.run(go())
+    assert out["first"]["source"] == "urn:test:operator" and out["answer"]["id"].endswith("-a")
+    assert out["refused"]["type"] == "error" and out["refused"]["code"] == "ambiguous" and out["refused"]["cause"] == cid
+    assert out["second"]["source"] == "urn:test:operator-b" and out["answer_b"]["id"].endswith("-b")

@@ -161,8 +161,14 @@ def test_the_same_command_id_from_two_sources_gets_each_its_own_ack(relay_plane)
         async with aiohttp.ClientSession() as s:
             a, _ = await operator_socket(s, relay)
             b, _ = await operator_socket(s, relay)
-            await a.send_json({"type": "roster", "id": "warm"})  # the relay asks the gate's hello now (kept 5 s)
-            assert json.loads((await a.receive(timeout=10)).data)["type"] == "roster"
+            for _ in range(40):  # the relay asks the gate's hello now (kept 5 s); its live list, at most 1 s old
+                await a.send_json({"type": "roster", "id": "warm"})
+                warm = json.loads((await a.receive(timeout=10)).data)
+                if any(e["session"] == session and e.get("control") for e in warm["entries"]):
+                    break
+                await asyncio.sleep(0.25)
+            else:
+                raise AssertionError(f"the roster never listed {session} with the gate's control block: {warm}")
             plane.gate.proc.send_signal(signal.SIGSTOP)
             try:
                 await a.send_str(first.decode())

@@ -637,6 +637,11 @@ class Relay:
             if all(send is not other for other, _, _ in waiting.senders):
                 waiting.senders.append((send, who.max_capture, subs))
             return
+        if target is not None and any(  # an emitter's ack names its command by id alone
+                other[0] != key[0] and (e := self.pending.get(other)) is not None and e.session == session
+                and e.target is target for other in self.pending_by_cid.get(cid, ())):
+            return await refuse("ambiguous", "another source's command with this id is pending for this claimant: "
+                                             "retry after its ack")
         window = window if isinstance(window, int) and 0 < window <= 600_000 else 10_000
         entry = Pending(session, [(send, who.max_capture, subs)],
                         asyncio.get_running_loop().time() + window / 1000 + 5, target)
