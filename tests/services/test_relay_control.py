@@ -143,6 +143,58 @@ def test_a_retry_after_the_ack_gets_the_recorded_ack_and_enters_history_once(rel
     assert retried == first
 
 
+def test_a_retry_past_the_commands_duplicate_window_is_answered_from_history(relay_plane, tmp_path) -> None:
+    """A retry that reaches a replica with no memory of the command after the command's
+    duplicate window has closed is stored as a new copy; the gate re-acks it under the ack's
+    own message id, which the store drops while the ack's window is open. The replica then
+    answers from the session's history: the ack stored before its copy (AEP-0004 §2.3).
+    The windows are shortened to 2 s and the gate paused, so the decision comes after the
+    command's window closed and the retry inside the ack's."""
+    import signal
+
+    from bridge.nats.bootstrap import bootstrap
+
+    plane, relay = relay_plane
+    replica = RelayProcess(plane.url, tmp_path).start()
+    session, shim, req, cid, cmd = held_call(plane, "call-r4", "allow")
+    plane.client.run(bootstrap(plane.client.js, None, replicas=1, duplicate_window_s=2.0))
+
+    async def go() -> tuple[Any, Any]:
+        async with aiohttp.ClientSession() as s:
+            ws, _ = await operator_socket(s, relay)
+            for _ in range(40):  # the relay asks the gate's hello now (kept 5 s)
+                await ws.send_json({"type": "roster", "id": "warm"})
+                warm = json.loads((await ws.receive(timeout=10)).data)
+                if any(e["session"] == session and e.get("control") for e in warm["entries"]):
+                    break
+                await asyncio.sleep(0.25)
+            plane.gate.proc.send_signal(signal.SIGSTOP)
+            try:
+                await ws.send_str(cmd.decode())
+                await ws.send_json({"type": "ping", "t": 1})  # frames are handled in order: published
+                assert json.loads((await ws.receive(timeout=5)).data) == {"type": "pong", "t": 1}
+                await asyncio.sleep(2.5)  # the command's duplicate window closes
+            finally:
+                plane.gate.proc.send_signal(signal.SIGCONT)
+            first = (await ws.receive(timeout=15)).data
+            other, _ = await operator_socket(s, replica)
+            await other.send_str(cmd.decode())
+            again = (await other.receive(timeout=10)).data
+            return first, again
+
+    try:
+        first, again = asyncio.run(go())
+    finally:
+        plane.client.run(bootstrap(plane.client.js, None, replicas=1))  # the default window again
+        replica.stop()
+    shim.communicate(timeout=15)
+    assert json.loads(first)["type"] == "control.accepted" and json.loads(first)["cause"] == cid
+    assert again == first  # the recorded ack, byte-identical
+    time.sleep(0.5)
+    evs = plane.events(session)
+    assert [e["cause"] for e in evs if e["type"] in ("control.accepted", "control.rejected")] == [cid]  # one decision
+
+
 def test_the_same_command_id_from_two_sources_gets_each_its_own_ack(relay_plane) -> None:
     """Two operators' commands under one id (ids are per source, AEP-0004 §2.3) pending at
     once for one session: each sender gets the gate's ack of its own command. The ack's

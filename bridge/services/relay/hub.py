@@ -340,10 +340,12 @@ class Hub:
                     sub._put(it)
             sub.pending.clear()
 
-    async def first(self, subject: str, begin: int, match: Callable[[Item], bool]) -> Item | None:
-        """The first stored event on ``subject`` from sequence ``begin`` on that ``match``es,
-        or None (a short read: a command's recorded ack, just after the command)."""
-        info = await self.js.stream_info(S.AEP_EVENTS)
+    async def first(self, subject: str, begin: int, match: Callable[[Item], bool],
+                    last: int | None = None) -> Item | None:
+        """The first stored event on ``subject`` from sequence ``begin`` (to ``last``, else
+        the stream's last) that ``match``es, or None (a short read: a command's recorded ack)."""
+        if last is None:
+            last = (await self.js.stream_info(S.AEP_EVENTS)).state.last_seq
         found: list[Item] = []
 
         def take(item: Item) -> bool:
@@ -352,7 +354,7 @@ class Hub:
                 return True  # enough
             return False
 
-        await self._read(subject, begin, info.state.last_seq, take)
+        await self._read(subject, begin, last, take)
         return found[0] if found else None
 
     async def _read(self, subject: str, begin: int, last: int, take: Callable[[Item], bool | None]) -> None:

@@ -660,8 +660,12 @@ class Relay:
             self._forget(key)
             return await refuse("no-route", "the relay could not reach the event store")
         self.metrics.commands.inc()
-        if getattr(stored, "duplicate", False) and isinstance(stored.seq, int) and stored.seq > 0:
-            await self._recorded_ack(key, session, stored.seq)
+        if not isinstance(stored.seq, int) or stored.seq <= 0:
+            return
+        if getattr(stored, "duplicate", False):
+            await self._recorded_ack(key, session, stored.seq + 1)
+        else:  # a retry past the command's duplicate window is a new copy: the decision may be older
+            await self._recorded_ack(key, session, (await self.hub.window())[0], stored.seq - 1)
 
     def _answered(self, key: tuple[str, str], session: str) -> Item | None:
         hit = self.answered.get(key)
@@ -678,12 +682,16 @@ class Relay:
         while len(self.answered) > ANSWERED_MAX:
             self.answered.popitem(last=False)
 
-    async def _recorded_ack(self, key: tuple[str, str], session: str, command_seq: int) -> None:
-        """A retry the store already holds (AEP-0004 §2.3): the gate never sees it, and its
-        re-ack would be a duplicate the store drops too. So the recorded ack is read from
-        the session's history after the command (``command_seq``, the first copy's) and
-        re-sent byte-identically (§3). Not there yet: the decision is pending and the hub
-        delivers the one ack when it comes (the entry was registered before the publish)."""
+    async def _recorded_ack(self, key: tuple[str, str], session: str, begin: int, last: int | None = None) -> None:
+        """A retry whose decision is already recorded (AEP-0004 §2.3) gets the recorded ack,
+        read from the session's history between ``begin`` and ``last`` and re-sent
+        byte-identically (§3). Two cases: the store held the retry (a duplicate of the copy
+        at ``begin - 1``): the gate never sees it, and its re-ack would be a duplicate the
+        store drops too; or the retry came after the command's duplicate window (a new copy
+        at ``last + 1``): the gate re-acks it, but the store drops that while the ack's own
+        window is open, so an ack stored before the copy answers it. Not there: the decision
+        is pending (or this is no retry) and the hub delivers the one ack when it comes (the
+        entry was registered before the publish)."""
         source, cid = key
 
         def recorded(item: Item) -> bool:
@@ -692,7 +700,7 @@ class Relay:
                     and is_ack_of(ev.get("id"), source, cid))
 
         try:
-            item = await self.hub.first(control_filter(lane_token(session)), command_seq + 1, recorded)
+            item = await self.hub.first(control_filter(lane_token(session)), begin, recorded, last)
         except Exception as exc:  # noqa: BLE001 - the hub's live ack still settles it, or the window ends
             log.warning("recorded ack not read", error=type(exc).__name__)
             return
