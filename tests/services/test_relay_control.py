@@ -148,26 +148,30 @@ def test_a_retry_past_the_commands_duplicate_window_is_answered_from_history(rel
     duplicate window has closed is stored as a new copy; the gate re-acks it under the ack's
     own message id, which the store drops while the ack's window is open. The replica then
     answers from the session's history: the ack stored before its copy (AEP-0004 §2.3).
-    The windows are shortened to 2 s and the gate paused, so the decision comes after the
-    command's window closed and the retry inside the ack's."""
+    Windows of 2 s; the gate is paused while the command waits (so the decision comes after
+    the command's window closed) and again during the retry (so only history can answer)."""
     import signal
 
     from bridge.nats.bootstrap import bootstrap
 
     plane, relay = relay_plane
-    replica = RelayProcess(plane.url, tmp_path).start()
     session, shim, req, cid, cmd = held_call(plane, "call-r4", "allow")
-    plane.client.run(bootstrap(plane.client.js, None, replicas=1, duplicate_window_s=2.0))
 
-    async def go() -> tuple[Any, Any]:
+    async def warm(ws: Any) -> None:
+        """The relay asks the gate's hello now (kept 5 s) and lists the session."""
+        for _ in range(40):
+            await ws.send_json({"type": "roster", "id": "warm"})
+            got = json.loads((await ws.receive(timeout=10)).data)
+            if any(e["session"] == session and e.get("control") for e in got["entries"]):
+                return
+            await asyncio.sleep(0.25)
+        raise AssertionError(f"the roster never listed {session} with the gate's control block: {got}")
+
+    async def go(replica: RelayProcess) -> tuple[Any, Any]:
         async with aiohttp.ClientSession() as s:
             ws, _ = await operator_socket(s, relay)
-            for _ in range(40):  # the relay asks the gate's hello now (kept 5 s)
-                await ws.send_json({"type": "roster", "id": "warm"})
-                warm = json.loads((await ws.receive(timeout=10)).data)
-                if any(e["session"] == session and e.get("control") for e in warm["entries"]):
-                    break
-                await asyncio.sleep(0.25)
+            other, _ = await operator_socket(s, replica)
+            await warm(ws)
             plane.gate.proc.send_signal(signal.SIGSTOP)
             try:
                 await ws.send_str(cmd.decode())
@@ -177,22 +181,29 @@ def test_a_retry_past_the_commands_duplicate_window_is_answered_from_history(rel
             finally:
                 plane.gate.proc.send_signal(signal.SIGCONT)
             first = (await ws.receive(timeout=15)).data
-            other, _ = await operator_socket(s, replica)
-            await other.send_str(cmd.decode())
-            again = (await other.receive(timeout=10)).data
+            await warm(other)
+            plane.gate.proc.send_signal(signal.SIGSTOP)
+            try:
+                await other.send_str(cmd.decode())  # no memory there: a new copy
+                again = (await other.receive(timeout=10)).data
+            finally:
+                plane.gate.proc.send_signal(signal.SIGCONT)
             return first, again
 
+    plane.client.run(bootstrap(plane.client.js, None, replicas=1, duplicate_window_s=2.0))
     try:
-        first, again = asyncio.run(go())
+        replica = RelayProcess(plane.url, tmp_path).start()  # reads the 2 s window at start
+        try:
+            first, again = asyncio.run(go(replica))
+        finally:
+            replica.stop()
     finally:
         plane.client.run(bootstrap(plane.client.js, None, replicas=1))  # the default window again
-        replica.stop()
     shim.communicate(timeout=15)
     assert json.loads(first)["type"] == "control.accepted" and json.loads(first)["cause"] == cid
-    assert again == first  # the recorded ack, byte-identical
-    time.sleep(0.5)
-    evs = plane.events(session)
-    assert [e["cause"] for e in evs if e["type"] in ("control.accepted", "control.rejected")] == [cid]  # one decision
+    assert again == first  # the recorded ack, byte-identical, from history (the gate was paused)
+    evs = plane.wait(session, lambda e: [x["id"] for x in e].count(cid) == 2, "the retry stored as a second copy")
+    assert {e["id"] for e in evs if e["type"] in ("control.accepted", "control.rejected")} == {json.loads(first)["id"]}
 
 
 def test_the_same_command_id_from_two_sources_gets_each_its_own_ack(relay_plane) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import datetime
 import json
 import weakref
 from dataclasses import dataclass, field
@@ -221,6 +222,7 @@ class Hub:
         self.metrics = metrics
         self.subs: set[Subscription] = set()
         self.position = 0  # stream sequence of the last live event seen
+        self.duplicate_window_s = 120.0  # AEP_EVENTS' duplicate window, read at start and by window()
         self.listeners: list[Callable[[Item], None]] = []
         self._sub: Any = None
         self._dirty: list[Subscription] = []
@@ -229,6 +231,7 @@ class Hub:
     async def start(self) -> None:
         info = await self.js.stream_info(S.AEP_EVENTS)
         self.position = info.state.last_seq
+        self.duplicate_window_s = float(info.config.duplicate_window or self.duplicate_window_s)
         cfg = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=self.position + 1)
         self._sub = await self.js.subscribe(STREAM_FILTER, stream=S.AEP_EVENTS, ordered_consumer=True, config=cfg,
                                             cb=self._on_msg, pending_msgs_limit=-1, pending_bytes_limit=-1)
@@ -294,6 +297,7 @@ class Hub:
     async def window(self) -> tuple[int, int, int]:
         """(first sequence the relay replays, last sequence, stream's first sequence)."""
         info = await self.js.stream_info(S.AEP_EVENTS)
+        self.duplicate_window_s = float(info.config.duplicate_window or self.duplicate_window_s)
         first, last = info.state.first_seq, info.state.last_seq
         return max(first, last - self.replay_buffer + 1, 1), last, first
 
@@ -340,10 +344,11 @@ class Hub:
                     sub._put(it)
             sub.pending.clear()
 
-    async def first(self, subject: str, begin: int, match: Callable[[Item], bool],
-                    last: int | None = None) -> Item | None:
-        """The first stored event on ``subject`` from sequence ``begin`` (to ``last``, else
-        the stream's last) that ``match``es, or None (a short read: a command's recorded ack)."""
+    async def first(self, subject: str, match: Callable[[Item], bool], begin: int = 1,
+                    since_ns: int | None = None, last: int | None = None) -> Item | None:
+        """The first stored event on ``subject`` from sequence ``begin`` (or stored since
+        ``since_ns``) to ``last`` (else the stream's last) that ``match``es, or None (a
+        short read: a command's recorded ack)."""
         if last is None:
             last = (await self.js.stream_info(S.AEP_EVENTS)).state.last_seq
         found: list[Item] = []
@@ -354,17 +359,23 @@ class Hub:
                 return True  # enough
             return False
 
-        await self._read(subject, begin, last, take)
+        await self._read(subject, begin, last, take, since_ns)
         return found[0] if found else None
 
-    async def _read(self, subject: str, begin: int, last: int, take: Callable[[Item], bool | None]) -> None:
-        """``take`` each stored event on ``subject`` from ``begin`` to ``last``, until it
-        answers True. The ephemeral consumer is deleted after (unsubscribing leaves it on
-        the server until its inactivity threshold)."""
+    async def _read(self, subject: str, begin: int, last: int, take: Callable[[Item], bool | None],
+                    since_ns: int | None = None) -> None:
+        """``take`` each stored event on ``subject`` from ``begin`` (or stored since
+        ``since_ns``) to ``last``, until it answers True. The ephemeral consumer is deleted
+        after (unsubscribing leaves it on the server until its inactivity threshold)."""
         if last < begin:
             return
-        cfg = ConsumerConfig(ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
-                             opt_start_seq=begin, inactive_threshold=30.0, max_ack_pending=-1)
+        if since_ns is not None:
+            start = datetime.datetime.fromtimestamp(since_ns / 1e9, tz=datetime.timezone.utc)
+            cfg = ConsumerConfig(ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.BY_START_TIME,
+                                 opt_start_time=start, inactive_threshold=30.0, max_ack_pending=-1)
+        else:
+            cfg = ConsumerConfig(ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
+                                 opt_start_seq=begin, inactive_threshold=30.0, max_ack_pending=-1)
         psub = await self.js.pull_subscribe(subject, durable=None, stream=S.AEP_EVENTS, config=cfg)
         name = ""
         try:

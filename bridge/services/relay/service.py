@@ -11,9 +11,11 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import datetime
 import json
 import signal
 import ssl
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -662,10 +664,26 @@ class Relay:
         self.metrics.commands.inc()
         if not isinstance(stored.seq, int) or stored.seq <= 0:
             return
-        if getattr(stored, "duplicate", False):
-            await self._recorded_ack(key, session, stored.seq + 1)
-        else:  # a retry past the command's duplicate window is a new copy: the decision may be older
-            await self._recorded_ack(key, session, (await self.hub.window())[0], stored.seq - 1)
+        if getattr(stored, "duplicate", False):  # the store holds the first copy: the gate never sees this one
+            self._background(self._recorded_ack(key, session, begin=stored.seq + 1))
+        elif self._maybe_late_retry(frame):  # a new copy, but the decision may be older
+            self._background(self._recorded_ack(key, session, last=stored.seq - 1, recent=True))
+
+    def _background(self, coro: Any) -> None:
+        """Off the sender's read loop (a history read must not hold up its next frames)."""
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _maybe_late_retry(self, frame: dict[str, Any]) -> bool:
+        """A command sent (its ``time``) more than half AEP_EVENTS' duplicate window ago: a
+        retry may reuse its bytes past the window (a first-time command is seconds old, so it
+        costs no history read; half the window leaves room for the sender's clock)."""
+        try:
+            sent = datetime.datetime.fromisoformat(str(frame.get("time"))).timestamp()
+        except ValueError:
+            return True
+        return time.time() - sent > self.hub.duplicate_window_s / 2
 
     def _answered(self, key: tuple[str, str], session: str) -> Item | None:
         hit = self.answered.get(key)
@@ -682,16 +700,18 @@ class Relay:
         while len(self.answered) > ANSWERED_MAX:
             self.answered.popitem(last=False)
 
-    async def _recorded_ack(self, key: tuple[str, str], session: str, begin: int, last: int | None = None) -> None:
+    async def _recorded_ack(self, key: tuple[str, str], session: str, begin: int = 1, last: int | None = None,
+                            recent: bool = False) -> None:
         """A retry whose decision is already recorded (AEP-0004 §2.3) gets the recorded ack,
-        read from the session's history between ``begin`` and ``last`` and re-sent
-        byte-identically (§3). Two cases: the store held the retry (a duplicate of the copy
-        at ``begin - 1``): the gate never sees it, and its re-ack would be a duplicate the
-        store drops too; or the retry came after the command's duplicate window (a new copy
-        at ``last + 1``): the gate re-acks it, but the store drops that while the ack's own
-        window is open, so an ack stored before the copy answers it. Not there: the decision
-        is pending (or this is no retry) and the hub delivers the one ack when it comes (the
-        entry was registered before the publish)."""
+        read from the session's history and re-sent byte-identically (§3). Two cases:
+        - the store held the retry (a duplicate of the copy at ``begin - 1``): the gate never
+          sees it, and its re-ack would be a duplicate the store drops too; read from ``begin``;
+        - ``recent``: the retry came after the command's duplicate window (a new copy at
+          ``last + 1``): the gate re-acks it, but the store drops that while the ack's own
+          window is open, so an ack stored in the last window before the copy answers it
+          (an older one's re-ack is stored and comes live, once).
+        Not there: the decision is pending (or this is no retry) and the hub delivers the
+        one ack when it comes (the entry was registered before the publish)."""
         source, cid = key
 
         def recorded(item: Item) -> bool:
@@ -700,7 +720,12 @@ class Relay:
                     and is_ack_of(ev.get("id"), source, cid))
 
         try:
-            item = await self.hub.first(control_filter(lane_token(session)), begin, recorded, last)
+            since = None
+            if recent:
+                await self.hub.window()  # the duplicate window now
+                since = time.time_ns() - int(self.hub.duplicate_window_s * 1e9)
+            item = await self.hub.first(control_filter(lane_token(session)), recorded, begin=begin, since_ns=since,
+                                        last=last)
         except Exception as exc:  # noqa: BLE001 - the hub's live ack still settles it, or the window ends
             log.warning("recorded ack not read", error=type(exc).__name__)
             return
