@@ -157,6 +157,14 @@ def test_a_retry_after_the_ack_gets_the_recorded_ack_and_enters_history_once(rel
     assert retried == first
 
 
+async def published(ws: Any, cmd: bytes, tag: str) -> None:
+    """Send ``cmd`` and return once the relay has handled it (it handles a connection's frames
+    in order, so the pong after it means the command is published and pending)."""
+    await ws.send_str(cmd.decode())
+    await ws.send_json({"type": "ping", "t": tag})
+    assert json.loads((await ws.receive(timeout=5)).data) == {"type": "pong", "t": tag}
+
+
 def test_a_retry_past_the_commands_duplicate_window_is_answered_from_history(relay_plane, tmp_path) -> None:
     """A retry that reaches a replica with no memory of the command after the command's
     duplicate window has closed is stored as a new copy; the gate re-acks it under the ack's
@@ -179,9 +187,7 @@ def test_a_retry_past_the_commands_duplicate_window_is_answered_from_history(rel
             await routed(ws, session)
             plane.gate.proc.send_signal(signal.SIGSTOP)
             try:
-                await ws.send_str(cmd.decode())
-                await ws.send_json({"type": "ping", "t": 1})  # frames are handled in order: published
-                assert json.loads((await ws.receive(timeout=5)).data) == {"type": "pong", "t": 1}
+                await published(ws, cmd, "1")
                 await asyncio.sleep(2.5)  # the command's duplicate window closes
             finally:
                 plane.gate.proc.send_signal(signal.SIGCONT)
@@ -228,12 +234,8 @@ def test_the_same_command_id_from_two_sources_gets_each_its_own_ack(relay_plane)
             await routed(a, session)
             plane.gate.proc.send_signal(signal.SIGSTOP)
             try:
-                await a.send_str(first.decode())
-                await a.send_json({"type": "ping", "t": "a"})  # processed in order: the command is pending
-                assert json.loads((await a.receive(timeout=5)).data) == {"type": "pong", "t": "a"}
-                await b.send_str(second.decode())
-                await b.send_json({"type": "ping", "t": "b"})
-                assert json.loads((await b.receive(timeout=5)).data) == {"type": "pong", "t": "b"}
+                await published(a, first, "a")  # both pending when the gate wakes
+                await published(b, second, "b")
             finally:
                 plane.gate.proc.send_signal(signal.SIGCONT)
             got_a = json.loads((await a.receive(timeout=15)).data)

@@ -369,13 +369,11 @@ class Hub:
         after (unsubscribing leaves it on the server until its inactivity threshold)."""
         if last < begin:
             return
+        start: dict[str, Any] = {"deliver_policy": DeliverPolicy.BY_START_SEQUENCE, "opt_start_seq": begin}
         if since_ns is not None:
-            start = datetime.datetime.fromtimestamp(since_ns / 1e9, tz=datetime.timezone.utc)
-            cfg = ConsumerConfig(ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.BY_START_TIME,
-                                 opt_start_time=start, inactive_threshold=30.0, max_ack_pending=-1)
-        else:
-            cfg = ConsumerConfig(ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
-                                 opt_start_seq=begin, inactive_threshold=30.0, max_ack_pending=-1)
+            start = {"deliver_policy": DeliverPolicy.BY_START_TIME,
+                     "opt_start_time": datetime.datetime.fromtimestamp(since_ns / 1e9, tz=datetime.timezone.utc)}
+        cfg = ConsumerConfig(ack_policy=AckPolicy.NONE, inactive_threshold=30.0, max_ack_pending=-1, **start)
         psub = await self.js.pull_subscribe(subject, durable=None, stream=S.AEP_EVENTS, config=cfg)
         name = ""
         try:

@@ -650,9 +650,7 @@ class Relay:
         self.pending[key] = entry
         self.pending_by_cid.setdefault(cid, []).append(key)
         if target is not None:  # off the sender's read loop: a target that stops reading stalls no one
-            task = asyncio.ensure_future(self._forward(target, raw, session, ctype, key, refuse))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._background(self._forward(target, raw, session, ctype, key, refuse))
             return
         try:  # under its (source, id): a retry within the store's duplicate window is not a second copy
             stored = await self.js.publish(command_subject(lane_token(session), ctype), raw,
@@ -670,7 +668,7 @@ class Relay:
             self._background(self._recorded_ack(key, session, last=stored.seq - 1, recent=True))
 
     def _background(self, coro: Any) -> None:
-        """Off the sender's read loop (a history read must not hold up its next frames)."""
+        """Off the sender's read loop (a forward or a history read must not hold up its next frames)."""
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -681,7 +679,7 @@ class Relay:
         costs no history read; half the window leaves room for the sender's clock)."""
         try:
             sent = datetime.datetime.fromisoformat(str(frame.get("time"))).timestamp()
-        except ValueError:
+        except (ValueError, OverflowError, OSError):  # not a time the platform can place: look anyway
             return True
         return time.time() - sent > self.hub.duplicate_window_s / 2
 
