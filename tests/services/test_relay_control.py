@@ -37,9 +37,10 @@ def command(session: str, request: str, option: str, cid: str | None = None) -> 
 
 
 async def routed(ws: Any, session: str) -> None:
-    """Before pausing the gate: the relay behind ``ws`` has asked the gate's hello (it keeps
-    it 5 s) and lists ``session`` as a live claim with the gate's control block (its list of
-    live sessions is at most 1 s old), so a command to it is routed, not refused."""
+    """Before pausing the gate: the relay behind ``ws`` has the gate's hello (a paused gate
+    keeps its last answer for 30 s, `HELLO_GRACE_S`) and lists ``session`` as a live claim
+    with the gate's control block (its list of live sessions is at most 1 s old), so a
+    command to it is routed, not refused."""
     got: dict[str, Any] = {}
     for _ in range(40):
         await ws.send_json({"type": "roster", "id": "routed"})

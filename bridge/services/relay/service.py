@@ -22,6 +22,7 @@ from typing import Any
 import msgspec
 import structlog
 from aiohttp import WSMsgType, hdrs, web
+from nats.errors import NoRespondersError
 from nats.js.errors import BucketNotFoundError
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
@@ -39,6 +40,15 @@ from bridge.services.relay.config import Principal, RelayConfig
 from bridge.services.relay.hub import (Exhausted, Hub, Item, RefusedFrom, Subscription, intern_filter, parse_from,
                                        parse_last_event_id)
 
+# The gate's hello (`Relay.gate_hello`): an answer is kept HELLO_FRESH_S; "no gate" only
+# HELLO_NONE_S, so a restarted gate is routed to again within a second. A gate that is
+# subscribed but slow to answer (busy, paused) keeps its last answer HELLO_GRACE_S after it
+# was given: a Hermes session's commands are durable on AEP_EVENTS, the gate takes them when
+# it runs again. No responders means no gate, at once.
+HELLO_FRESH_S = 5.0
+HELLO_NONE_S = 1.0
+HELLO_GRACE_S = 30.0
+HELLO_TIMEOUT_S = 1.0
 log = structlog.get_logger("relay")
 
 VERSIONS = ["0.1"]
@@ -113,7 +123,8 @@ class Relay:
         # (source, id) -> (session, the gate's ack, when): a retry after the decision is
         # answered from here; past it (another replica, a restart), from the history
         self.answered: collections.OrderedDict[tuple[str, str], tuple[str, Item, float]] = collections.OrderedDict()
-        self._hello: tuple[float, dict[str, Any] | None] | None = None
+        self._hello: tuple[float, dict[str, Any] | None] | None = None  # (asked at, what it means now)
+        self._hello_answer: tuple[float, dict[str, Any]] | None = None  # (answered at, the gate's last answer)
         self.claims = Claims()
         self._tasks: set[asyncio.Future] = set()
         self._live_cache: tuple[float, asyncio.Future] | None = None
@@ -908,15 +919,22 @@ class Relay:
         return None
 
     async def gate_hello(self) -> dict[str, Any] | None:
+        """The gate's capabilities document, or None when no gate answers (see HELLO_*)."""
         now = asyncio.get_running_loop().time()
-        if self._hello is not None and now - self._hello[0] < 5.0:
+        if self._hello is not None and now - self._hello[0] < (HELLO_FRESH_S if self._hello[1] else HELLO_NONE_S):
             return self._hello[1]
         doc = None
         if self.nc is not None:
             try:
-                doc = _decode((await self.nc.request(HELLO_SUBJECT, b"", timeout=1.0)).data)
-            except Exception:  # noqa: BLE001 - no gate (no responders, timeout): no route
+                doc = _decode((await self.nc.request(HELLO_SUBJECT, b"", timeout=HELLO_TIMEOUT_S)).data)
+            except NoRespondersError:
                 doc = None
+            except Exception:  # noqa: BLE001 - a timeout: the gate is there but slow, its last word holds a while
+                last = self._hello_answer
+                doc = last[1] if last is not None and now - last[0] < HELLO_GRACE_S else None
+            else:
+                if isinstance(doc, dict):
+                    self._hello_answer = (now, doc)
         self._hello = (now, doc if isinstance(doc, dict) else None)
         return self._hello[1]
 
