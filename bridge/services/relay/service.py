@@ -49,6 +49,7 @@ HELLO_FRESH_S = 5.0
 HELLO_NONE_S = 1.0
 HELLO_GRACE_S = 30.0
 HELLO_TIMEOUT_S = 1.0
+
 log = structlog.get_logger("relay")
 
 VERSIONS = ["0.1"]
