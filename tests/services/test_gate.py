@@ -7,7 +7,9 @@ also across a gate restart), and the capabilities document. Hold windows are sho
 
 from __future__ import annotations
 
+import contextlib
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -63,6 +65,16 @@ class Plane:
 
     def instruct(self, session: str, text: Any, **kw: Any) -> tuple[str, dict[str, Any] | None, bytes | None]:
         return self.send(build_command(C.INSTRUCT, session, {"text": text}, sender=kw.pop("sender", "test-console"), **kw))
+
+    @contextlib.contextmanager
+    def gate_paused(self) -> Iterator[None]:
+        """The gate process stopped (SIGSTOP) for the block: it takes nothing, its NATS
+        subscriptions stay."""
+        self.gate.proc.send_signal(signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            self.gate.proc.send_signal(signal.SIGCONT)
 
     def gate_knows(self, session: str) -> bool:
         """The gate has a `sess.<lane token>` record of ``session`` (it handled a raw event of it)."""
@@ -166,8 +178,6 @@ def start_plane(backend: str, tmp: Path, gate_env: dict[str, str], with_pipeline
 
 
 def stop_plane(plane: Plane, services: list[Service]) -> None:
-    import signal
-
     for s in services:  # all at once: each drains for a moment
         if s.alive():
             s.proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
@@ -369,7 +379,6 @@ def test_the_same_id_from_another_source_is_another_command(plane: Plane) -> Non
     # both waiting at once (the gate paused): `aep-bridge control` takes its own ack, not the
     # other's (`cause` is the id alone; the ack's id names the source too)
     import asyncio
-    import signal
 
     c = build_command(C.INSTRUCT, session, {"text": "three"}, sender="console-a", command_id="01SAMEIDSAMEIDSAMEIDSAMEI2")
     d = build_command(C.INSTRUCT, session, {"text": " "}, sender="console-b", command_id="01SAMEIDSAMEIDSAMEIDSAMEI2")
@@ -377,8 +386,7 @@ def test_the_same_id_from_another_source_is_another_command(plane: Plane) -> Non
     settings.nats_url = plane.url
 
     async def both() -> tuple[Any, Any]:
-        plane.gate.proc.send_signal(signal.SIGSTOP)
-        try:
+        with plane.gate_paused():
             tc = asyncio.ensure_future(send_command(settings, c, 10))
             td = asyncio.ensure_future(send_command(settings, d, 10))
             for _ in range(200):  # both stored for the paused gate (each sender subscribed before publishing)
@@ -388,8 +396,6 @@ def test_the_same_id_from_another_source_is_another_command(plane: Plane) -> Non
                 await asyncio.sleep(0.05)
             else:
                 raise AssertionError("the two commands never reached the paused gate's consumer")
-        finally:
-            plane.gate.proc.send_signal(signal.SIGCONT)
         return await tc, await td
 
     (kc, dc), (kd, dd) = plane.client.run(both())

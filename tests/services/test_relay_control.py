@@ -174,8 +174,6 @@ def test_a_retry_past_the_commands_duplicate_window_is_answered_from_history(rel
     Windows of 2 s; the gate is paused while the command waits, so the decision comes after
     the command's window closed. (A retry slower than the ack's window, on a loaded machine,
     is answered by the stored re-ack instead: the test is then weaker, never wrong.)"""
-    import signal
-
     from bridge.nats.bootstrap import bootstrap
 
     plane, relay = relay_plane
@@ -186,12 +184,9 @@ def test_a_retry_past_the_commands_duplicate_window_is_answered_from_history(rel
             ws, _ = await operator_socket(s, relay)
             other, _ = await operator_socket(s, replica)
             await routed(ws, session)
-            plane.gate.proc.send_signal(signal.SIGSTOP)
-            try:
+            with plane.gate_paused():
                 await published(ws, cmd, "1")
                 await asyncio.sleep(2.5)  # the command's duplicate window closes
-            finally:
-                plane.gate.proc.send_signal(signal.SIGCONT)
             first = (await ws.receive(timeout=15)).data
             await routed(other, session)
             await other.send_str(cmd.decode())  # no memory there: a new copy
@@ -219,8 +214,6 @@ def test_the_same_command_id_from_two_sources_gets_each_its_own_ack(relay_plane)
     once for one session: each sender gets the gate's ack of its own command. The ack's
     `cause` is the id alone, so the relay tells them apart by the ack's id (it names the
     command's (source, id)). The gate is paused so both are pending when the acks come."""
-    import signal
-
     plane, relay = relay_plane
     session, shim, req, cid, _ = held_call(plane, "call-r3", "allow")
     first = encode_event(build_command(C.RESPOND, session, {"answer": {"option": "allow"}}, sender="console-a",
@@ -233,12 +226,9 @@ def test_the_same_command_id_from_two_sources_gets_each_its_own_ack(relay_plane)
             a, _ = await operator_socket(s, relay)
             b, _ = await operator_socket(s, relay)
             await routed(a, session)
-            plane.gate.proc.send_signal(signal.SIGSTOP)
-            try:
+            with plane.gate_paused():
                 await published(a, first, "a")  # both pending when the gate wakes
                 await published(b, second, "b")
-            finally:
-                plane.gate.proc.send_signal(signal.SIGCONT)
             got_a = json.loads((await a.receive(timeout=15)).data)
             got_b = json.loads((await b.receive(timeout=15)).data)
             return got_a, got_b
