@@ -317,3 +317,24 @@ def test_every_field_is_documented_in_the_readme() -> None:
     readme = (ROOT / "README.md").read_text()
     missing = [f.name for f in bridge_config.FIELDS if f"`{f.name}" not in readme and f.name not in readme]
     assert not missing
+
+
+def test_hermes_doctor_looks_at_the_spool_the_shim_uses(tmp_path: Path) -> None:
+    """The shim expands `~` in AEP_BRIDGE_SPOOL_DIR (from its settings file); `hermes doctor` must
+    count the record it spooled there (it looked at a literal `~/sp`)."""
+    import shlex
+
+    from bridge.hermes import install as inst
+    from tests.support.shim import dumps, envelope
+
+    home = tmp_path / "hermes"
+    home.mkdir()
+    (home / "config.yaml").write_text("model: x\n")
+    settings = {"AEP_BRIDGE_NATS_URL": "nats://127.0.0.1:1", "AEP_BRIDGE_INSTANCE": "doc-spool",
+                "AEP_BRIDGE_SPOOL_DIR": "~/sp", "AEP_BRIDGE_DEADLINE_MS": "250"}
+    res = inst.install(home, events=["pre_tool_call"], settings=settings)
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "TMPDIR": str(tmp_path)}
+    proc = subprocess.run(shlex.split(res.command), input=dumps(envelope()), capture_output=True, env=env, timeout=10)
+    assert proc.returncode == 0 and (tmp_path / "sp" / "doc-spool.spool").exists(), proc.stderr
+    doc = run_cli("hermes", "doctor", "--timeout", "1", env={**env, "HERMES_HOME": str(home)})
+    assert "1 pending" in doc.stdout and str(tmp_path / "sp") in doc.stdout, doc.stdout + doc.stderr
