@@ -62,7 +62,8 @@ class SettingError(ValueError):
 @dataclass(frozen=True)
 class Field:
     """One setting. ``default`` is a value, or a function of (the merged environment, the
-    role). ``range``: inclusive bounds of a number (None: open). ``shim``: read by the hook
+    role). ``range``: inclusive bounds of a number (None: open; ``(0, None)`` on a float: above
+    0). ``flag``: the command-line flag that overrides it. ``shim``: read by the hook
     too, with the hook's rule (a bad number becomes the default with a note, never an
     error). ``prefix``: a family of variables (``AEP_BRIDGE_KAFKA_`` + a property)."""
 
@@ -85,7 +86,7 @@ class Field:
             if lo is not None and hi is not None:
                 return f"{noun} in {_num(lo)}-{_num(hi)}"
             if lo is not None:
-                return f"{noun} >= {_num(lo)}" if self.type == "int" or lo != 0 else f"{noun} > 0"
+                return f"{noun} > 0" if self.type == "float" and lo == 0 else f"{noun} >= {_num(lo)}"
             return noun
         if self.type == "bool":
             return "one of 1, true, yes, on, 0, false, no, off"
@@ -126,8 +127,8 @@ class Field:
             raise self.error(raw) from None
         if self.range is not None:
             lo, hi = self.range
-            if (lo is not None and (value < lo or (lo == 0 and self.type == "float" and value == 0))) or (
-                    hi is not None and value > hi):
+            positive = self.type == "float" and lo == 0 and hi is None  # (0, None) on a float: > 0
+            if (lo is not None and (value < lo or (positive and value == 0))) or (hi is not None and value > hi):
                 raise self.error(raw)
         return value
 
@@ -330,9 +331,8 @@ def resolve_field(f: Field, layers: Layers, role: str | None = None) -> Value:
         return Value(f, f.name, hook.spool_dir_setting(merged), source if raw else "default")
     if raw is None:
         return Value(f, f.name, f.default_for(merged, role), "default")
-    if f.shim and f.type == "int":
-        lo, hi = f.range or (0, 0)
-        value, note = hook.int_setting(f.name, raw, f.default, int(lo or 0), int(hi or 0))
+    if f.shim and f.type == "int" and f.range:
+        value, note = hook.int_setting(f.name, raw, f.default, int(f.range[0] or 0), int(f.range[1] or 0))
         return Value(f, f.name, value, "default" if note else source, note)
     if f.shim and f.type == "bool":
         return Value(f, f.name, raw.strip().lower() in hook._ON, source)
