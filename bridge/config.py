@@ -132,9 +132,9 @@ class Field:
                 raise self.error(raw)
         return value
 
-    def error(self, raw: str) -> SettingError:
+    def error(self, raw: str, label: str | None = None) -> SettingError:
         shown = MASK if self.secret else (raw if len(raw) <= 80 else raw[:80] + "...")
-        return SettingError(f"{self.name} must be {self.accepts()}, got {shown!r}")
+        return SettingError(f"{label or self.name} must be {self.accepts()}, got {shown!r}")
 
 
 def _num(v: float) -> str:
@@ -323,8 +323,8 @@ def resolve_field(f: Field, layers: Layers, role: str | None = None) -> Value:
         raw = raw if isinstance(raw, str) else "1" if raw is True else "0" if raw is False else str(raw)
         try:
             return Value(f, f.name, f.parse(raw), f"flag {f.flag}" if f.flag else "flag")
-        except SettingError as exc:
-            raise SettingError(f"{f.flag} ({exc})" if f.flag else str(exc)) from None
+        except SettingError:
+            raise f.error(raw, f"{f.flag} ({f.name})" if f.flag else None) from None
     raw, source = layers.raw(f.name)
     merged = layers.merged
     if f.name == "AEP_BRIDGE_SPOOL_DIR":  # the hook's rule: ~ and XDG_STATE_HOME expanded

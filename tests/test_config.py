@@ -220,7 +220,7 @@ def test_the_relay_with_a_bad_file_value_exits_2(tmp_path: Path) -> None:
 
 def test_a_bad_flag_names_the_flag(clean_env, capsys) -> None:
     assert cli.main(["config", "--role", "relay", "--listen", "nowhere"]) == 2
-    assert "AEP_BRIDGE_RELAY_LISTEN must be HOST:PORT" in capsys.readouterr().err
+    assert "--listen (AEP_BRIDGE_RELAY_LISTEN) must be HOST:PORT with a port in 0-65535, got 'nowhere'" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------- aep-bridge config
