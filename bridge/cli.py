@@ -29,6 +29,7 @@ COMMAND_MODULES = (
     "bridge.commands.stack",  # up, demo, tail
     "bridge.commands.sim",  # simulate, verify
     "bridge.commands.control",  # gate, control respond|instruct|hello|pending
+    "bridge.commands.config",  # config: the effective settings and where each came from
 )
 
 
@@ -56,7 +57,13 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help(sys.stderr)
         return 2
-    return int(args.func(args) or 0)
+    from bridge.config import SettingError
+
+    try:
+        return int(args.func(args) or 0)
+    except SettingError as exc:  # a bad setting: its name and what it accepts, no traceback
+        print(f"aep-bridge {args.command}: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -1,29 +1,230 @@
-"""Settings shared by every `aep-bridge` command, from `AEP_BRIDGE_*` variables.
+"""Settings shared by every `aep-bridge` command: one typed table of every variable.
 
-Precedence: command-line flag > environment > the optional `KEY=VALUE` file named
-by `AEP_BRIDGE_CONFIG` (default `~/.config/aep-bridge/env`) > built-in default.
-The shim (`bridge/shim/hook.py`) reads the same names with its own stdlib-only
-parser; keep the two in step (tests/shim/test_hook.py::test_defaults_agree_with_bridge_config checks).
+`FIELDS` lists each setting once: its name, type, default, accepted range, the roles that
+read it, whether it is a secret, and a line of help. Every command resolves its settings
+from it the same way (`resolve`): command-line flag > environment > the optional
+`KEY=VALUE` file named by `AEP_BRIDGE_CONFIG` (default `~/.config/aep-bridge/env`) >
+built-in default. `Settings` (the NATS side and the workers), the relay's `RelayConfig`,
+the gate's `GateConfig`, the exporter's sinks and the allocation profiler all read
+through it, and `aep-bridge config` prints it.
+
+The shim (`bridge/shim/hook.py`) stays one standard-library file with its own reader. The
+settings it also reads are resolved here with its own functions (`settings_file`,
+`int_setting`, `spool_dir_setting`, `read_env_file`), so the two can never disagree:
+its numbers keep the shim's rule (a bad value is warned about and replaced by the
+default; `Settings.notes` says so), everything else is checked strictly and a bad value
+raises `SettingError`, naming the variable and what it accepts (`aep-bridge` prints it
+and exits 2). tests/test_config.py holds the two readers equal.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Iterable, Mapping
 
-from bridge.shim.hook import read_env_file as shim_read_env_file
+from bridge.shim import hook
 
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
-DEFAULT_DEADLINE_MS = 250
-DEFAULT_MAX_FIELD_BYTES = 64 * 1024
-DEFAULT_SPOOL_MAX_BYTES = 64 * 1024 * 1024
+DEFAULT_DEADLINE_MS = hook.DEFAULT_DEADLINE_MS
+DEFAULT_MAX_FIELD_BYTES = hook.DEFAULT_MAX_FIELD_BYTES
+DEFAULT_SPOOL_MAX_BYTES = hook.DEFAULT_SPOOL_MAX_BYTES
 DEFAULT_PARTITIONS = 8
 MAPPER_METRICS_PORT = 9464
 PAIRING_METRICS_PORT = 9465
 GATE_METRICS_PORT = 9466
 EXPORTER_METRICS_PORT = 9467
+DEFAULT_RELAY_LISTEN = "127.0.0.1:8787"
+
+#: who reads a setting: the hook, each service, `bootstrap`, and the short-lived commands that
+#: talk to NATS or the spool (tail, control, demo, spool, hermes doctor, verify)
+ROLES = ("shim", "mapper", "pairing", "gate", "relay", "exporter", "bootstrap", "client")
+SERVICES = frozenset({"mapper", "pairing", "gate", "relay", "exporter"})
+NATS_ROLES = SERVICES | {"bootstrap", "client"}
+ROLE_METRICS_PORT = {"mapper": MAPPER_METRICS_PORT, "pairing": PAIRING_METRICS_PORT,
+                     "gate": GATE_METRICS_PORT, "exporter": EXPORTER_METRICS_PORT}
+_BOOL = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+#: a family member (AEP_BRIDGE_KAFKA_<PROP>) whose name says it holds a secret
+_SECRET_NAME = re.compile(r"PASSWORD|SECRET|TOKEN|CREDENTIAL|SEED|PRIVATE", re.I)
+_URL_PASSWORD = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.-]*://[^/@,:]*:)(?P<secret>[^/@,]*)(?=@)")
+_URL_TOKEN = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.-]*://)(?P<secret>[^/@,:]+)(?=@)")
+MASK = "*****"
+
+
+class SettingError(ValueError):
+    """A setting that cannot be used: the message names the variable and what it accepts
+    (never a secret's value)."""
+
+
+@dataclass(frozen=True)
+class Field:
+    """One setting. ``default`` is a value, or a function of (the merged environment, the
+    role). ``range``: inclusive bounds of a number (None: open; ``(0, None)`` on a float: above
+    0). ``flag``: the command-line flag that overrides it. ``shim``: read by the hook
+    too, with the hook's rule (a bad number becomes the default with a note, never an
+    error). ``prefix``: a family of variables (``AEP_BRIDGE_KAFKA_`` + a property)."""
+
+    name: str
+    type: str  # str | int | float | bool | list | path | choice | listen
+    default: Any
+    roles: frozenset[str]
+    help: str
+    range: tuple[float | None, float | None] | None = None
+    choices: tuple[str, ...] = ()
+    secret: bool = False
+    flag: str | None = None
+    shim: bool = False
+    prefix: bool = False
+
+    def accepts(self) -> str:
+        if self.type in ("int", "float"):
+            lo, hi = self.range or (None, None)
+            noun = "an integer" if self.type == "int" else "a number"
+            if lo is not None and hi is not None:
+                return f"{noun} in {_num(lo)}-{_num(hi)}"
+            if lo is not None:
+                return f"{noun} > 0" if self.type == "float" and lo == 0 else f"{noun} >= {_num(lo)}"
+            return noun
+        if self.type == "bool":
+            return "one of 1, true, yes, on, 0, false, no, off"
+        if self.type == "choice":
+            return "one of " + ", ".join(self.choices)
+        if self.type == "listen":
+            return "HOST:PORT with a port in 0-65535"
+        return "a string"
+
+    def default_for(self, merged: Mapping[str, str], role: str | None) -> Any:
+        return self.default(merged, role) if callable(self.default) else self.default
+
+    def parse(self, raw: str) -> Any:
+        """The typed value of a non-empty ``raw``; SettingError when it is not one."""
+        try:
+            if self.type == "int":
+                value: Any = int(raw.strip())
+            elif self.type == "float":
+                value = float(raw.strip())
+                if value != value or value in (float("inf"), float("-inf")):
+                    raise ValueError(raw)
+            elif self.type == "bool":
+                value = _BOOL[raw.strip().lower()]
+            elif self.type == "choice":
+                value = raw.strip().lower()
+                if value not in self.choices:
+                    raise ValueError(raw)
+            elif self.type == "list":
+                value = tuple(v.strip() for v in raw.split(",") if v.strip())
+            elif self.type == "listen":
+                host, sep, port = raw.rpartition(":")
+                if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+                    raise ValueError(raw)
+                value = (host.strip("[]") or "127.0.0.1", int(port))
+            else:
+                value = raw
+        except (ValueError, KeyError):
+            raise self.error(raw) from None
+        if self.range is not None:
+            lo, hi = self.range
+            positive = self.type == "float" and lo == 0 and hi is None  # (0, None) on a float: > 0
+            if (lo is not None and (value < lo or (positive and value == 0))) or (hi is not None and value > hi):
+                raise self.error(raw)
+        return value
+
+    def error(self, raw: str, label: str | None = None) -> SettingError:
+        shown = MASK if self.secret else (raw if len(raw) <= 80 else raw[:80] + "...")
+        return SettingError(f"{label or self.name} must be {self.accepts()}, got {shown!r}")
+
+
+def _num(v: float) -> str:
+    return str(int(v)) if float(v).is_integer() else str(v)
+
+
+def _f(name: str, type: str, default: Any, roles: Iterable[str], help: str, **kw: Any) -> Field:
+    return Field(name, type, default, frozenset(roles), help, **kw)
+
+
+def _hostname(merged: Mapping[str, str], role: str | None) -> str:
+    return socket.gethostname()
+
+
+def _spool_dir(merged: Mapping[str, str], role: str | None) -> str:
+    return hook.spool_dir_setting(merged)
+
+
+def _metrics_port(merged: Mapping[str, str], role: str | None) -> int | None:
+    return ROLE_METRICS_PORT.get(role or "")
+
+
+_SHIM_NATS = {"shim"} | NATS_ROLES
+_LIMIT = hook.LIMITS
+FIELDS: tuple[Field, ...] = (
+    # ---- NATS: every role that connects
+    _f("AEP_BRIDGE_NATS_URL", "str", DEFAULT_NATS_URL, _SHIM_NATS, "NATS servers, comma-separated; nats://user:pass@host:port, nats://token@host, tls://host:port", flag="--nats"),
+    _f("AEP_BRIDGE_NATS_USER", "str", None, _SHIM_NATS, "NATS user (overrides the URL's)"),
+    _f("AEP_BRIDGE_NATS_PASSWORD", "str", None, _SHIM_NATS, "NATS password (overrides the URL's)", secret=True),
+    _f("AEP_BRIDGE_NATS_TOKEN", "str", None, _SHIM_NATS, "NATS token", secret=True),
+    _f("AEP_BRIDGE_NATS_CREDS", "path", None, NATS_ROLES, ".creds file (JWT + nkey seed)"),
+    _f("AEP_BRIDGE_NATS_NKEY_SEED", "path", None, NATS_ROLES, "nkey seed file", secret=True),
+    _f("AEP_BRIDGE_TLS_CA", "path", None, _SHIM_NATS, "TLS CA file (TLS on when set)"),
+    _f("AEP_BRIDGE_TLS_CERT", "path", None, _SHIM_NATS, "TLS client certificate"),
+    _f("AEP_BRIDGE_TLS_KEY", "path", None, _SHIM_NATS, "TLS client key"),
+    _f("AEP_BRIDGE_INBOX_PREFIX", "str", None, NATS_ROLES, "NATS inbox prefix (default: the role's own)"),
+    # ---- the shim (and what inspects its spool)
+    _f("AEP_BRIDGE_INSTANCE", "str", _hostname, {"shim", "client", "mapper"}, "the Hermes instance's name (default: the host name)"),
+    _f("AEP_BRIDGE_SPOOL_DIR", "path", _spool_dir, {"shim", "client"}, "the shim's spool (default $XDG_STATE_HOME/aep-bridge/spool, ~ expanded)", shim=True),
+    _f("XDG_STATE_HOME", "path", None, {"shim", "client"}, "base of the default spool and of `up`'s state (default ~/.local/state)"),
+    _f("TMPDIR", "path", "/tmp", {"shim", "client"}, "the shim's fallback spool is $TMPDIR/aep-bridge-<uid>"),
+    _f("AEP_BRIDGE_DEADLINE_MS", "int", DEFAULT_DEADLINE_MS, {"shim", "client"}, "shim: stdin read, then connect + publish + ack deadline", range=_LIMIT["DEADLINE_MS"], shim=True),
+    _f("AEP_BRIDGE_MAX_FIELD_BYTES", "int", DEFAULT_MAX_FIELD_BYTES, {"shim"}, "shim: a larger value is replaced by {digest, bytes}", range=_LIMIT["MAX_FIELD_BYTES"], shim=True),
+    _f("AEP_BRIDGE_SPOOL_MAX_BYTES", "int", DEFAULT_SPOOL_MAX_BYTES, {"shim", "client"}, "shim: spool cap", range=_LIMIT["SPOOL_MAX_BYTES"], shim=True),
+    _f("AEP_BRIDGE_REDACT_NAMES", "list", (), {"shim", "mapper", "gate"}, "environment variables whose values are secrets (redaction rule b)"),
+    # ---- the workers
+    _f("AEP_BRIDGE_PARTITIONS", "int", DEFAULT_PARTITIONS, {"mapper", "pairing"}, "partitions of BRIDGE_MAPPED", range=(1, 65536), flag="--partitions"),
+    _f("AEP_BRIDGE_CAPTURE", "choice", None, {"mapper", "gate"}, "capture ceiling (unset: metadata, attention.* at redacted)", choices=("none", "metadata", "redacted", "full"), flag="--capture"),
+    _f("AEP_BRIDGE_CAPTURE_OVERRIDES", "str", None, {"mapper", "gate"}, "per-category levels CATEGORY=LEVEL,... (default attention=redacted)"),
+    _f("AEP_BRIDGE_LANE_WAIT_MS", "int", 2000, {"mapper"}, "how long a session-less event waits for earlier raw messages", range=(0, 3_600_000)),
+    _f("AEP_BRIDGE_TICK_S", "float", 15.0, {"pairing"}, "seconds between pairing ticks", range=(0, None), flag="--tick-s"),
+    _f("AEP_BRIDGE_STREAM_REPLICAS", "int", None, {"bootstrap", "gate"}, "stream replicas (default 1; 3 on a cluster)", range=(1, 5)),
+    _f("AEP_BRIDGE_METRICS_PORT", "int", _metrics_port, SERVICES - {"relay"}, "/metrics, /healthz, /readyz port (mapper 9464, pairing 9465, gate 9466, exporter 9467)", range=(0, 65535), flag="--metrics-port"),
+    _f("AEP_BRIDGE_METRICS_HOST", "str", "0.0.0.0", SERVICES - {"relay"}, "where the metrics port listens"),
+    _f("AEP_BRIDGE_LOG_FORMAT", "choice", "json", SERVICES, "log format", choices=("json", "console"), flag="--log-format"),
+    _f("AEP_BRIDGE_LOG_LEVEL", "choice", "info", SERVICES, "log level", choices=("debug", "info", "warning", "warn", "error", "critical")),
+    # ---- allocation profiling (opt-in, every service)
+    _f("AEP_BRIDGE_TRACEMALLOC", "path", None, SERVICES, "directory for allocation snapshots (profiling on when set)"),
+    _f("AEP_BRIDGE_TRACEMALLOC_EVERY_S", "float", 60.0, SERVICES, "seconds between allocation snapshots", range=(1, 86400)),
+    _f("AEP_BRIDGE_TRACEMALLOC_FRAMES", "int", 4, SERVICES, "tracemalloc frames per allocation (0: census only)", range=(0, 100)),
+    # ---- the opt-in control plane: shim and gate
+    _f("AEP_HERMES_CONTROL", "bool", False, {"shim", "gate"}, "hold pre_tool_call for an operator's allow/deny", shim=True),
+    _f("AEP_INSTRUCT", "bool", False, {"shim", "gate"}, "steer the next turn with queued instructions", shim=True),
+    _f("AEP_HERMES_GATE_TOOLS", "str", None, {"shim"}, "shim: regex of the tool names to hold (default: every tool)"),
+    _f("AEP_HERMES_HOLD_MS", "int", hook.DEFAULT_HOLD_MS, {"shim"}, "shim: how long a held call waits for the operator", range=(1, hook.HOLD_MS_MAX), shim=True),
+    _f("AEP_CONTROL_SENDERS", "list", None, {"gate"}, "command senders (`agent`s) the gate obeys (default: any)"),
+    _f("AEP_GATE_PROBE_MS", "int", 1000, {"gate"}, "how often a held hook is probed", range=(1, 3_600_000), flag="--probe-ms"),
+    # ---- the relay
+    _f("AEP_BRIDGE_RELAY_LISTEN", "listen", DEFAULT_RELAY_LISTEN, {"relay"}, "HOST:PORT the relay listens on", flag="--listen"),
+    _f("AEP_BRIDGE_RELAY_TOKEN", "str", None, {"relay"}, "a bearer token with every right", secret=True),
+    _f("AEP_BRIDGE_RELAY_TOKENS_FILE", "path", None, {"relay"}, "per-client tokens (JSON or YAML)"),
+    _f("AEP_BRIDGE_RELAY_TLS_CERT", "path", None, {"relay"}, "serve HTTPS/WSS: certificate"),
+    _f("AEP_BRIDGE_RELAY_TLS_KEY", "path", None, {"relay"}, "serve HTTPS/WSS: key"),
+    _f("AEP_BRIDGE_RELAY_INSECURE", "bool", False, {"relay"}, "off loopback without TLS (a proxy in front terminates it)"),
+    _f("AEP_BRIDGE_RELAY_REPLAY_BUFFER", "int", 10000, {"relay"}, "the replay window: the last N events of AEP_EVENTS", range=(1, 10**9)),
+    _f("AEP_BRIDGE_RELAY_QUEUE", "int", 10000, {"relay"}, "events queued per subscription before backpressure", range=(1, 10**7)),
+    _f("AEP_BRIDGE_RELAY_HEARTBEAT_S", "int", 15, {"relay"}, "SSE ping / idle interval in seconds", range=(1, 30)),
+    # ---- the exporter
+    _f("AEP_BRIDGE_EXPORT_CONFIG", "path", None, {"exporter"}, "sinks file, YAML or JSON", flag="--config"),
+    _f("AEP_BRIDGE_KAFKA_SASL_PASSWORD", "str", None, {"exporter"}, "fills a Kafka sink's sasl.password", secret=True),
+    _f("AEP_BRIDGE_KAFKA_", "str", None, {"exporter"}, "AEP_BRIDGE_KAFKA_<PROP>: librdkafka property prop (_ as .) for every Kafka sink", prefix=True),
+)
+BY_NAME = {f.name: f for f in FIELDS if not f.prefix}
+
+
+def fields_for(role: str | None) -> list[Field]:
+    """The fields ``role`` reads (every field when None)."""
+    if role is not None and role not in ROLES:
+        raise SettingError(f"unknown role {role!r} (expected one of {', '.join(ROLES)})")
+    return [f for f in FIELDS if role is None or role in f.roles]
 
 
 def default_config_path() -> Path:
@@ -41,16 +242,149 @@ def read_env_file(path: Path) -> dict[str, str]:
     The shim's own parser (standard library only, no `os` import) is the one parser, so
     the shim and the services can never read the same file differently.
     """
-    return shim_read_env_file(str(path))
+    return hook.read_env_file(str(path))
 
 
-def load_environ(environ: dict[str, str] | None = None) -> dict[str, str]:
-    """The effective `AEP_BRIDGE_*` view: the config file overlaid by the environment."""
-    env = dict(os.environ if environ is None else environ)
-    path = Path(env.get("AEP_BRIDGE_CONFIG") or default_config_path())
-    merged = read_env_file(path)
-    merged.update({k: v for k, v in env.items()})
-    return merged
+@dataclass
+class Layers:
+    """Where settings come from: the environment, the settings file, the flags."""
+
+    env: dict[str, str]
+    path: str
+    file: dict[str, str]
+    flags: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def load(cls, environ: Mapping[str, str] | None = None, flags: Mapping[str, Any] | None = None,
+             config_path: str | None = None) -> "Layers":
+        env = dict(os.environ if environ is None else environ)
+        path = hook.settings_file(env, config_path)
+        return cls(env, path, read_env_file(Path(path)), {k: v for k, v in (flags or {}).items() if v is not None})
+
+    @property
+    def merged(self) -> dict[str, str]:
+        merged = dict(self.file)
+        merged.update(self.env)
+        return merged
+
+    def raw(self, name: str) -> tuple[str | None, str]:
+        """The raw value of ``name`` and its source; an empty value counts as unset (an empty
+        variable in the environment also hides the file's, as in the shim)."""
+        if name in self.env:
+            return (self.env[name] or None), "env"
+        if name in self.file:
+            return (self.file[name] or None), f"file {self.path}"
+        return None, "default"
+
+
+def load_environ(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The effective variables: the config file overlaid by the environment."""
+    return Layers.load(environ).merged
+
+
+@dataclass(frozen=True)
+class Value:
+    field: Field
+    name: str
+    value: Any
+    source: str  # flag --x | env | file PATH | default
+    note: str | None = None
+
+    def shown(self) -> str:
+        """The value as printed by `aep-bridge config`: secrets masked (also a password or token
+        inside a URL)."""
+        return show(self.field, self.name, self.value)
+
+
+def show(f: Field, name: str, value: Any) -> str:
+    if value is None:
+        return ""
+    if f.secret or (f.prefix and _SECRET_NAME.search(name)):
+        return MASK
+    if f.type == "listen":
+        host, port = value
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    if isinstance(value, tuple):
+        return ",".join(value)
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    text = str(value)
+    if "://" in text:
+        text = _URL_PASSWORD.sub(lambda m: m["head"] + MASK, text)
+        text = _URL_TOKEN.sub(lambda m: m["head"] + MASK, text)
+    return text
+
+
+def resolve_field(f: Field, layers: Layers, role: str | None = None) -> Value:
+    """One field's value and where it came from; SettingError for a bad flag or variable (the
+    shim's numbers: the default, with a note)."""
+    if f.name in layers.flags:
+        raw = layers.flags[f.name]
+        raw = raw if isinstance(raw, str) else "1" if raw is True else "0" if raw is False else str(raw)
+        try:
+            return Value(f, f.name, f.parse(raw), f"flag {f.flag}" if f.flag else "flag")
+        except SettingError:
+            raise f.error(raw, f"{f.flag} ({f.name})" if f.flag else None) from None
+    raw, source = layers.raw(f.name)
+    merged = layers.merged
+    if f.name == "AEP_BRIDGE_SPOOL_DIR":  # the hook's rule: ~ and XDG_STATE_HOME expanded
+        return Value(f, f.name, hook.spool_dir_setting(merged), source if raw else "default")
+    if raw is None:
+        return Value(f, f.name, f.default_for(merged, role), "default")
+    if f.shim and f.type == "int" and f.range:
+        value, note = hook.int_setting(f.name, raw, f.default, int(f.range[0] or 0), int(f.range[1] or 0))
+        return Value(f, f.name, value, "default" if note else source, note)
+    if f.shim and f.type == "bool":
+        return Value(f, f.name, raw.strip().lower() in hook._ON, source)
+    return Value(f, f.name, f.parse(raw), source)
+
+
+def resolve(role: str | None, environ: Mapping[str, str] | None = None, flags: Mapping[str, Any] | None = None,
+            config_path: str | None = None, layers: Layers | None = None) -> dict[str, Value]:
+    """Every setting ``role`` reads, by name (a prefix family: each variable of it that is set).
+    Raises SettingError for the first bad one."""
+    layers = layers or Layers.load(environ, flags, config_path)
+    out: dict[str, Value] = {}
+    for f in fields_for(role):
+        if f.prefix:
+            out.update((v.name, v) for v in family(f, layers))
+        else:
+            out[f.name] = resolve_field(f, layers, role)
+    return out
+
+
+def family(f: Field, layers: Layers) -> list[Value]:
+    """The variables of a prefix field that are set (and not a field of their own)."""
+    out = []
+    for name in sorted({*layers.file, *layers.env}):
+        if name.startswith(f.name) and name not in BY_NAME:
+            raw, source = layers.raw(name)
+            if raw is not None:
+                out.append(Value(f, name, raw, source))
+    return out
+
+
+def setting(name: str, environ: Mapping[str, str] | None = None, role: str | None = None) -> Any:
+    """The value of one setting (environment over the settings file over its default)."""
+    return resolve_field(BY_NAME[name], Layers.load(environ), role).value
+
+
+# Settings attribute -> variable (the attributes every service already uses).
+_SETTINGS_ATTRS = {
+    "nats_url": "AEP_BRIDGE_NATS_URL", "nats_user": "AEP_BRIDGE_NATS_USER",
+    "nats_password": "AEP_BRIDGE_NATS_PASSWORD", "nats_token": "AEP_BRIDGE_NATS_TOKEN",
+    "nats_creds": "AEP_BRIDGE_NATS_CREDS", "nats_nkey_seed": "AEP_BRIDGE_NATS_NKEY_SEED",
+    "tls_ca": "AEP_BRIDGE_TLS_CA", "tls_cert": "AEP_BRIDGE_TLS_CERT", "tls_key": "AEP_BRIDGE_TLS_KEY",
+    "instance": "AEP_BRIDGE_INSTANCE", "spool_dir": "AEP_BRIDGE_SPOOL_DIR",
+    "deadline_ms": "AEP_BRIDGE_DEADLINE_MS", "max_field_bytes": "AEP_BRIDGE_MAX_FIELD_BYTES",
+    "spool_max_bytes": "AEP_BRIDGE_SPOOL_MAX_BYTES", "partitions": "AEP_BRIDGE_PARTITIONS",
+    "capture": "AEP_BRIDGE_CAPTURE", "capture_overrides": "AEP_BRIDGE_CAPTURE_OVERRIDES",
+    "redact_names": "AEP_BRIDGE_REDACT_NAMES", "metrics_port": "AEP_BRIDGE_METRICS_PORT",
+    "metrics_host": "AEP_BRIDGE_METRICS_HOST", "lane_wait_ms": "AEP_BRIDGE_LANE_WAIT_MS",
+    "tick_s": "AEP_BRIDGE_TICK_S", "log_format": "AEP_BRIDGE_LOG_FORMAT", "log_level": "AEP_BRIDGE_LOG_LEVEL",
+    "inbox_prefix": "AEP_BRIDGE_INBOX_PREFIX", "stream_replicas": "AEP_BRIDGE_STREAM_REPLICAS",
+    "fallback_dir": "TMPDIR",
+}
 
 
 @dataclass
@@ -65,7 +399,7 @@ class Settings:
     tls_cert: str | None = None
     tls_key: str | None = None
     instance: str = field(default_factory=socket.gethostname)
-    spool_dir: Path = field(default_factory=lambda: default_state_dir() / "spool")
+    spool_dir: Path = field(default_factory=lambda: Path(hook.spool_dir_setting(os.environ)))
     deadline_ms: int = DEFAULT_DEADLINE_MS
     max_field_bytes: int = DEFAULT_MAX_FIELD_BYTES
     spool_max_bytes: int = DEFAULT_SPOOL_MAX_BYTES
@@ -91,66 +425,55 @@ class Settings:
     log_level: str = "info"
     #: nats-py inbox prefix; None: the role's own (bridge.nats.connection.ROLE_INBOX)
     inbox_prefix: str | None = None
+    #: bootstrap and the gate: stream replicas; None: 1 (bridge.nats.bootstrap.default_replicas)
+    stream_replicas: int | None = None
+    #: the shim's fallback spool directory ($TMPDIR/aep-bridge-<uid>)
+    fallback_dir: str = field(default_factory=lambda: hook.fallback_spool_dir(os.environ))
+    #: a shim setting whose bad value was replaced by its default, as the shim does (one line each)
+    notes: tuple[str, ...] = ()
 
     @property
     def servers(self) -> list[str]:
         return [s.strip() for s in self.nats_url.split(",") if s.strip()]
 
     @classmethod
-    def from_env(cls, environ: dict[str, str] | None = None) -> "Settings":
-        env = load_environ(environ)
+    def from_env(cls, environ: Mapping[str, str] | None = None, flags: Mapping[str, Any] | None = None,
+                 config_path: str | None = None) -> "Settings":
+        """From flags (variable name -> value), the environment, the settings file and the
+        defaults; SettingError names a bad value."""
+        return cls.from_layers(Layers.load(environ, flags, config_path))
 
-        def get(name: str) -> str | None:
-            value = env.get("AEP_BRIDGE_" + name)
-            return value if value not in (None, "") else None
-
-        def get_int(name: str, default: int) -> int:
-            raw = get(name)
-            if raw is None:
-                return default
-            try:
-                return int(raw)
-            except ValueError as exc:
-                raise ValueError(f"AEP_BRIDGE_{name} must be an integer, got {raw!r}") from exc
-
+    @classmethod
+    def from_layers(cls, layers: Layers) -> "Settings":
         s = cls()
-        s.nats_url = get("NATS_URL") or DEFAULT_NATS_URL
-        s.nats_user = get("NATS_USER")
-        s.nats_password = get("NATS_PASSWORD")
-        s.nats_token = get("NATS_TOKEN")
-        s.nats_creds = get("NATS_CREDS")
-        s.nats_nkey_seed = get("NATS_NKEY_SEED")
-        s.tls_ca = get("TLS_CA")
-        s.tls_cert = get("TLS_CERT")
-        s.tls_key = get("TLS_KEY")
-        s.instance = get("INSTANCE") or socket.gethostname()
-        if get("SPOOL_DIR"):
-            s.spool_dir = Path(get("SPOOL_DIR"))  # type: ignore[arg-type]
-        s.deadline_ms = get_int("DEADLINE_MS", DEFAULT_DEADLINE_MS)
-        s.max_field_bytes = get_int("MAX_FIELD_BYTES", DEFAULT_MAX_FIELD_BYTES)
-        s.spool_max_bytes = get_int("SPOOL_MAX_BYTES", DEFAULT_SPOOL_MAX_BYTES)
-        s.partitions = get_int("PARTITIONS", DEFAULT_PARTITIONS)
-        s.capture = get("CAPTURE")
-        s.capture_overrides = get("CAPTURE_OVERRIDES")
-        names = get("REDACT_NAMES")
-        s.redact_names = tuple(n.strip() for n in names.split(",") if n.strip()) if names else ()
-        s.lane_wait_ms = get_int("LANE_WAIT_MS", 2000)
-        tick = get("TICK_S")
-        try:
-            s.tick_s = float(tick) if tick else 15.0
-        except ValueError as exc:
-            raise ValueError(f"AEP_BRIDGE_TICK_S must be a number of seconds, got {tick!r}") from exc
-        if not s.tick_s > 0:
-            raise ValueError(f"AEP_BRIDGE_TICK_S must be positive, got {tick!r}")
-        port = get("METRICS_PORT")
-        s.metrics_port = int(port) if port else None
-        s.metrics_host = get("METRICS_HOST") or "0.0.0.0"
-        s.log_format = get("LOG_FORMAT") or "json"
-        s.log_level = get("LOG_LEVEL") or "info"
-        s.inbox_prefix = get("INBOX_PREFIX")
+        notes = []
+        for attr, name in _SETTINGS_ATTRS.items():
+            v = resolve_field(BY_NAME[name], layers)
+            value = v.value
+            if attr == "spool_dir":
+                value = Path(value)
+            elif attr == "fallback_dir":
+                value = hook.fallback_spool_dir(layers.merged)
+            elif attr == "redact_names":
+                value = value or ()
+            elif attr == "capture_overrides" and value is not None:
+                value = value.strip() or None
+            setattr(s, attr, value)
+            if v.note:
+                notes.append(v.note)
+        s.notes = tuple(notes)
         return s
 
     def secret_values(self, environ: dict[str, str] | None = None) -> tuple[str, ...]:
         """Values of the operator-listed names (redaction rule b), read from the environment."""
         env = os.environ if environ is None else environ
         return tuple(env[n] for n in self.redact_names if env.get(n))
+
+
+def role_settings(role: str, environ: Mapping[str, str] | None = None, flags: Mapping[str, Any] | None = None,
+                  config_path: str | None = None) -> Settings:
+    """`Settings` for a service, after checking every setting ``role`` reads (the relay's, the
+    gate's, the profiler's too), so a bad one stops the command at start, named."""
+    layers = Layers.load(environ, flags, config_path)
+    resolve(role, layers=layers)
+    return Settings.from_layers(layers)

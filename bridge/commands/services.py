@@ -59,19 +59,26 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.set_defaults(func=cmd_relay)
 
 
-def settings_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-def]
-    from bridge.config import Settings
+#: service flag (argparse dest) -> the variable it overrides (bridge/config.py FIELDS)
+FLAG_VARIABLES = {
+    "nats": "AEP_BRIDGE_NATS_URL", "partitions": "AEP_BRIDGE_PARTITIONS", "metrics_port": "AEP_BRIDGE_METRICS_PORT",
+    "log_format": "AEP_BRIDGE_LOG_FORMAT", "tick_s": "AEP_BRIDGE_TICK_S", "listen": "AEP_BRIDGE_RELAY_LISTEN",
+    "probe_ms": "AEP_GATE_PROBE_MS", "capture": "AEP_BRIDGE_CAPTURE",
+}
 
-    s = Settings.from_env()
-    if getattr(args, "nats", None):
-        s.nats_url = args.nats
-    if getattr(args, "partitions", None):
-        s.partitions = args.partitions
-    if getattr(args, "metrics_port", None) is not None:
-        s.metrics_port = args.metrics_port
-    if getattr(args, "log_format", None):
-        s.log_format = args.log_format
-    return s
+
+def flag_values(args: argparse.Namespace) -> dict[str, object]:
+    """The flags given on the command line, by the variable each overrides."""
+    return {var: getattr(args, dest) for dest, var in FLAG_VARIABLES.items() if getattr(args, dest, None) is not None}
+
+
+def settings_from_args(args: argparse.Namespace, role: str | None = None):  # type: ignore[no-untyped-def]
+    """Flags over the environment over the AEP_BRIDGE_CONFIG file; with ``role``, every setting
+    that role reads is checked first (a bad one: SettingError, the command exits 2)."""
+    from bridge.config import Settings, role_settings
+
+    flags = flag_values(args)
+    return role_settings(role, flags=flags) if role else Settings.from_env(flags=flags)
 
 
 def run_service(coro) -> int:  # type: ignore[no-untyped-def]
@@ -89,7 +96,7 @@ def cmd_mapper(args: argparse.Namespace) -> int:
     from bridge.services.mapper import Mapper
     from bridge.services.runtime import configure_logging
 
-    settings = settings_from_args(args)
+    settings = settings_from_args(args, "mapper")
     configure_logging(settings.log_format, settings.log_level)
     policy = policy_from_args(args, settings)
     return run_service(Mapper(settings, policy, batch=args.batch).run())
@@ -99,25 +106,30 @@ def cmd_pairing(args: argparse.Namespace) -> int:
     from bridge.services.pairing import PairingService
     from bridge.services.runtime import configure_logging
 
-    settings = settings_from_args(args)
-    if args.tick_s is not None:
-        if not args.tick_s > 0:
-            raise SystemExit("aep-bridge pairing: --tick-s must be positive")
-        settings.tick_s = args.tick_s
+    settings = settings_from_args(args, "pairing")  # --tick-s included
     configure_logging(settings.log_format, settings.log_level)
     return run_service(PairingService(settings, replica=args.replica).run())
 
 
-def cmd_exporter(args: argparse.Namespace) -> int:
-    import os
+def exporter_sinks(args: argparse.Namespace, environ: dict[str, str] | None = None) -> list:  # type: ignore[type-arg]
+    """The sinks of ``--sink`` and of the sinks file (``--config``, else AEP_BRIDGE_EXPORT_CONFIG);
+    the file's path and the AEP_BRIDGE_KAFKA_* settings may come from the AEP_BRIDGE_CONFIG file."""
+    from bridge.config import Layers, resolve
+    from bridge.services.exporter import load_sinks
 
+    layers = Layers.load(environ, {"AEP_BRIDGE_EXPORT_CONFIG": getattr(args, "config", None)})
+    path = resolve("exporter", layers=layers)["AEP_BRIDGE_EXPORT_CONFIG"].value
+    return load_sinks(args.sink, path, environ=layers.merged)
+
+
+def cmd_exporter(args: argparse.Namespace) -> int:
     from bridge.core.sinks import SinkConfigError
-    from bridge.services.exporter import Exporter, load_sinks
+    from bridge.services.exporter import Exporter
     from bridge.services.runtime import configure_logging
 
-    settings = settings_from_args(args)
+    settings = settings_from_args(args, "exporter")
     try:
-        sinks = load_sinks(args.sink, args.config or os.environ.get("AEP_BRIDGE_EXPORT_CONFIG") or None)
+        sinks = exporter_sinks(args)
     except (SinkConfigError, OSError, ValueError) as exc:
         print(f"aep-bridge exporter: {exc}", file=sys.stderr)
         return 2
@@ -129,17 +141,12 @@ def cmd_exporter(args: argparse.Namespace) -> int:
 
 
 def cmd_relay(args: argparse.Namespace) -> int:
-    import os
-
     from bridge.services.relay import RelayConfigError, from_env, run_relay
     from bridge.services.runtime import configure_logging
 
-    settings = settings_from_args(args)
-    env = dict(os.environ)
-    if args.listen:
-        env["AEP_BRIDGE_RELAY_LISTEN"] = args.listen
+    settings = settings_from_args(args, "relay")
     try:
-        cfg = from_env(env)
+        cfg = from_env(flags=flag_values(args))
     except (RelayConfigError, OSError) as exc:
         print(f"aep-bridge relay: {exc}", file=sys.stderr)
         return 2

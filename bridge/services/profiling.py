@@ -30,6 +30,8 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
+from bridge.config import load_environ, setting
+
 if TYPE_CHECKING:  # the HTTP server passes its Health; runtime imports this module
     from bridge.services.runtime import Health
 
@@ -251,12 +253,12 @@ _profiler: AllocationProfiler | None = None
 def start_allocation_profiler(service: str, health: Health | None = None) -> AllocationProfiler | None:
     """Start the profiler when `AEP_BRIDGE_TRACEMALLOC` names a directory (once per process)."""
     global _profiler
-    directory = os.environ.get(TRACEMALLOC_ENV)
+    env = load_environ()  # the environment over the AEP_BRIDGE_CONFIG file, as every setting
+    directory = env.get(TRACEMALLOC_ENV)
     if not directory or _profiler is not None:
         return _profiler
-    try:
-        every_s = float(os.environ.get(TRACEMALLOC_EVERY_ENV) or 60.0)
-        frames = int(os.environ.get(TRACEMALLOC_FRAMES_ENV) or 4)
+    try:  # the command checked them at start (bridge/config.py FIELDS); a later change: the defaults
+        every_s, frames = setting(TRACEMALLOC_EVERY_ENV, env), setting(TRACEMALLOC_FRAMES_ENV, env)
     except ValueError:
         every_s, frames = 60.0, 4
     _profiler = AllocationProfiler(service, directory, max(1.0, every_s), max(0, frames), health).begin()

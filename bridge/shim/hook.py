@@ -366,6 +366,36 @@ def read_env_file(path):
     return values
 
 
+def settings_file(env, config_path=None):
+    """The settings file: ``--config``, else ``AEP_BRIDGE_CONFIG``, else ``~/.config/aep-bridge/env``
+    (``~`` is the environment's HOME). bridge/config.py resolves it with this function."""
+    return _expand_user(config_path or env.get("AEP_BRIDGE_CONFIG") or "~/.config/aep-bridge/env", env)
+
+
+def int_setting(name, raw, default, lo, hi):
+    """``(value, warning)``: ``raw`` as an integer in [lo, hi]; unset or empty: the default; anything
+    else: the default and why (the shim's rule; bridge/config.py resolves the shim's numbers with it)."""
+    if not raw:
+        return default, None
+    try:
+        value = int(raw.strip()) if len(raw) < 40 else None
+    except ValueError:
+        value = None
+    if value is None or not lo <= value <= hi:
+        return default, "%s=%.40r is not an integer in [%d, %d]; using the default %d" % (name, raw, lo, hi, default)
+    return value, None
+
+
+def spool_dir_setting(merged):
+    """``AEP_BRIDGE_SPOOL_DIR``, else ``$XDG_STATE_HOME/aep-bridge/spool`` (default
+    ``~/.local/state``), ``~`` expanded (bridge/config.py resolves the spool with this function)."""
+    spool = merged.get("AEP_BRIDGE_SPOOL_DIR")
+    if not spool:
+        state = merged.get("XDG_STATE_HOME") or _expand_user("~/.local/state", merged)
+        spool = state + "/aep-bridge/spool"
+    return _expand_user(spool, merged)
+
+
 def os_environ():
     """The process environment as str -> str (``os.environ`` without importing ``os``)."""
     return {
@@ -384,8 +414,7 @@ class Config:
 
     def __init__(self, environ=None, config_path=None):
         env = os_environ() if environ is None else dict(environ)
-        cfg_path = config_path or env.get("AEP_BRIDGE_CONFIG") or "~/.config/aep-bridge/env"
-        merged = read_env_file(_expand_user(cfg_path, env))
+        merged = read_env_file(settings_file(env, config_path))
         merged.update(env)
 
         def get(name):
@@ -393,18 +422,9 @@ class Config:
             return v if v else None
 
         def get_int(name, default):
-            raw = get(name)
-            if raw is None:
-                return default
-            lo, hi = LIMITS[name]
-            try:
-                value = int(raw.strip()) if len(raw) < 40 else None
-            except ValueError:
-                value = None
-            if value is None or not lo <= value <= hi:
-                _warn("AEP_BRIDGE_%s=%.40r is not an integer in [%d, %d]; using the default %d"
-                      % (name, raw, lo, hi, default))
-                return default
+            value, warning = int_setting("AEP_BRIDGE_" + name, get(name), default, *LIMITS[name])
+            if warning:
+                _warn(warning)
             return value
 
         url = get("NATS_URL") or DEFAULT_NATS_URL
@@ -416,11 +436,7 @@ class Config:
         self.tls_cert = get("TLS_CERT")
         self.tls_key = get("TLS_KEY")
         self.instance = get("INSTANCE") or posix.uname().nodename
-        spool = get("SPOOL_DIR")
-        if not spool:
-            state = merged.get("XDG_STATE_HOME") or _expand_user("~/.local/state", merged)
-            spool = state + "/aep-bridge/spool"
-        self.spool_dir = _expand_user(spool, merged)
+        self.spool_dir = spool_dir_setting(merged)
         self.fallback_dir = fallback_spool_dir(merged)
         self.deadline_ms = get_int("DEADLINE_MS", DEFAULT_DEADLINE_MS)
         self.max_field_bytes = get_int("MAX_FIELD_BYTES", DEFAULT_MAX_FIELD_BYTES)
@@ -438,16 +454,10 @@ class Config:
         self.gate_tools = merged.get("AEP_HERMES_GATE_TOOLS") or None
         self.hold_ms = DEFAULT_HOLD_MS
         if self.control:
-            raw = merged.get("AEP_HERMES_HOLD_MS") or ""
-            try:
-                hold = int(raw) if raw and len(raw) < 40 else DEFAULT_HOLD_MS
-            except ValueError:
-                hold = 0
-            if 1 <= hold <= HOLD_MS_MAX:
-                self.hold_ms = hold
-            else:
-                _warn("AEP_HERMES_HOLD_MS=%.40r is not an integer in [1, %d]; using the default %d"
-                      % (raw, HOLD_MS_MAX, DEFAULT_HOLD_MS))
+            self.hold_ms, warning = int_setting("AEP_HERMES_HOLD_MS", merged.get("AEP_HERMES_HOLD_MS"),
+                                                DEFAULT_HOLD_MS, 1, HOLD_MS_MAX)
+            if warning:
+                _warn(warning)
 
 
 def _warn(message):

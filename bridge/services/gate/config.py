@@ -7,7 +7,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from bridge.config import load_environ
+from bridge.config import resolve
 from bridge.core.capture import CapturePolicy
 from bridge.core.control import ACK_WINDOW_MS, INSTRUCT, RESPOND, accepted_verbs
 from bridge.services.runtime import BoundedLabel
@@ -19,10 +19,6 @@ QUEUE_GROUP = "aep-gate"
 SWEEP_S = 0.1
 MAX_DELIVER = 4  # a raw message or command whose handling keeps failing is given up (logged) on this delivery
 MAX_HOLD_MS = 300_000  # Hermes clamps a hook timeout to 300 s
-
-
-def _on(value: str | None) -> bool:
-    return (value or "").strip().lower() in ("1", "true", "yes", "on")
 
 
 @dataclass
@@ -42,13 +38,13 @@ class GateConfig:
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None, policy: CapturePolicy | None = None) -> "GateConfig":
-        env = load_environ(environ)
-        senders = env.get("AEP_CONTROL_SENDERS", "").strip()
+        v = {name: value.value for name, value in resolve("gate", environ).items()}  # bridge/config.py FIELDS
+        senders = v["AEP_CONTROL_SENDERS"]
         return cls(
-            control=_on(env.get("AEP_HERMES_CONTROL")),
-            instruct=_on(env.get("AEP_INSTRUCT")),
-            senders=frozenset(s.strip() for s in senders.split(",") if s.strip()) if senders else None,
-            probe_ms=int(env.get("AEP_GATE_PROBE_MS") or 1000),
+            control=v["AEP_HERMES_CONTROL"],
+            instruct=v["AEP_INSTRUCT"],
+            senders=frozenset(senders) if senders else None,
+            probe_ms=v["AEP_GATE_PROBE_MS"],
             policy=policy or CapturePolicy(),
         )
 

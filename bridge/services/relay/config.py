@@ -1,4 +1,5 @@
-"""The relay's settings (``AEP_BRIDGE_RELAY_*``) and its tokens.
+"""The relay's settings (``AEP_BRIDGE_RELAY_*``, read as every command reads settings: flag,
+environment, then the AEP_BRIDGE_CONFIG file; the table is bridge/config.py) and its tokens.
 
 * ``AEP_BRIDGE_RELAY_LISTEN``: ``HOST:PORT`` (default ``127.0.0.1:8787``).
 * ``AEP_BRIDGE_RELAY_TOKEN``: one bearer token with every right (consume, operate, emit).
@@ -14,8 +15,9 @@
   ``full``, i.e. as stored): the highest capture level this client ever receives; a
   subscription asking for more is served at this ceiling.
 * ``AEP_BRIDGE_RELAY_TLS_CERT`` / ``AEP_BRIDGE_RELAY_TLS_KEY``: serve HTTPS/WSS. Listening
-  off loopback without TLS is refused unless ``AEP_BRIDGE_RELAY_INSECURE=1`` (TLS terminated
-  by a proxy in front, AEP-0003 §11); listening off loopback without any token is refused.
+  off loopback without TLS is refused unless ``AEP_BRIDGE_RELAY_INSECURE=1`` (or
+  ``true``/``yes``/``on``; TLS terminated by a proxy in front, AEP-0003 §11); listening off
+  loopback without any token is refused.
 * ``AEP_BRIDGE_RELAY_REPLAY_BUFFER``: the replay buffer (default 10000), a GLOBAL count: the
   relay replays from the last N events AEP_EVENTS holds (fewer when the stream's age and
   byte limits have evicted more). A resume position older than that window is
@@ -34,18 +36,18 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from bridge.config import BY_NAME, DEFAULT_RELAY_LISTEN, SettingError, resolve
 from bridge.core.capture import FULL, LEVELS, level_rank
 
-DEFAULT_LISTEN = "127.0.0.1:8787"
+DEFAULT_LISTEN = DEFAULT_RELAY_LISTEN
 ROLES = ("consumer", "operator", "emitter", "all")
 
 
-class RelayConfigError(ValueError):
+class RelayConfigError(SettingError):
     """A relay setting that cannot be used (the message names it, never a token value)."""
 
 
@@ -132,10 +134,10 @@ class RelayConfig:
 
 
 def parse_listen(value: str) -> tuple[str, int]:
-    host, sep, port = value.rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise RelayConfigError(f"AEP_BRIDGE_RELAY_LISTEN={value!r}: expected HOST:PORT")
-    return host.strip("[]") or "127.0.0.1", int(port)
+    try:
+        return BY_NAME["AEP_BRIDGE_RELAY_LISTEN"].parse(value)  # type: ignore[no-any-return]
+    except SettingError as exc:
+        raise RelayConfigError(str(exc)) from None
 
 
 def parse_tokens(doc: Any, where: str) -> list[tuple[bytes, Principal]]:
@@ -171,38 +173,28 @@ def load_tokens_file(path: str) -> list[tuple[bytes, Principal]]:
     return parse_tokens(doc, path)
 
 
-def from_env(environ: Mapping[str, str] | None = None) -> RelayConfig:
-    env = os.environ if environ is None else environ
+def from_env(environ: Mapping[str, str] | None = None, flags: Mapping[str, Any] | None = None) -> RelayConfig:
+    """The relay's settings (bridge/config.py FIELDS, role ``relay``): flags (``--listen`` as
+    ``{"AEP_BRIDGE_RELAY_LISTEN": ...}``) over the environment over the AEP_BRIDGE_CONFIG file."""
+    try:
+        values = {name: v.value for name, v in resolve("relay", environ, flags).items()}
+    except SettingError as exc:
+        raise RelayConfigError(str(exc)) from None
 
-    def get(name: str) -> str | None:
-        value = env.get("AEP_BRIDGE_RELAY_" + name)
-        return value if value else None
+    def get(name: str) -> Any:
+        return values["AEP_BRIDGE_RELAY_" + name]
 
-    def get_int(name: str, default: int, low: int, high: int) -> int:
-        raw = get(name)
-        if raw is None:
-            return default
-        try:
-            value = int(raw)
-        except ValueError:
-            raise RelayConfigError(f"AEP_BRIDGE_RELAY_{name}: not an integer") from None
-        if not low <= value <= high:
-            raise RelayConfigError(f"AEP_BRIDGE_RELAY_{name}={value}: expected {low}..{high}")
-        return value
-
-    host, port = parse_listen(get("LISTEN") or DEFAULT_LISTEN)
+    host, port = get("LISTEN")
     tokens: list[tuple[bytes, Principal]] = []
     single = get("TOKEN")
     if single:
         tokens.append((single.encode(), Principal("relay-token", "all")))
     if get("TOKENS_FILE"):
-        tokens.extend(load_tokens_file(get("TOKENS_FILE") or ""))
+        tokens.extend(load_tokens_file(get("TOKENS_FILE")))
     cfg = RelayConfig(
         host=host, port=port, tokens=tokens, tls_cert=get("TLS_CERT"), tls_key=get("TLS_KEY"),
-        insecure=get("INSECURE") == "1",
-        replay_buffer=get_int("REPLAY_BUFFER", 10000, 1, 10**9),
-        queue=get_int("QUEUE", 10000, 1, 10**7),
-        heartbeat_s=float(get_int("HEARTBEAT_S", 15, 1, 30)),
+        insecure=get("INSECURE"), replay_buffer=get("REPLAY_BUFFER"), queue=get("QUEUE"),
+        heartbeat_s=float(get("HEARTBEAT_S")),
     )
     cfg.check()
     return cfg
