@@ -138,3 +138,63 @@ sinks:
             pairing.terminate()
             mapper.terminate()
             client.close()
+
+
+def test_events_other_emitters_post_to_the_relay_are_exported_unless_a_sinks_filter_excludes_them(nats_server_fn, tmp_path):
+    """Issue 25 item 7. AEP_EVENTS holds the bridge's own events (aep.hermes.>) and those
+    other AEP emitters post to the relay (aep.ingest.>): a sink gets both; a sink whose
+    filter names the Hermes agent only gets the bridge's. Before the fix the exporter's
+    consumers took aep.hermes.> alone."""
+    import asyncio
+
+    import aiohttp
+
+    from tests.support.relay import EMITTER, RelayProcess, auth, encode, event, publish
+    from tests.support.streams import consumer_idle
+
+    client = JetStreamClient(nats_server_fn.url)
+    client.bootstrap()
+    own = [event("s-hermes-1", i) for i in range(1, 4)]
+    asyncio.run(publish(nats_server_fn.url, own))
+    ingested = [{**event("ci-run-7", i), "source": "urn:ci:runner-7", "agent": "ci-bot"} for i in range(1, 4)]
+    relay = RelayProcess(nats_server_fn.url, tmp_path).start()
+
+    async def post() -> int:
+        async with aiohttp.ClientSession() as s:
+            async with s.post(relay.url + "/events", data=b"\n".join(encode(e) for e in ingested) + b"\n",
+                              headers={**auth(EMITTER), "AEP-Version": "0.1", "Content-Type": "application/x-ndjson"}) as r:
+                return r.status
+
+    with Receiver() as everything, Receiver() as hermes_only:
+        config = tmp_path / "export.yaml"
+        config.write_text(f"""
+sinks:
+  - name: all
+    url: otlp+http://127.0.0.1:{everything.port}/v1/logs
+  - name: hermes
+    url: otlp+http://127.0.0.1:{hermes_only.port}/v1/logs
+    filter: {{agent: hermes}}
+""")
+        # sink `all`'s durable as an earlier release made it (aep.hermes.> only): the exporter updates it
+        from nats.js.api import AckPolicy, ConsumerConfig
+
+        client.run(client.js.add_consumer("AEP_EVENTS", ConsumerConfig(
+            durable_name="export-all", ack_policy=AckPolicy.EXPLICIT, max_deliver=-1, filter_subject="aep.hermes.>")))
+        (tmp_path / "e").mkdir()
+        exporter = Service("exporter", nats_server_fn.url, tmp_path / "e", env={"AEP_BRIDGE_EXPORT_CONFIG": str(config)})
+        try:
+            assert asyncio.run(post()) == 202
+            assert len(client.fetch("aep.ingest.>", stream="AEP_EVENTS")) == len(ingested), "the relay stored them"
+            exporter.start()
+            want = {e["id"] for e in own} | {e["id"] for e in ingested}
+            wait_for(lambda: event_ids(everything) >= want, 60, what="every event, ingested ones too, at the sink")
+            assert event_ids(everything) == want
+            # the filtered sink has taken and acked everything it was given: what it delivered is final
+            wait_for(lambda: event_ids(hermes_only) >= {e["id"] for e in own}, 60, what="the Hermes events")
+            wait_for(lambda: consumer_idle(client, "AEP_EVENTS", "export-hermes"), 30, what="the filtered sink's acks")
+            assert event_ids(hermes_only) == {e["id"] for e in own}
+            assert exporter.alive()
+        finally:
+            exporter.terminate()
+            relay.stop()
+            client.close()
