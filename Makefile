@@ -6,7 +6,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test venv bench clean schemas
+.PHONY: run test test-fast venv bench clean schemas
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +25,10 @@ run: $(STAMP)
 # pytest's own exit code is the verdict: 5 (no tests collected) fails like any other non-zero code.
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The edit loop: everything but the tests marked slow (end-to-end and fault runs).
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
 
 schemas: $(STAMP)
 	$(BIN)/aep-bridge schemas --out schemas/

@@ -254,7 +254,8 @@ def exporter_consumer_config(durable: str, description: str = "", max_ack_pendin
     """An exporter sink's durable pull consumer on AEP_EVENTS (one per sink: a slow sink
     never stalls another). Every event from the start of the stream; acked only once the
     sink confirmed delivery, so ``max_deliver`` is unlimited: an event waits for its sink,
-    it is never dropped by the server."""
+    it is never dropped by the server. The bridge's own events and those other AEP emitters
+    post to the relay (aep.ingest.>) alike: a sink's filter may leave some out."""
     from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
     return ConsumerConfig(
@@ -265,5 +266,5 @@ def exporter_consumer_config(durable: str, description: str = "", max_ack_pendin
         ack_wait=EXPORT_ACK_WAIT_S,
         max_deliver=-1,
         max_ack_pending=max_ack_pending,
-        filter_subject=EVENTS_SUBJECTS,
+        filter_subjects=[EVENTS_SUBJECTS, INGEST_SUBJECTS],
     )

@@ -17,8 +17,9 @@ Exposure (issue 13, finding 17): everything listens on loopback only (the embedd
 with ``-a 127.0.0.1``, the workers' HTTP ports via ``AEP_BRIDGE_METRICS_HOST=127.0.0.1``;
 the embedded server has no monitoring port), and the embedded server requires a user
 ``aep-local`` with a password generated at each start (its config file and ``up.json`` are
-mode 0600 in a 0700 state directory). The banner prints the shim settings with that
-credential, ``up.json`` records it (``shim_env``), and ``demo``, ``tail`` and ``control``
+mode 0600 in a 0700 state directory). The banner prints every command (shim settings,
+`tail`, `demo`, `control`) with that credential, so each works pasted into any shell;
+``up.json`` records it (``shim_env``), and ``demo``, ``tail`` and ``control``
 read it from there, so any other local user can neither read HERMES_RAW, delete streams nor
 answer held calls. With ``--nats URL`` the server and its credentials are the caller's
 (``AEP_BRIDGE_NATS_*`` from the environment).
@@ -345,8 +346,10 @@ class Up:
         self.say(f"  relay (AEP)    {self.relay_url}   token {self.relay_token}   (generated for this run)")
         self.say("                 discovery /events, SSE /stream, WebSocket /socket, POST /events; /metrics")
         self.say(f"  logs           {self.state_dir / 'logs'}")
-        self.say("  watch          aep-bridge tail            (or: aep-bridge tail --json)")
-        self.say("  replay a demo  aep-bridge demo")
+        # Every command is printed whole, with the settings it needs: it works pasted into any
+        # shell (also one that cannot find up.json, e.g. after --state-dir, another XDG_STATE_HOME).
+        self.say(f"  watch          {settings} aep-bridge tail   (--json: one event a line as JSON)")
+        self.say(f"  replay a demo  {settings} aep-bridge demo")
         self.say("  wire Hermes    " + settings + " aep-bridge hermes install")
         self.say("                 (writes hooks like this into ~/.hermes/config.yaml and records consent:)")
         self.say("                   hooks:")
@@ -354,22 +357,23 @@ class Up:
         self.say(f"                       - command: \"{command}\"")
         self.say("                         timeout: 5")
         if self.gate:
-            self.control_banner(command)
+            self.control_banner(command, settings)
         self.say("  stop           Ctrl-C")
         self.say("")
 
-    def control_banner(self, command: str) -> None:
+    def control_banner(self, command: str, settings: str) -> None:
         control = self.control() or {}
         shim = control.get("shim_env", {})
         accepts = ", ".join(control.get("accepts") or []) or "nothing (AEP_HERMES_CONTROL and AEP_INSTRUCT are off)"
         timeout = gate_timeout_s(int(shim.get("AEP_HERMES_HOLD_MS", 55000)), self.settings.deadline_ms)
-        nats = f"AEP_BRIDGE_NATS_URL={self.url}"
         self.say(f"  control plane  the gate accepts {accepts}")
         self.say("                 a shim opts in (hold pre_tool_call for an answer; pull instructions before a turn):")
         self.say("                   " + " ".join(f"{k}={v}" for k, v in shim.items()) + " aep-bridge hermes install")
         self.say(f"                 (the pre_tool_call hook then gets timeout: {timeout}, above the hold window)")
-        self.say(f"                 answer / steer: {nats} aep-bridge control pending | respond REQUEST_ID allow|deny")
-        self.say("                                 | instruct --session SESSION TEXT | hello")
+        self.say(f"                 held calls:  {settings} aep-bridge control pending")
+        self.say(f"                 the hello:   {settings} aep-bridge control hello")
+        self.say("                 then, with the same settings: `control respond REQUEST_ID allow` (or `deny`),"
+                 " `control instruct --session SESSION TEXT`")
 
     def shutdown(self) -> None:
         for w in self.workers:

@@ -42,7 +42,7 @@ from tests.deploy.test_nats_permissions import (
     sample_nats_conf,
     values_nats_conf,
 )
-from tests.services.test_exporter_otlp import Receiver, to_id
+from tests.support.otlp import Receiver, to_id
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -125,7 +125,8 @@ def test_the_dashboard_has_the_exporter_row():
 
 
 async def load_events(url: str) -> list[str]:
-    """As pairing (the one role that publishes AEP_EVENTS): golden events and one that is not JSON."""
+    """As pairing (the one role that publishes aep.hermes.>): golden events and one that is not
+    JSON; as the relay (POST /events stores there): another emitter's event under aep.ingest.>."""
     c = await Client.connect(url, "pairing")
     ids = []
     try:
@@ -133,6 +134,13 @@ async def load_events(url: str) -> list[str]:
             await c.js.publish(f"aep.hermes.lane1.{e['type']}", json.dumps(e).encode(), headers={"Nats-Msg-Id": e["id"]})
             ids.append(e["id"])
         await c.js.publish("aep.hermes.lane1.tool.requested", b"not json", headers={"Nats-Msg-Id": "bad-1"})
+    finally:
+        await c.close()
+    c = await Client.connect(url, "relay")
+    try:
+        other = {**golden()[0], "id": "ingested-1", "source": "urn:ci:runner", "agent": "ci-bot", "session": "ci-1"}
+        await c.js.publish(f"aep.ingest.ci-1.{other['type']}", json.dumps(other).encode(), headers={"Nats-Msg-Id": "ingested-1"})
+        ids.append(other["id"])
     finally:
         await c.close()
     return ids

@@ -32,7 +32,7 @@ import pytest
 from bridge.commands.control import build_command
 from bridge.core import control as C
 from bridge.hermes import install as inst
-from tests.services.test_gate import Plane, start_plane, stop_plane, types
+from tests.support.plane import Plane, start_plane, stop_plane, types
 
 pytestmark = pytest.mark.hermes
 

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.services.test_gate import Plane, start_plane, stop_plane
+from tests.support.plane import Plane, start_plane, stop_plane
 from tests.support.relay import RelayProcess
 
 

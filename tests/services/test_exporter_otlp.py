@@ -3,83 +3,15 @@ with opentelemetry-proto; a 503 with Retry-After is honoured and nothing is lost
 
 from __future__ import annotations
 
-import gzip
 import json
-import threading
-import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from bridge.core.bridges.otlp import to_log_record
 from bridge.core.capture import METADATA
 from tests.natsfixture import JetStreamClient
 from tests.support.services import Service, publish_all, raw_records, wait_for
 from tests.corpus import envelopes
-from tests.services.test_pairing import quiet
-
-
-class Receiver:
-    """OTLP/HTTP logs on /v1/logs. The first `refuse` requests get 503 with Retry-After."""
-
-    def __init__(self, refuse: int = 0, retry_after: str | None = "2", status: int = 503) -> None:
-        self.requests: list[dict] = []  # {"t": arrival, "status": answered, "records": [...]}
-        self.refuse = refuse
-        self.status = status
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):  # noqa: ANN002
-                pass
-
-            def do_POST(self):  # noqa: N802
-                from google.protobuf.json_format import MessageToDict
-                from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import (
-                    ExportLogsServiceRequest,
-                    ExportLogsServiceResponse,
-                )
-
-                body = self.rfile.read(int(self.headers["Content-Length"]))
-                entry = {"t": time.monotonic(), "path": self.path, "type": self.headers["Content-Type"],
-                         "encoding": self.headers.get("Content-Encoding")}
-                if outer.refuse > 0:
-                    outer.refuse -= 1
-                    entry["status"] = outer.status
-                    outer.requests.append(entry)
-                    self.send_response(outer.status)
-                    if retry_after is not None:
-                        self.send_header("Retry-After", retry_after)
-                    self.send_header("Content-Length", "0")
-                    self.end_headers()
-                    return
-                if entry["encoding"] == "gzip":
-                    body = gzip.decompress(body)
-                request = ExportLogsServiceRequest.FromString(body)
-                entry["status"] = 200
-                entry["records"] = [
-                    (MessageToDict(rl.resource), log)
-                    for rl in request.resource_logs for sl in rl.scope_logs for log in sl.log_records
-                ]
-                outer.requests.append(entry)
-                out = ExportLogsServiceResponse().SerializeToString()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/x-protobuf")
-                self.send_header("Content-Length", str(len(out)))
-                self.end_headers()
-                self.wfile.write(out)
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.port = self.server.server_address[1]
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-
-    def __enter__(self) -> "Receiver":
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:  # noqa: ANN002
-        self.server.shutdown()
-        self.server.server_close()
-
-    def records(self) -> list:
-        return [r for q in self.requests if q["status"] == 200 for r in q["records"]]
+from tests.support.otlp import Receiver, event_ids, to_id
+from tests.support.streams import quiet
 
 
 def any_value(v):
@@ -155,15 +87,6 @@ def test_every_event_arrives_as_its_log_record_and_a_503_retry_after_is_honoured
             client.close()
 
 
-def to_id(record) -> str:
-    _, log = record
-    return next(kv.value.string_value for kv in log.attributes if kv.key == "aep.event_id")
-
-
-def event_ids(rx: Receiver) -> set[str]:
-    return {to_id(r) for r in rx.records()}
-
-
 def test_a_stuck_sink_never_stalls_another_and_catches_up_and_a_refusal_is_dead_lettered(nats_server_fn, tmp_path):
     """Three sinks from one AEP_BRIDGE_EXPORT_CONFIG file: `stuck` answers 503 (no Retry-After) for
     a long time, `fast` (filtered to tool.*) answers at once, `strict` refuses its first request
@@ -214,4 +137,64 @@ sinks:
             exporter.terminate()
             pairing.terminate()
             mapper.terminate()
+            client.close()
+
+
+def test_events_other_emitters_post_to_the_relay_are_exported_unless_a_sinks_filter_excludes_them(nats_server_fn, tmp_path):
+    """Issue 25 item 7. AEP_EVENTS holds the bridge's own events (aep.hermes.>) and those
+    other AEP emitters post to the relay (aep.ingest.>): a sink gets both; a sink whose
+    filter names the Hermes agent only gets the bridge's. Before the fix the exporter's
+    consumers took aep.hermes.> alone."""
+    import asyncio
+
+    import aiohttp
+
+    from tests.support.relay import EMITTER, RelayProcess, auth, encode, event, publish
+    from tests.support.streams import consumer_idle
+
+    client = JetStreamClient(nats_server_fn.url)
+    client.bootstrap()
+    own = [event("s-hermes-1", i) for i in range(1, 4)]
+    asyncio.run(publish(nats_server_fn.url, own))
+    ingested = [{**event("ci-run-7", i), "source": "urn:ci:runner-7", "agent": "ci-bot"} for i in range(1, 4)]
+    relay = RelayProcess(nats_server_fn.url, tmp_path).start()
+
+    async def post() -> int:
+        async with aiohttp.ClientSession() as s:
+            async with s.post(relay.url + "/events", data=b"\n".join(encode(e) for e in ingested) + b"\n",
+                              headers={**auth(EMITTER), "AEP-Version": "0.1", "Content-Type": "application/x-ndjson"}) as r:
+                return r.status
+
+    with Receiver() as everything, Receiver() as hermes_only:
+        config = tmp_path / "export.yaml"
+        config.write_text(f"""
+sinks:
+  - name: all
+    url: otlp+http://127.0.0.1:{everything.port}/v1/logs
+  - name: hermes
+    url: otlp+http://127.0.0.1:{hermes_only.port}/v1/logs
+    filter: {{agent: hermes}}
+""")
+        # sink `all`'s durable as an earlier release made it (aep.hermes.> only): the exporter updates it
+        from nats.js.api import AckPolicy, ConsumerConfig
+
+        client.run(client.js.add_consumer("AEP_EVENTS", ConsumerConfig(
+            durable_name="export-all", ack_policy=AckPolicy.EXPLICIT, max_deliver=-1, filter_subject="aep.hermes.>")))
+        (tmp_path / "e").mkdir()
+        exporter = Service("exporter", nats_server_fn.url, tmp_path / "e", env={"AEP_BRIDGE_EXPORT_CONFIG": str(config)})
+        try:
+            assert asyncio.run(post()) == 202
+            assert len(client.fetch("aep.ingest.>", stream="AEP_EVENTS")) == len(ingested), "the relay stored them"
+            exporter.start()
+            want = {e["id"] for e in own} | {e["id"] for e in ingested}
+            wait_for(lambda: event_ids(everything) >= want, 60, what="every event, ingested ones too, at the sink")
+            assert event_ids(everything) == want
+            # the filtered sink has taken and acked everything it was given: what it delivered is final
+            wait_for(lambda: event_ids(hermes_only) >= {e["id"] for e in own}, 60, what="the Hermes events")
+            wait_for(lambda: consumer_idle(client, "AEP_EVENTS", "export-hermes"), 30, what="the filtered sink's acks")
+            assert event_ids(hermes_only) == {e["id"] for e in own}
+            assert exporter.alive()
+        finally:
+            exporter.terminate()
+            relay.stop()
             client.close()

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from bridge.stack.server import free_port
 from tests.support.services import http_json, wait_for
-from tests.services.test_exporter_otlp import Receiver
+from tests.support.otlp import Receiver
 from tests.stack.test_up import cli, pid_alive, running_up
 
 

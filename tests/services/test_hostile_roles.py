@@ -40,17 +40,32 @@ def url(tmp_path_factory: pytest.TempPathFactory):
         yield u
 
 
-async def _eavesdrop(url: str, role: str, subjects: list[str]) -> tuple[Client, list]:
+class Heard(list):
+    """What an eavesdropper heard: (subject, data) pairs; ``subs``, its subscriptions."""
+
+    subs: list
+
+
+async def _eavesdrop(url: str, role: str, subjects: list[str]) -> tuple[Client, Heard]:
     c = await Client.connect(url, role)
-    heard: list = []
+    heard = Heard()
+    heard.subs = []
 
     async def keep(m) -> None:  # type: ignore[no-untyped-def]
         heard.append((m.subject, bytes(m.data)))
 
     for s in subjects:
-        await c.nc.subscribe(s, cb=keep)
+        heard.subs.append(await c.nc.subscribe(s, cb=keep))
     await c.nc.flush()
     return c, heard
+
+
+async def _all_heard(c: Client, heard: Heard) -> None:
+    """Everything the server routed to ``c`` so far is in ``heard``: a PING/PONG round trip (the
+    server writes what it routed before the PONG), then its subscriptions' queues emptied."""
+    await c.nc.flush()
+    while any(s.pending_msgs for s in heard.subs):
+        await asyncio.sleep(0.01)
 
 
 def test_observe_only_roles_hear_nothing_of_what_the_mapper_pulls(url: str) -> None:
@@ -78,9 +93,9 @@ def test_observe_only_roles_hear_nothing_of_what_the_mapper_pulls(url: str) -> N
                 await m.ack_sync()
         finally:
             await mapper.close()
-        await asyncio.sleep(0.5)
         try:
             for role, (c, heard) in spies.items():
+                await _all_heard(c, heard)  # the mapper had its messages: anything overheard is here now
                 assert not [s for s, d in heard if CANARY.encode() in d], f"{role} heard the mapper's pull"
                 assert not heard, f"{role} heard another role's inbox: {[s for s, _ in heard]}"
                 assert await c.refused("_INBOX.>"), f"{role} may subscribe to _INBOX.>: {c.errors}"

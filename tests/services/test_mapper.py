@@ -18,10 +18,12 @@ from bridge.core import deadletter
 from bridge.core.aep import encode_event
 from bridge.core.capture import CapturePolicy
 from bridge.nats.lanes import epoch_of
+from bridge.nats.streams import MAPPER_DURABLE
 from tests.corpus import envelopes
 from tests.natsfixture import JetStreamClient
 from tests.support.services import Service, expected_events, publish_all, raw_records, wait_for
 from tests.support.shim import compiled_hook, run_hook, shim_env
+from tests.support.streams import consumer_idle
 
 
 def mapped_count(client: JetStreamClient) -> int:
@@ -52,7 +54,9 @@ def test_two_mappers_produce_exactly_what_map_gives(nats_server_fn, tmp_path):
         epoch = epoch_of(client.stream_info("HERMES_RAW").created)
         want = expected_events([(m.seq, m.data) for m in raw], epoch)
         wait_for(lambda: mapped_count(client) >= len(want), 30, what=f"{len(want)} mapped events")
-        time.sleep(0.5)  # anything extra (a duplicate) would show up now
+        # Both replicas have taken and acked every raw message (a mapper acks only after the
+        # publish acks of its events): whatever they would publish, a duplicate too, is stored.
+        wait_for(lambda: consumer_idle(client, "HERMES_RAW", MAPPER_DURABLE), 30, what="every raw message acked")
         got = client.fetch("bridge.mapped.>", stream="BRIDGE_MAPPED")
         assert len(got) == len(want), "every event exactly once"
         assert sorted(m.data for m in got) == sorted(encode_event(e) for e in want), "byte-identical to `aep-bridge map`"

@@ -26,28 +26,8 @@ from bridge.core.lanes import lane_token
 from bridge.nats import streams as S
 from bridge.nats.bootstrap import bootstrap
 from bridge.services.mapper import Mapper
+from tests.support.lanes import SESSION, TASK, envelopes
 from tests.support.services import publish_all, raw_records
-
-SESSION = "20261201_101010_abcdef"
-
-
-TASK = "task-1"
-
-
-def envelopes(second: str = "approval") -> list[dict]:
-    """The session's first event (it teaches the session and its task alias), then an
-    approval (CLI `-q` shape: session_key "default", turn_id prefix) or an execute_code inner call."""
-    start = {"hook_event_name": "pre_llm_call", "session_id": SESSION, "tool_name": None, "tool_input": None,
-             "cwd": "/tmp", "extra": {"task_id": TASK, "turn_id": f"{SESSION}:{TASK}:0a1b2c3d", "model": "m",
-                                      "platform": "cli"}}
-    approval = {"hook_event_name": "pre_approval_request", "session_id": "", "tool_name": None, "tool_input": None,
-                "cwd": "/tmp", "extra": {"command": "rm -rf /", "description": "delete in root path",
-                                         "pattern_key": "rm", "session_key": "default", "surface": "cli",
-                                         "turn_id": f"{SESSION}:{TASK}:0a1b2c3d", "tool_call_id": "call_1"}}
-    inner = {"hook_event_name": "pre_tool_call", "session_id": "", "tool_name": "terminal",
-             "tool_input": {"command": "ls"}, "cwd": "/tmp",
-             "extra": {"task_id": TASK, "tool_call_id": "", "turn_id": "", "api_request_id": ""}}
-    return [start, approval if second == "approval" else inner]
 
 
 async def mapped_events(js, timeout: float = 0.3) -> list[dict]:
@@ -83,10 +63,15 @@ async def race(url: str, lane_wait_ms: int, holder_answers: bool, second: str = 
     sub = await mapper.bind()
     [second_msg] = await sub.fetch(1, timeout=5)  # the only message not held
     batch = asyncio.create_task(mapper.process_batch([second_msg]))
-    await asyncio.sleep(0.3)
-    waiting = not batch.done()
     if holder_answers:
-        assert waiting, "the inner call must wait for the earlier raw message, not be filed at once"
+        # The mapper read the consumer's ack floor twice: it saw the earlier message unsettled
+        # and looked again (a call filed at once would have finished without a second read).
+        for _ in range(1000):
+            if batch.done() or counter(mapper, "aep_bridge_mapper_ack_floor_reads_total") >= 2:
+                break
+            await asyncio.sleep(0.01)
+        assert not batch.done(), "the inner call must wait for the earlier raw message, not be filed at once"
+        assert counter(mapper, "aep_bridge_mapper_ack_floor_reads_total") >= 2, "the mapper never read the ack floor"
         # The slow replica finishes: it learns the session and its task (KV), then acks, as the mapper does.
         kv = await js.key_value(S.LANES_BUCKET)
         await kv.put("s." + lane_token(SESSION), b"1")

@@ -33,7 +33,7 @@ from bridge.core.lanes import lane_token
 from bridge.nats import streams as S
 from bridge.nats.bootstrap import bootstrap
 from bridge.services.mapper import Mapper
-from tests.services.test_mapper_lanes import SESSION, TASK, envelopes
+from tests.support.lanes import SESSION, TASK, envelopes
 from tests.support.services import publish_all, raw_records
 
 WINDOW_S = 2.0  # BRIDGE_MAPPED's duplicate window here (120 s in production): late = 1 s

@@ -22,24 +22,7 @@ from tests.corpus import envelopes
 from tests.natsfixture import JetStreamClient
 from tests.support.services import Service, publish_all, raw_records, wait_for
 from tests.support.shim import compiled_hook, run_hook, shim_env
-
-
-def count(client: JetStreamClient, stream: str) -> int:
-    return client.stream_info(stream).state.messages
-
-
-def quiet(client: JetStreamClient, stream: str, settle: float = 1.5, timeout: float = 60) -> int:
-    """Wait until the stream stops growing; return its message count."""
-    deadline = time.monotonic() + timeout
-    last, since = -1, time.monotonic()
-    while time.monotonic() < deadline:
-        n = count(client, stream)
-        if n != last:
-            last, since = n, time.monotonic()
-        elif time.monotonic() - since > settle and n > 0:
-            return n
-        time.sleep(0.2)
-    raise AssertionError(f"{stream} did not settle within {timeout}s")
+from tests.support.streams import count, quiet
 
 
 @lru_cache(maxsize=1)

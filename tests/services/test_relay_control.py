@@ -17,9 +17,12 @@ import aiohttp
 from bridge.commands.control import build_command
 from bridge.core import control as C
 from bridge.core.aep import encode_event
-from tests.services.test_gate import Plane, new_session, start_session
+from bridge.services.gate.config import COMMAND_DURABLE
+from tests.support.plane import Plane, new_session, start_session
 from tests.support.relay import CONSUMER, EMITTER as EMITTER_TOKEN, OPERATOR, RelayProcess, auth
+from tests.support.services import wait_for
 from tests.support.shim import envelope
+from tests.support.streams import consumer_idle
 
 HELLO = {"type": "hello", "versions": ["0.1"], "role": "consumer", "identity": {"agent": "op-console"}}
 
@@ -132,7 +135,9 @@ def test_a_retry_after_the_ack_gets_the_recorded_ack_and_enters_history_once(rel
     assert json.loads(first)["type"] == "control.accepted" and json.loads(first)["cause"] == cid
     assert again == first and answers == [first] * 3  # the recorded ack, byte-identical
     plane.wait(session, lambda e: "control.accepted" in [x["type"] for x in e], "control.accepted")
-    time.sleep(0.5)  # a second copy would be stored by now: it is published before any answer
+    # every copy the relay published is stored before its answer; the gate has taken and acked
+    # them all (it acks a command after publishing its decision): a second decision would be stored
+    wait_for(lambda: consumer_idle(plane.client, "AEP_EVENTS", COMMAND_DURABLE), 15, what="the gate's commands acked")
     evs = plane.events(session)
     assert [e["id"] for e in evs if e["type"] == C.RESPOND] == [cid]  # in history once
     assert [e["cause"] for e in evs if e["type"] in ("control.accepted", "control.rejected")] == [cid]  # one decision

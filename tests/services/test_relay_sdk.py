@@ -20,7 +20,7 @@ import aep_sdk  # the official SDK (test extra: agenteventprotocol-sdk)
 from aep_sdk import aio as sdk_aio
 
 from bridge.nats.streams import MAPPER_DURABLE
-from tests.services.test_gate import Plane, new_session, start_session
+from tests.support.plane import Plane, new_session, start_session
 from tests.support.relay import CONSUMER, OPERATOR
 from tests.support.services import wait_for
 from tests.support.shim import dumps, run_hook

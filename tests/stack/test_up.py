@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -252,3 +253,81 @@ def test_up_gate_runs_the_control_plane_and_stops_it_with_the_rest(tmp_path):
         assert http_get(f"http://127.0.0.1:{gate_port}/healthz")[0] == 0, "nothing answers on the gate's port"
         assert not (state / "up.json").exists()
         assert "gate restarted" in (tmp / "up.out").read_text()
+
+
+# A command in the banner: optional VAR=value assignments, then `aep-bridge ...`, up to a run of
+# spaces, a parenthesis or the end of the line (what a user selects and pastes).
+BANNER_COMMAND = re.compile(r"(?:(?<=\s)|^)(?:[A-Z][A-Z0-9_]*=\S+ )*aep-bridge\s[^()]*?(?=\s{2,}|\)|$)")
+
+
+def banner_commands(text: str) -> list[str]:
+    start = text.index("\n  NATS ")
+    block = text[start:text.index("  stop           Ctrl-C", start)]
+    return [m.group(0).strip() for line in block.splitlines() for m in BANNER_COMMAND.finditer(line)]
+
+
+def test_every_command_the_gate_banner_prints_works_when_pasted_into_a_clean_shell(tmp_path):
+    """Issue 25 item 6: each command line of `up --gate`'s banner, run as printed by a shell whose
+    environment knows nothing of this `up` (a fresh HOME: no up.json where `control`, `demo` and
+    `tail` would look, no AEP_BRIDGE_* variable). Before the fix the control line had no
+    credential (exit 2, Authorization Violation) and was not one command."""
+    with running_up(tmp_path, "--gate", "--gate-port", str(free_port()), workers=4) as (proc, env, info, tmp):
+        wait_for(lambda: "Ctrl-C" in (tmp / "up.out").read_text(), 30, what="the banner")
+        commands = banner_commands((tmp / "up.out").read_text())
+        assert any(" control " in c for c in commands) and any(c.endswith("aep-bridge demo") for c in commands), commands
+        home = tmp / "home"
+        home.mkdir()
+        clean = {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "HOME": str(home)}
+        if os.environ.get("PYTHONPATH"):  # the code under test (not the user's environment)
+            clean["PYTHONPATH"] = os.environ["PYTHONPATH"]
+
+        def shell(command: str, **kw) -> subprocess.Popen[str]:  # type: ignore[no-untyped-def]
+            return subprocess.Popen(["bash", "-c", command], env=clean, cwd=home, text=True,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kw)
+
+        # `tail` follows the stream until Ctrl-C: it works when it shows the demo's events and
+        # Ctrl-C ends it with 0.
+        def following() -> int:
+            """Consumers on AEP_EVENTS that deliver new events only: tail's (the relay starts at a sequence)."""
+            import asyncio
+
+            import nats
+            from nats.js.api import DeliverPolicy
+
+            async def count() -> int:
+                nc = await nats.connect(info["nats_url"], user=info["shim_env"]["AEP_BRIDGE_NATS_USER"],
+                                        password=info["shim_env"]["AEP_BRIDGE_NATS_PASSWORD"])
+                try:
+                    found = await nc.jetstream().consumers_info("AEP_EVENTS")
+                    return sum(1 for c in found if c.config.deliver_policy == DeliverPolicy.NEW)
+                finally:
+                    await nc.close()
+
+            return asyncio.run(count())
+
+        followers = {c: shell(c, start_new_session=True) for c in commands if " aep-bridge tail" in f" {c}"}
+        failed = {}
+        try:
+            # each follower has its consumer on AEP_EVENTS (it follows new events only) before the
+            # demo runs, or has exited (and fails below)
+            wait_for(lambda: following() >= len(followers) or any(p.poll() is not None for p in followers.values()),
+                     60, interval=0.2, what="the tails to subscribe")
+            for c in commands:
+                if c in followers:
+                    continue
+                p = shell(c)
+                out, err = p.communicate(timeout=300)
+                if p.returncode != 0:
+                    failed[c] = (p.returncode, (out + err)[-600:])
+            outputs: dict[str, str] = {}
+            for c, p in followers.items():
+                os.killpg(p.pid, signal.SIGINT)
+                out, err = p.communicate(timeout=30)
+                outputs[c] = out
+                if p.returncode != 0 or not out.strip():
+                    failed[c] = (p.returncode, (out + err)[-600:])
+        finally:
+            for p in followers.values():
+                if p.poll() is None:
+                    p.kill()
+        assert not failed, "\n".join(f"{c}\n  -> exit {rc}: {text}" for c, (rc, text) in failed.items())

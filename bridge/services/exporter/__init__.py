@@ -96,10 +96,11 @@ class SinkWorker:
     # ------------------------------------------------------------ setup
 
     async def bind(self) -> None:
-        self.sub = await self.service.js.pull_subscribe(
-            S.EVENTS_SUBJECTS, durable=self.cfg.durable, stream=S.AEP_EVENTS,
-            config=S.exporter_consumer_config(self.cfg.durable, f"aep-bridge exporter sink {self.cfg.name}"),
-        )
+        # Create the durable, or update one an earlier release made for aep.hermes.> alone
+        # (it then takes aep.ingest.> from its position on), then bind to it.
+        await self.service.js.add_consumer(
+            S.AEP_EVENTS, S.exporter_consumer_config(self.cfg.durable, f"aep-bridge exporter sink {self.cfg.name}"))
+        self.sub = await self.service.js.pull_subscribe_bind(durable=self.cfg.durable, stream=S.AEP_EVENTS)
         self.bound = True
 
     # ------------------------------------------------------------ one batch
