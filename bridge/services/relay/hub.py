@@ -204,14 +204,16 @@ def parse_from(value: Any) -> str | list[tuple[str, int, int]]:
 
 
 def parse_last_event_id(value: str) -> tuple[str, int, int] | None:
+    """``{session}:{epoch}:{seq}`` with epoch and seq >= 0 (as a `from` position), else None."""
     session, sep, rest = value.rpartition(":")
     session, sep2, epoch = session.rpartition(":")
     if not sep or not sep2 or not session:
         return None
     try:
-        return session, int(epoch), int(rest)
+        e, q = int(epoch), int(rest)
     except ValueError:
         return None
+    return (session, e, q) if e >= 0 and q >= 0 else None
 
 
 class Hub:

@@ -23,7 +23,7 @@ from bridge.services.relay.endpoints import HttpEndpoints
 from bridge.services.relay.hub import Hub, Subscription
 from bridge.services.relay.presence import Presence
 from bridge.services.relay.routing import Router
-from bridge.services.relay.shared import Metrics, bearer
+from bridge.services.relay.shared import MAX_REQUEST_LINE, Metrics, bearer
 from bridge.services.relay.websocket import WebSocketSessions
 
 log = structlog.get_logger("relay")
@@ -98,7 +98,13 @@ class Relay(HttpEndpoints, WebSocketSessions):
         if self.js is not None:
             await self.hub.start()
         self._expirer = asyncio.ensure_future(self.router.expire())
-        runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
+        # handler_cancellation: a client that closes its connection ends its handler at once
+        # (an SSE stream that waits for events would notice only at its next write or
+        # heartbeat, and stay in the fan-out and the gauges until then). max_line_size: a
+        # `from` of MAX_FROM_POSITIONS positions fits an SSE request line (aiohttp's 8,190
+        # bytes would answer a plain-text 400 before the relay can say limit-exceeded).
+        runner = web.AppRunner(self.app, access_log=None, handle_signals=False, handler_cancellation=True,
+                               max_line_size=MAX_REQUEST_LINE)
         await runner.setup()
         ctx = None
         if self.cfg.tls_cert:

@@ -9,6 +9,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 VERSIONS = ["0.1"]
 MAX_FROM_POSITIONS = 256
+# an HTTP request line's limit: a `from` of 256 positions of sessions up to 1,024 characters,
+# URL-encoded (~300 KB), with room to spare; past it aiohttp answers a plain-text 400
+MAX_REQUEST_LINE = 1 << 19
 encode = msgspec.json.Encoder().encode
 decode = msgspec.json.Decoder().decode
 
