@@ -1,6 +1,10 @@
 """Routing of control commands (AEP-0004) to their one live claimant (the gate for a Hermes
 session, a WebSocket emitter for its own sessions), and of the claimant's ack back to the
-command's sender(s), once; a retry after the decision gets the recorded ack."""
+command's sender(s), once; a retry after the decision gets the recorded ack.
+
+The rules come first, as pure functions (no I/O: ``tests/services/test_relay_routing.py``
+checks them alone); ``Router`` applies them with the hub, presence, claims and NATS.
+"""
 
 from __future__ import annotations
 
@@ -45,6 +49,83 @@ class Pending:
     target: Claimant | None = None  # the WebSocket emitter it went to; None: the gate
 
 
+Refusal = tuple[str, str]  # (AEP-0004 error code, detail)
+DEFAULT_ACK_WINDOW_MS = 10_000
+MAX_ACK_WINDOW_MS = 600_000
+ACK_GRACE_S = 5.0  # a pending command is forgotten this long after its ack window
+
+
+def shape_refusal(frame: dict[str, Any]) -> Refusal | None:
+    """What a command must carry before it can be routed: a string id and source, a session."""
+    cid, session = frame.get("id"), frame.get("session")
+    if not isinstance(cid, str) or not cid or not isinstance(frame.get("source"), str):
+        return ("unsupported", "a command is an AEP event with a string id and source")
+    if not isinstance(session, str) or not session:
+        return ("no-route", "a command names its session")
+    return None
+
+
+def claimant_refusal(emitters: int, hermes_live: bool) -> Refusal | None:
+    """Exactly one live claimant, or a refusal: none is no-route, several are ambiguous
+    (a live Hermes session counts even when no gate answers)."""
+    claimants = emitters + hermes_live
+    if claimants == 0:
+        return ("no-route", "no live claimant of this session is connected to this relay")
+    if claimants > 1:
+        return ("ambiguous", f"{claimants} live claimants of this session")
+    return None
+
+
+def emitter_refusal(ctype: str, target: Claimant) -> Refusal | None:
+    """A WebSocket emitter takes the types its hello's ``control.accepts`` declares."""
+    if not target.accepts(ctype):
+        return ("unsupported", f"the claimant accepts {(target.control or {}).get('accepts', [])}")
+    return None
+
+
+def gate_refusal(ctype: str, hello: dict[str, Any] | None) -> Refusal | None:
+    """The gate takes the types it declares in its hello, of those the relay routes to it;
+    no hello (no gate answers) is no-route."""
+    if hello is None:
+        return ("no-route", "no gate answers: the Hermes session takes no command now")
+    accepts = gate_control(hello).get("accepts") or []
+    if ctype not in accepts or ctype not in CONTROL_TYPES:
+        return ("unsupported", f"the gate accepts {accepts}")
+    return None
+
+
+def gate_control(hello: dict[str, Any]) -> dict[str, Any]:
+    return (hello.get("capabilities") or {}).get("control") or {}
+
+
+def ack_window_ms(declared: Any) -> int:
+    """The claimant's declared ``ack_window_ms`` when sane (1 ms .. 10 min), else 10 s."""
+    if isinstance(declared, int) and not isinstance(declared, bool) and 0 < declared <= MAX_ACK_WINDOW_MS:
+        return declared
+    return DEFAULT_ACK_WINDOW_MS
+
+
+def late_retry(sent_time: Any, now: float, duplicate_window_s: float) -> bool:
+    """A command sent (its ``time``) more than half the store's duplicate window before
+    ``now``: a retry may reuse its bytes past the window (a first-time command is seconds
+    old, so it costs no history read; half the window leaves room for the sender's clock).
+    A time the platform cannot place: look anyway."""
+    try:
+        sent = datetime.datetime.fromisoformat(str(sent_time)).timestamp()
+    except (ValueError, OverflowError, OSError):
+        return True
+    return now - sent > duplicate_window_s / 2
+
+
+def settles(key: tuple[str, str], entry: "Pending", event: dict[str, Any], target: Claimant | None) -> bool:
+    """Whether the ack ``event`` from ``target`` (None: the gate) settles the command ``key``
+    (source, id) routed as ``entry``: same session and the target it went to; the gate's ack
+    also names its command's (source, id) (another source may use the same id)."""
+    if entry.session != event.get("session") or entry.target is not target:
+        return False
+    return target is not None or is_ack_of(event.get("id"), *key)
+
+
 class Router:
     """The commands this relay routed and waits an ack for, and the gate's recent acks."""
 
@@ -82,10 +163,9 @@ class Router:
             return await refuse("unauthorized", "control needs an operator token")
         ctype = frame["type"]
         session = frame.get("session")
-        if not isinstance(cid, str) or not cid or not isinstance(frame.get("source"), str):
-            return await refuse("unsupported", "a command is an AEP event with a string id and source")
-        if not isinstance(session, str) or not session:
-            return await refuse("no-route", "a command names its session")
+        refusal = shape_refusal(frame)
+        if refusal:
+            return await refuse(*refusal)
         problem = ingest.command_problem(raw)
         if problem:
             return await refuse("unsupported", f"not an AEP command: {problem}")
@@ -99,24 +179,13 @@ class Router:
             return await refuse("no-route", "the relay could not read the control bucket")
         hello = await self.presence.gate_hello() if hermes is not None else None
         emitters = self.claims.of(session)  # after the awaits: a claim made meanwhile counts
-        claimants = len(emitters) + (hermes is not None)
-        if claimants == 0:
-            return await refuse("no-route", "no live claimant of this session is connected to this relay")
-        if claimants > 1:
-            return await refuse("ambiguous", f"{claimants} live claimants of this session")
         target: Claimant | None = emitters[0] if emitters else None
-        if target is not None:
-            if not target.accepts(ctype):
-                return await refuse("unsupported", f"the claimant accepts {(target.control or {}).get('accepts', [])}")
-            window = (target.control or {}).get("ack_window_ms")
-        else:
-            if hello is None:
-                return await refuse("no-route", "no gate answers: the Hermes session takes no command now")
-            control = (hello.get("capabilities") or {}).get("control") or {}
-            accepts = control.get("accepts") or []
-            if ctype not in accepts or ctype not in CONTROL_TYPES:
-                return await refuse("unsupported", f"the gate accepts {accepts}")
-            window = control.get("ack_window_ms")
+        refusal = claimant_refusal(len(emitters), hermes is not None) or (
+            emitter_refusal(ctype, target) if target is not None else gate_refusal(ctype, hello))
+        if refusal:
+            return await refuse(*refusal)
+        window = ack_window_ms(((target.control if target is not None else gate_control(hello or {})) or {})
+                               .get("ack_window_ms"))
         key = (frame["source"], cid)
         waiting = self.pending.get(key)
         if waiting is not None:  # a retry while the decision is pending: the one ack answers it
@@ -128,9 +197,8 @@ class Router:
                 and e.target is target for other in self.pending_by_cid.get(cid, ())):
             return await refuse("ambiguous", "another source's command with this id is pending for this claimant: "
                                              "retry after its ack")
-        window = window if isinstance(window, int) and 0 < window <= 600_000 else 10_000
         entry = Pending(session, [(send, who.max_capture, subs)],
-                        asyncio.get_running_loop().time() + window / 1000 + 5, target)
+                        asyncio.get_running_loop().time() + window / 1000 + ACK_GRACE_S, target)
         self.pending[key] = entry
         self.pending_by_cid.setdefault(cid, []).append(key)
         if target is not None:  # off the sender's read loop: a target that stops reading stalls no one
@@ -148,7 +216,7 @@ class Router:
             return
         if getattr(stored, "duplicate", False):  # the store holds the first copy: the gate never sees this one
             self._background(self._recorded_ack(key, session, begin=stored.seq + 1))
-        elif self._maybe_late_retry(frame):  # a new copy, but the decision may be older
+        elif late_retry(frame.get("time"), time.time(), self.hub.duplicate_window_s):  # a new copy, but the decision may be older
             self._background(self._recorded_ack(key, session, last=stored.seq - 1, recent=True))
 
     def _background(self, coro: Any) -> None:
@@ -156,16 +224,6 @@ class Router:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-
-    def _maybe_late_retry(self, frame: dict[str, Any]) -> bool:
-        """A command sent (its ``time``) more than half AEP_EVENTS' duplicate window ago: a
-        retry may reuse its bytes past the window (a first-time command is seconds old, so it
-        costs no history read; half the window leaves room for the sender's clock)."""
-        try:
-            sent = datetime.datetime.fromisoformat(str(frame.get("time"))).timestamp()
-        except (ValueError, OverflowError, OSError):  # not a time the platform can place: look anyway
-            return True
-        return time.time() - sent > self.hub.duplicate_window_s / 2
 
     def _answered(self, key: tuple[str, str], session: str) -> Item | None:
         hit = self.answered.get(key)
@@ -254,7 +312,7 @@ class Router:
             self.settle(item.event, item, None)
 
     def settle(self, event: dict[str, Any], payload: Item | bytes, target: Claimant | None,
-                again: bool = False) -> None:
+               again: bool = False) -> None:
         """The ack ``event`` from ``target`` (None: the gate) settles the commands routed to
         that target under its cause and session; the gate's, only the one command its id
         names (another source may use the same id). ``again``: a recorded ack read back for a
@@ -262,9 +320,7 @@ class Router:
         cause = event.get("cause")
         for key in list(self.pending_by_cid.get(cause, ()) if isinstance(cause, str) else ()):
             entry = self.pending.get(key)
-            if entry is None or entry.session != event.get("session") or entry.target is not target:
-                continue
-            if target is None and not is_ack_of(event.get("id"), *key):
+            if entry is None or not settles(key, entry, event, target):
                 continue
             self._forget(key)
             if target is None and isinstance(payload, Item):
