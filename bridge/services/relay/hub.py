@@ -42,7 +42,7 @@ _decode = msgspec.json.Decoder().decode
 _encode = msgspec.json.Encoder().encode
 LOW_SEVERITY = frozenset(("debug", "info"))
 STREAM_FILTER = "aep.>"
-NEWEST_MAX = 65_536  # sessions whose newest live position the hub remembers (replay-exhausted; ~15 MiB)
+NEWEST_MAX = 65_536  # sessions whose newest live position the hub remembers (replay-exhausted; ~16 MiB + names)
 
 
 class Item:

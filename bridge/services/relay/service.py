@@ -23,7 +23,7 @@ from bridge.services.relay.endpoints import HttpEndpoints
 from bridge.services.relay.hub import Hub, Subscription
 from bridge.services.relay.presence import Presence
 from bridge.services.relay.routing import Router
-from bridge.services.relay.shared import MAX_REQUEST_LINE, Metrics, bearer
+from bridge.services.relay.shared import MAX_REQUEST_LINE, Metrics, bearer, to_the_end
 from bridge.services.relay.websocket import WebSocketSessions
 
 log = structlog.get_logger("relay")
@@ -51,10 +51,10 @@ class Relay(HttpEndpoints, WebSocketSessions):
         self.app.router.add_get("/readyz", self.readyz)
         self.app.router.add_get("/metrics", self.metrics_page)
         self.app.router.add_get("/events", self.discovery)
-        self.app.router.add_post("/events", self.ingest)
+        self.app.router.add_post("/events", to_the_end(self.ingest))
         self.app.router.add_get("/.well-known/aep", self.discovery)
         self.app.router.add_get("/stream", self.stream)
-        self.app.router.add_get("/socket", self.socket)
+        self.app.router.add_get("/socket", to_the_end(self.socket))
         self.app.on_shutdown.append(self._on_shutdown)
 
     # ------------------------------------------------------------ what both bindings use
@@ -100,7 +100,8 @@ class Relay(HttpEndpoints, WebSocketSessions):
         self._expirer = asyncio.ensure_future(self.router.expire())
         # handler_cancellation: a client that closes its connection ends its handler at once
         # (an SSE stream that waits for events would notice only at its next write or
-        # heartbeat, and stay in the fan-out and the gauges until then). max_line_size: a
+        # heartbeat, and stay in the fan-out and the gauges until then); POST /events and
+        # the WebSocket run to their end all the same (`to_the_end`). max_line_size: a
         # `from` of MAX_FROM_POSITIONS positions fits an SSE request line (aiohttp's 8,190
         # bytes would answer a plain-text 400 before the relay can say limit-exceeded).
         runner = web.AppRunner(self.app, access_log=None, handle_signals=False, handler_cancellation=True,

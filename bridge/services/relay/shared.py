@@ -3,6 +3,10 @@ the AEP versions served, the resume limit, the metrics, and the bearer token of 
 
 from __future__ import annotations
 
+import asyncio
+import functools
+from typing import Any, Awaitable, Callable
+
 import msgspec
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -33,6 +37,24 @@ class Metrics:
         self.claims = Gauge("aep_bridge_relay_claims", "live claims of this replica's WebSocket emitters (sessions x connections)",
                             registry=r)
         self.resumes = Counter("aep_bridge_relay_resumes_total", "subscriptions that resumed (from, Last-Event-ID)", ["kind"], registry=r)
+
+
+def to_the_end(handler: Callable[[web.Request], Awaitable[Any]]) -> Callable[[web.Request], Awaitable[Any]]:
+    """``handler``, run to its end when its client leaves: what the client sent before it
+    went (a POST's batch, a WebSocket's last frames) is still stored. The server cancels a
+    handler whose client left (``Relay.start``), for SSE's sake; this one's work goes on in
+    its own task, and the cancellation is raised once it is done."""
+
+    @functools.wraps(handler)
+    async def run(request: web.Request) -> Any:
+        task = asyncio.ensure_future(handler(request))
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            await asyncio.wait([task])
+            raise
+
+    return run
 
 
 def bearer(request: web.Request) -> str | None:
