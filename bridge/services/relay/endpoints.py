@@ -136,7 +136,7 @@ class HttpEndpoints:
             elif request.headers.get("Last-Event-ID"):
                 pos = parse_last_event_id(request.headers["Last-Event-ID"])
                 if pos is None:
-                    raise RefusedFrom("Last-Event-ID is {session}:{epoch}:{seq}")
+                    raise RefusedFrom("Last-Event-ID is {session}:{epoch}:{seq}, integer epoch and seq >= 0")
                 start = [pos]
         except (InvalidFilter, RefusedFrom, ValueError) as exc:
             return self.refuse(400, "invalid-filter", str(exc))
