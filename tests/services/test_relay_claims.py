@@ -19,7 +19,7 @@ from bridge.core.control import SessionInfo
 from bridge.core.lanes import lane_token
 from bridge.nats.streams import CONTROL_BUCKET
 from bridge.services.relay.claims import MAX_CLAIM_SESSION_CHARS, MAX_DECLARATIONS_BYTES, Claimant, Claims
-from bridge.services.relay.service import FORWARD_TIMEOUT_S
+from bridge.services.relay.routing import FORWARD_TIMEOUT_S
 from tests.support.relay import ALL, CONSUMER, EMITTER, OPERATOR, auth, encode, event, read_sse
 
 CONTROL = {"accepts": ["control.attention.respond"], "ack_window_ms": 10_000}

@@ -141,3 +141,39 @@ def test_a_relay_without_tokens_is_a_loopback_development_relay(nats_server, jet
     out = subprocess.run([str(Path(sys.executable).with_name("aep-bridge")), "relay"], capture_output=True, text=True,
                          env={**os.environ, "AEP_BRIDGE_NATS_URL": nats_server.url, **env}, timeout=30)
     assert out.returncode == 2 and "off loopback" in out.stderr  # never open to the network without a token
+
+
+async def stored(relay, session: str, want: int, wait: float = 15.0) -> int:
+    """How many events of ``session`` the relay replays, polled until ``want`` (or ``wait`` s)."""
+    got = 0
+    for _ in range(int(wait / 0.25)):
+        async with aiohttp.ClientSession() as s:
+            out = await read_sse(s, relay.url + "/stream", headers=auth(CONSUMER),
+                                 params={"from": "all", "live": "0", "filter": json.dumps({"session": session})})
+        got = len(out["events"])
+        if got >= want:
+            break
+        await asyncio.sleep(0.25)
+    return got
+
+
+def test_what_a_websocket_emitter_sent_before_it_left_is_stored(relay):
+    """An emitter that sends its events and goes (its connection closed right after its last
+    frame, no close handshake): the relay stores every frame it received. The relay ends a
+    handler when its client leaves (so an SSE stream leaves the fan-out at once), but not the
+    WebSocket's (nor POST /events': a batch read is stored to its end; a POST whose client
+    leaves before its body is read is lost, and unanswered, as before)."""
+    sent, n = sid(), 200
+
+    async def go():
+        s = aiohttp.ClientSession()
+        ws = await s.ws_connect(relay.ws_url, headers=auth(EMITTER))
+        await ws.send_json({"type": "hello", "versions": ["0.1"], "role": "emitter", "identity": {"agent": "leaver"},
+                            "capabilities": {}})
+        await ws.receive_json(timeout=5)
+        for i in range(1, n + 1):
+            await ws.send_str(encode(event(sent, i)).decode())
+        await s.close()  # the connection closed under the socket, no close frame
+        return await stored(relay, sent, n)
+
+    assert asyncio.run(go()) == n

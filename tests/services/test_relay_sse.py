@@ -214,3 +214,79 @@ def test_replay_exhausted_under_real_eviction(nats_server, jetstream, tmp_path):
         assert [e["data"] for e in got["events"]] == raw[7:]  # from the earliest held position
     finally:
         relay.stop()
+
+
+@pytest.mark.parametrize("header", ["s1:0:-5", "s1:-1:3"])
+def test_a_negative_last_event_id_is_refused_as_a_negative_from_is(relay, header):
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            lei = await read_sse(s, relay.url + "/stream", headers={**auth(CONSUMER), "Last-Event-ID": header},
+                                 params={"live": "0"})
+            session, epoch, seq = header.rsplit(":", 2)
+            frm = await read_sse(s, relay.url + "/stream", headers=auth(CONSUMER), params={
+                "live": "0", "from": json.dumps([{"session": session, "epoch": int(epoch), "seq": int(seq)}])})
+            return lei, frm
+
+    lei, frm = run(go())
+    assert frm["status"] == 400 and json.loads(frm["body"])["error"] == "invalid-filter"
+    assert lei["status"] == 400 and json.loads(lei["body"])["error"] == "invalid-filter"
+
+
+def test_from_with_the_most_positions_fits_an_sse_request_and_one_more_is_limit_exceeded(relay, nats_server):
+    a = sid()
+    raw = run(publish(nats_server.url, [event(a, 1)]))
+    positions = [{"session": a, "epoch": 0, "seq": 0}] + [{"session": sid(), "epoch": 0, "seq": i} for i in range(255)]
+
+    async def go(ps):
+        async with aiohttp.ClientSession() as s:
+            return await read_sse(s, relay.url + "/stream", headers=auth(CONSUMER),
+                                  params={"live": "0", "from": json.dumps(ps)})
+
+    most = run(go(positions))  # ~20 KB of request line, past aiohttp's default 8,190 bytes
+    assert most["status"] == 200 and [e["data"] for e in most["events"]] == raw
+    over = run(go(positions + [{"session": sid(), "epoch": 0, "seq": 0}]))
+    assert over["status"] == 400 and json.loads(over["body"])["error"] == "limit-exceeded"
+
+
+async def gauge(s: aiohttp.ClientSession, relay: RelayProcess, line: str) -> float | None:
+    async with s.get(relay.url + "/metrics") as r:
+        for row in (await r.text()).splitlines():
+            if row.startswith(line + " "):
+                return float(row.split()[-1])
+    return None
+
+
+async def until(s: aiohttp.ClientSession, relay: RelayProcess, line: str, value: float, wait: float = 30.0) -> float | None:
+    """Poll the gauge ``line`` until it shows ``value`` (or ``wait`` seconds passed); what it showed last."""
+    seen = None
+    for _ in range(int(wait / 0.2)):
+        seen = await gauge(s, relay, line)
+        if seen == value:
+            break
+        await asyncio.sleep(0.2)
+    return seen
+
+
+def test_a_closed_sse_client_is_dropped_at_once_not_at_the_next_heartbeat(nats_server, jetstream, tmp_path):
+    """With a 30 s heartbeat (the most), clients that leave are off the gauges (and out of the fan-out:
+    their subscriptions gone) well before it: the relay notices the closed connection."""
+    relay = RelayProcess(nats_server.url, tmp_path, env={"AEP_BRIDGE_RELAY_HEARTBEAT_S": "30"}).start()
+    conns, subs = 'aep_bridge_relay_connections{binding="sse"}', "aep_bridge_relay_subscriptions"
+    try:
+        async def go():
+            async with aiohttp.ClientSession() as s:
+                clients = [aiohttp.ClientSession() for _ in range(5)]
+                streams = [await c.get(relay.url + "/stream", headers=auth(CONSUMER),
+                                       params={"filter": json.dumps({"session": sid()})}) for c in clients]
+                opened = await until(s, relay, conns, 5.0)
+                for r, c in zip(streams, clients):
+                    r.close()
+                    await c.close()
+                # a wait on the gauge, well short of the heartbeat: without notice it shows 5 for 30 s
+                return opened, await until(s, relay, conns, 0.0, wait=15.0), await until(s, relay, subs, 0.0, wait=15.0)
+
+        opened, after, after_subs = run(go())
+        assert opened == 5.0
+        assert after == 0.0 and after_subs == 0.0
+    finally:
+        relay.stop()

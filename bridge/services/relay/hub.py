@@ -42,6 +42,7 @@ _decode = msgspec.json.Decoder().decode
 _encode = msgspec.json.Encoder().encode
 LOW_SEVERITY = frozenset(("debug", "info"))
 STREAM_FILTER = "aep.>"
+NEWEST_MAX = 65_536  # sessions whose newest live position the hub remembers (replay-exhausted; ~16 MiB + names)
 
 
 class Item:
@@ -203,14 +204,16 @@ def parse_from(value: Any) -> str | list[tuple[str, int, int]]:
 
 
 def parse_last_event_id(value: str) -> tuple[str, int, int] | None:
+    """``{session}:{epoch}:{seq}`` with epoch and seq >= 0 (as a `from` position), else None."""
     session, sep, rest = value.rpartition(":")
     session, sep2, epoch = session.rpartition(":")
     if not sep or not sep2 or not session:
         return None
     try:
-        return session, int(epoch), int(rest)
+        e, q = int(epoch), int(rest)
     except ValueError:
         return None
+    return (session, e, q) if e >= 0 and q >= 0 else None
 
 
 class Hub:
@@ -224,6 +227,10 @@ class Hub:
         self.position = 0  # stream sequence of the last live event seen
         self.duplicate_window_s = 120.0  # AEP_EVENTS' duplicate window, read at start and by window()
         self.listeners: list[Callable[[Item], None]] = []
+        # session -> (stream sequence, highest position) of its newest event seen live, the
+        # least recently active forgotten first: a resume whose session has nothing left in
+        # the window learns from it that events after its position were there (replay())
+        self.newest: collections.OrderedDict[str, tuple[int, tuple[int, int]]] = collections.OrderedDict()
         self._sub: Any = None
         self._dirty: list[Subscription] = []
         self._flushing = False
@@ -248,6 +255,8 @@ class Hub:
         if item is None:
             return
         self.position = item.seq
+        if item.position is not None:
+            self._note(item)
         for listener in self.listeners:
             listener(item)
         # one verdict per distinct filter, not per subscription: equal filters are one
@@ -260,6 +269,15 @@ class Hub:
             if matched is None:
                 matched = verdicts[key] = sub.filter.matches(event)
             sub.offer(item, matched)
+
+    def _note(self, item: Item) -> None:
+        newest, session = self.newest, item.session or ""
+        seen = newest.get(session)
+        pos = item.position if seen is None or item.position > seen[1] else seen[1]  # type: ignore[operator]
+        newest[session] = (item.seq, pos)  # type: ignore[assignment]
+        newest.move_to_end(session)
+        if len(newest) > NEWEST_MAX:
+            newest.popitem(last=False)
 
     def add(self, sub: Subscription) -> None:
         sub.ready = self._ready
@@ -310,7 +328,10 @@ class Hub:
         last = 0
         try:
             if start:
-                begin, last, _first = await self.window()
+                # what the hub saw of each session before the window is read: all of it at
+                # most the window's last sequence (events after go to ``pending``)
+                seen = {p[0]: self.newest.get(p[0]) for p in start} if isinstance(start, list) else {}
+                begin, last, first = await self.window()
                 if covered_all:
                     await self._read(STREAM_FILTER, begin, last, lambda it: sub._put(it))
                 else:
@@ -337,12 +358,37 @@ class Hub:
                         except ValueError:
                             subject = STREAM_FILTER
                         await self._read(subject, begin, last, take)
+                        if state["first"]:  # nothing of it held: did it have events after the position?
+                            newest = await self._newest_before(session, subject, begin, first, seen.get(session))
+                            if newest is not None and newest > (epoch, seq):
+                                on_exhausted(Exhausted(session, newest[0], newest[1] + 1))
         finally:
             sub.replaying = False
             for it in sub.pending:
                 if it.seq > last or (not covered_all and it.session not in covered):
                     sub._put(it)
             sub.pending.clear()
+
+    async def _newest_before(self, session: str, subject: str, begin: int, first: int,
+                             seen: tuple[int, tuple[int, int]] | None) -> tuple[int, int] | None:
+        """The highest position of ``session``'s events stored before the window start
+        ``begin``: from what the hub saw live (``seen``, its ``newest`` entry when the replay
+        began: covers what the stream itself evicted since this relay started) and from the
+        stream's last event per subject of the session (covers what this relay never saw
+        live: it started later, or forgot)."""
+        best = None
+        if seen is not None and seen[0] < begin:
+            best = seen[1]
+        if begin > first and subject != STREAM_FILTER:
+            found: list[tuple[int, int]] = []
+
+            def take(it: Item) -> None:
+                if it.session == session and it.position is not None and it.seq < begin:
+                    found.append(it.position)
+
+            await self._read(subject, first, begin - 1, take, last_per_subject=True)
+            best = max(found + ([best] if best is not None else []), default=None)
+        return best
 
     async def first(self, subject: str, match: Callable[[Item], bool], begin: int = 1,
                     since_ns: int | None = None, last: int | None = None) -> Item | None:
@@ -363,16 +409,19 @@ class Hub:
         return found[0] if found else None
 
     async def _read(self, subject: str, begin: int, last: int, take: Callable[[Item], bool | None],
-                    since_ns: int | None = None) -> None:
+                    since_ns: int | None = None, last_per_subject: bool = False) -> None:
         """``take`` each stored event on ``subject`` from ``begin`` (or stored since
-        ``since_ns``) to ``last``, until it answers True. The ephemeral consumer is deleted
-        after (unsubscribing leaves it on the server until its inactivity threshold)."""
+        ``since_ns``; or only the last one of each subject, ``last_per_subject``) to
+        ``last``, until it answers True. The ephemeral consumer is deleted after
+        (unsubscribing leaves it on the server until its inactivity threshold)."""
         if last < begin:
             return
         start: dict[str, Any] = {"deliver_policy": DeliverPolicy.BY_START_SEQUENCE, "opt_start_seq": begin}
         if since_ns is not None:
             start = {"deliver_policy": DeliverPolicy.BY_START_TIME,
                      "opt_start_time": datetime.datetime.fromtimestamp(since_ns / 1e9, tz=datetime.timezone.utc)}
+        if last_per_subject:
+            start = {"deliver_policy": DeliverPolicy.LAST_PER_SUBJECT}
         cfg = ConsumerConfig(ack_policy=AckPolicy.NONE, inactive_threshold=30.0, max_ack_pending=-1, **start)
         psub = await self.js.pull_subscribe(subject, durable=None, stream=S.AEP_EVENTS, config=cfg)
         name = ""

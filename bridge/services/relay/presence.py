@@ -1,0 +1,145 @@
+"""Presence: what the relay knows of the Hermes side. The gate's hello (its capabilities
+document, cached: ``HELLO_*``) and the live Hermes sessions (the gate's ``live.*`` records
+in the control bucket, read through a watch)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+import msgspec
+from nats.errors import NoRespondersError
+from nats.js.errors import BucketNotFoundError
+
+from bridge.core.control import HELLO_SUBJECT, SessionInfo
+from bridge.core.lanes import lane_from_token, lane_token
+from bridge.nats.streams import CONTROL_BUCKET
+
+# The gate's hello (`Presence.gate_hello`): an answer is kept HELLO_FRESH_S; "no gate" only
+# HELLO_NONE_S, so a restarted gate is routed to again within a second. A gate that is
+# subscribed but slow to answer (busy, paused) keeps its last answer HELLO_GRACE_S after it
+# was given: a Hermes session's commands are durable on AEP_EVENTS, the gate takes them when
+# it runs again. No responders means no gate, at once.
+HELLO_FRESH_S = 5.0
+HELLO_NONE_S = 1.0
+HELLO_GRACE_S = 30.0
+HELLO_TIMEOUT_S = 1.0
+
+LIVE_CACHE_S = 1.0  # the live Hermes sessions are read at most this often for rosters
+CONTROL_TYPES = ("control.attention.respond", "x.hermes.control.instruct")
+_decode = msgspec.json.Decoder().decode
+
+
+class StoreUnavailable(Exception):
+    """The control bucket could not be read (NATS trouble): nothing is known, nothing routed."""
+
+
+class Presence:
+    """The gate's hello and the live Hermes sessions, as one relay process sees them."""
+
+    def __init__(self, js: Any = None, nc: Any = None) -> None:
+        self.js = js
+        self.nc = nc
+        self._hello: tuple[float, dict[str, Any] | None] | None = None  # (asked at, what it means now)
+        self._hello_answer: tuple[float, dict[str, Any]] | None = None  # (answered at, the gate's last answer)
+        self._live_cache: tuple[float, asyncio.Future] | None = None
+
+    async def accepts(self) -> list[str]:
+        """What this relay routes: the gate's declared accepts (none without a gate)."""
+        hello = await self.gate_hello()
+        control = ((hello or {}).get("capabilities") or {}).get("control") or {}
+        return [t for t in control.get("accepts") or [] if t in CONTROL_TYPES]
+
+    async def _kv_scan(self, keys: str) -> list[tuple[str, bytes]]:
+        """(key, value) of the control bucket's live keys matching ``keys``, read through a
+        watch (the one bucket read the relay's NATS role has). No bucket: nothing (no gate
+        ever ran); any other failure: StoreUnavailable."""
+        try:
+            kv = await self.js.key_value(CONTROL_BUCKET.bucket)
+        except BucketNotFoundError:
+            return []
+        except Exception as exc:  # noqa: BLE001
+            raise StoreUnavailable(type(exc).__name__) from exc
+        out = []
+        watcher = None
+        try:
+            watcher = await kv.watch(keys, ignore_deletes=True)
+            async for entry in watcher:
+                if entry is None:
+                    break
+                if entry.value:
+                    out.append((entry.key, entry.value))
+        except Exception as exc:  # noqa: BLE001 - NATS trouble mid-scan: unknown, not empty
+            raise StoreUnavailable(type(exc).__name__) from exc
+        finally:
+            if watcher is not None:
+                with contextlib.suppress(Exception):
+                    await watcher.stop()
+        return out
+
+    @staticmethod
+    def _live(token: str, value: bytes) -> tuple[str, SessionInfo] | None:
+        try:
+            info = msgspec.json.decode(value, type=SessionInfo)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return None
+        if info.ended:
+            return None
+        session = info.session
+        if not session:
+            try:
+                session = lane_from_token(token)
+            except ValueError:  # a hashed token from a record older than SessionInfo.session
+                return None
+        return (session, info) if lane_token(session) == token else None
+
+    async def hermes_sessions(self) -> list[tuple[str, SessionInfo]]:
+        """The live Hermes sessions (the gate's ``live.*`` keys: seen, not finalized), read at
+        most once a second however many consumers ask."""
+        now = asyncio.get_running_loop().time()
+        cached = self._live_cache
+        if cached is None or now - cached[0] > LIVE_CACHE_S:
+            cached = self._live_cache = (now, asyncio.ensure_future(self._scan_live()))
+        try:
+            return await asyncio.shield(cached[1])
+        except StoreUnavailable:
+            self._live_cache = None
+            raise
+
+    async def _scan_live(self) -> list[tuple[str, SessionInfo]]:
+        out = []
+        for key, value in await self._kv_scan("live.*"):
+            live = self._live(key[5:], value)
+            if live is not None:
+                out.append(live)
+        return out
+
+    async def hermes_session(self, session: str) -> SessionInfo | None:
+        """The gate's record of ``session`` if it is a live Hermes session, else None."""
+        token = lane_token(session)
+        for _, value in await self._kv_scan(f"live.{token}"):
+            live = self._live(token, value)
+            if live is not None and live[0] == session:
+                return live[1]
+        return None
+
+    async def gate_hello(self) -> dict[str, Any] | None:
+        """The gate's capabilities document, or None when no gate answers (see HELLO_*)."""
+        now = asyncio.get_running_loop().time()
+        if self._hello is not None and now - self._hello[0] < (HELLO_FRESH_S if self._hello[1] else HELLO_NONE_S):
+            return self._hello[1]
+        doc = None
+        if self.nc is not None:
+            try:
+                doc = _decode((await self.nc.request(HELLO_SUBJECT, b"", timeout=HELLO_TIMEOUT_S)).data)
+            except NoRespondersError:
+                doc = None
+            except Exception:  # noqa: BLE001 - a timeout: the gate is there but slow, its last word holds a while
+                last = self._hello_answer
+                doc = last[1] if last is not None and now - last[0] < HELLO_GRACE_S else None
+            else:
+                if isinstance(doc, dict):
+                    self._hello_answer = (now, doc)
+        self._hello = (now, doc if isinstance(doc, dict) else None)
+        return self._hello[1]

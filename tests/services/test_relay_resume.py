@@ -1,0 +1,131 @@
+"""Resume when every event of a session after the asked position has left the replay window
+(AEP-0003 §5: a position that predates the buffer MUST produce `replay-exhausted`), against a
+real relay on a real nats-server, over SSE and WebSocket:
+
+* a quiet session behind a busy fleet: its events are still on AEP_EVENTS, but the fleet's
+  traffic pushed them out of the relay's window (here a window of 8, the issue's repro; with
+  the default 10,000 the same happens to any quiet session);
+* a session whose events the stream itself evicted (its limits; here a purge of the
+  session's subjects) after the relay saw them live.
+
+Each resume yields either every event after the position, or `replay-exhausted` followed by
+what is held (here nothing, then the session's next event, live)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from typing import Any
+
+import aiohttp
+import nats
+import pytest
+
+from bridge.core.lanes import lane_token
+from bridge.nats import streams as S
+from bridge.nats.subjects import session_filter
+from tests.support.relay import CONSUMER, EMITTER, RelayProcess, auth, event, publish, read_sse
+
+HELLO = {"type": "hello", "versions": ["0.1"], "role": "consumer", "identity": {"agent": "test"}, "capabilities": {}}
+
+
+def sid() -> str:
+    return "r" + uuid.uuid4().hex[:12]
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def post(relay: RelayProcess, events: list[dict[str, Any]]) -> None:
+    body = b"\n".join(json.dumps(e).encode() for e in events)
+    async with aiohttp.ClientSession() as s:
+        async with s.post(relay.url + "/events", data=body, headers={
+                **auth(EMITTER), "AEP-Version": "0.1", "Content-Type": "application/x-ndjson"}) as r:
+            assert r.status == 202, await r.text()
+
+
+async def sse_resume(relay: RelayProcess, session: str, seq: int) -> dict[str, Any]:
+    async with aiohttp.ClientSession() as s:
+        return await read_sse(s, relay.url + "/stream", headers=auth(CONSUMER), params={
+            "live": "0", "from": json.dumps([{"session": session, "epoch": 0, "seq": seq}])})
+
+
+async def ws_resume(relay: RelayProcess, session: str, seq: int, then: list[dict[str, Any]]) -> list[Any]:
+    """Subscribe to ``session`` from ``seq``, post ``then`` once subscribed, and return every
+    frame up to the first event of ``then``."""
+    async with aiohttp.ClientSession() as s:
+        ws = await s.ws_connect(relay.ws_url, headers=auth(CONSUMER))
+        await ws.send_json(HELLO)
+        await ws.receive_json(timeout=5)
+        await ws.send_json({"type": "subscribe", "id": "a", "filter": {"session": session},
+                            "from": [{"session": session, "epoch": 0, "seq": seq}]})
+        frames = [await ws.receive_json(timeout=5)]
+        assert frames[0] == {"type": "subscribed", "id": "a"}
+        await post(relay, then)
+        while True:
+            frame = await ws.receive_json(timeout=10)
+            frames.append(frame)
+            if frame.get("id") == then[0]["id"]:
+                break
+        await ws.close()
+        return frames
+
+
+def exhausted(session: str, seq: int) -> dict[str, Any]:
+    return {"type": "replay-exhausted", "sub": "a", "session": session, "earliest": {"epoch": 0, "seq": seq}}
+
+
+def check(relay: RelayProcess, a: str) -> None:
+    """A's events 1..4 have all left the window (or the stream): a resume before 4 is
+    exhausted, with nothing held and then A's next event; a resume from 4 is not."""
+    for seq in (0, 2):
+        got = run(sse_resume(relay, a, seq))
+        assert got["status"] == 200 and got["events"] == []
+        assert got["comments"][1:] == [f"replay-exhausted {a} 0:5", "replay-complete"], got["comments"]
+    got = run(sse_resume(relay, a, 4))
+    assert got["comments"][1:] == ["replay-complete"] and got["events"] == []  # nothing missed: no marker
+    frames = run(ws_resume(relay, a, 0, [event(a, 5)]))
+    assert frames[1:] == [exhausted(a, 5), event(a, 5)]
+    frames = run(ws_resume(relay, a, 5, [event(a, 6)]))
+    assert frames[1:] == [event(a, 6)]  # from the last position: no marker, the next event
+
+
+@pytest.mark.parametrize("restart", [False, True], ids=["relay-saw-them", "relay-started-after"])
+def test_a_quiet_session_behind_a_busy_fleet_is_exhausted(nats_server, jetstream, tmp_path, restart):
+    env = {"AEP_BRIDGE_RELAY_REPLAY_BUFFER": "8"}
+    relay = RelayProcess(nats_server.url, tmp_path, env=env)
+    if not restart:
+        relay.start()
+    try:
+        a = sid()
+        run(publish(nats_server.url, [event(a, i) for i in range(1, 5)]))
+        run(publish(nats_server.url, [event(sid(), 1) for _ in range(20)]))  # the fleet
+        if restart:
+            relay.start()
+        check(relay, a)
+    finally:
+        relay.stop()
+
+
+def test_a_session_the_stream_evicted_is_exhausted(nats_server, jetstream, tmp_path):
+    relay = RelayProcess(nats_server.url, tmp_path, env={"AEP_BRIDGE_RELAY_REPLAY_BUFFER": "8"}).start()
+    try:
+        a = sid()
+        run(post(relay, [event(a, i) for i in range(1, 5)]))
+        run(post(relay, [event(sid(), i) for i in range(1, 21)]))
+
+        async def evict() -> None:  # what the stream's age or size limit does to A's events
+            nc = await nats.connect(nats_server.url)
+            try:
+                await nc.jetstream().purge_stream(S.AEP_EVENTS, subject=session_filter(lane_token(a)))
+            finally:
+                await nc.close()
+
+        got = run(sse_resume(relay, a, 0))  # still on the stream, outside the window
+        assert got["comments"][1:] == [f"replay-exhausted {a} 0:5", "replay-complete"], got["comments"]
+        run(evict())
+        check(relay, a)
+    finally:
+        relay.stop()
