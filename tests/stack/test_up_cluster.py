@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from bridge.nats.streams import BUCKETS, OBJECT_STORES, STREAMS
-from bridge.stack.server import EmbeddedCluster, EmbeddedNats, free_port
+from bridge.stack.server import EmbeddedCluster, EmbeddedNats, free_port, terminate
 from tests.stack.test_up import ROOT, cli, expected_summary, pid_alive, running_up, totals
 from tests.support.services import wait_for
 
@@ -129,11 +129,7 @@ def test_up_cluster_three_servers_r3_and_a_killed_leader_loses_nothing(tmp_path)
             assert followed() == summary["events"]
             assert follower.poll() is None, "the tail goes on"
         finally:
-            follower.send_signal(signal.SIGINT)
-            try:
-                follower.wait(20)
-            except subprocess.TimeoutExpired:
-                follower.kill()
+            terminate(follower, 20)
             tail_out.close()
 
         # up said so, and still stops everything with one SIGINT.
