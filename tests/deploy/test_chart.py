@@ -1154,6 +1154,9 @@ def test_production_values_give_every_service_all_three_servers() -> None:
         assert len(env["AEP_BRIDGE_NATS_URL"].split(",")) == 3
     bootstrap_env = workload_env("bootstrap", manifests=manifests, secrets=_any_secrets()).env
     assert bootstrap_env["AEP_BRIDGE_STREAM_REPLICAS"] == "3", "every stream, bucket and object store at R3"
+    # The gate creates its own buckets (aep_control, aep_instruct) at start: at R3 too.
+    gate_env = workload_env("gate", manifests=manifests, secrets=_any_secrets()).env
+    assert gate_env["AEP_BRIDGE_STREAM_REPLICAS"] == "3"
     # The NetworkPolicies still reach exactly the bundled NATS pods (all three carry these labels).
     for policy in select(manifests, "NetworkPolicy"):
         nats_rules = [r for r in policy["spec"]["egress"] if {"port": 4222, "protocol": "TCP"} in r["ports"]]

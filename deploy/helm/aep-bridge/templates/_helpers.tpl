@@ -194,7 +194,8 @@ The names and meanings are the contract of docs/ARCHITECTURE.md.
 - name: AEP_BRIDGE_REDACT_NAMES
   value: {{ join "," . | quote }}
 {{- end }}
-{{- if eq .role "bootstrap" }}
+{{- /* bootstrap creates the streams; the gate creates its own buckets at start */}}
+{{- if has .role (list "bootstrap" "gate") }}
 {{- with $v.bootstrap.streamReplicas }}
 - name: AEP_BRIDGE_STREAM_REPLICAS
   value: {{ . | quote }}
