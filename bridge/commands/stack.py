@@ -28,6 +28,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "[?format=cloudevents|otlp|ocsf] or otlp+http://HOST:PORT/v1/logs")
     u.add_argument("--export-port", type=int, default=None, help="with --export: exporter metrics port (default 9467, or free)")
     u.add_argument("--relay-port", type=int, default=None, help="the relay's port, the AEP door (default 8787, or free)")
+    u.add_argument("--cluster", type=int, default=0, metavar="N",
+                   help="N (>= 3) embedded nats-servers in one JetStream cluster on loopback, streams at R3, "
+                        "every worker given all N; kill one and the rest go on")
     u.set_defaults(func=cmd_up)
 
     d = sub.add_parser("demo", help="replay real Hermes sessions through the shim into a running bridge and summarise")
@@ -69,6 +72,13 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     settings = Settings.from_env()
     state_dir = Path(args.state_dir) if args.state_dir else default_state_dir()
+    if args.cluster and args.nats:
+        print("aep-bridge up: --cluster starts embedded servers; it cannot be used with --nats", file=sys.stderr)
+        return 2
+    if args.cluster and args.cluster < 3:
+        print(f"aep-bridge up: --cluster {args.cluster}: a JetStream cluster for R3 needs at least 3 servers",
+              file=sys.stderr)
+        return 2
     if args.export:
         from bridge.core.sinks import SinkConfigError, check_unique, sink_from_url
 
@@ -79,7 +89,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             return 2
     up = Up(settings, nats_url=args.nats, port=args.port, state_dir=state_dir,
             mapper_port=args.mapper_port, pairing_port=args.pairing_port, gate=args.gate, gate_port=args.gate_port,
-            export=args.export, export_port=args.export_port, relay_port=args.relay_port)
+            export=args.export, export_port=args.export_port, relay_port=args.relay_port, cluster=args.cluster)
     try:
         return asyncio.run(up.run(demo=args.demo, follow=not args.no_follow, color=sys.stdout.isatty()))
     except Exception as exc:

@@ -2,11 +2,13 @@
 
 Used by `aep-bridge up`, the benchmarks and the test fixture: a real server as a
 child process on loopback, with its store in a directory we choose, that can be
-stopped and started again on the same store (fault tests).
+stopped and started again on the same store (fault tests). ``EmbeddedCluster``:
+three (or more) of them routed into one JetStream cluster (`aep-bridge up --cluster 3`).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -123,3 +125,91 @@ class EmbeddedNats:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write a file only its owner can read (it holds a credential)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.chmod(path, 0o600)
+
+
+class EmbeddedCluster:
+    """``size`` embedded servers on loopback forming one JetStream cluster (`up --cluster`).
+
+    Each node is an :class:`EmbeddedNats` with its own client port, route port, store
+    (``<root>/<name>``), log and ``server_name`` (``n1``, ``n2``, ...); all share
+    ``client_config`` (the client authorization block) and route to each other. The route
+    port accepts only the cluster's own routes: a credential generated here, in the nodes'
+    0600 config files, never on a command line (a route sees every message of the account).
+    ``start()`` returns once every node accepts clients; JetStream is ready a moment later,
+    once the nodes have elected a meta leader (the caller retries its first JetStream call).
+    """
+
+    NAME = "aep-local"
+    ROUTE_USER = "aep-route"
+
+    def __init__(self, root: str | Path, size: int = 3, first_port: int | None = None, host: str = "127.0.0.1",
+                 client_config: str = "", log_dir: str | Path | None = None) -> None:
+        import secrets
+
+        self.root = Path(root)
+        self.host = host
+        self.route_password = secrets.token_urlsafe(24)
+        taken: list[int] = []
+
+        def pick(want: int | None) -> int:
+            # the wanted port when free (first_port itself: the caller's choice), else any free one
+            port = want if want and want not in taken and (want == first_port or port_is_free(want, host)) else 0
+            while not port or port in taken:
+                port = free_port(host)
+            taken.append(port)
+            return port
+
+        ports = [pick(first_port + i if first_port else None) for i in range(size)]
+        self.route_ports = [pick(None) for _ in range(size)]
+        routes = ", ".join(json.dumps(f"nats-route://{self.ROUTE_USER}:{self.route_password}@{host}:{p}")
+                           for p in self.route_ports)
+        log_dir = Path(log_dir) if log_dir else self.root
+        self.nodes: list[EmbeddedNats] = []
+        self.names = [f"n{i + 1}" for i in range(size)]
+        for name, port, route_port in zip(self.names, ports, self.route_ports):
+            conf = self.root / f"{name}.conf"
+            self.nodes.append(EmbeddedNats(self.root / name, port=port, host=host, config_file=conf,
+                                           log_file=log_dir / f"nats-server-{name}.log"))
+        self._configs = {
+            name: (f"server_name: {name}\n{client_config}\n"
+                   f"cluster {{\n  name: {self.NAME}\n  listen: {json.dumps(f'{host}:{route_port}')}\n"
+                   f"  authorization {{ user: {self.ROUTE_USER}, password: {json.dumps(self.route_password)} }}\n"
+                   f"  routes: [{routes}]\n}}\n")
+            for name, route_port in zip(self.names, self.route_ports)
+        }
+
+    @property
+    def urls(self) -> list[str]:
+        return [n.url for n in self.nodes]
+
+    @property
+    def url(self) -> str:
+        """Every node, comma-separated: what ``AEP_BRIDGE_NATS_URL`` takes."""
+        return ",".join(self.urls)
+
+    def start(self, timeout: float = 15.0) -> "EmbeddedCluster":
+        self.root.mkdir(parents=True, exist_ok=True)
+        for name, node in zip(self.names, self.nodes):
+            write_private(node.config_file, self._configs[name])  # type: ignore[arg-type]
+        try:
+            for node in self.nodes:
+                node.start(timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def running(self) -> list[bool]:
+        return [n.running() for n in self.nodes]
+
+    def stop(self, timeout: float = 10.0) -> None:
+        for node in self.nodes:
+            node.stop(timeout)

@@ -29,6 +29,13 @@ adds a supervised `aep-bridge exporter` with those sinks (bridge/services/export
 The relay (`aep-bridge relay`, the AEP door for SDKs and dashboards) always runs too, on
 127.0.0.1:8787 (or a free port), with a bearer token generated at each start (every right);
 the banner and ``up.json`` (``relay``: url, token) give both.
+
+`--cluster N` (N >= 3) starts N embedded servers instead of one, routed into one JetStream
+cluster on loopback (``EmbeddedCluster``: each its own store under ``<state dir>/cluster/``,
+the same generated client credential on all, a route credential of their own), bootstraps
+every stream, bucket and object store at R3, and gives every worker (and the shim settings)
+all N URLs; ``up.json`` lists the servers (``nats_servers``: name, url, pid, store). A server
+that dies is reported and not restarted: the cluster goes on with the others, `tail` too.
 """
 
 from __future__ import annotations
@@ -59,10 +66,12 @@ from bridge.hermes.install import HOOK_SOURCE, build_command, gate_timeout_s
 from bridge.nats.bootstrap import bootstrap
 from bridge.nats.connection import connect
 from bridge.stack.demo import run_demo
-from bridge.stack.server import EmbeddedNats, free_port, port_is_free, terminate
+from bridge.stack.server import EmbeddedCluster, EmbeddedNats, free_port, port_is_free, terminate
 from bridge.stack.tail import tail
 
 LOCAL_USER = "aep-local"
+CLUSTER_REPLICAS = 3  # `--cluster`: every stream, bucket and object store at R3
+CLUSTER_READY_S = 30.0  # how long bootstrap retries while a new cluster elects its JetStream leader
 RELAY_PORT = 8787
 CREDENTIAL_KEYS = ("AEP_BRIDGE_NATS_USER", "AEP_BRIDGE_NATS_PASSWORD", "AEP_BRIDGE_NATS_TOKEN",
                    "AEP_BRIDGE_NATS_CREDS", "AEP_BRIDGE_NATS_NKEY_SEED")
@@ -137,13 +146,15 @@ class Up:
     def __init__(self, settings: Settings, *, nats_url: str | None, port: int | None, state_dir: Path,
                  out: TextIO = sys.stdout, mapper_port: int | None = None, pairing_port: int | None = None,
                  gate: bool = False, gate_port: int | None = None, export: list[str] | None = None,
-                 export_port: int | None = None, relay_port: int | None = None) -> None:
+                 export_port: int | None = None, relay_port: int | None = None, cluster: int = 0) -> None:
         self.settings = settings
         self.external_url = nats_url
         self.port = port
         self.state_dir = state_dir
         self.out = out
-        self.server: EmbeddedNats | None = None
+        self.server: EmbeddedNats | EmbeddedCluster | None = None
+        self.cluster = cluster  # --cluster N: N embedded servers, one JetStream cluster (0: one server)
+        self.servers_down: set[str] = set()
         self.workers: list[Worker] = []
         self.mapper_port = mapper_port or (MAPPER_METRICS_PORT if port_is_free(MAPPER_METRICS_PORT) else free_port())
         self.pairing_port = pairing_port or (PAIRING_METRICS_PORT if port_is_free(PAIRING_METRICS_PORT) else free_port())
@@ -180,11 +191,14 @@ class Up:
         (self.state_dir / "logs").mkdir(parents=True, exist_ok=True)
         # A credential of this run: only whoever can read the 0600 files below may connect.
         self.password = secrets.token_urlsafe(24)
+        auth = ("# written by `aep-bridge up` at each start: the local user and its generated password\n"
+                f"authorization {{ user: {json.dumps(LOCAL_USER)}, password: {json.dumps(self.password)} }}\n")
+        if self.cluster:
+            return self.start_cluster(port, auth)
         conf = self.state_dir / "nats-auth.conf"
         fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
-            f.write("# written by `aep-bridge up` at each start: the local user and its generated password\n"
-                    f"authorization {{ user: {json.dumps(LOCAL_USER)}, password: {json.dumps(self.password)} }}\n")
+            f.write(auth)
         os.chmod(conf, 0o600)
         self.server = EmbeddedNats(self.state_dir / "nats", port=port, config_file=conf,
                                    log_file=self.state_dir / "logs" / "nats-server.log")
@@ -194,13 +208,48 @@ class Up:
                  f"(store {self.state_dir / 'nats'}, ready in {1000 * (time.monotonic() - started):.0f} ms)")
         return self.server.url
 
+    def start_cluster(self, port: int, auth: str) -> str:
+        """`--cluster N`: N servers on loopback, one JetStream cluster (``EmbeddedCluster``)."""
+        cluster = EmbeddedCluster(self.state_dir / "cluster", size=self.cluster, first_port=port,
+                                  client_config=auth, log_dir=self.state_dir / "logs")
+        started = time.monotonic()
+        self.server = cluster.start()
+        self.say(f"aep-bridge up: embedded JetStream cluster of {self.cluster} nats-servers on "
+                 f"{', '.join(cluster.urls)} (stores {self.state_dir / 'cluster'}/{{{','.join(cluster.names)}}}, "
+                 f"listening in {1000 * (time.monotonic() - started):.0f} ms)")
+        return cluster.url
+
+    def check_servers(self) -> None:
+        """`--cluster`: say once when a server has died (it is not restarted; the others go on)."""
+        if not isinstance(self.server, EmbeddedCluster):
+            return
+        alive = sum(self.server.running())
+        for name, node in zip(self.server.names, self.server.nodes):
+            if name not in self.servers_down and not node.running():
+                self.servers_down.add(name)
+                code = node.proc.returncode if node.proc is not None else None
+                self.say(f"aep-bridge up: nats-server {name} ({node.url}) exited with code {code}; the cluster goes "
+                         f"on with {alive} of {self.cluster} servers (not restarted: restart `up` to bring it back "
+                         f"on its store)")
+
     async def bootstrap(self) -> None:
         settings = self._settings()
         nc = await connect(settings, name="aep-bridge-up", role="bootstrap")
         try:
             started = time.monotonic()
-            self.say("aep-bridge up: bootstrapping streams and buckets ...")
-            await bootstrap(nc.jetstream(), settings)
+            self.say("aep-bridge up: bootstrapping streams and buckets"
+                     + (f" at R{CLUSTER_REPLICAS}" if self.cluster else "") + " ...")
+            if not self.cluster:
+                await bootstrap(nc.jetstream(), settings)
+            else:  # a new cluster answers JetStream once it has elected its meta leader
+                while True:
+                    try:
+                        await bootstrap(nc.jetstream(), settings, replicas=CLUSTER_REPLICAS)
+                        break
+                    except Exception:
+                        if time.monotonic() - started > CLUSTER_READY_S:
+                            raise
+                        await asyncio.sleep(0.5)
             self.say(f"aep-bridge up: streams and buckets ready ({1000 * (time.monotonic() - started):.0f} ms)")
         finally:
             await nc.close()
@@ -228,6 +277,8 @@ class Up:
         env.update(self.credential_env())
         env.setdefault("AEP_BRIDGE_LOG_FORMAT", "json")
         env["AEP_BRIDGE_METRICS_HOST"] = "127.0.0.1"  # the workers' HTTP ports: loopback only
+        if self.cluster:  # what a worker creates itself (the gate's buckets) at R3 too
+            env["AEP_BRIDGE_STREAM_REPLICAS"] = str(CLUSTER_REPLICAS)
         return env
 
     @property
@@ -321,6 +372,11 @@ class Up:
             state["control"] = self.control()
         if self.export:
             metrics["exporter"] = f"http://127.0.0.1:{self.export_port}/metrics"
+        if isinstance(self.server, EmbeddedCluster):
+            state["nats_servers"] = [
+                {"name": name, "url": node.url, "pid": node.proc.pid if node.proc else None,
+                 "running": node.running(), "store": str(node.store_dir)}
+                for name, node in zip(self.server.names, self.server.nodes)]
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # it holds the password
         with os.fdopen(fd, "w") as f:
             f.write(json.dumps(state, indent=2))
@@ -333,6 +389,11 @@ class Up:
         settings = " ".join(f"{k}={v}" for k, v in self.credential_env().items())
         self.say("")
         self.say("  NATS           " + self.url + ("   (loopback only)" if self.server is not None else ""))
+        if isinstance(self.server, EmbeddedCluster):
+            self.say(f"  cluster        {self.cluster} nats-servers, every stream at R{CLUSTER_REPLICAS}: " + ", ".join(
+                f"{name} {node.url} (pid {node.proc.pid if node.proc else '?'})"
+                for name, node in zip(self.server.names, self.server.nodes)))
+            self.say("                 kill one (kill -9 PID): the others go on, and so does `aep-bridge tail`")
         if self.password is not None:
             self.say(f"  credential     user {LOCAL_USER}, password {self.password}   (generated for this run; "
                      f"also in {state_file(self.state_dir)}, mode 0600)")
@@ -400,6 +461,7 @@ class Up:
             if demo:
                 side = asyncio.create_task(self._demo_then_tail(follow, color))
             while not self.stop_event.is_set():
+                self.check_servers()
                 self.supervise_once()
                 self.write_state()
                 try:

@@ -29,7 +29,10 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import re
+import shutil
+import tarfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,7 +65,10 @@ KUBE_VERSIONS = ("1.27", kv_utils.latest_version())
 MAPPER_PORT, PAIRING_PORT = MAPPER_METRICS_PORT, PAIRING_METRICS_PORT
 DEFAULT_PORTS = {"mapper": MAPPER_PORT, "pairing": PAIRING_PORT}
 
-CI_VALUES = sorted(CI_DIR.glob("*-values.yaml"))
+# The documented production values (a three-node NATS cluster, streams at R3: issue 23),
+# rendered and checked like every ci/ file.
+PRODUCTION_VALUES = CHART_DIR / "values-production.yaml"
+CI_VALUES = sorted(CI_DIR.glob("*-values.yaml")) + [PRODUCTION_VALUES]
 REQUIRED_CI_VALUES = {"defaults", "external-nats", "creds-auth", "autoscaling", "monitoring", "gate", "exporter"}
 
 
@@ -410,7 +416,7 @@ def lint_messages(path: Path, values: Mapping[str, Any] | None, **kw: Any) -> di
 
 
 def _id(path: Path) -> str:
-    return path.name.removesuffix("-values.yaml")
+    return "production" if path == PRODUCTION_VALUES else path.name.removesuffix("-values.yaml")
 
 
 @pytest.fixture(scope="module", params=CI_VALUES, ids=_id)
@@ -1076,3 +1082,221 @@ def test_gate_switches_and_other_auth_types(tmp_path: Path) -> None:
     own = render_manifests({"gate": {"enabled": True}, "auth": {"gate": {"existingSecret": "gate-nats"}}})
     ref = env_entries(workload(own, "gate"), "gate")["AEP_BRIDGE_NATS_PASSWORD"]["valueFrom"]["secretKeyRef"]
     assert ref == {"name": "gate-nats", "key": "gate-password"}
+
+
+# --------------------------------------------------------------------------- high availability (issue 23)
+
+# values-production.yaml: a three-node NATS cluster through the official chart's own keys
+# (config.cluster.enabled / replicas, podTemplate.merge for the anti-affinity, its
+# podDisruptionBudget, whose template says maxUnavailable: 1), every stream at R3, and every
+# service given the three servers. Without the NATS chart (see the module docstring) these
+# tests check the values handed to it and the names our templates derive; with
+# AEP_BRIDGE_NATS_CHART set, test_production_values_with_the_official_nats_chart renders
+# the chart itself and checks what it makes of them.
+
+ALL_SERVICES = ("bootstrap", "mapper", "pairing", "gate", "relay", "exporter")
+
+
+def merged(*docs: Mapping[str, Any]) -> dict[str, Any]:
+    """Values files combined as `helm -f a -f b` does: maps merged key by key, the last wins."""
+    out: dict[str, Any] = {}
+    for doc in docs:
+        for key, value in doc.items():
+            if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+                out[key] = merged(out[key], value)
+            else:
+                out[key] = copy.deepcopy(value)
+    return out
+
+
+def production_with_everything() -> dict[str, Any]:
+    """The production values with the opt-in services on too (gate, relay, exporter)."""
+    return merged(load_values(PRODUCTION_VALUES), ci_values("gate"), ci_values("relay"), ci_values("exporter"))
+
+
+def cluster_urls(*, release: str = RELEASE, statefulset: str | None = None, headless: str | None = None,
+                 replicas: int = 3, port: int = 4222, scheme: str = "nats") -> str:
+    """The client URLs of the NATS chart's StatefulSet pods, one per replica, by their stable
+    names under its headless Service (`<statefulset>-<i>.<headless>.<namespace>.svc`)."""
+    statefulset = statefulset or f"{release}-nats"
+    headless = headless or f"{statefulset}-headless"
+    return ",".join(f"{scheme}://{statefulset}-{i}.{headless}.{NAMESPACE}.svc:{port}" for i in range(replicas))
+
+
+def test_production_values_ask_the_nats_chart_for_a_three_node_cluster() -> None:
+    values = load_values(PRODUCTION_VALUES)
+    nats = values["nats"]
+    assert nats.get("enabled", True) is True, "the bundled NATS chart"
+    cluster = nats["config"]["cluster"]
+    assert cluster["enabled"] is True and cluster["replicas"] == 3
+    # The NATS chart's PodDisruptionBudget (maxUnavailable: 1 in its template): a drain takes
+    # one server at a time, so two of three (a JetStream quorum) stay up.
+    assert nats["podDisruptionBudget"]["enabled"] is True
+    # One server per node: required anti-affinity on the hostname against the NATS pods'
+    # own selector labels (templated by the NATS chart: `$tplYaml`, its values mechanism).
+    affinity = nats["podTemplate"]["merge"]["spec"]["affinity"]
+    (term,) = affinity["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert term["topologyKey"] == "kubernetes.io/hostname"
+    assert term["labelSelector"] == {"matchLabels": {"$tplYaml": '{{ include "nats.selectorLabels" $ }}'}}
+    assert values["bootstrap"]["streamReplicas"] == 3
+
+
+def test_production_values_give_every_service_all_three_servers() -> None:
+    manifests = render_manifests(production_with_everything())
+    problems = [p for m in manifests for p in validate_manifest(m)]
+    assert problems == [], "\n".join(problems)
+    rendered = {m["metadata"]["labels"]["app.kubernetes.io/component"]
+                for m in ours(manifests) if m["kind"] in ("Deployment", "Job")}
+    assert rendered == set(ALL_SERVICES)
+    for component in ALL_SERVICES:
+        env = workload_env(component, manifests=manifests, secrets=_any_secrets()).env
+        assert env["AEP_BRIDGE_NATS_URL"] == cluster_urls(), component
+        assert len(env["AEP_BRIDGE_NATS_URL"].split(",")) == 3
+    bootstrap_env = workload_env("bootstrap", manifests=manifests, secrets=_any_secrets()).env
+    assert bootstrap_env["AEP_BRIDGE_STREAM_REPLICAS"] == "3", "every stream, bucket and object store at R3"
+    # The gate creates its own buckets (aep_control, aep_instruct) at start: at R3 too.
+    gate_env = workload_env("gate", manifests=manifests, secrets=_any_secrets()).env
+    assert gate_env["AEP_BRIDGE_STREAM_REPLICAS"] == "3"
+    # The NetworkPolicies still reach exactly the bundled NATS pods (all three carry these labels).
+    for policy in select(manifests, "NetworkPolicy"):
+        nats_rules = [r for r in policy["spec"]["egress"] if {"port": 4222, "protocol": "TCP"} in r["ports"]]
+        assert [r["to"] for r in nats_rules] == [[{"podSelector": {"matchLabels": {
+            "app.kubernetes.io/name": "nats", "app.kubernetes.io/instance": RELEASE,
+            "app.kubernetes.io/component": "nats"}}}]], policy["metadata"]["name"]
+
+
+@pytest.mark.parametrize(
+    ("nats", "release", "tls", "expected"),
+    [
+        ({}, RELEASE, False, cluster_urls()),
+        ({"config": {"cluster": {"replicas": 5}}}, RELEASE, False, cluster_urls(replicas=5)),
+        ({"fullnameOverride": "msg"}, RELEASE, False, cluster_urls(statefulset="msg")),
+        ({"nameOverride": "queue"}, RELEASE, False, cluster_urls(statefulset="demo-queue")),
+        ({}, "nats-prod", False, cluster_urls(release="nats-prod", statefulset="nats-prod")),
+        ({"statefulSet": {"name": "bus"}, "headlessService": {"name": "bus-peers"}}, RELEASE, False,
+         cluster_urls(statefulset="bus", headless="bus-peers")),
+        ({"config": {"nats": {"port": 4333}}}, RELEASE, False, cluster_urls(port=4333)),
+        ({}, RELEASE, True, cluster_urls(scheme="tls")),
+    ],
+    ids=["three", "five", "fullnameOverride", "nameOverride", "release-contains-nats", "names", "port", "tls"],
+)
+def test_cluster_urls_follow_the_nats_chart_names(nats: dict[str, Any], release: str, tls: bool, expected: str) -> None:
+    """With config.cluster.enabled every service gets one URL per server, named as the NATS
+    chart names its pods (StatefulSet `<fullname>`, headless Service `<fullname>-headless`,
+    either overridable) and as many as config.cluster.replicas."""
+    values = merged(load_values(PRODUCTION_VALUES), {"nats": nats})
+    if tls:
+        values["tls"] = {"enabled": True, "existingSecret": "nats-ca"}
+    manifests = render_manifests(values, name=release)
+    for component in ("bootstrap", "mapper", "pairing"):
+        assert workload_env(component, manifests=manifests, secrets=_any_secrets()).env["AEP_BRIDGE_NATS_URL"] == expected
+
+
+def test_single_server_default_keeps_the_service_url() -> None:
+    """Without config.cluster.enabled (the default install: one server) the URL stays the
+    client Service's, and streams stay at the command's default."""
+    manifests = render_manifests()
+    env = workload_env("mapper", manifests=manifests, secrets=_any_secrets()).env
+    assert env["AEP_BRIDGE_NATS_URL"] == f"nats://{RELEASE}-nats.{NAMESPACE}.svc:4222"
+    assert load_values(CHART_DIR / "values.yaml")["nats"]["config"].get("cluster", {}).get("enabled", False) is False
+
+
+def test_jetstream_sync_interval_is_a_documented_value() -> None:
+    """The JetStream fsync interval is a value (nats.config.jetstream.merge.sync_interval, into
+    the server's jetstream block), never hard-coded in a template. It must stay a quoted
+    duration: nats-server reads an unquoted `2m` as the number 2,000,000 (seconds)."""
+    defaults = load_values(CHART_DIR / "values.yaml")
+    value = defaults["nats"]["config"]["jetstream"]["merge"]["sync_interval"]
+    assert isinstance(value, str) and re.fullmatch(r"always|(\d+(ms|s|m|h))+", value), value
+    assert "<<" not in value
+    assert "sync_interval" in DEPLOY_README.read_text(encoding="utf-8")
+    for template in (CHART_DIR / "templates").iterdir():
+        assert "sync_interval" not in template.read_text(encoding="utf-8"), template.name
+
+
+# The official NATS chart, when the machine has it: AEP_BRIDGE_NATS_CHART names its directory
+# or the .tgz `helm pull nats --repo https://nats-io.github.io/k8s/helm/charts/ --version <ours>`
+# fetches. It is not in the repository (nothing copied from another project), so without it
+# the test below is skipped and says how to run it (deploy/README.md, section 7).
+NATS_CHART = os.environ.get("AEP_BRIDGE_NATS_CHART", "")
+
+
+@pytest.fixture(scope="module")
+def chart_with_nats(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    if not NATS_CHART:
+        pytest.skip("AEP_BRIDGE_NATS_CHART is not set: the official NATS chart is not on this machine "
+                    "(set it to the chart's directory or .tgz to render the bundled NATS too)")
+    root = tmp_path_factory.mktemp("chart") / "aep-bridge"
+    shutil.copytree(CHART_DIR, root)
+    charts = root / "charts"
+    charts.mkdir()
+    source = Path(NATS_CHART)
+    if source.is_dir():
+        shutil.copytree(source, charts / "nats")
+    else:
+        with tarfile.open(source) as tgz:
+            tgz.extractall(charts, filter="data")
+    with helm.Chart.load(CHART_DIR) as chart:
+        (dep,) = chart.metadata["dependencies"]
+    assert yaml.safe_load((charts / "nats" / "Chart.yaml").read_text())["version"] == dep["version"]
+    return root
+
+
+def render_with_nats(chart: Path, values: Mapping[str, Any]) -> list[dict[str, Any]]:
+    with helm.Chart.load(chart) as loaded:
+        rendered = loaded.render(dict(values), name=RELEASE, namespace=NAMESPACE, is_install=True)
+    docs = []
+    for path, text in sorted(rendered.items()):
+        if path.endswith("NOTES.txt") or "/tests/" in path:
+            continue
+        docs += [d for d in yaml.safe_load_all(text) if d]
+    return docs
+
+
+def nats_objects(manifests: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [m for m in manifests if m["kind"] == kind
+            and m["metadata"].get("labels", {}).get("app.kubernetes.io/component") == "nats"]
+
+
+def test_production_values_with_the_official_nats_chart(chart_with_nats: Path) -> None:
+    """The NATS chart renders our production values into 3 servers, one per node, a PDB of
+    maxUnavailable 1, routes between the same pod names the services are given, and our
+    sync_interval in the jetstream block; every object is valid."""
+    manifests = render_with_nats(chart_with_nats, production_with_everything())
+    problems = [p for m in manifests for p in validate_manifest(m)]
+    assert problems == [], "\n".join(problems)
+
+    (sts,) = nats_objects(manifests, "StatefulSet")
+    assert sts["spec"]["replicas"] == 3
+    pod = sts["spec"]["template"]
+    labels = pod["metadata"]["labels"]
+    (term,) = pod["spec"]["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert term["topologyKey"] == "kubernetes.io/hostname"
+    assert term["labelSelector"]["matchLabels"] and term["labelSelector"]["matchLabels"].items() <= labels.items()
+    assert term["labelSelector"]["matchLabels"]["app.kubernetes.io/instance"] == RELEASE
+
+    (pdb,) = nats_objects(manifests, "PodDisruptionBudget")
+    assert pdb["spec"] == {"maxUnavailable": 1, "selector": pdb["spec"]["selector"]}
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()
+
+    headless = [s for s in nats_objects(manifests, "Service") if s["spec"].get("clusterIP") == "None"]
+    (headless,) = headless
+    assert sts["spec"]["serviceName"] == headless["metadata"]["name"]
+    pods = [f"{sts['metadata']['name']}-{i}.{headless['metadata']['name']}" for i in range(3)]
+    expected = ",".join(f"nats://{p}.{NAMESPACE}.svc:4222" for p in pods)
+    for component in ALL_SERVICES:
+        env = workload_env(component, manifests=ours(manifests), secrets=_any_secrets()).env
+        assert env["AEP_BRIDGE_NATS_URL"] == expected, component
+
+    (config_map,) = nats_objects(manifests, "ConfigMap")
+    conf = config_map["data"]["nats.conf"]
+    for p in pods:
+        assert f"nats://{p}:6222" in conf, p
+    assert re.search(r'"jetstream": \{[^}]*"sync_interval": "2m"', conf), conf
+
+    # The default install: one server, the client Service's URL.
+    single = render_with_nats(chart_with_nats, {})
+    assert [s["spec"]["replicas"] for s in nats_objects(single, "StatefulSet")] == [1]
+    env = workload_env("mapper", manifests=ours(single), secrets=_any_secrets()).env
+    (client,) = [s for s in nats_objects(single, "Service") if s["spec"].get("clusterIP") != "None"]
+    assert env["AEP_BRIDGE_NATS_URL"] == f"nats://{client['metadata']['name']}.{NAMESPACE}.svc:4222"

@@ -90,11 +90,34 @@ app.kubernetes.io/component: {{ .component }}
 {{- $port | int }}
 {{- end }}
 
+{{/*
+The URL(s) of the bundled server. A cluster (nats.config.cluster.enabled): one URL per
+server pod, `<statefulset>-<i>.<headless service>.<namespace>.svc` (the names the NATS
+chart gives them, overridable with nats.statefulSet.name / nats.headlessService.name),
+so a client holds every server and reconnects to the next at once when one goes.
+One server: the client Service.
+*/}}
 {{- define "aep-bridge.natsUrl" -}}
 {{- if .Values.nats.enabled }}
+{{- $scheme := ternary "tls" "nats" .Values.tls.enabled }}
+{{- $port := include "aep-bridge.natsPort" . }}
+{{- $cluster := dict }}
+{{- with .Values.nats.config }}{{- with .cluster }}{{- $cluster = . }}{{- end }}{{- end }}
+{{- if $cluster.enabled }}
+{{- $sts := include "aep-bridge.natsFullname" . }}
+{{- with .Values.nats.statefulSet }}{{- with .name }}{{- $sts = . }}{{- end }}{{- end }}
+{{- $headless := printf "%s-headless" (include "aep-bridge.natsFullname" .) }}
+{{- with .Values.nats.headlessService }}{{- with .name }}{{- $headless = . }}{{- end }}{{- end }}
+{{- $urls := list }}
+{{- range $i := until (int (default 3 $cluster.replicas)) }}
+{{- $urls = append $urls (printf "%s://%s-%d.%s.%s.svc:%s" $scheme $sts $i $headless $.Release.Namespace $port) }}
+{{- end }}
+{{- join "," $urls }}
+{{- else }}
 {{- $svc := include "aep-bridge.natsFullname" . }}
 {{- with .Values.nats.service }}{{- with .name }}{{- $svc = . }}{{- end }}{{- end }}
-{{- printf "%s://%s.%s.svc:%s" (ternary "tls" "nats" .Values.tls.enabled) $svc .Release.Namespace (include "aep-bridge.natsPort" .) }}
+{{- printf "%s://%s.%s.svc:%s" $scheme $svc .Release.Namespace $port }}
+{{- end }}
 {{- else }}
 {{- required "nats.url is required when nats.enabled is false (the URL of your NATS server)" .Values.nats.url }}
 {{- end }}
@@ -171,7 +194,8 @@ The names and meanings are the contract of docs/ARCHITECTURE.md.
 - name: AEP_BRIDGE_REDACT_NAMES
   value: {{ join "," . | quote }}
 {{- end }}
-{{- if eq .role "bootstrap" }}
+{{- /* bootstrap creates the streams; the gate creates its own buckets at start */}}
+{{- if has .role (list "bootstrap" "gate") }}
 {{- with $v.bootstrap.streamReplicas }}
 - name: AEP_BRIDGE_STREAM_REPLICAS
   value: {{ . | quote }}
