@@ -99,7 +99,7 @@ import msgspec
 from msgspec import UNSET
 
 from bridge.core import aep
-from bridge.core.capture import LEVELS, NONE, REDACTED, CapturePolicy, Ceiling, strip_to_required
+from bridge.core.ceiling import LEVELS, NONE, REDACTED, CapturePolicy, Ceiling, strip_to_required
 from bridge.core.identity import MAPPED_SLOT, SLOTS, rfc3339, ulid_from
 from bridge.core.lanes import UNKNOWN, lane_from_token
 from bridge.core.lanes import lane_token as _token_of

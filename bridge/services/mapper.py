@@ -78,7 +78,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from bridge.config import MAPPER_METRICS_PORT, Settings
 from bridge.core import deadletter
 from bridge.core.aep import PAYLOAD_TYPES, encode_event
-from bridge.core.capture import CapturePolicy
+from bridge.core.ceiling import CapturePolicy
 from bridge.core.deadletter import KNOWN_REASONS as DLQ_REASONS
 from bridge.core.envelope import EnvelopeError, check_raw, decode_raw
 from bridge.core.lanes import UNKNOWN_TOKEN, event_lane_token, lane_candidates, partition_of

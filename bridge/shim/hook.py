@@ -140,7 +140,7 @@ UNKNOWN_HOOK = "_unknown"
 TOKEN_MAX_CHARS = 200  # keeps the HPUB control line far below the server's 4 KiB limit
 STDIN_MAX_BYTES = 128 * 1024 * 1024  # more is not a hook envelope: the rest is not read ("truncated")
 CONFIG_MAX_BYTES = 1024 * 1024  # a settings file larger than this is ignored
-SECRET_MARK = "[REDACTED:secret]"  # keep in step with bridge/core/capture.py SECRET (a test compares them)
+SECRET_MARK = "[REDACTED:secret]"  # keep in step with bridge/core/redaction.py SECRET (a test compares them)
 # Accepted ranges; anything else is warned about and replaced by the default.
 LIMITS = {
     "DEADLINE_MS": (1, 60_000),

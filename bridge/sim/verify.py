@@ -62,7 +62,7 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from bridge.config import Settings
 from bridge.core.aep import decode_event
-from bridge.core.capture import CapturePolicy
+from bridge.core.ceiling import CapturePolicy
 from bridge.core.envelope import EnvelopeError, check_raw, decode_raw
 from bridge.core.identity import AFTER_SLOT, MAPPED_SLOT, MAX_MAPPED, SLOTS, event_id
 from bridge.core.invariants import CARD_ENDINGS, SESSION_ENDS, check_invariants

@@ -12,7 +12,7 @@ import pytest
 
 from bridge.core import aep
 from bridge.core import control as C
-from bridge.core.capture import CapturePolicy
+from bridge.core.ceiling import CapturePolicy
 from bridge.core.identity import SLOTS
 from bridge.core.schemas import generate
 from bridge.shim import hook

@@ -56,7 +56,7 @@ async def _eavesdrop(url: str, role: str, subjects: list[str]) -> tuple[Client, 
 def test_observe_only_roles_hear_nothing_of_what_the_mapper_pulls(url: str) -> None:
     """Finding 6. On the code before the fix every role could subscribe to ``_INBOX.>`` and
     received the mapper's pulled raw messages (secret included)."""
-    from bridge.core.capture import CapturePolicy
+    from bridge.core.ceiling import CapturePolicy
     from bridge.services.mapper import Mapper
 
     async def main() -> None:

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from bridge.core.capture import FULL, LEVELS, level_rank
+from bridge.core.ceiling import FULL, LEVELS, level_rank
 
 DEFAULT_LISTEN = "127.0.0.1:8787"
 ROLES = ("consumer", "operator", "emitter", "all")

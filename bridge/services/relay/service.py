@@ -34,7 +34,8 @@ from bridge.nats.subjects import EVENTS_PREFIX, command_subject, control_filter,
 from bridge.services.relay import ingest
 from bridge.services.relay.claims import MAX_DECLARATIONS_BYTES, Claimant, Claims
 from bridge.core.attrmatch import InvalidFilter
-from bridge.core.capture import LEVELS, downlevel_fields, level_rank, payload_fields
+from bridge.core.ceiling import LEVELS, level_rank
+from bridge.core.downlevel import downlevel_fields, payload_fields
 from bridge.nats.connection import connect_service
 from bridge.services.relay.config import Principal, RelayConfig
 from bridge.services.relay.hub import (Exhausted, Hub, Item, RefusedFrom, Subscription, intern_filter, parse_from,
