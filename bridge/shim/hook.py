@@ -167,12 +167,13 @@ REPLAY_BATCH = 128  # records per pipelined batch
 REPLAY_BATCH_BYTES = 4 * 1024 * 1024
 REPLAY_SHARE = 0.6  # of the deadline that replay may use before the own event
 
-_TOKEN_OK = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")
+TOKEN_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")  # what `token` keeps
 _B32 = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"  # Crockford base32 (ULID)
 
 _O_CLOEXEC = getattr(posix, "O_CLOEXEC", 0)
 
-# The opt-in control plane (keep in step with bridge/core/control.py; a test compares them).
+# The opt-in control plane (keep in step with bridge/core/control.py; a test compares them;
+# the pull's subject prefix is the one bridge/nats/subjects.py imports).
 _ON = ("1", "true", "yes", "on")
 DEFAULT_HOLD_MS = 55000
 DEFAULT_DENY_MESSAGE = "Blocked by an operator through the aep-bridge control gate."
@@ -266,7 +267,7 @@ def stub(value, data=None):
     return {STUB_KEY: True, "digest": digest_bytes(data), "bytes": len(data)}
 
 
-# ---------------------------------------------------------------- identity, subjects
+# ---------------------------------------------------------------- identity, subjects (bridge/nats/subjects.py imports these)
 
 
 def ulid(ms=None, rand=None):
@@ -285,7 +286,7 @@ def token(value):
     if not value:
         return "_"
     value = value[:TOKEN_MAX_CHARS]
-    ok = _TOKEN_OK
+    ok = TOKEN_CHARS
     return "".join([c if c in ok else "_" for c in value])
 
 
@@ -302,6 +303,11 @@ def shim_inbox_prefix(instance):
 
 def raw_subject(instance, hook):
     return RAW_SUBJECT_PREFIX + token(instance) + "." + token(hook)
+
+
+def instruct_subject(session):
+    """Where a ``pre_llm_call`` pulls its session's queued instructions from the gate."""
+    return INSTRUCT_PULL_PREFIX + "." + token(session)
 
 
 # ---------------------------------------------------------------- configuration
@@ -1909,7 +1915,7 @@ def _pull(conn, session, deadline):
     No gate (503), no answer in time, anything odd: None."""
     inbox = (conn.inbox + ".i").encode("ascii")
     body = encode({"session": session})
-    subject = (INSTRUCT_PULL_PREFIX + "." + token(session)).encode("utf-8")
+    subject = instruct_subject(session).encode("utf-8")
     conn.sock.settimeout(max(deadline - time.monotonic(), 0.001))
     conn.sock.sendall(b"PUB %s %s %d\r\n%s\r\n" % (subject, inbox, len(body), body))
     while True:

@@ -27,6 +27,7 @@ from bridge.core import control as C
 from bridge.core.identity import SLOTS
 from bridge.core.lanes import lane_token
 from bridge.nats.streams import CONTROL_BUCKET
+from bridge.nats.subjects import HELLO_SUBJECT
 from bridge.services.gate.config import COMMAND_DURABLE
 from tests.natsfixture import JetStreamClient, NatsServer, make_server
 from tests.support.services import Service, wait_for
@@ -156,7 +157,7 @@ def ready(url: str) -> bool:
     async def ask() -> bool:
         nc = await nats.connect(url)
         try:
-            await nc.request(C.HELLO_SUBJECT, b"", timeout=0.5)
+            await nc.request(HELLO_SUBJECT, b"", timeout=0.5)
             return True
         except Exception:
             return False
@@ -226,7 +227,7 @@ def test_hello_on_nats_and_in_healthz(plane: Plane) -> None:
     async def ask() -> dict[str, Any]:
         nc = await nats.connect(plane.url)
         try:
-            return json.loads((await nc.request(C.HELLO_SUBJECT, b"", timeout=2)).data)
+            return json.loads((await nc.request(HELLO_SUBJECT, b"", timeout=2)).data)
         finally:
             await nc.close()
 

@@ -27,10 +27,10 @@ from nats.js.errors import BucketNotFoundError
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from bridge.config import Settings
-from bridge.core.control import HELLO_SUBJECT, SessionInfo, is_ack_of
+from bridge.core.control import SessionInfo, is_ack_of
 from bridge.core.lanes import lane_from_token, lane_token
 from bridge.nats.streams import CONTROL_BUCKET
-from bridge.nats.subjects import EVENTS_PREFIX, command_subject, control_filter, ingest_subject
+from bridge.nats.subjects import EVENTS_PREFIX, HELLO_SUBJECT, command_subject, control_filter, ingest_subject
 from bridge.services.relay import ingest
 from bridge.services.relay.claims import MAX_DECLARATIONS_BYTES, Claimant, Claims
 from bridge.core.attrmatch import InvalidFilter
