@@ -595,9 +595,9 @@ def card_payload(policy: CapturePolicy, kind: str, card: Card, now_ns: int) -> t
 
 
 __all__ = [
-    "ACCEPTED", "ACK_TYPES", "ACK_WINDOW_MS", "ALLOW", "CARD_TRANSITIONS", "COMMAND_FILTERS", "Card", "CmdRecord",
-    "Command", "DEFAULT_DENY_MESSAGE", "DEFAULT_HOLD_MS", "DENY", "DROP_REASON", "DROP_SLOT", "GATE_SLOT",
-    "HELLO_SUBJECT", "INSTRUCT", "Instruction", "MAX_QUEUE", "MAX_TEXT", "Position", "REJECTED", "RESPOND", "Reject",
+    "ACCEPTED", "ACK_TYPES", "ACK_WINDOW_MS", "ALLOW", "CARD_TRANSITIONS", "Card", "CmdRecord",
+    "Command", "DEFAULT_DENY_MESSAGE", "DEFAULT_HOLD_MS", "DENY", "DROP_REASON", "DROP_SLOT", "GATE_HOLD_HEADER",
+    "GATE_REPLY_HEADER", "GATE_SLOT", "INSTRUCT", "Instruction", "MAX_QUEUE", "MAX_TEXT", "Position", "REJECTED", "RESPOND", "Reject",
     "SessionInfo", "Verdict", "Where", "accepted_verbs", "ack_id", "ack_payload", "build_event", "card_payload",
     "command_key", "dedupe_action", "drop_seqs", "gate_command", "gate_id", "gone_trigger", "hello",
     "instruct_decision", "interpret_answer", "is_ack_of", "joined_context", "next_seq", "parse_command",
