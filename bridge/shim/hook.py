@@ -89,10 +89,7 @@ and median wall time of 60 spawns; a bare ``python -I -S -c pass`` spawn: ~10 ms
   interpreter finalisation saves ~3 ms (10.2 -> 7.2 ms for an empty program).
 * One write carries CONNECT + SUB + HPUB, so a publish costs one round trip after INFO.
 
-Result (benchmarks/bench_shim.py, 300 interleaved Hermes-style spawns, 1 KB envelope,
-JetStream ack included): compiled shim median 9.9 ms vs 9.7 ms for a ``-I -S`` program
-that only answers ``{}`` (ratio 1.02; 1.00-1.06 over three runs), p99 1.5-1.7x its median;
-run from source the ratio is 2.15.
+Result: benchmarks/bench_shim.py (the figures: README "Performance", docs/BENCHMARKS.md).
 
 Control plane (opt-in; docs/ARCHITECTURE.md "Control plane")
 --------------------------------------------------------------
