@@ -25,7 +25,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from bridge.config import Settings  # noqa: E402
-from bridge.core.capture import CapturePolicy  # noqa: E402
+from bridge.core.ceiling import CapturePolicy  # noqa: E402
 from bridge.core.identity import event_id  # noqa: E402
 from bridge.stack.server import EmbeddedNats  # noqa: E402
 from bridge.sim.sessions import realistic_envelopes  # noqa: E402

@@ -22,7 +22,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from bridge.core.aep import encode_event  # noqa: E402
-from bridge.core.capture import CapturePolicy  # noqa: E402
+from bridge.core.ceiling import CapturePolicy  # noqa: E402
 from bridge.core.envelope import decode_raw  # noqa: E402
 from bridge.core.identity import event_id  # noqa: E402
 from bridge.core.lanes import MemoryLanes  # noqa: E402

@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from bench_mapper import BATCH, load, raw_messages, relay  # noqa: E402
 
 from bridge.config import Settings  # noqa: E402
-from bridge.core.capture import CapturePolicy  # noqa: E402
+from bridge.core.ceiling import CapturePolicy  # noqa: E402
 from bridge.stack.server import EmbeddedNats  # noqa: E402
 
 

@@ -30,7 +30,7 @@ import zlib
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from bridge.core.capture import CapturePolicy  # noqa: E402
+from bridge.core.ceiling import CapturePolicy  # noqa: E402
 from bridge.core.envelope import decode_raw  # noqa: E402
 from bridge.core.lanes import MemoryLanes  # noqa: E402
 from bridge.core.pairing import MINUTE, SECOND, PairingState  # noqa: E402

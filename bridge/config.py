@@ -406,7 +406,7 @@ class Settings:
     partitions: int = DEFAULT_PARTITIONS
     #: the capture ceiling; None: the default posture (metadata, attention at redacted)
     capture: str | None = None
-    #: per-category levels, at most the ceiling; None: the built-in bridge.core.capture.DEFAULT_OVERRIDES
+    #: per-category levels, at most the ceiling; None: the built-in bridge.core.ceiling.DEFAULT_OVERRIDES
     capture_overrides: str | None = None
     redact_names: tuple[str, ...] = ()
     metrics_port: int | None = None

@@ -267,8 +267,8 @@ def cmd_instruct(args: argparse.Namespace) -> int:
 
 
 def cmd_hello(args: argparse.Namespace) -> int:
-    from bridge.core.control import HELLO_SUBJECT
     from bridge.nats.connection import NatsConnectError, quick_connect
+    from bridge.nats.subjects import HELLO_SUBJECT
 
     async def ask() -> bytes | None:
         import nats.errors

@@ -49,7 +49,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     from bridge.core.bridges import BridgeError, from_cloudevent, project
     from bridge.core.bridges.otlp import export_logs_request
-    from bridge.core.capture import level_rank
+    from bridge.core.ceiling import level_rank
 
     if args.inverse and args.format != "cloudevents":
         print("aep-bridge export: --inverse exists for --format cloudevents only", file=sys.stderr)

@@ -62,7 +62,8 @@ def policy_from_args(args: argparse.Namespace, settings=None):  # type: ignore[n
     """The capture policy of the flags and settings; warnings (an override clamped to the
     ceiling) go to stderr once, at start."""
     from bridge.config import Settings
-    from bridge.core.capture import Redactor, configure
+    from bridge.core.ceiling import configure
+    from bridge.core.redaction import Redactor
 
     settings = settings or Settings.from_env()
     redactor = Redactor(secret_values=settings.secret_values(), home=os.path.expanduser("~"))

@@ -1,4 +1,4 @@
-"""`aep-bridge mapper`, `aep-bridge pairing` and `aep-bridge exporter`: the long-running services."""
+"""`aep-bridge mapper`, `pairing`, `exporter` and `relay`: the long-running services (the gate: bridge/commands/control.py)."""
 
 from __future__ import annotations
 

@@ -188,7 +188,8 @@ def cmd_uninstall(args: argparse.Namespace) -> int:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    from bridge.hermes.install import doctor, hermes_home
+    from bridge.hermes.doctor import doctor
+    from bridge.hermes.install import hermes_home
 
     failed = False
     for check in doctor(hermes_home(args.hermes_home), nats_timeout=args.timeout):

@@ -31,7 +31,8 @@ Two opt-ins change one moment each, and only when switched on (README, "Control 
   still queued at the real session end ``x.hermes.instruction.dropped {reason:
   "session_ended"}`` (before ``session.ended``).
 
-Commands (``decide``), in this order of checks:
+Commands, in this order of checks (``parse_command``: the id and the envelope; ``gate_command``:
+rows 2-4; then ``respond_decision`` or ``instruct_decision``):
 
 ====================================================  ====================================
 condition                                             ack
@@ -99,7 +100,7 @@ import msgspec
 from msgspec import UNSET
 
 from bridge.core import aep
-from bridge.core.capture import LEVELS, NONE, REDACTED, CapturePolicy, Ceiling, strip_to_required
+from bridge.core.ceiling import LEVELS, NONE, REDACTED, CapturePolicy, Ceiling, strip_to_required
 from bridge.core.identity import MAPPED_SLOT, SLOTS, rfc3339, ulid_from
 from bridge.core.lanes import UNKNOWN, lane_from_token
 from bridge.core.lanes import lane_token as _token_of
@@ -126,55 +127,11 @@ INSTRUCTION_SEPARATOR = "\n\n"
 GATE_SLOT = 896  # 896..1023: gate events after their anchor raw message (pairing uses 768..~800)
 DROP_SLOT = 384  # 384..511: drops before the finalize's session.ended (pairing's sweep uses 0..~200)
 
-# NATS subjects of the control plane (kept here, pure strings, so the shim's copy can be tested against them)
-HELLO_SUBJECT = "aep.gate.hello"
-INSTRUCT_PULL_PREFIX = "aep.gate.instruct"  # .<subject token of the session>: the shim's pre_llm_call pull
+# The headers of a held raw pre_tool_call (the shim's copies: bridge/shim/hook.py; a test compares
+# them). The control plane's subjects, and the checks of the reply subjects the gate answers to,
+# are bridge.nats.subjects' (`HELLO_SUBJECT`, `COMMAND_FILTERS`, `shim_reply_ok`...).
 GATE_REPLY_HEADER = "Aep-Gate-Reply"  # on a held raw pre_tool_call: where the decision goes
 GATE_HOLD_HEADER = "Aep-Gate-Hold-Ms"  # and how long the shim waits for it
-SHIM_INBOX_PREFIX = "_INBOX.hermes."  # + <instance token>.<22 hex>: a shim's inbox (bridge/shim/hook.py)
-_TOKEN_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")
-
-
-def _plain_tokens(rest: str) -> bool:
-    return all(t and set(t) <= _TOKEN_CHARS for t in rest.split("."))
-
-
-def shim_reply_ok(reply: str, instance_token: str, suffix: str) -> bool:
-    """Is ``reply`` a subject inside the inbox space of the instance ``instance_token`` (the
-    token of the subject the server let its publisher use), ending in ``.<suffix>`` (``g``: a
-    held call's decision)? The shim's own is ``_INBOX.hermes.<token>.<22 hex>.g``. The gate
-    sends nothing anywhere else on a shim's word: not into a stream, a KV bucket, another
-    instance's inbox or another role's."""
-    if len(reply) > 512 or not instance_token or not set(instance_token) <= _TOKEN_CHARS:
-        return False
-    head = SHIM_INBOX_PREFIX + instance_token + "."
-    if not reply.startswith(head) or not reply.endswith("." + suffix) or len(reply) < len(head) + len(suffix) + 2:
-        return False
-    return _plain_tokens(reply[len(head):-len(suffix) - 1])  # the inbox's own tokens, at least one
-
-
-def shim_pull_reply_ok(reply: str) -> bool:
-    """An instruction pull's reply subject: inside some shim's inbox space (the pull names a
-    session, not an instance)."""
-    if len(reply) > 512 or not reply.startswith(SHIM_INBOX_PREFIX):
-        return False
-    rest = reply[len(SHIM_INBOX_PREFIX):]
-    return rest.count(".") >= 1 and _plain_tokens(rest)
-
-
-def requester_reply_ok(reply: str) -> bool:
-    """A hello request's reply subject: an inbox (``_INBOX.`` + plain tokens), never a stream
-    or bucket subject, never a wildcard."""
-    if not reply.startswith("_INBOX.") or len(reply) > 512:
-        return False
-    return _plain_tokens(reply[len("_INBOX."):])
-
-
-# Commands go to ``aep.hermes.<lane token>.<command type>`` (in AEP_EVENTS), acks come back on
-# ``aep.hermes.<lane token>.control.accepted|rejected``: built by bridge.nats.subjects
-# (`command_subject`, `ack_subjects`), like every other subject.
-#: the gate's command consumer filters (acks match the first one too and are skipped)
-COMMAND_FILTERS = ("aep.hermes.*.control.>", "aep.hermes.*.x.*.control.>")
 
 
 # ---------------------------------------------------------------- capabilities
@@ -190,9 +147,11 @@ def accepted_verbs(control: bool, instruct: bool) -> list[str]:
     return verbs
 
 
-def hello(accepts: list[str], ack_window_ms: int = ACK_WINDOW_MS, instance: str = "") -> dict[str, Any]:
-    """The hello/capabilities document (AEP-0003 §4 shape) the gate serves on HELLO_SUBJECT and /healthz."""
-    return {
+def hello(accepts: list[str], ack_window_ms: int = ACK_WINDOW_MS, instance: str = "",
+          where: dict[str, str] | None = None) -> dict[str, Any]:
+    """The hello/capabilities document (AEP-0003 §4 shape) the gate serves on its hello subject
+    and /healthz; ``where``: the control plane's subjects (``bridge.nats.subjects.control_where``)."""
+    doc = {
         "type": "hello",
         "versions": ["0.1"],
         "role": "emitter",
@@ -201,12 +160,10 @@ def hello(accepts: list[str], ack_window_ms: int = ACK_WINDOW_MS, instance: str 
             "emits": ["attention", "control", "x.hermes.instruction"] if accepts else [],
             "control": {"accepts": list(accepts), "ack_window_ms": ack_window_ms},
         },
-        "x-aep-bridge": {
-            "commands": "aep.hermes.<lane token>.<command type> (stored in AEP_EVENTS)",
-            "acks": "aep.hermes.<lane token>.control.accepted | control.rejected (cause = command id)",
-            "hello": HELLO_SUBJECT,
-        },
     }
+    if where is not None:
+        doc["x-aep-bridge"] = dict(where)
+    return doc
 
 
 # ---------------------------------------------------------------- commands
@@ -638,9 +595,9 @@ def card_payload(policy: CapturePolicy, kind: str, card: Card, now_ns: int) -> t
 
 
 __all__ = [
-    "ACCEPTED", "ACK_TYPES", "ACK_WINDOW_MS", "ALLOW", "CARD_TRANSITIONS", "COMMAND_FILTERS", "Card", "CmdRecord",
-    "Command", "DEFAULT_DENY_MESSAGE", "DEFAULT_HOLD_MS", "DENY", "DROP_REASON", "DROP_SLOT", "GATE_SLOT",
-    "HELLO_SUBJECT", "INSTRUCT", "Instruction", "MAX_QUEUE", "MAX_TEXT", "Position", "REJECTED", "RESPOND", "Reject",
+    "ACCEPTED", "ACK_TYPES", "ACK_WINDOW_MS", "ALLOW", "CARD_TRANSITIONS", "Card", "CmdRecord",
+    "Command", "DEFAULT_DENY_MESSAGE", "DEFAULT_HOLD_MS", "DENY", "DROP_REASON", "DROP_SLOT", "GATE_HOLD_HEADER",
+    "GATE_REPLY_HEADER", "GATE_SLOT", "INSTRUCT", "Instruction", "MAX_QUEUE", "MAX_TEXT", "Position", "REJECTED", "RESPOND", "Reject",
     "SessionInfo", "Verdict", "Where", "accepted_verbs", "ack_id", "ack_payload", "build_event", "card_payload",
     "command_key", "dedupe_action", "drop_seqs", "gate_command", "gate_id", "gone_trigger", "hello",
     "instruct_decision", "interpret_answer", "is_ack_of", "joined_context", "next_seq", "parse_command",

@@ -35,7 +35,8 @@ from typing import Any, Mapping
 
 import msgspec
 
-from bridge.core.capture import FULL, LEVELS, REDACTED, CapturePolicy, digest
+from bridge.core.ceiling import FULL, LEVELS, REDACTED, CapturePolicy
+from bridge.core.digest import digest
 
 FORMAT = 1
 #: the reasons the stages use (the envelope's, the shim's `shim_<code>`, the services'); a

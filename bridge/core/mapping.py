@@ -24,8 +24,8 @@ Beyond the upstream pins, real Hermes sends (HERMES.md) and we map:
 * a missing or unexpected ``telemetry_schema_version`` is mapped as usual and
   every event of it carries the extension attribute ``drift`` (the drift sentinel).
 
-Capture: each builder receives a `Ceiling` (`bridge.core.capture`) for the event type it builds and adds a
-field only when the ceiling admits it (see `bridge.core.capture`).
+Capture: each builder receives a `Ceiling` (`bridge.core.ceiling`) for the event type it builds and adds a
+field only when the ceiling admits it (free text through `bridge.core.redaction`).
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ import msgspec
 from msgspec import UNSET
 
 from bridge.core import aep
-from bridge.core.capture import FULL, LEVELS, NONE, REDACTED, CapturePolicy, Ceiling, digest, strip_to_required
+from bridge.core.ceiling import FULL, LEVELS, NONE, REDACTED, CapturePolicy, Ceiling, strip_to_required
+from bridge.core.digest import digest
 from bridge.core.envelope import EnvelopeError, HermesEnvelope
 from bridge.core.identity import MAPPED_SLOT, MAX_MAPPED, Origin, rfc3339, source_uri
 from bridge.core.lanes import UNKNOWN, LaneLookup, Learned, lane_of, learned_from

@@ -9,7 +9,7 @@ from typing import Any
 
 import msgspec
 
-from bridge.core.capture import CapturePolicy
+from bridge.core.ceiling import CapturePolicy
 from bridge.core.envelope import EnvelopeError, HermesEnvelope, RawMessage, check_raw, envelope_from_obj, raw_envelope
 from bridge.core.identity import Origin
 from bridge.core.lanes import LaneLookup

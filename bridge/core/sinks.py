@@ -39,7 +39,7 @@ from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 from bridge.core.attrmatch import MATCH_ALL, Filter, InvalidFilter, compile_filter
-from bridge.core.capture import LEVELS, METADATA, level_rank
+from bridge.core.ceiling import LEVELS, METADATA, level_rank
 
 KINDS = ("kafka", "otlp")
 FORMATS = ("cloudevents", "otlp", "ocsf")

@@ -1,4 +1,4 @@
-"""Wire the shim into Hermes: ``aep-bridge hermes install | uninstall | doctor``.
+"""Wire the shim into Hermes: ``aep-bridge hermes install | uninstall`` (``doctor``: bridge/hermes/doctor.py).
 
 What ``install`` writes (and ``uninstall`` takes back, exactly):
 
@@ -28,13 +28,12 @@ default ``<shim>`` is the byte-compiled ``bridge/shim/hook.py`` (its standard
 ``__pycache__`` file, refreshed by every import of the module and by every
 ``install``): a script named on the command line is compiled on every run, which
 measured ~11 ms per event for this file, more than the whole rest of the hook.
-``--mode source`` registers ``hook.py`` itself. ``doctor`` checks that the
+``--mode source`` registers ``hook.py`` itself; ``doctor`` checks that the
 compiled file is current.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import importlib.util
 import io
@@ -53,11 +52,8 @@ from typing import Any, Iterator
 from ruamel.yaml import YAML
 from ruamel.yaml.comments import CommentedMap, CommentedSeq
 
-from bridge.config import DEFAULT_DEADLINE_MS, Settings, load_environ, read_env_file
+from bridge.config import DEFAULT_DEADLINE_MS, load_environ
 from bridge.core.control import DEFAULT_HOLD_MS
-from bridge.nats import streams as S
-from bridge.nats.connection import NatsConnectError, quick_connect
-from bridge.shim.hook import Spool, fallback_spool_dir
 
 HOOK_SOURCE = Path(__file__).resolve().parent.parent / "shim" / "hook.py"
 ALLOWLIST_FILENAME = "shell-hooks-allowlist.json"
@@ -587,150 +583,3 @@ def uninstall(home: Path, keep_env_file: bool = False) -> list[str]:
         done.append(f"removed {env_file}")
     (home / MANIFEST_FILENAME).unlink()
     return done
-
-
-# ---------------------------------------------------------------- doctor
-
-
-@dataclass
-class Check:
-    ok: bool
-    what: str
-    warning: bool = False  # reported, not fatal
-
-
-def doctor(home: Path, nats_timeout: float = 2.0) -> list[Check]:
-    """Is the shim registered for Hermes (checked with Hermes's own code when importable),
-    is its compiled copy current, does NATS answer and does HERMES_RAW exist?"""
-    checks: list[Check] = []
-    manifest = Manifest.load(home)
-    if manifest is None:
-        checks.append(Check(False, f"no aep-bridge install recorded in {home} (run `aep-bridge hermes install`)"))
-        return checks
-    command = manifest.command
-    checks.append(Check(True, f"command: {command}"))
-    if os.environ.get("HERMES_SAFE_MODE", "").strip().lower() in {"1", "true", "yes", "on"}:
-        checks.append(Check(False, "HERMES_SAFE_MODE is set in this environment: Hermes registers no hooks"))
-
-    doc, _ = load_config_yaml(home / "config.yaml") if (home / "config.yaml").exists() else ({}, None)
-    plain = json.loads(json.dumps(doc, default=str))  # ruamel types -> plain dicts for Hermes's parser
-    registered = _registered_events(home, plain, command)
-    missing = [e for e in manifest.events if e not in registered]
-    if missing:
-        checks.append(Check(False, f"not registered for: {', '.join(missing)}"))
-    else:
-        checks.append(Check(True, f"registered for {len(registered)} event(s) ({_hermes_note()})"))
-
-    script = Path(manifest.script)
-    if not os.access(manifest.python, os.X_OK):
-        checks.append(Check(False, f"interpreter missing or not executable: {manifest.python}"))
-    if not script.exists():
-        checks.append(Check(False, f"shim missing: {script} (run `aep-bridge hermes install` again)"))
-    elif manifest.mode == "compiled":
-        ok, why = pyc_is_current(script)
-        checks.append(Check(ok, f"compiled shim {script}: {why}" + ("" if ok else " (run `aep-bridge hermes install`)")))
-
-    checks.extend(_gate_checks(home, plain, command))
-    checks.extend(_nats_checks(home, nats_timeout))
-    return checks
-
-
-def _gate_checks(home: Path, cfg: dict[str, Any], command: str) -> list[Check]:
-    """With the gate on (in the shim's env file, overlaid by this environment, as the shim reads
-    them): is every pre_tool_call timeout of ours above the hold window plus the deadline?"""
-    values = read_env_file(home / ENV_FILENAME)
-    values.update({k: v for k, v in os.environ.items() if k in SHIM_SETTINGS})
-    try:
-        hold = hold_ms_of(values)
-    except InstallError as exc:
-        return [Check(False, str(exc))]
-    if hold is None:
-        return []
-    deadline = int(values.get("AEP_BRIDGE_DEADLINE_MS") or DEFAULT_DEADLINE_MS)
-    entries = ((cfg.get("hooks") or {}).get("pre_tool_call") or [])
-    ours = [e for e in entries if isinstance(e, dict) and e.get("command") == command]
-    if not ours:
-        return [Check(False, "AEP_HERMES_CONTROL is on but the shim is not hooked to pre_tool_call", warning=True)]
-    out = []
-    for e in ours:
-        t = e.get("timeout", 60)
-        try:
-            check_gate_timeout(int(t), hold, deadline)
-            out.append(Check(True, f"gate: pre_tool_call timeout {t} s > hold {hold} ms + deadline {deadline} ms"))
-        except (InstallError, TypeError, ValueError) as exc:
-            out.append(Check(False, f"gate: {exc} (run `aep-bridge hermes install` again)"))
-    return out
-
-
-def _hermes_note() -> str:
-    try:
-        import agent.shell_hooks  # noqa: F401
-
-        return "checked with hermes-agent's own parser and allowlist"
-    except ImportError:
-        return "hermes-agent not importable here; checked with aep-bridge's reading of its format"
-
-
-def _registered_events(home: Path, cfg: dict[str, Any], command: str) -> list[str]:
-    """Events for which Hermes would register ``command``: configured AND consented."""
-    try:
-        from agent import shell_hooks
-        from hermes_constants import reset_hermes_home_override, set_hermes_home_override
-    except ImportError:
-        hooks = cfg.get("hooks") or {}
-        data = read_allowlist(home)
-        accept = cfg.get("hooks_auto_accept") is True or os.environ.get("HERMES_ACCEPT_HOOKS", "").lower() in {
-            "1", "true", "yes", "on"}
-        return [
-            ev for ev, entries in hooks.items() if isinstance(entries, list)
-            and any(isinstance(e, dict) and e.get("command") == command for e in entries)
-            and (accept or is_approved(data, ev, command))
-        ]
-    token = set_hermes_home_override(home)
-    try:
-        accept = shell_hooks._resolve_effective_accept(cfg, False)
-        return [
-            spec.event for spec in shell_hooks.iter_configured_hooks(cfg)
-            if spec.command == command and (accept or shell_hooks.allowlist_entry_for(spec.event, command))
-        ]
-    finally:
-        reset_hermes_home_override(token)
-
-
-def _nats_checks(home: Path, timeout: float) -> list[Check]:
-    environ = dict(os.environ)
-    environ["AEP_BRIDGE_CONFIG"] = str(home / ENV_FILENAME)
-    settings = Settings.from_env(environ)
-    checks: list[Check] = []
-
-    async def probe() -> None:
-        nc = await quick_connect(settings, name="aep-bridge-doctor", timeout=timeout, role="shim")
-        try:
-            checks.append(Check(True, f"NATS answers at {nc.connected_url.netloc if nc.connected_url else '?'}"))
-            try:
-                info = await nc.jetstream().stream_info(S.HERMES_RAW)
-                checks.append(Check(True, f"{S.HERMES_RAW} exists ({info.state.messages} messages)"))
-            except Exception as exc:
-                checks.append(Check(False, f"{S.HERMES_RAW} missing ({exc}): run `aep-bridge bootstrap`"))
-        finally:
-            await nc.close()
-
-    try:
-        asyncio.run(probe())
-    except NatsConnectError as exc:
-        checks.append(Check(False, str(exc) + " (events are spooled meanwhile)"))
-    spool = Spool(str(settings.spool_dir), settings.instance, settings.spool_max_bytes,
-                  fallback_spool_dir(os.environ))
-    st = spool.status()
-    pending = st["pending_records"] + st.get("fallback", {}).get("pending_records", 0)
-    if pending or st["dropped_records"]:
-        where = st["path"] + (f" (and {st['fallback']['path']})" if st.get("fallback", {}).get("pending_records") else "")
-        checks.append(Check(
-            False,
-            f"spool {where}: {pending} pending, {st['dropped_records']} dropped "
-            "(`aep-bridge spool drain` / `status`)",
-            warning=not st["dropped_records"],
-        ))
-    else:
-        checks.append(Check(True, f"spool {st['path']}: empty"))
-    return checks

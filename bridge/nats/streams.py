@@ -1,8 +1,11 @@
-"""Every JetStream stream, KV bucket, object store and durable consumer of the bridge, as data.
+"""Every JetStream stream, KV bucket and object store of the bridge, as data, and the
+mapper's and the exporters' durable consumers (the gate's two durables are its own:
+``bridge/services/gate/``).
 
 One place for the names, subjects and limits of docs/ARCHITECTURE.md; services
 import the names from here, ``aep-bridge bootstrap`` (``bridge.nats.bootstrap``)
-creates or updates the streams and buckets from the specs, and tests compare
+creates or updates STREAMS, BUCKETS and OBJECT_STORES from the specs (the control
+plane's CONTROL_BUCKETS are created by the gate at start), and tests compare
 against them. Limits are explicit on purpose (max age, max bytes, duplicate
 window, discard policy): a stream without limits is an outage scheduled for the
 day the disk fills. Replicas are a deployment choice: ``replicas=`` here,
@@ -29,7 +32,7 @@ from nats.js.api import (
     StreamConfig,
 )
 
-from bridge.nats.subjects import DLQ_PREFIX, EVENTS_PREFIX, INGEST_PREFIX, MAPPED_PREFIX, RAW_PREFIX
+from bridge.nats.subjects import DLQ_PREFIX, EVENTS_PREFIX, INGEST_PREFIX, MAPPED_PREFIX, RAW_PREFIX, kv_subject, object_store_subjects
 
 DAY = 24 * 3600.0
 GiB = 1024**3
@@ -121,7 +124,7 @@ class BucketSpec:
         return StreamConfig(
             name=self.stream_name,
             description=self.description,
-            subjects=[f"$KV.{self.bucket}.>"],
+            subjects=[kv_subject(self.bucket, ">")],
             retention=RetentionPolicy.LIMITS,
             storage=StorageType.FILE,
             discard=DiscardPolicy.NEW,
@@ -159,7 +162,7 @@ class ObjectStoreSpec:
         return StreamConfig(
             name=self.stream_name,
             description=self.description,
-            subjects=[f"$O.{self.bucket}.C.>", f"$O.{self.bucket}.M.>"],
+            subjects=list(object_store_subjects(self.bucket)),
             retention=RetentionPolicy.LIMITS,
             storage=StorageType.FILE,
             discard=DiscardPolicy.NEW,

@@ -1,10 +1,16 @@
-"""Subject names of the pipeline (docs/ARCHITECTURE.md): every subject a service publishes
-to, or filters on, is built here, and none is longer than MAX_SUBJECT_CHARS.
+"""The bridge's NATS subjects (docs/ARCHITECTURE.md): every subject it publishes to,
+subscribes to, filters on or checks a reply against is built or checked here (the streams'
+subject lists in ``bridge.nats.streams`` are made of these prefixes and builders), and no
+subject built here is longer than MAX_SUBJECT_CHARS. The one exception is inboxes:
+nats-py mints them under the roles' prefixes (``bridge.nats.connection.ROLE_INBOX``).
 
-Raw subjects: a subject token is the value with every character outside ``[A-Za-z0-9_-]``
-replaced by ``_`` (an empty value is ``_``; at most 200 characters). Tokens are for
-routing only: the exact values travel in the message bodies. The shim has its own copy of
-this rule (it may import nothing); ``token`` here IS that copy, so the two cannot drift.
+The shim (``bridge/shim/hook.py``) may import nothing of the bridge, so the subjects it
+uses itself are defined there and imported here, never copied: the raw subject and its
+token rule (``token``: every character outside ``[A-Za-z0-9_-]`` becomes ``_``, an empty
+value is ``_``, at most 200 characters; routing only, the exact values travel in the
+bodies), the shim's inbox space and the instruction pull. What cannot be shared by import
+(the NATS permissions in ``deploy/``, constants the pure core keeps) is compared by
+tests/nats/test_subjects.py.
 
 Lane subjects use the lane token (`bridge.core.lanes.lane_token`: at most 128 characters),
 event subjects the AEP type (`bridge.core.mapping.valid_type`: the AEP grammar, at most 128
@@ -16,9 +22,11 @@ so such a subject must never reach the wire.
 
 from __future__ import annotations
 
+from bridge.core.envelope import EnvelopeError
 from bridge.core.lanes import LANE_TOKEN_MAX, UNKNOWN_TOKEN, event_lane_token, lane_token
 from bridge.core.mapping import valid_type
-from bridge.shim.hook import INVALID_HOOK, RAW_SUBJECT_PREFIX, TOKEN_MAX_CHARS, UNKNOWN_HOOK, raw_subject, token
+from bridge.shim.hook import (INSTRUCT_PULL_PREFIX, INVALID_HOOK, RAW_SUBJECT_PREFIX, SHIM_INBOX_PREFIX, TOKEN_CHARS,
+                              TOKEN_MAX_CHARS, UNKNOWN_HOOK, instruct_subject, raw_subject, shim_inbox_prefix, token)
 
 RAW_PREFIX = RAW_SUBJECT_PREFIX.rstrip(".")  # hermes.raw
 MAPPED_PREFIX = "bridge.mapped"
@@ -26,15 +34,23 @@ DLQ_PREFIX = "bridge.dlq"
 EVENTS_PREFIX = "aep.hermes"
 INGEST_PREFIX = "aep.ingest"  # events other AEP emitters POST to the relay (never aep.hermes.>)
 TICK_TOKEN = "__tick__"
+INBOX_PREFIX = "_INBOX."  # every inbox: the roles' (bridge.nats.connection.ROLE_INBOX), the shim's (SHIM_INBOX_PREFIX)
+# The opt-in control plane (docs/ARCHITECTURE.md "Control plane"): the gate's hello service, and
+# its consumer's filters over the command subjects (acks match the first one too and are skipped).
+HELLO_SUBJECT = "aep.gate.hello"
+COMMAND_FILTERS = (f"{EVENTS_PREFIX}.*.control.>", f"{EVENTS_PREFIX}.*.x.*.control.>")
 # Far below nats-server's max_control_line (4096 by default, which also holds the verb, the
 # reply subject and the sizes): the longest subject built here is ~300 characters.
 MAX_SUBJECT_CHARS = 1024
 
 __all__ = [
-    "DLQ_PREFIX", "EVENTS_PREFIX", "INGEST_PREFIX", "INVALID_HOOK", "MAPPED_PREFIX", "MAX_SUBJECT_CHARS", "RAW_PREFIX", "TICK_TOKEN",
-    "TOKEN_MAX_CHARS", "UNKNOWN_HOOK", "UNKNOWN_TOKEN", "SubjectError",
-    "ack_subjects", "command_subject", "dlq_subject", "event_subject", "events_filter", "events_subject", "ingest_subject", "session_filter", "kv_subject", "lane_token", "mapped_filter",
-    "mapped_subject", "raw_filter", "raw_subject", "raw_tokens", "tick_subject", "token",
+    "COMMAND_FILTERS", "DLQ_PREFIX", "EVENTS_PREFIX", "HELLO_SUBJECT", "INBOX_PREFIX", "INGEST_PREFIX", "INSTRUCT_PULL_PREFIX",
+    "INVALID_HOOK", "MAPPED_PREFIX", "MAX_SUBJECT_CHARS", "RAW_PREFIX", "SHIM_INBOX_PREFIX", "TICK_TOKEN",
+    "TOKEN_CHARS", "TOKEN_MAX_CHARS", "UNKNOWN_HOOK", "UNKNOWN_TOKEN", "SubjectError",
+    "ack_subjects", "check_raw_instance", "command_subject", "control_filter", "control_where", "dlq_subject", "event_subject",
+    "events_filter", "events_subject", "ingest_subject", "instruct_filter", "instruct_subject", "kv_subject", "lane_token",
+    "mapped_filter", "mapped_subject", "object_store_subjects", "raw_filter", "raw_subject", "raw_tokens", "requester_reply_ok", "session_filter",
+    "shim_inbox_prefix", "shim_pull_reply_ok", "shim_reply_ok", "tick_subject", "token",
 ]
 
 
@@ -52,7 +68,7 @@ def _bounded(subject: str) -> str:
     return subject
 
 
-_LANE_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-=")
+_LANE_CHARS = TOKEN_CHARS | {"="}
 
 
 def _lane(lane_tok: str) -> str:
@@ -73,6 +89,21 @@ def raw_tokens(subject: str) -> tuple[str, str] | None:
     if len(parts) != 4 or f"{parts[0]}.{parts[1]}" != RAW_PREFIX:
         return None
     return parts[2], parts[3]
+
+
+def check_raw_instance(subject: str, instance: str) -> None:
+    """The body's instance is the one the server authorised: the subject's instance token (a
+    per-instance NATS user may publish only on ``hermes.raw.<its instance>.>``). A body
+    naming another instance is a forgery (or a misconfigured shim):
+    ``EnvelopeError('instance_mismatch')``; a subject that is no raw subject ``bad_raw``.
+    Compared as the shim's token of the body's instance, so names that are not plain still
+    match their own subject."""
+    tokens = raw_tokens(subject)
+    if tokens is None:
+        raise EnvelopeError("bad_raw", "not published on hermes.raw.<instance>.<hook>")
+    if token(instance) != tokens[0]:
+        raise EnvelopeError("instance_mismatch", f"the body names instance token {token(instance)!r}, "
+                                                 f"the subject {tokens[0]!r}")
 
 
 def mapped_subject(partition: int, lane_tok: str) -> str:
@@ -137,5 +168,62 @@ def events_filter(lane_tok: str | None = None) -> str:
 
 
 def kv_subject(bucket: str, key: str) -> str:
-    """The subject a KV put publishes to (``$KV.<bucket>.<key>``)."""
+    """The subject a KV put publishes to (``$KV.<bucket>.<key>``; key ``>``: the bucket's stream)."""
     return _bounded(f"$KV.{bucket}.{key}")
+
+
+def object_store_subjects(bucket: str) -> tuple[str, str]:
+    """An object store's stream subjects (ADR-20): chunks ``$O.<bucket>.C.>``, metadata ``$O.<bucket>.M.>``."""
+    return _bounded(f"$O.{bucket}.C.>"), _bounded(f"$O.{bucket}.M.>")
+
+
+# ---------------------------------------------------------------- the control plane's inboxes and services
+
+
+def instruct_filter() -> str:
+    """What the gate's instruction-pull service subscribes to (every session's ``instruct_subject``)."""
+    return f"{INSTRUCT_PULL_PREFIX}.*"
+
+
+def control_where() -> dict[str, str]:
+    """The control plane's subjects as the hello document tells them (its ``x-aep-bridge``)."""
+    return {
+        "commands": f"{EVENTS_PREFIX}.<lane token>.<command type> (stored in AEP_EVENTS)",
+        "acks": f"{EVENTS_PREFIX}.<lane token>.control.accepted | control.rejected (cause = command id)",
+        "hello": HELLO_SUBJECT,
+    }
+
+
+def _plain_tokens(rest: str) -> bool:
+    return all(t and set(t) <= TOKEN_CHARS for t in rest.split("."))
+
+
+def shim_reply_ok(reply: str, instance_token: str, suffix: str) -> bool:
+    """Is ``reply`` a subject inside the inbox space of the instance ``instance_token`` (the
+    token of the subject the server let its publisher use), ending in ``.<suffix>`` (``g``: a
+    held call's decision)? The shim's own is ``_INBOX.hermes.<token>.<22 hex>.g``. The gate
+    sends nothing anywhere else on a shim's word: not into a stream, a KV bucket, another
+    instance's inbox or another role's."""
+    if len(reply) > 512 or not instance_token or not set(instance_token) <= TOKEN_CHARS:
+        return False
+    head = SHIM_INBOX_PREFIX + instance_token + "."
+    if not reply.startswith(head) or not reply.endswith("." + suffix) or len(reply) < len(head) + len(suffix) + 2:
+        return False
+    return _plain_tokens(reply[len(head):-len(suffix) - 1])  # the inbox's own tokens, at least one
+
+
+def shim_pull_reply_ok(reply: str) -> bool:
+    """An instruction pull's reply subject: inside some shim's inbox space (the pull names a
+    session, not an instance)."""
+    if len(reply) > 512 or not reply.startswith(SHIM_INBOX_PREFIX):
+        return False
+    rest = reply[len(SHIM_INBOX_PREFIX):]
+    return rest.count(".") >= 1 and _plain_tokens(rest)
+
+
+def requester_reply_ok(reply: str) -> bool:
+    """A hello request's reply subject: an inbox (``_INBOX.`` + plain tokens), never a stream
+    or bucket subject, never a wildcard."""
+    if not reply.startswith(INBOX_PREFIX) or len(reply) > 512:
+        return False
+    return _plain_tokens(reply[len(INBOX_PREFIX):])

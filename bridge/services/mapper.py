@@ -78,7 +78,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from bridge.config import MAPPER_METRICS_PORT, Settings
 from bridge.core import deadletter
 from bridge.core.aep import PAYLOAD_TYPES, encode_event
-from bridge.core.capture import CapturePolicy
+from bridge.core.ceiling import CapturePolicy
 from bridge.core.deadletter import KNOWN_REASONS as DLQ_REASONS
 from bridge.core.envelope import EnvelopeError, check_raw, decode_raw
 from bridge.core.lanes import UNKNOWN_TOKEN, event_lane_token, lane_candidates, partition_of
@@ -292,7 +292,7 @@ class Mapper:
             raw = decode_raw(msg.data)
             check_raw(raw)
             if self._instances.get(msg.subject) != raw.instance:  # checked once per subject and instance
-                self.check_instance(msg.subject, raw.instance)
+                subj.check_raw_instance(msg.subject, raw.instance)
                 if len(self._instances) >= 4096:
                     self._instances.clear()
                 self._instances[msg.subject] = raw.instance
@@ -334,20 +334,6 @@ class Mapper:
         if result.unknown:
             self.metrics.unknown_lane.inc(len(result.events))
         return futures, record.ts_ns
-
-    @staticmethod
-    def check_instance(subject: str, instance: str) -> None:
-        """The instance is the one the server authorised: the subject's instance token (a
-        per-instance NATS user may publish only on ``hermes.raw.<its instance>.>``). A body
-        naming another instance is a forgery (or a misconfigured shim):
-        ``EnvelopeError('instance_mismatch')``. Compared as the shim's token of the body's
-        instance, so names that are not plain still match their own subject."""
-        tokens = subj.raw_tokens(subject)
-        if tokens is None:
-            raise EnvelopeError("bad_raw", "not published on hermes.raw.<instance>.<hook>")
-        if subj.token(instance) != tokens[0]:
-            raise EnvelopeError("instance_mismatch", f"the body names instance token {subj.token(instance)!r}, "
-                                                     f"the subject {tokens[0]!r}")
 
     def check_sizes(self, bodies: list[bytes], hints: str) -> None:
         """``EnvelopeError('too_large')`` when an event would not fit the server's max_payload

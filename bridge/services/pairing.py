@@ -67,7 +67,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from bridge.config import PAIRING_METRICS_PORT, Settings
 from bridge.core import deadletter
 from bridge.core.aep import PAYLOAD_TYPES, decode_event, encode_event
-from bridge.core.capture import CapturePolicy, Redactor, configure
+from bridge.core.ceiling import CapturePolicy, configure
+from bridge.core.redaction import Redactor
 from bridge.core.deadletter import KNOWN_REASONS as DLQ_REASONS
 from bridge.core.pairing import PairingInputError, PairingState
 from bridge.nats import streams as S

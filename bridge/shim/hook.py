@@ -89,10 +89,7 @@ and median wall time of 60 spawns; a bare ``python -I -S -c pass`` spawn: ~10 ms
   interpreter finalisation saves ~3 ms (10.2 -> 7.2 ms for an empty program).
 * One write carries CONNECT + SUB + HPUB, so a publish costs one round trip after INFO.
 
-Result (benchmarks/bench_shim.py, 300 interleaved Hermes-style spawns, 1 KB envelope,
-JetStream ack included): compiled shim median 9.9 ms vs 9.7 ms for a ``-I -S`` program
-that only answers ``{}`` (ratio 1.02; 1.00-1.06 over three runs), p99 1.5-1.7x its median;
-run from source the ratio is 2.15.
+Result: benchmarks/bench_shim.py (the figures: README "Performance", docs/BENCHMARKS.md).
 
 Control plane (opt-in; docs/ARCHITECTURE.md "Control plane")
 --------------------------------------------------------------
@@ -140,7 +137,7 @@ UNKNOWN_HOOK = "_unknown"
 TOKEN_MAX_CHARS = 200  # keeps the HPUB control line far below the server's 4 KiB limit
 STDIN_MAX_BYTES = 128 * 1024 * 1024  # more is not a hook envelope: the rest is not read ("truncated")
 CONFIG_MAX_BYTES = 1024 * 1024  # a settings file larger than this is ignored
-SECRET_MARK = "[REDACTED:secret]"  # keep in step with bridge/core/capture.py SECRET (a test compares them)
+SECRET_MARK = "[REDACTED:secret]"  # keep in step with bridge/core/redaction.py SECRET (a test compares them)
 # Accepted ranges; anything else is warned about and replaced by the default.
 LIMITS = {
     "DEADLINE_MS": (1, 60_000),
@@ -166,13 +163,15 @@ MIN_FIT_LIMIT = 1024
 REPLAY_BATCH = 128  # records per pipelined batch
 REPLAY_BATCH_BYTES = 4 * 1024 * 1024
 REPLAY_SHARE = 0.6  # of the deadline that replay may use before the own event
+SPOOL_LOCK_GRACE_S = 0.03  # how long past the deadline an append may wait for the spool's lock
 
-_TOKEN_OK = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")
+TOKEN_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")  # what `token` keeps
 _B32 = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"  # Crockford base32 (ULID)
 
 _O_CLOEXEC = getattr(posix, "O_CLOEXEC", 0)
 
-# The opt-in control plane (keep in step with bridge/core/control.py; a test compares them).
+# The opt-in control plane (keep in step with bridge/core/control.py; a test compares them;
+# the pull's subject prefix is the one bridge/nats/subjects.py imports).
 _ON = ("1", "true", "yes", "on")
 DEFAULT_HOLD_MS = 55000
 DEFAULT_DENY_MESSAGE = "Blocked by an operator through the aep-bridge control gate."
@@ -266,7 +265,7 @@ def stub(value, data=None):
     return {STUB_KEY: True, "digest": digest_bytes(data), "bytes": len(data)}
 
 
-# ---------------------------------------------------------------- identity, subjects
+# ---------------------------------------------------------------- identity, subjects (bridge/nats/subjects.py imports these)
 
 
 def ulid(ms=None, rand=None):
@@ -285,7 +284,7 @@ def token(value):
     if not value:
         return "_"
     value = value[:TOKEN_MAX_CHARS]
-    ok = _TOKEN_OK
+    ok = TOKEN_CHARS
     return "".join([c if c in ok else "_" for c in value])
 
 
@@ -302,6 +301,11 @@ def shim_inbox_prefix(instance):
 
 def raw_subject(instance, hook):
     return RAW_SUBJECT_PREFIX + token(instance) + "." + token(hook)
+
+
+def instruct_subject(session):
+    """Where a ``pre_llm_call`` pulls its session's queued instructions from the gate."""
+    return INSTRUCT_PULL_PREFIX + "." + token(session)
 
 
 # ---------------------------------------------------------------- configuration
@@ -870,7 +874,7 @@ class NatsConnection:
         self.pending = b""  # CONNECT + SUB, sent with the first publish (one write, one round trip)
         self.next = 0
         # Messages on our inbox that are not PubAcks (the gate's ping or release on <inbox>.g can
-        # overtake the PubAck of the held call itself), kept for `_next_msg` instead of dropped.
+        # overtake the PubAck of the held call itself), kept for `next_msg` instead of dropped.
         self.early = []
 
     @classmethod
@@ -972,6 +976,57 @@ class NatsConnection:
         data, self.buf = self.buf[:n], self.buf[n:]
         return data
 
+    def _read_msg(self, deadline):
+        """The next message from the server as (subject, reply or None, header bytes, payload),
+        or None for a PONG; answers PINGs, skips +OK and INFO, raises NatsError on -ERR. The one
+        parser of MSG and HMSG (publish, next_msg, read_pong)."""
+        while True:
+            line = self._read_line(deadline)
+            if line.startswith(b"MSG ") or line.startswith(b"HMSG "):
+                parts = line.split()  # [H]MSG <subject> <sid> [reply] [<header bytes>] <total bytes>
+                n = int(parts[-1])
+                if line[0:1] == b"H":
+                    hlen, reply = int(parts[-2]), (parts[3] if len(parts) == 6 else None)
+                else:
+                    hlen, reply = 0, (parts[3] if len(parts) == 5 else None)
+                data = self._read_exact(n + 2, deadline)[:n]
+                return parts[1], reply, data[:hlen], data[hlen:]
+            if line == b"PING":
+                self.sock.sendall(b"PONG\r\n")
+            elif line == b"PONG":
+                return None
+            elif line.startswith(b"-ERR"):
+                raise NatsError("%s: %s" % (self.server, line[5:].decode("utf-8", "replace").strip(" '")))
+
+    def send(self, data, deadline, least=0.001):
+        """Write ``data``, allowing until ``deadline`` (at least ``least`` seconds). OSError when it cannot."""
+        self.sock.settimeout(max(deadline - time.monotonic(), least))
+        self.sock.sendall(data)
+
+    def next_msg(self, deadline):
+        """The next message on our inbox (first those a publish read before its acks) as (subject,
+        reply, header bytes, payload); None at the deadline or when the connection fails."""
+        if self.early:
+            return self.early.pop(0)
+        try:
+            while True:
+                m = self._read_msg(deadline)
+                if m is not None:
+                    return m
+        except (OSError, NatsError, ValueError):  # TimeoutError is an OSError
+            return None
+
+    def read_pong(self, deadline):
+        """Wait until ``deadline`` for the PONG that answers a PING we sent: the server then has
+        everything written before it. Messages read meanwhile are dropped. False when the
+        connection failed or the deadline passed first."""
+        try:
+            while self._read_msg(deadline) is not None:
+                pass
+            return True
+        except (OSError, NatsError, ValueError):
+            return False
+
     def publish(self, records, deadline):
         """Publish ``records`` pipelined, each with its own reply subject, and collect the acks.
 
@@ -995,30 +1050,20 @@ class NatsConnection:
         self.error = None
         results = {}
         try:
-            self.sock.settimeout(max(deadline - time.monotonic(), 0.001))
-            self.sock.sendall(out)
+            self.send(out, deadline)
             want = len(records)
             while len(results) < want:
-                line = self._read_line(deadline)
-                if line.startswith(b"MSG ") or line.startswith(b"HMSG "):
-                    parts = line.split()
-                    n = int(parts[-1])
-                    hlen = int(parts[-2]) if line[0:1] == b"H" else 0
-                    payload = self._read_exact(n + 2, deadline)[:n]
-                    try:
-                        idx = int(parts[1].rsplit(b".", 1)[1]) - base
-                    except (IndexError, ValueError):
-                        if len(self.early) < 16:
-                            with_reply = len(parts) == (6 if line[0:1] == b"H" else 5)
-                            self.early.append((parts[1], parts[3] if with_reply else None, payload[:hlen], payload[hlen:]))
-                        continue
-                    if 0 <= idx < want:  # a late answer to an earlier call is not ours
-                        results[idx] = _ack_outcome(payload[:hlen], payload[hlen:])
-                elif line == b"PING":
-                    self.sock.sendall(b"PONG\r\n")
-                elif line.startswith(b"-ERR"):
-                    raise NatsError("%s: %s" % (self.server, line[5:].decode("utf-8", "replace").strip(" '")))
-                # +OK, PONG, INFO updates: nothing to do
+                m = self._read_msg(deadline)
+                if m is None:  # a PONG
+                    continue
+                try:
+                    idx = int(m[0].rsplit(b".", 1)[1]) - base
+                except (IndexError, ValueError):  # not a PubAck: the gate's ping or release, for next_msg
+                    if len(self.early) < 16:
+                        self.early.append(m)
+                    continue
+                if 0 <= idx < want:  # a late answer to an earlier call is not ours
+                    results[idx] = _ack_outcome(m[2], m[3])
         except (OSError, NatsError, ValueError) as exc:
             self.error = exc
         ordered = []
@@ -1237,9 +1282,10 @@ def fallback_spool_dir(environ):
     return tmp + "/aep-bridge-%d" % posix.geteuid()
 
 
-def spool_for(cfg):
-    """The instance's spool with its fallback (AEP_BRIDGE_SPOOL_DIR, then the private temp dir)."""
-    return Spool(cfg.spool_dir, cfg.instance, cfg.spool_max_bytes, cfg.fallback_dir)
+def spool_for(cfg, instance=None):
+    """The spool of ``instance`` (default: the configured one) with its fallback
+    (AEP_BRIDGE_SPOOL_DIR, then the private temp dir)."""
+    return Spool(cfg.spool_dir, cfg.instance if instance is None else instance, cfg.spool_max_bytes, cfg.fallback_dir)
 
 
 class Spool:
@@ -1315,6 +1361,31 @@ class Spool:
                 raise
             _warn("spool %s unusable (%s); using the fallback spool %s" % (self.path, exc, fb.path))
             return fb._append(records, deadline)
+
+    def keep(self, records, deadline, max_field_bytes=DEFAULT_MAX_FIELD_BYTES):
+        """What the hook does with records no server acked: each is fitted to the default
+        max_payload first (nothing is spooled that cannot be published), then they are appended
+        behind what is pending, waiting for the lock until SPOOL_LOCK_GRACE_S past ``deadline``.
+        Returns how many were dropped over the cap (the last ones). When no spool can be
+        written they are counted as dropped and the OSError is raised: they are lost."""
+        for r in records:
+            try:
+                fit(r, DEFAULT_MAX_PAYLOAD, max_field_bytes)
+            except (ValueError, RecursionError):
+                pass
+        try:
+            return self.append(records, max(deadline, time.monotonic()) + SPOOL_LOCK_GRACE_S)
+        except OSError:
+            try:
+                self._count_dropped(len(records), sum(len(r.body) for r in records))
+            except OSError:
+                pass
+            raise
+
+    def reject(self, record, why):
+        """Set aside a record JetStream rejected for good (``why``: its 4xx answer) in
+        ``<token>.rejected``: never replayed. OSError when it cannot be written."""
+        self._set_aside(".rejected", b"%s %s\n" % (why.encode("utf-8", "replace"), frame(record)[:-1]))
 
     def _append(self, records, deadline=None):
         data = b"".join([frame(r) for r in records])
@@ -1539,7 +1610,7 @@ class Spool:
             outcomes = conn.publish(batch, deadline)
             for r, outcome, span in zip(batch, outcomes, spans):
                 if outcome is not True:
-                    self._set_aside(".rejected", b"%s %s\n" % (outcome.encode("utf-8", "replace"), frame(r)[:-1]))
+                    self.reject(r, outcome)
                 pos += span
                 sent += 1
             self._write_pos(pfd, pos)
@@ -1734,25 +1805,17 @@ def _deliver(record, cfg, started, deadline, spool, ctl):
     if outcome:  # a permanent rejection: spooling would only get it rejected again
         _warn("event %s rejected by JetStream: %s" % (record.id, outcome))
         try:
-            spool._set_aside(".rejected", b"%s %s\n" % (outcome.encode("utf-8", "replace"), frame(record)[:-1]))
+            spool.reject(record, outcome)
         except OSError:
             pass
         return "rejected"
-    try:  # never spool what cannot be published: fit the default max_payload first
-        fit(record, DEFAULT_MAX_PAYLOAD, cfg.max_field_bytes)
-    except (ValueError, RecursionError):
-        pass
     try:
-        dropped = spool.append([record], max(deadline, time.monotonic()) + 0.03)
+        dropped = spool.keep([record], deadline, cfg.max_field_bytes)
     except OSError as exc:
         _warn(
             "event %s LOST: NATS unavailable (%s) and spool unwritable (%s)"
             % (record.id, "; ".join(errors) or "not tried", exc)
         )
-        try:
-            spool._count_dropped(1, len(record.body))
-        except OSError:
-            pass
         return "lost"
     if errors:
         _warn("event %s spooled: %s" % (record.id, "; ".join(errors)[:500]))
@@ -1829,52 +1892,15 @@ class _Control:
             _warn("control: %s" % exc)
 
 
-def _next_msg(conn, deadline):
-    """The next MSG/HMSG as (subject, reply, header bytes, payload); None at the deadline or
-    when the connection fails. Answers PINGs meanwhile."""
-    if conn.early:
-        return conn.early.pop(0)
-    try:
-        while True:
-            line = conn._read_line(deadline)
-            if line.startswith(b"MSG ") or line.startswith(b"HMSG "):
-                parts = line.split()
-                n = int(parts[-1])
-                if line[0:1] == b"H":
-                    hlen, reply = int(parts[-2]), (parts[3] if len(parts) == 6 else None)
-                else:
-                    hlen, reply = 0, (parts[3] if len(parts) == 5 else None)
-                data = conn._read_exact(n + 2, deadline)[:n]
-                return parts[1], reply, data[:hlen], data[hlen:]
-            if line == b"PING":
-                conn.sock.sendall(b"PONG\r\n")
-            elif line.startswith(b"-ERR"):
-                return None
-    except (OSError, NatsError, ValueError):  # TimeoutError is an OSError
-        return None
-
-
 def _reply(conn, reply, data, deadline):
     """Publish ``data`` to ``reply`` and make sure the server has it (PING/PONG) before we
     exit. False when it could not be sent; then nothing may be applied."""
     try:
-        conn.sock.settimeout(max(deadline - time.monotonic(), 0.05))
-        conn.sock.sendall(b"PUB %s %d\r\n%s\r\nPING\r\n" % (reply, len(data), data))
+        conn.send(b"PUB %s %d\r\n%s\r\nPING\r\n" % (reply, len(data), data), deadline, 0.05)
     except OSError:
         return False
-    flush_by = max(deadline, time.monotonic() + 0.5)
-    while True:  # sent: the decision applies whatever happens to the PONG
-        try:
-            line = conn._read_line(flush_by)
-        except (OSError, NatsError, ValueError):
-            return True
-        if line == b"PONG" or line.startswith(b"-ERR"):
-            return True
-        if line.startswith(b"MSG ") or line.startswith(b"HMSG "):
-            try:
-                conn._read_exact(int(line.split()[-1]) + 2, flush_by)
-            except (OSError, NatsError, ValueError):
-                return True
+    conn.read_pong(max(deadline, time.monotonic() + 0.5))  # sent: the decision applies whatever happens to the PONG
+    return True
 
 
 def _hold(conn, until, raw_id=None):
@@ -1886,7 +1912,7 @@ def _hold(conn, until, raw_id=None):
     release this call. Expiry or a broken connection: None (Hermes proceeds)."""
     gate = (conn.inbox + ".g").encode("ascii")
     while True:
-        m = _next_msg(conn, until)
+        m = conn.next_msg(until)
         if m is None:
             return None
         subject, reply, _, body = m
@@ -1900,7 +1926,7 @@ def _hold(conn, until, raw_id=None):
         if op == "ping":
             if reply:
                 try:
-                    conn.sock.sendall(b"PUB %s 4\r\npong\r\n" % reply)
+                    conn.send(b"PUB %s 4\r\npong\r\n" % reply, until)
                 except OSError:
                     return None
         elif op == "release" and msg.get("decision") in ("allow", "deny") and reply and msg.get("id") == raw_id:
@@ -1919,11 +1945,10 @@ def _pull(conn, session, deadline):
     No gate (503), no answer in time, anything odd: None."""
     inbox = (conn.inbox + ".i").encode("ascii")
     body = encode({"session": session})
-    subject = (INSTRUCT_PULL_PREFIX + "." + token(session)).encode("utf-8")
-    conn.sock.settimeout(max(deadline - time.monotonic(), 0.001))
-    conn.sock.sendall(b"PUB %s %s %d\r\n%s\r\n" % (subject, inbox, len(body), body))
+    subject = instruct_subject(session).encode("utf-8")
+    conn.send(b"PUB %s %s %d\r\n%s\r\n" % (subject, inbox, len(body), body), deadline)
     while True:
-        m = _next_msg(conn, deadline)
+        m = conn.next_msg(deadline)
         if m is None:
             return None
         subj, reply, hdrs, data = m

@@ -9,8 +9,9 @@ How it publishes
   envelope exactly as the shim does (same ULID id, ``ts``, subject, body bytes), the
   shim's ``NatsConnection`` publishes it with ``Nats-Msg-Id`` and waits for the
   JetStream ack within ``deadline_ms``, and what is not acked in time goes to the
-  instance's spool with the shim's ``Spool.append`` (counted and reported when over the
-  cap or unwritable, as the shim does). Unlike a real shim, one connection is kept
+  instance's spool by the shim's own rule, ``Spool.keep`` (fitted to the default
+  max_payload, counted and reported when over the cap or unwritable), and what JetStream
+  rejects for good is set aside with ``Spool.reject``. Unlike a real shim, one connection is kept
   open and the records of many instances share one pipelined round trip (a thousand
   processes cannot be spawned 2,000 times a second on two cores). An instance with a
   non-empty spool appends behind it (order), and a drainer thread replays spools with
@@ -121,19 +122,13 @@ class Sender:
         return self.fleet.spool(instance)
 
     def _append(self, instance: str, records: list[Any], deadline: float) -> list[str]:
-        """The shim's fallback: append behind the spool; count what cannot be kept."""
-        spool = self.spool(instance)
+        """The shim's fallback (`Spool.keep`): behind the spool, or counted when it cannot be kept."""
         try:
-            dropped = spool.append(records, deadline + 0.03)
+            dropped = self.spool(instance).keep(records, deadline, self.cfg.max_field_bytes)
         except OSError as exc:
             self.errors[f"spool: {type(exc).__name__}"] += 1
-            for r in records:
-                try:
-                    spool._count_dropped(1, len(r.body))
-                except OSError:
-                    pass
             return ["lost"] * len(records)
-        # Spool.append drops the records that do not fit under the cap (the last ones).
+        # Spool.keep drops the records that do not fit under the cap (the last ones).
         return ["spooled"] * (len(records) - dropped) + ["dropped"] * dropped
 
     def send(self, items: list[tuple[str, Any]]) -> list[str]:
@@ -171,7 +166,7 @@ class Sender:
                 else:  # a permanent rejection, set aside like the shim does
                     outcomes[i] = "rejected"
                     try:
-                        self.spool(items[i][0])._set_aside(".rejected", b"%s %s\n" % (str(got[j]).encode(), hook.frame(items[i][1])[:-1]))
+                        self.spool(items[i][0]).reject(items[i][1], got[j])
                     except OSError:
                         pass
             else:
@@ -403,8 +398,7 @@ class Fleet:
 
     def spool(self, instance: str) -> Any:
         """The instance's spool as its shim sees it: the spool dir, then the private fallback."""
-        cfg = self.shim_config
-        return hook.Spool(cfg.spool_dir, instance, cfg.spool_max_bytes, cfg.fallback_dir)
+        return hook.spool_for(self.shim_config, instance)
 
     def shim_env(self, instance: str) -> dict[str, str]:
         return {

@@ -62,7 +62,7 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from bridge.config import Settings
 from bridge.core.aep import decode_event
-from bridge.core.capture import CapturePolicy
+from bridge.core.ceiling import CapturePolicy
 from bridge.core.envelope import EnvelopeError, check_raw, decode_raw
 from bridge.core.identity import AFTER_SLOT, MAPPED_SLOT, MAX_MAPPED, SLOTS, event_id
 from bridge.core.invariants import CARD_ENDINGS, SESSION_ENDS, check_invariants
@@ -70,7 +70,9 @@ from bridge.core.mapping import map_specs
 from bridge.core.pipeline import record_from_raw
 from bridge.core.schemas import generate
 from bridge.nats.connection import connect
-from bridge.services.mapper import Mapper
+from bridge.nats.streams import (AEP_EVENTS, BRIDGE_DLQ, BRIDGE_MAPPED, DLQ_SUBJECTS, EVENTS_SUBJECTS, HERMES_RAW,
+                                 MAPPED_SUBJECTS, RAW_SUBJECTS)
+from bridge.nats.subjects import check_raw_instance
 
 # Outcomes in the manifest for events the shim believed would reach HERMES_RAW.
 DELIVERED = ("published", "spooled", "unknown")
@@ -102,7 +104,7 @@ def expected_mapped(raw: Any, subject: str | None = None) -> int | str:
     try:
         check_raw(raw)
         if subject is not None:
-            Mapper.check_instance(subject, raw.instance)
+            check_raw_instance(subject, raw.instance)
         record = record_from_raw(raw, checked=True)
         return min(len(map_specs(record.envelope, _count_policy())), MAX_MAPPED)
     except EnvelopeError as exc:  # also bad_hook, from the mapping itself
@@ -355,10 +357,10 @@ class Verifier:
         self.raw_hostile = {e["id"] for e in self.entries if e.get("v") == "raw" and e.get("id")}
         self.markers = {e["m"] for e in self.entries if e.get("m")}
         self.readers = {
-            "raw": StreamReader(self.js, "HERMES_RAW", "hermes.raw.>"),
-            "mapped": StreamReader(self.js, "BRIDGE_MAPPED", "bridge.mapped.>"),
-            "dlq": StreamReader(self.js, "BRIDGE_DLQ", "bridge.dlq.>"),
-            "aep": StreamReader(self.js, "AEP_EVENTS", "aep.hermes.>"),
+            "raw": StreamReader(self.js, HERMES_RAW, RAW_SUBJECTS),
+            "mapped": StreamReader(self.js, BRIDGE_MAPPED, MAPPED_SUBJECTS),
+            "dlq": StreamReader(self.js, BRIDGE_DLQ, DLQ_SUBJECTS),
+            "aep": StreamReader(self.js, AEP_EVENTS, EVENTS_SUBJECTS),
         }
         self.raw: dict[str, _Raw] = {}
         self.answers: dict[str, tuple[str, str]] = {}  # answer raw id -> (session its turn_id names, instance)

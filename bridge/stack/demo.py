@@ -25,7 +25,7 @@ from typing import Any, TextIO
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from bridge.config import Settings, default_state_dir
-from bridge.core.capture import CapturePolicy
+from bridge.core.ceiling import CapturePolicy
 from bridge.core.lanes import MemoryLanes
 from bridge.core.pipeline import map_record, record_from_line
 from bridge.hermes.install import InstallError, compile_hook

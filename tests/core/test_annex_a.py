@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from bridge.core.capture import digest
+from bridge.core.digest import digest
 
 SESSION = "s_fix_1"
 TURN1 = "s_fix_1:t1:aaaa1111"

@@ -361,7 +361,7 @@ def paired_corpus() -> list[dict]:
     import msgspec
 
     from bridge.core.aep import encode_event
-    from bridge.core.capture import CapturePolicy
+    from bridge.core.ceiling import CapturePolicy
     from bridge.core.lanes import MemoryLanes, lane_token, partition_of
     from bridge.core.pairing import HOUR, PairingState
     from bridge.core.pipeline import map_record, record_from_line

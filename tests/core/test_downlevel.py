@@ -1,4 +1,4 @@
-"""A fan-out hop's capture ceiling (bridge/core/capture.py `downlevel_fields`, AEP-0001 §8.2):
+"""A fan-out hop's capture ceiling (bridge/core/downlevel.py `downlevel_fields`, AEP-0001 §8.2):
 field-level down-levelling against the AEP repository's corpus (tests/fixtures/aep/downlevel/),
 never up-levelled, never a `redacted` claim minted, within the ceiling the event itself, and
 types without known field levels reduced to their envelope. (The levels of the standard types
@@ -15,7 +15,8 @@ import msgspec
 import pytest
 
 from bridge.core import aep
-from bridge.core.capture import FULL, LEVEL_RANK, LEVELS, METADATA, NONE, REDACTED, downlevel_fields, payload_fields
+from bridge.core.ceiling import FULL, LEVEL_RANK, LEVELS, METADATA, NONE, REDACTED
+from bridge.core.downlevel import downlevel_fields, payload_fields
 
 CASES = json.loads((Path(__file__).parents[1] / "fixtures" / "aep" / "downlevel" / "cases.json").read_text())["cases"]
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from bridge.core.capture import LEVEL_RANK
+from bridge.core.ceiling import LEVEL_RANK
 from bridge.core.schemas import generate, render
 from tests.corpus import corpus_path, envelopes
 

@@ -16,7 +16,8 @@ import msgspec
 import pytest
 
 from bridge.core.aep import Event, encode_event
-from bridge.core.capture import CapturePolicy, Redactor, parse_overrides
+from bridge.core.ceiling import CapturePolicy, parse_overrides
+from bridge.core.redaction import Redactor
 from bridge.core.lanes import MemoryLanes, lane_token, partition_of
 from bridge.core.invariants import check_invariants
 from bridge.core.pairing import HOUR, PairingState

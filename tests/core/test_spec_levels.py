@@ -1,5 +1,5 @@
 """The field levels of the standard AEP types this bridge does not emit, read from the vendored
-payload schemas (bridge/data/aep_spec/, `capture.spec_payload_fields`): a fan-out hop down-levels
+payload schemas (bridge/data/aep_spec/, `downlevel.spec_payload_fields`): a fan-out hop down-levels
 them field by field (AEP-0001 §8.2) instead of dropping their payload; our own types stay
 authoritative for what we emit and are never looser than the spec's."""
 
@@ -15,8 +15,8 @@ import msgspec
 import pytest
 
 from bridge.core import aep
-from bridge.core.capture import (FULL, LEVEL_RANK, LEVELS, METADATA, NONE, REDACTED, _fields, downlevel_fields,
-                                 payload_fields, schema_payload_fields, spec_payload_fields)
+from bridge.core.ceiling import FULL, LEVEL_RANK, LEVELS, METADATA, NONE, REDACTED
+from bridge.core.downlevel import _fields, downlevel_fields, payload_fields, schema_payload_fields, spec_payload_fields
 
 SPEC = resources.files("bridge.data").joinpath("aep_spec")
 REGISTRY = json.loads(SPEC.joinpath("registry", "types.json").read_text(encoding="utf-8"))

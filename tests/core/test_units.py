@@ -10,7 +10,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from bridge.core import aep
-from bridge.core.capture import CapturePolicy, Redactor, canonical_json, digest, parse_overrides
+from bridge.core.ceiling import CapturePolicy, parse_overrides
+from bridge.core.digest import canonical_json, digest
+from bridge.core.redaction import Redactor
 from bridge.core.envelope import EnvelopeError, decode_envelope, envelope_from_obj
 from bridge.core.identity import Origin, event_id, rfc3339, ulid_from, ulid_time_ms
 from bridge.core.lanes import (

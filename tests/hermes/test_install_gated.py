@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from bridge.hermes import install as inst
+from bridge.hermes.doctor import doctor
 
 BASE = {"AEP_BRIDGE_NATS_URL": "nats://127.0.0.1:1", "AEP_BRIDGE_INSTANCE": "gate-test", "AEP_BRIDGE_DEADLINE_MS": "250"}
 EVENTS = ["pre_tool_call", "post_tool_call", "pre_llm_call"]
@@ -46,7 +47,7 @@ def test_gated_on_pre_tool_call_waits_longer_than_the_hold(tmp_path: Path, hold:
     env = (h / inst.ENV_FILENAME).read_text()
     for key in ("AEP_HERMES_CONTROL=1", "AEP_INSTRUCT=1", "AEP_HERMES_GATE_TOOLS=terminal|write_.*"):
         assert key in env  # the shim reads its opt-ins from the env file the command names
-    assert [c for c in inst.doctor(h, nats_timeout=0.2) if c.what.startswith("gate:")][0].ok
+    assert [c for c in doctor(h, nats_timeout=0.2) if c.what.startswith("gate:")][0].ok
 
 
 def test_turning_the_gate_on_updates_the_existing_entry(tmp_path: Path) -> None:
@@ -82,5 +83,5 @@ def test_doctor_flags_a_timeout_edited_below_the_hold(tmp_path: Path) -> None:
     inst.install(h, events=EVENTS, settings={**BASE, "AEP_HERMES_CONTROL": "1", "AEP_HERMES_HOLD_MS": "10000"})
     cfg = h / "config.yaml"
     cfg.write_text(cfg.read_text().replace("timeout: 16", "timeout: 10"))
-    gate = [c for c in inst.doctor(h, nats_timeout=0.2) if c.what.startswith("gate:")]
+    gate = [c for c in doctor(h, nats_timeout=0.2) if c.what.startswith("gate:")]
     assert len(gate) == 1 and not gate[0].ok and "hold window" in gate[0].what

@@ -8,7 +8,7 @@ import pytest
 
 from bridge.services.exporter.delivery import kafka_record, otlp_request_proto
 from bridge.core.bridges.otlp import to_log_record
-from bridge.core.capture import METADATA
+from bridge.core.ceiling import METADATA
 from bridge.core.sinks import SinkConfigError, sink_from_mapping, sink_from_url, sinks_from_document
 from bridge.services.exporter.sinks import retry_after_seconds
 from tests.core.test_bridges_pins import golden

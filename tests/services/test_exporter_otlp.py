@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from bridge.core.bridges.otlp import to_log_record
-from bridge.core.capture import METADATA
+from bridge.core.ceiling import METADATA
 from tests.natsfixture import JetStreamClient
 from tests.support.services import Service, publish_all, raw_records, wait_for
 from tests.corpus import envelopes

@@ -10,7 +10,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from bridge.core.bridges.otlp import any_value, to_log_record
-from bridge.core.capture import configure
+from bridge.core.ceiling import configure
 from bridge.core.sinks import sink_from_url
 from bridge.services.exporter import ExporterMetrics, SinkWorker
 from bridge.services.exporter.delivery import otlp_request_proto

@@ -22,6 +22,7 @@ from bridge.config import Settings
 from bridge.core import control as C
 from bridge.core.identity import SLOTS
 from bridge.nats.streams import CONTROL_BUCKET
+from bridge.nats.subjects import HELLO_SUBJECT
 from bridge.services.gate.config import COMMAND_DURABLE
 from tests.support.plane import Plane, new_session, ready, start_plane, start_session, stop_plane, types
 from tests.support.services import wait_for
@@ -56,7 +57,7 @@ def test_hello_on_nats_and_in_healthz(plane: Plane) -> None:
     async def ask() -> dict[str, Any]:
         nc = await nats.connect(plane.url)
         try:
-            return json.loads((await nc.request(C.HELLO_SUBJECT, b"", timeout=2)).data)
+            return json.loads((await nc.request(HELLO_SUBJECT, b"", timeout=2)).data)
         finally:
             await nc.close()
 

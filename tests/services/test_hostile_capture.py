@@ -28,7 +28,8 @@ import msgspec
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from bridge.core.capture import CapturePolicy, Redactor
+from bridge.core.ceiling import CapturePolicy
+from bridge.core.redaction import Redactor
 from bridge.core.lanes import MemoryLanes
 from bridge.core.pipeline import map_record, record_from_line
 from tests.corpus import corpus_path
@@ -293,7 +294,7 @@ def test_a_dead_letter_keeps_no_more_than_the_ceiling_allows(nats_server_fn, tmp
 @pytest.mark.parametrize("level", ["none", "metadata", "redacted", "full"])
 def test_dead_letter_levels(level):
     from bridge.core import deadletter
-    from bridge.core.capture import configure
+    from bridge.core.ceiling import configure
 
     policy, _ = configure(level, "")
     data = json.dumps({"v": 1, "id": "01JX", "hook": "_invalid", "raw": "say hi; password=pw12345678 to bob@example.test"}).encode()

@@ -301,14 +301,14 @@ def test_pairing_state_refuses_what_a_checkpoint_cannot_hold():
 
 def test_mapper_takes_the_instance_from_the_subject():
     from bridge.core.envelope import EnvelopeError
-    from bridge.services.mapper import Mapper
+    from bridge.nats.subjects import check_raw_instance
 
-    Mapper.check_instance("hermes.raw.gateway-0.pre_tool_call", "gateway-0")
-    Mapper.check_instance("hermes.raw.gw_1_example.pre_tool_call", "gw.1.example")  # the shim's token rule
+    check_raw_instance("hermes.raw.gateway-0.pre_tool_call", "gateway-0")
+    check_raw_instance("hermes.raw.gw_1_example.pre_tool_call", "gw.1.example")  # the shim's token rule
     for subject, instance in (("hermes.raw.gateway-0.pre_tool_call", "gateway-7"),
                               ("hermes.raw.gw_1.pre_tool_call", "gw-1")):
         with pytest.raises(EnvelopeError) as err:
-            Mapper.check_instance(subject, instance)
+            check_raw_instance(subject, instance)
         assert err.value.reason == "instance_mismatch"
 
 

@@ -71,7 +71,7 @@ async def _all_heard(c: Client, heard: Heard) -> None:
 def test_observe_only_roles_hear_nothing_of_what_the_mapper_pulls(url: str) -> None:
     """Finding 6. On the code before the fix every role could subscribe to ``_INBOX.>`` and
     received the mapper's pulled raw messages (secret included)."""
-    from bridge.core.capture import CapturePolicy
+    from bridge.core.ceiling import CapturePolicy
     from bridge.services.mapper import Mapper
 
     async def main() -> None:
@@ -131,9 +131,9 @@ def _held_call(instance: str, session: str, call: str) -> tuple[str, bytes, str]
     ("_INBOX.hermes.gateway-3." + "a" * 600 + ".g", False),
 ])
 def test_a_held_calls_reply_must_be_an_inbox_of_its_own_instance(reply: str, ok: bool) -> None:
-    from bridge.core import control as C
+    from bridge.nats.subjects import shim_reply_ok
 
-    assert C.shim_reply_ok(reply, "gateway-3", "g") is ok
+    assert shim_reply_ok(reply, "gateway-3", "g") is ok
 
 
 def test_the_gate_replies_only_inside_the_publishers_inbox_space(url: str) -> None:

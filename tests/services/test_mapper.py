@@ -16,7 +16,7 @@ import pytest
 
 from bridge.core import deadletter
 from bridge.core.aep import encode_event
-from bridge.core.capture import CapturePolicy
+from bridge.core.ceiling import CapturePolicy
 from bridge.nats.lanes import epoch_of
 from bridge.nats.streams import MAPPER_DURABLE
 from tests.corpus import envelopes

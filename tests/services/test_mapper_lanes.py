@@ -21,7 +21,7 @@ import nats
 from prometheus_client import CollectorRegistry
 
 from bridge.config import Settings
-from bridge.core.capture import CapturePolicy
+from bridge.core.ceiling import CapturePolicy
 from bridge.core.lanes import lane_token
 from bridge.nats import streams as S
 from bridge.nats.bootstrap import bootstrap

@@ -17,6 +17,7 @@ import aiohttp
 from bridge.commands.control import build_command
 from bridge.core import control as C
 from bridge.core.aep import encode_event
+from bridge.nats.subjects import HELLO_SUBJECT
 from bridge.services.gate.config import COMMAND_DURABLE
 from tests.support.plane import Plane, new_session, start_session
 from tests.support.relay import CONSUMER, EMITTER as EMITTER_TOKEN, OPERATOR, RelayProcess, auth
@@ -376,7 +377,7 @@ def plane_hello(plane: Plane) -> dict[str, Any]:
     async def ask() -> dict[str, Any]:
         nc = await nats.connect(plane.url)
         try:
-            return json.loads((await nc.request(C.HELLO_SUBJECT, b"", timeout=2)).data)
+            return json.loads((await nc.request(HELLO_SUBJECT, b"", timeout=2)).data)
         finally:
             await nc.close()
 

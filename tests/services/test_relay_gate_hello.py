@@ -11,7 +11,7 @@ import json
 
 import nats
 
-from bridge.core.control import HELLO_SUBJECT
+from bridge.nats.subjects import HELLO_SUBJECT
 from bridge.services.relay import presence
 from bridge.services.relay.config import RelayConfig
 from bridge.services.relay.service import Relay

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from bridge.core import control as C
+from bridge.nats import subjects
 from bridge.shim import hook
 from tests.natsfixture import JetStreamClient, NatsServer
 from tests.support.shim import compiled_hook, dumps, envelope, run_hook, shim_env
@@ -127,7 +128,7 @@ def test_held_call_waits_for_the_release(nats_server: NatsServer, jetstream: Jet
     assert seen["headers"][C.GATE_HOLD_HEADER] == "10000"
     # the shim's inbox is in its instance's inbox space (the only one its NATS user may hear)
     assert seen["headers"][C.GATE_REPLY_HEADER].startswith(f"_INBOX.hermes.{inst}.") and seen["headers"][C.GATE_REPLY_HEADER].endswith(".g")
-    assert C.shim_reply_ok(seen["headers"][C.GATE_REPLY_HEADER], inst, "g")
+    assert subjects.shim_reply_ok(seen["headers"][C.GATE_REPLY_HEADER], inst, "g")
     assert seen["pong"] == b"pong" and seen["confirm"] == b"ok"
     (msg,) = jetstream.fetch(f"hermes.raw.{inst}.>", expected=1)
     assert msg.headers == {"Nats-Msg-Id": msg.json()["id"], **{k: seen["headers"][k] for k in (C.GATE_REPLY_HEADER, C.GATE_HOLD_HEADER)}}
@@ -217,7 +218,7 @@ def test_pull_delivers_the_context_once_confirmed(nats_server: NatsServer, jetst
             else:
                 seen["confirm"] = (await nc.request(msg.reply, json.dumps({"context": queue}).encode(), timeout=2)).data
 
-        sub = await nc.subscribe(f"{C.INSTRUCT_PULL_PREFIX}.{session}", cb=on_pull)
+        sub = await nc.subscribe(subjects.instruct_subject(session), cb=on_pull)
         try:
             result = await run_shim(dumps(envelope("pre_llm_call", session=session)), instruct_env(nats_server.url, tmp_path, instance()))
             for _ in range(100):  # the shim may exit before the callback resumes with its confirmation

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bridge import config as bridge_config
-from bridge.core import capture
+from bridge.core import digest as core_digest
 from bridge.shim import hook
 
 json_scalars = st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False) | st.text()
@@ -97,8 +97,8 @@ no_float_values = st.recursive(
 @given(no_float_values)
 def test_digest_equals_the_core_digest(value: object) -> None:
     """Shim stubs carry digests the core passes through: both must hash the same bytes."""
-    assert hook.digest(value) == capture.digest(value)
-    assert capture.digest(hook.stub(value)) == capture.digest(value)
+    assert hook.digest(value) == core_digest.digest(value)
+    assert core_digest.digest(hook.stub(value)) == core_digest.digest(value)
 
 
 # ---------------------------------------------------------------- identity and subjects

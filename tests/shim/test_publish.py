@@ -342,3 +342,29 @@ def _mint_certs(d: Path) -> tuple[Path, Path, Path]:
         key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
     )
     return paths
+
+
+def test_one_reader_parses_every_message_form_of_the_protocol() -> None:
+    """MSG and HMSG, each with and without a reply subject, the PING it answers, the PONG it
+    reports, the -ERR it raises on: what publish, next_msg and read_pong all read through."""
+    import socket as socketlib
+
+    ours, server = socketlib.socketpair()
+    try:
+        conn = hook.NatsConnection(ours, {}, "test")
+        deadline = time.monotonic() + 2
+        server.sendall(b"MSG a.b 1 5\r\nhello\r\n" b"MSG a.c 1 r.1 2\r\nhi\r\n"
+                       b"PING\r\n+OK\r\n" b"HMSG a.d 1 12 14\r\nNATS/1.0\r\n\r\nok\r\n"
+                       b"HMSG a.e 1 r.2 16 16\r\nNATS/1.0 503\r\n\r\n\r\n" b"PONG\r\n" b"-ERR 'Permissions Violation'\r\n")
+        assert conn._read_msg(deadline) == (b"a.b", None, b"", b"hello")
+        assert conn._read_msg(deadline) == (b"a.c", b"r.1", b"", b"hi")
+        assert conn._read_msg(deadline) == (b"a.d", None, b"NATS/1.0\r\n\r\n", b"ok")
+        assert server.recv(64) == b"PONG\r\n"  # the PING was answered on the way
+        assert conn._read_msg(deadline) == (b"a.e", b"r.2", b"NATS/1.0 503\r\n\r\n", b"")
+        assert conn._read_msg(deadline) is None  # the PONG
+        with pytest.raises(hook.NatsError, match="Permissions Violation"):
+            conn._read_msg(deadline)
+        assert conn.next_msg(time.monotonic() + 0.05) is None  # nothing more: the deadline, not an error
+    finally:
+        ours.close()
+        server.close()

@@ -23,7 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from bridge.core.capture import CapturePolicy, Redactor
+from bridge.core.ceiling import CapturePolicy
+from bridge.core.redaction import Redactor
 from bridge.core.envelope import decode_raw
 from bridge.core.lanes import MemoryLanes
 from bridge.core.pipeline import map_record, record_from_raw

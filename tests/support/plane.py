@@ -19,6 +19,7 @@ from bridge.config import Settings
 from bridge.core import control as C
 from bridge.core.lanes import lane_token
 from bridge.nats.streams import CONTROL_BUCKET
+from bridge.nats.subjects import HELLO_SUBJECT
 from tests.natsfixture import JetStreamClient, NatsServer, make_server
 from tests.support.services import Service, wait_for
 from tests.support.shim import compiled_hook, dumps, envelope, run_hook, shim_env
@@ -142,7 +143,7 @@ def ready(url: str) -> bool:
     async def ask() -> bool:
         nc = await nats.connect(url)
         try:
-            await nc.request(C.HELLO_SUBJECT, b"", timeout=0.5)
+            await nc.request(HELLO_SUBJECT, b"", timeout=0.5)
             return True
         except Exception:
             return False

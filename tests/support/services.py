@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterable
 
-from bridge.core.capture import CapturePolicy
+from bridge.core.ceiling import CapturePolicy
 from bridge.stack.server import terminate
 from bridge.core.identity import event_id
 from bridge.core.lanes import MemoryLanes

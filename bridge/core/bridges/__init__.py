@@ -7,8 +7,8 @@
 | `ocsf` | `ocsf` | an OCSF 1.8.0 record, or nothing outside the §4.2 families |
 
 Each takes the event as its wire JSON object and the exporter's `max_capture` (a rank of
-`bridge.core.capture.LEVELS`, default `metadata`), applies the ceiling before it projects
-(`capture.exported_payload` / `capture.downlevel`), and raises `BridgeError` on an event
+`bridge.core.ceiling.LEVELS`, default `metadata`), applies the ceiling before it projects
+(`downlevel.exported_payload` / `downlevel.downlevel`), and raises `BridgeError` on an event
 it cannot project. No I/O here: the `aep-bridge export` command and the exporter service
 are the shells.
 """
@@ -21,7 +21,7 @@ from bridge.core.bridges.cloudevents import ForeignEvent, from_cloudevent, to_cl
 from bridge.core.bridges.common import BridgeError, check_event
 from bridge.core.bridges.ocsf import to_ocsf
 from bridge.core.bridges.otlp import to_log_record
-from bridge.core.capture import METADATA
+from bridge.core.ceiling import METADATA
 
 __all__ = ["FORMATS", "BridgeError", "ForeignEvent", "check_event", "from_cloudevent", "project"]
 

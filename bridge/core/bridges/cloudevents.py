@@ -11,7 +11,7 @@ extension names (§2 rule 2); any other attribute is dropped with a diagnostic. 
 CloudEvent of another type is out of scope (§2 rule 3): `ForeignEvent`.
 
 Both directions apply the ceiling first (forward) or last (inverse): a hop that
-re-emits an event never passes content above its `max_capture` (`capture.downlevel`).
+re-emits an event never passes content above its `max_capture` (`downlevel.downlevel`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from bridge.core.bridges.common import (
     check_event,
     extensions,
 )
-from bridge.core.capture import METADATA, downlevel
+from bridge.core.ceiling import METADATA
+from bridge.core.downlevel import downlevel
 
 SPECVERSION = "1.0"
 DATACONTENTTYPE = "application/json"

@@ -11,7 +11,7 @@ import re
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
-from bridge.core.capture import LEVEL_RANK
+from bridge.core.ceiling import LEVEL_RANK
 
 #: The reverse-DNS root of exported type names (AEP-0005 §1 B3, §3.2): one identity everywhere.
 TYPE_ROOT = "dev.aep."

@@ -3,7 +3,7 @@
 `to_ocsf` returns the OCSF record of an event in `CLASS_MAP` (§4.2), or None for every
 other type: the control plane, progress, presence, messages and vendor `x.*` traffic have
 no OCSF record by design. The record is built from the envelope and the payload that
-survives the exporter's `max_capture` (`capture.exported_payload`), nothing else:
+survives the exporter's `max_capture` (`downlevel.exported_payload`), nothing else:
 
 * `class_uid`, `category_uid`, `activity_id`, `type_uid` = class * 100 + activity;
   `status_id` and `disposition_id` from the table; `time` in epoch milliseconds;
@@ -29,7 +29,8 @@ import re
 from typing import Any
 
 from bridge.core.bridges.common import check_event, envelope, time_ns
-from bridge.core.capture import METADATA, exported_payload
+from bridge.core.ceiling import METADATA
+from bridge.core.downlevel import exported_payload
 
 OCSF_VERSION = "1.8.0"
 

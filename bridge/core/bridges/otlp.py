@@ -12,7 +12,7 @@ the AEP-0005 pins use: snake_case field names, `resource` and `attributes` as fl
 * attributes `aep.*` from the envelope (`capture` and `severity` defaults applied);
 * the members of the surviving payload named ``gen_ai.*`` hoisted verbatim into the
   attributes, the rest as `body` (absent when empty). The payload is what survives the
-  exporter's `max_capture` (`capture.exported_payload`): nothing above the ceiling, and
+  exporter's `max_capture` (`downlevel.exported_payload`): nothing above the ceiling, and
   nothing at all for `capture: none`.
 """
 
@@ -21,7 +21,8 @@ from __future__ import annotations
 from typing import Any
 
 from bridge.core.bridges.common import TRACEPARENT, TYPE_ROOT, check_event, time_ns
-from bridge.core.capture import METADATA, exported_payload
+from bridge.core.ceiling import METADATA
+from bridge.core.downlevel import exported_payload
 
 #: AEP-0005 §3.4: AEP severity -> (severity_text, severity_number).
 SEVERITY: dict[str, tuple[str, int]] = {

@@ -40,7 +40,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from bridge.config import EXPORTER_METRICS_PORT, Settings
 from bridge.core import deadletter
 from bridge.core.bridges import BridgeError, project
-from bridge.core.capture import LEVELS, CapturePolicy, Redactor, configure
+from bridge.core.ceiling import LEVELS, CapturePolicy, configure
+from bridge.core.redaction import Redactor
 from bridge.services.exporter.delivery import kafka_record
 from bridge.core.sinks import PROJECTION, SinkConfig, check_unique, sink_from_url, sinks_from_document
 from bridge.nats import streams as S

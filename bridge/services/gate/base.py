@@ -46,7 +46,7 @@ class GateBase:
         self.metrics = GateMetrics(self.registry)
         self.health = Health("gate")
         self.stopper = Stopper()
-        self.hello = hello(self.config.accepts, self.config.ack_window_ms, settings.instance)
+        self.hello = hello(self.config.accepts, self.config.ack_window_ms, settings.instance, subj.control_where())
         self.health.info.update(control=self.hello["capabilities"]["control"], hello=self.hello)
         self.nc: Any = None
         self.js: Any = None

@@ -8,7 +8,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from bridge.config import resolve
-from bridge.core.capture import CapturePolicy
+from bridge.core.ceiling import CapturePolicy
 from bridge.core.control import ACK_WINDOW_MS, INSTRUCT, RESPOND, accepted_verbs
 from bridge.services.runtime import BoundedLabel
 

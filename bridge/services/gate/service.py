@@ -15,17 +15,12 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from bridge.config import GATE_METRICS_PORT
 from bridge.core.control import (
-    COMMAND_FILTERS,
     DEFAULT_HOLD_MS,
     GATE_HOLD_HEADER,
     GATE_REPLY_HEADER,
-    HELLO_SUBJECT,
-    INSTRUCT_PULL_PREFIX,
     OPEN,
     RELEASING,
     Card,
-    requester_reply_ok,
-    shim_reply_ok,
 )
 from bridge.core.envelope import EnvelopeError, decode_raw
 from bridge.core.lanes import event_lane_token
@@ -64,9 +59,7 @@ class Gate(Commands):
         hook = msg.subject.rsplit(".", 1)[-1]
         try:
             raw = decode_raw(msg.data)
-            tokens = subj.raw_tokens(msg.subject)
-            if tokens is None or subj.token(raw.instance) != tokens[0]:  # a forged instance (mapper: instance_mismatch)
-                raise EnvelopeError("instance_mismatch", "the body's instance is not the subject's")
+            subj.check_raw_instance(msg.subject, raw.instance)  # a forged instance: the mapper dead-letters it
             record = record_from_raw(raw)
             await self.lanes.prefetch(record.envelope)
             raw_seq = msg.metadata.sequence.stream
@@ -84,7 +77,7 @@ class Gate(Commands):
         if not result.unknown:
             await self.learn(token, source, raw.instance or "", session=result.lane)
         reply = (msg.headers or {}).get(GATE_REPLY_HEADER)
-        if hook == "pre_tool_call" and reply and not shim_reply_ok(reply, msg.subject.split(".")[2], "g"):
+        if hook == "pre_tool_call" and reply and not subj.shim_reply_ok(reply, msg.subject.split(".")[2], "g"):
             # Only the publisher's own inbox space: never a stream, a bucket or another role's inbox.
             self.metrics.cards.labels(state="bad_reply").inc()
             log.warning("gate_reply_refused", subject=msg.subject, raw_seq=raw_seq, reply=reply[:120])
@@ -98,7 +91,7 @@ class Gate(Commands):
             await self.open_card(token, result.lane, tool_event, raw.id, raw_seq, raw.ts, hold_ms, reply)
 
     async def handle_hello(self, msg: Any) -> None:
-        if msg.reply and requester_reply_ok(msg.reply):  # an inbox: never a stream or bucket subject
+        if msg.reply and subj.requester_reply_ok(msg.reply):  # an inbox: never a stream or bucket subject
             await msg.respond(json.dumps(self.hello).encode())
 
     async def consume(self, sub: Any, handler: Any, what: str) -> None:
@@ -155,9 +148,9 @@ class Gate(Commands):
         commands = await self.js.pull_subscribe("", durable=COMMAND_DURABLE, stream=AEP_EVENTS, config=ConsumerConfig(
             durable_name=COMMAND_DURABLE, description="aep-bridge gate: control commands",
             deliver_policy=DeliverPolicy.NEW, ack_policy=AckPolicy.EXPLICIT, ack_wait=30.0,
-            filter_subjects=list(COMMAND_FILTERS)))
-        await self.nc.subscribe(HELLO_SUBJECT, queue=QUEUE_GROUP, cb=self.handle_hello)
-        await self.nc.subscribe(f"{INSTRUCT_PULL_PREFIX}.*", queue=QUEUE_GROUP, cb=self.handle_pull)
+            filter_subjects=list(subj.COMMAND_FILTERS)))
+        await self.nc.subscribe(subj.HELLO_SUBJECT, queue=QUEUE_GROUP, cb=self.handle_hello)
+        await self.nc.subscribe(subj.instruct_filter(), queue=QUEUE_GROUP, cb=self.handle_pull)
         await self.load_cards()
         return raw, commands
 

@@ -23,10 +23,10 @@ from bridge.core.control import (
     gate_id,
     instruct_decision,
     joined_context,
-    shim_pull_reply_ok,
 )
 from bridge.core.identity import source_uri
 from bridge.core.lanes import lane_token
+from bridge.nats.subjects import shim_pull_reply_ok
 from bridge.services.gate.base import GateBase
 
 log = structlog.get_logger("aep_bridge.gate")

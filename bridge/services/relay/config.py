@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from bridge.config import BY_NAME, DEFAULT_RELAY_LISTEN, SettingError, resolve
-from bridge.core.capture import FULL, LEVELS, level_rank
+from bridge.core.ceiling import FULL, LEVELS, level_rank
 
 DEFAULT_LISTEN = DEFAULT_RELAY_LISTEN
 ROLES = ("consumer", "operator", "emitter", "all")

@@ -19,7 +19,7 @@ from aiohttp import hdrs, web
 from prometheus_client import generate_latest
 
 from bridge.core.attrmatch import InvalidFilter
-from bridge.core.capture import level_rank
+from bridge.core.ceiling import level_rank
 from bridge.nats.subjects import ingest_subject
 from bridge.services.relay import ingest
 from bridge.services.relay.config import RelayConfig

@@ -31,7 +31,8 @@ import structlog
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from bridge.core.attrmatch import Filter, compile_filter
-from bridge.core.capture import FULL, downlevel_fields, event_capture
+from bridge.core.ceiling import FULL
+from bridge.core.downlevel import downlevel_fields, event_capture
 from bridge.core.lanes import UNKNOWN, lane_token
 from bridge.nats import streams as S
 from bridge.nats.subjects import session_filter

@@ -12,9 +12,10 @@ import msgspec
 from nats.errors import NoRespondersError
 from nats.js.errors import BucketNotFoundError
 
-from bridge.core.control import HELLO_SUBJECT, SessionInfo
+from bridge.core.control import SessionInfo
 from bridge.core.lanes import lane_from_token, lane_token
 from bridge.nats.streams import CONTROL_BUCKET
+from bridge.nats.subjects import HELLO_SUBJECT
 
 # The gate's hello (`Presence.gate_hello`): an answer is kept HELLO_FRESH_S; "no gate" only
 # HELLO_NONE_S, so a restarted gate is routed to again within a second. A gate that is

@@ -19,7 +19,7 @@ from typing import Any
 import msgspec
 import structlog
 
-from bridge.core.capture import downlevel_fields
+from bridge.core.downlevel import downlevel_fields
 from bridge.core.control import is_ack_of
 from bridge.core.lanes import lane_token
 from bridge.nats.subjects import EVENTS_PREFIX, command_subject, control_filter, ingest_subject

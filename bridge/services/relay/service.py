@@ -15,7 +15,8 @@ import structlog
 from aiohttp import web
 
 from bridge.config import Settings
-from bridge.core.capture import LEVELS, payload_fields
+from bridge.core.ceiling import LEVELS
+from bridge.core.downlevel import payload_fields
 from bridge.nats.connection import connect_service
 from bridge.services.relay.claims import Claims
 from bridge.services.relay.config import Principal, RelayConfig

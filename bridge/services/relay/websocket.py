@@ -13,7 +13,7 @@ import structlog
 from aiohttp import WSMsgType, web
 
 from bridge.core.attrmatch import InvalidFilter
-from bridge.core.capture import level_rank
+from bridge.core.ceiling import level_rank
 from bridge.nats.subjects import ingest_subject
 from bridge.services.relay import ingest
 from bridge.services.relay.claims import MAX_DECLARATIONS_BYTES, Claimant
