@@ -86,34 +86,35 @@ def run_service(coro) -> int:  # type: ignore[no-untyped-def]
 
 def cmd_mapper(args: argparse.Namespace) -> int:
     from bridge.commands.mapping import policy_from_args
+    from bridge.runtime import configure_logging
     from bridge.services.mapper import Mapper
-    from bridge.services.runtime import configure_logging
 
     settings = settings_from_args(args)
-    configure_logging(settings.log_format, settings.log_level)
+    configure_logging(settings.log_format, settings.log_level, component="mapper", replica=settings.instance)
     policy = policy_from_args(args, settings)
     return run_service(Mapper(settings, policy, batch=args.batch).run())
 
 
 def cmd_pairing(args: argparse.Namespace) -> int:
+    from bridge.runtime import configure_logging
     from bridge.services.pairing import PairingService
-    from bridge.services.runtime import configure_logging
 
     settings = settings_from_args(args)
     if args.tick_s is not None:
         if not args.tick_s > 0:
             raise SystemExit("aep-bridge pairing: --tick-s must be positive")
         settings.tick_s = args.tick_s
-    configure_logging(settings.log_format, settings.log_level)
-    return run_service(PairingService(settings, replica=args.replica).run())
+    service = PairingService(settings, replica=args.replica)
+    configure_logging(settings.log_format, settings.log_level, component="pairing", replica=service.replica)
+    return run_service(service.run())
 
 
 def cmd_exporter(args: argparse.Namespace) -> int:
     import os
 
     from bridge.core.sinks import SinkConfigError
+    from bridge.runtime import configure_logging
     from bridge.services.exporter import Exporter, load_sinks
-    from bridge.services.runtime import configure_logging
 
     settings = settings_from_args(args)
     try:
@@ -124,15 +125,15 @@ def cmd_exporter(args: argparse.Namespace) -> int:
     if not sinks:
         print("aep-bridge exporter: no sinks: give --sink URL or AEP_BRIDGE_EXPORT_CONFIG", file=sys.stderr)
         return 2
-    configure_logging(settings.log_format, settings.log_level)
+    configure_logging(settings.log_format, settings.log_level, component="exporter", replica=settings.instance)
     return run_service(Exporter(settings, sinks).run())
 
 
 def cmd_relay(args: argparse.Namespace) -> int:
     import os
 
+    from bridge.runtime import configure_logging
     from bridge.services.relay import RelayConfigError, from_env, run_relay
-    from bridge.services.runtime import configure_logging
 
     settings = settings_from_args(args)
     env = dict(os.environ)
@@ -143,5 +144,5 @@ def cmd_relay(args: argparse.Namespace) -> int:
     except (RelayConfigError, OSError) as exc:
         print(f"aep-bridge relay: {exc}", file=sys.stderr)
         return 2
-    configure_logging(settings.log_format, settings.log_level)
+    configure_logging(settings.log_format, settings.log_level, component="relay", replica=settings.instance)
     return run_service(run_relay(settings, cfg))

@@ -13,7 +13,6 @@ import collections
 import contextlib
 import datetime
 import json
-import signal
 import ssl
 import time
 from dataclasses import dataclass
@@ -36,6 +35,7 @@ from bridge.services.relay.claims import MAX_DECLARATIONS_BYTES, Claimant, Claim
 from bridge.core.attrmatch import InvalidFilter
 from bridge.core.capture import LEVELS, downlevel_fields, level_rank, payload_fields
 from bridge.nats.connection import connect_service
+from bridge.runtime import Health, Loop, Stopper, serve
 from bridge.services.relay.config import Principal, RelayConfig
 from bridge.services.relay.hub import (Exhausted, Hub, Item, RefusedFrom, Subscription, intern_filter, parse_from,
                                        parse_last_event_id)
@@ -973,28 +973,25 @@ class Relay:
 
 
 async def run_relay(settings: Settings, cfg: RelayConfig) -> int:
-    nc = await connect_service(settings, name=f"aep-bridge-relay-{settings.instance}", role="relay")
-    js = nc.jetstream()
-    relay = Relay(cfg, js, nc, settings.instance)
-    runner = await relay.start()
-    log.info("relay listening", url=cfg.url, auth="tokens" if cfg.auth_required else "none (loopback)",
-             replay_buffer=cfg.replay_buffer)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    """The relay under the services' runtime (signals, the connection watched, exit codes); its
+    HTTP port is its own (aiohttp: /healthz, /readyz, /metrics beside the AEP bindings)."""
+    relay: Relay | None = None
+    runner: web.AppRunner | None = None
 
-    async def watch() -> None:
-        while not nc.is_closed:
-            await asyncio.sleep(1.0)
-        stop.set()
+    async def start() -> list[Loop]:
+        nonlocal relay, runner
+        nc = await connect_service(settings, name=f"aep-bridge-relay-{settings.instance}", role="relay")
+        relay = Relay(cfg, nc.jetstream(), nc, settings.instance)
+        runner = await relay.start()
+        log.info("relay listening", url=cfg.url, auth="tokens" if cfg.auth_required else "none (loopback)",
+                 replay_buffer=cfg.replay_buffer)
+        return []
 
-    watcher = asyncio.create_task(watch())
-    await stop.wait()
-    watcher.cancel()
-    await relay.hub.stop()
-    await runner.cleanup()
-    closed = nc.is_closed
-    if not closed:
-        await nc.close()
-    return 1 if closed else 0
+    async def stop() -> None:
+        if relay is not None:
+            await relay.hub.stop()
+        if runner is not None:
+            await runner.cleanup()
+
+    return await serve("relay", settings, start, health=Health("relay"), stopper=Stopper(),
+                       connection=lambda: relay.nc if relay is not None else None, stop=stop)
