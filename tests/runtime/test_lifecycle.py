@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import threading
 import tracemalloc
 import urllib.error
@@ -30,6 +29,7 @@ from bridge.config import Settings
 from bridge.runtime import Health, Loop, Stopper, configure_logging, profiling, serve
 from bridge.stack.server import free_port
 from tests.natsfixture import JetStreamClient
+from tests.support.auth_server import accepts_connections
 from tests.support.services import Service, wait_for
 
 
@@ -37,14 +37,6 @@ def settings() -> Settings:
     s = Settings()
     s.metrics_host = "127.0.0.1"
     return s
-
-
-def listening(port: int) -> bool:
-    try:
-        socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-        return True
-    except OSError:
-        return False
 
 
 class Probe:
@@ -95,7 +87,7 @@ def test_a_failed_start_closes_its_connection_and_stops_the_port_and_the_profile
     with pytest.raises(RuntimeError, match="bind refused"):
         asyncio.run(probe.serve(start))
     assert probe.seen == ["healthz 200"]  # the port listened during the start, not after it
-    assert probe.nc.is_closed and not listening(probe.port)
+    assert probe.nc.is_closed and not accepts_connections(probe.port)
     assert profiling._profiler is None and not tracemalloc.is_tracing()
     assert list(tmp_path.glob("probe-*.jsonl")), "the profiler ran during the start and wrote its last row"
     assert len(probe.seen) == 1  # the service's stop is for a service that started

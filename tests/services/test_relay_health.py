@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from bridge.stack.server import free_port, terminate
-from tests.services.test_hostile_health import USER, AuthServer
+from tests.support.auth_server import USER, AuthServer
 from tests.support.services import http_json, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
