@@ -114,7 +114,7 @@ def cmd_exporter(args: argparse.Namespace) -> int:
 
     from bridge.core.sinks import SinkConfigError
     from bridge.runtime import configure_logging
-    from bridge.services.exporter import Exporter, load_sinks
+    from bridge.services.exporter import ClientMissing, Exporter, load_sinks, require_clients
 
     settings = settings_from_args(args)
     try:
@@ -124,6 +124,11 @@ def cmd_exporter(args: argparse.Namespace) -> int:
         return 2
     if not sinks:
         print("aep-bridge exporter: no sinks: give --sink URL or AEP_BRIDGE_EXPORT_CONFIG", file=sys.stderr)
+        return 2
+    try:
+        require_clients(sinks)
+    except ClientMissing as exc:
+        print(f"aep-bridge exporter: {exc}", file=sys.stderr)
         return 2
     configure_logging(settings.log_format, settings.log_level, component="exporter", replica=settings.instance)
     return run_service(Exporter(settings, sinks).run())

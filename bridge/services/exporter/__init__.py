@@ -5,6 +5,6 @@
 """
 
 from bridge.services.exporter.service import Exporter, ExporterMetrics, SinkWorker, load_sinks
-from bridge.services.exporter.sinks import Outcome
+from bridge.services.exporter.sinks import ClientMissing, Outcome, require_clients
 
-__all__ = ["Exporter", "ExporterMetrics", "Outcome", "SinkWorker", "load_sinks"]
+__all__ = ["ClientMissing", "Exporter", "ExporterMetrics", "Outcome", "SinkWorker", "load_sinks", "require_clients"]

@@ -22,6 +22,8 @@ Theory of operation
 * Metrics per sink (label ``sink``): delivered, filtered / no_record, retries, errors,
   dead letters, last success time, lag (the consumer's pending + unacknowledged).
   /readyz: NATS connected and every sink's consumer bound.
+* A sink whose client library is missing (the `export` extra) fails the start, with the
+  command that installs it (`sinks.require_clients`).
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from bridge.core.sinks import PROJECTION, SinkConfig, check_unique, sink_from_ur
 from bridge.nats import streams as S
 from bridge.nats.connection import connect_service, server_list
 from bridge.nats.subjects import dlq_subject
-from bridge.services.exporter.sinks import Outcome, make_sink
+from bridge.services.exporter.sinks import Outcome, make_sink, require_clients
 from bridge.runtime import Health, Loop, Stopper, serve
 
 log = structlog.get_logger("aep_bridge.exporter")
@@ -308,6 +310,7 @@ class Exporter:
                                      "sinks": [w.cfg.describe() for w in self.workers]})
 
     async def start(self) -> list[Loop]:
+        require_clients([w.cfg for w in self.workers])
         await self.connect()
         for worker in self.workers:
             await worker.sink.start()
