@@ -10,8 +10,8 @@ import sys
 import urllib.request
 from pathlib import Path
 
-from bridge.stack.server import free_port
-from tests.support.services import http_json, interrupt, wait_for
+from bridge.stack.server import free_port, terminate
+from tests.support.services import http_json, wait_for
 from tests.services.test_exporter_otlp import Receiver
 from tests.stack.test_up import cli, pid_alive, running_up
 
@@ -95,7 +95,7 @@ def test_up_export_without_the_kafka_client_fails_at_start_with_the_install_comm
     except subprocess.TimeoutExpired:  # still running (the defect): stop it and what it started
         code = None
     finally:
-        interrupt(up)
+        terminate(up, 60, signal.SIGINT)
         out.close()
     printed = (tmp_path / "up.out").read_text()
     assert code == 2, f"exit {code}:\n{printed[-3000:]}"

@@ -17,15 +17,16 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 
-from bridge.stack.server import free_port
+from bridge.stack.server import free_port, terminate
 from tests.support.auth_server import USER, AuthServer
-from tests.support.services import Service, http_json, interrupt, wait_for
+from tests.support.services import Service, http_json, wait_for
 from tests.support.shim import dumps, envelope, run_hook, shim_env
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -98,7 +99,7 @@ def test_a_connection_closed_by_the_server_is_replaced_and_the_stream_continues(
         logs = (tmp_path / "state" / "aep-bridge" / "logs" / "mapper.log").read_text()
         assert "nats_connection_lost" in logs
     finally:
-        interrupt(up)
+        terminate(up, 60, signal.SIGINT)
         out.close()
         server.stop()
 

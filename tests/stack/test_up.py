@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from bridge.stack.server import free_port
+from bridge.stack.server import free_port, terminate
 from tests.corpus import records
-from tests.support.services import http_json as http_get, interrupt, wait_for
+from tests.support.services import http_json as http_get, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -69,7 +69,7 @@ def running_up(tmp_path: Path, *extra: str, workers: int = 3):
         wait_for(started, 60, what="up to be running")
         yield proc, env, json.loads(info_path.read_text()), tmp_path
     finally:
-        interrupt(proc)
+        terminate(proc, 60, signal.SIGINT)
         out.close()
 
 

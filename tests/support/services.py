@@ -124,15 +124,3 @@ def http_json(url: str) -> tuple[int, dict]:
     except OSError:
         return 0, {}
 
-
-def interrupt(proc: "subprocess.Popen[Any] | None", timeout: float = 60.0) -> int | None:
-    """Ctrl-C (SIGINT), as a user stops `aep-bridge up`; SIGKILL when it has not exited within
-    ``timeout``. Its exit code."""
-    if proc is not None and proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    return None if proc is None else proc.returncode
