@@ -162,7 +162,7 @@ async def main(n: int, fmt: str) -> None:
 if __name__ == "__main__":
     import structlog
 
-    from bridge.services.runtime import configure_logging
+    from bridge.runtime import configure_logging
 
     configure_logging("json", "warning")
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

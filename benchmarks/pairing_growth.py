@@ -35,7 +35,7 @@ from bridge.core.envelope import decode_raw  # noqa: E402
 from bridge.core.lanes import MemoryLanes  # noqa: E402
 from bridge.core.pairing import MINUTE, SECOND, PairingState  # noqa: E402
 from bridge.core.pipeline import map_record, record_from_raw  # noqa: E402
-from bridge.services.profiling import rss_kb  # noqa: E402
+from bridge.runtime.profiling import rss_kb  # noqa: E402
 from bridge.shim import hook  # noqa: E402
 from bridge.sim.instances import stream_envelopes  # noqa: E402
 

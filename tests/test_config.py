@@ -71,7 +71,7 @@ def test_the_exporter_takes_the_sasl_password_from_the_config_file(clean_env, tm
 
 
 def test_the_profiler_reads_tracemalloc_from_the_config_file(clean_env, tmp_path: Path) -> None:
-    from bridge.services import profiling
+    from bridge.runtime import profiling
 
     snaps = tmp_path / "snaps"
     clean_env.setenv("AEP_BRIDGE_CONFIG", str(settings_file(

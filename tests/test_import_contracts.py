@@ -2,7 +2,8 @@
 
 They replace the hand-written purity checks: the core imports only the standard library and
 msgspec and does no I/O, the shim's hook imports only the standard library, each folder
-imports only the floors below it, and no service imports another (docs/ARCHITECTURE.md).
+imports only the floors below it, no service imports another, and the services use the
+runtime (bridge/runtime/) through its public module only (docs/ARCHITECTURE.md).
 """
 
 from __future__ import annotations
@@ -34,12 +35,24 @@ def report() -> str:
 
 
 def test_the_contracts_are_the_ones_the_issue_asks_for() -> None:
-    assert len(CONTRACTS) == 5, CONTRACTS
+    assert len(CONTRACTS) == 6, CONTRACTS
 
 
 @pytest.mark.parametrize("name", CONTRACTS)
 def test_contract_is_kept(report: str, name: str) -> None:
     assert f"{name} KEPT" in report, report
+
+
+def test_the_runtime_has_no_import_cycle() -> None:
+    """Before issue 22 the runtime imported the profiler, which imported the runtime (for a type)."""
+    import grimp
+
+    graph = grimp.build_graph("bridge")
+    modules = sorted(m for m in graph.modules if m.startswith("bridge.runtime."))
+    assert "bridge.runtime.profiling" in modules and "bridge.runtime.lifecycle" in modules, modules
+    cycles = [(a, b) for a in modules for b in modules
+              if a < b and graph.chain_exists(a, b) and graph.chain_exists(b, a)]
+    assert cycles == []
 
 
 def test_the_allow_list_contract_reports_an_import_outside_it(tmp_path: Path) -> None:

@@ -104,15 +104,15 @@ def _settings(args: argparse.Namespace, use_up: bool = True):  # type: ignore[no
 def cmd_gate(args: argparse.Namespace) -> int:
     from bridge.commands.mapping import policy_from_args
     from bridge.commands.services import run_service
+    from bridge.runtime import configure_logging
     from bridge.services.gate import Gate, GateConfig
-    from bridge.services.runtime import configure_logging
 
     settings = _settings(args, use_up=False)
     if args.metrics_port is not None:
         settings.metrics_port = args.metrics_port
     if args.log_format:
         settings.log_format = args.log_format
-    configure_logging(settings.log_format, settings.log_level)
+    configure_logging(settings.log_format, settings.log_level, component="gate", replica=settings.instance)
     config = GateConfig.from_env(policy=policy_from_args(args, settings))
     if args.probe_ms:
         config.probe_ms = args.probe_ms

@@ -93,22 +93,23 @@ def run_service(coro) -> int:  # type: ignore[no-untyped-def]
 
 def cmd_mapper(args: argparse.Namespace) -> int:
     from bridge.commands.mapping import policy_from_args
+    from bridge.runtime import configure_logging
     from bridge.services.mapper import Mapper
-    from bridge.services.runtime import configure_logging
 
     settings = settings_from_args(args, "mapper")
-    configure_logging(settings.log_format, settings.log_level)
+    configure_logging(settings.log_format, settings.log_level, component="mapper", replica=settings.instance)
     policy = policy_from_args(args, settings)
     return run_service(Mapper(settings, policy, batch=args.batch).run())
 
 
 def cmd_pairing(args: argparse.Namespace) -> int:
+    from bridge.runtime import configure_logging
     from bridge.services.pairing import PairingService
-    from bridge.services.runtime import configure_logging
 
     settings = settings_from_args(args, "pairing")  # --tick-s included
-    configure_logging(settings.log_format, settings.log_level)
-    return run_service(PairingService(settings, replica=args.replica).run())
+    service = PairingService(settings, replica=args.replica)
+    configure_logging(settings.log_format, settings.log_level, component="pairing", replica=service.replica)
+    return run_service(service.run())
 
 
 def exporter_sinks(args: argparse.Namespace, environ: dict[str, str] | None = None) -> list:  # type: ignore[type-arg]
@@ -124,8 +125,8 @@ def exporter_sinks(args: argparse.Namespace, environ: dict[str, str] | None = No
 
 def cmd_exporter(args: argparse.Namespace) -> int:
     from bridge.core.sinks import SinkConfigError
-    from bridge.services.exporter import Exporter
-    from bridge.services.runtime import configure_logging
+    from bridge.runtime import configure_logging
+    from bridge.services.exporter import ClientMissing, Exporter, require_clients
 
     settings = settings_from_args(args, "exporter")
     try:
@@ -136,13 +137,18 @@ def cmd_exporter(args: argparse.Namespace) -> int:
     if not sinks:
         print("aep-bridge exporter: no sinks: give --sink URL or AEP_BRIDGE_EXPORT_CONFIG", file=sys.stderr)
         return 2
-    configure_logging(settings.log_format, settings.log_level)
+    try:
+        require_clients(sinks)
+    except ClientMissing as exc:
+        print(f"aep-bridge exporter: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(settings.log_format, settings.log_level, component="exporter", replica=settings.instance)
     return run_service(Exporter(settings, sinks).run())
 
 
 def cmd_relay(args: argparse.Namespace) -> int:
+    from bridge.runtime import configure_logging
     from bridge.services.relay import RelayConfigError, from_env, run_relay
-    from bridge.services.runtime import configure_logging
 
     settings = settings_from_args(args, "relay")
     try:
@@ -150,5 +156,5 @@ def cmd_relay(args: argparse.Namespace) -> int:
     except (RelayConfigError, OSError) as exc:
         print(f"aep-bridge relay: {exc}", file=sys.stderr)
         return 2
-    configure_logging(settings.log_format, settings.log_level)
+    configure_logging(settings.log_format, settings.log_level, component="relay", replica=settings.instance)
     return run_service(run_relay(settings, cfg))

@@ -81,10 +81,13 @@ def cmd_up(args: argparse.Namespace) -> int:
         return 2
     if args.export:
         from bridge.core.sinks import SinkConfigError, check_unique, sink_from_url
+        from bridge.services.exporter import ClientMissing, require_clients
 
-        try:  # a bad URL is said now, not in a worker's log
-            check_unique([sink_from_url(url) for url in args.export])
-        except SinkConfigError as exc:
+        try:  # a bad URL, or a sink whose client is not installed, is said now, not in a worker's log
+            sinks = [sink_from_url(url) for url in args.export]
+            check_unique(sinks)
+            require_clients(sinks)
+        except (SinkConfigError, ClientMissing) as exc:
             print(f"aep-bridge up: --export: {exc}", file=sys.stderr)
             return 2
     up = Up(settings, nats_url=args.nats, port=args.port, state_dir=state_dir,

@@ -89,7 +89,7 @@ from bridge.nats import subjects as subj
 from bridge.nats.connection import connect_service, server_list
 from bridge.nats.lanes import KvLanes, epoch_of
 from bridge.nats.lookup import DEFAULT_MARGIN_NS, SERVER_MARGIN_NS, find_msg_id, msg_ids_on, stored_ns
-from bridge.services.runtime import OTHER, BoundedLabel, Health, HttpServer, Stopper, close_connection, watch_connection
+from bridge.runtime import OTHER, BoundedLabel, Health, Loop, Stopper, close_connection, serve
 
 log = structlog.get_logger("aep_bridge.mapper")
 
@@ -581,53 +581,40 @@ class Mapper:
                 return
 
     async def run(self, http_port: int | None = None) -> int:
-        self.stopper.install()
-        port = http_port if http_port is not None else (MAPPER_METRICS_PORT if self.settings.metrics_port is None else self.settings.metrics_port)
-        http = HttpServer(self.health, self.registry, host=self.settings.metrics_host, port=port).start()
-        log.info("mapper_starting", metrics_port=http.port, nats=server_list(self.settings).urls, partitions=self.settings.partitions)
-        try:
-            await self.connect()
-            sub = await self.bind()
-        except Exception as exc:
-            log.error("mapper_start_failed", error=f"{type(exc).__name__}: {exc}")
-            http.stop()
-            await self.close()
-            raise
-        self.health.connection = self.nc
+        return await serve("mapper", self.settings, self.start, health=self.health, stopper=self.stopper,
+                           connection=lambda: self.nc, registry=self.registry, default_port=MAPPER_METRICS_PORT,
+                           port=http_port, grace_s=20.0, starting={"nats": server_list(self.settings).urls,
+                                                                   "partitions": self.settings.partitions})
+
+    async def start(self) -> list[Loop]:
+        await self.connect()
+        sub = await self.bind()
         self.health.set_ready(True)
         self.health.info.update(epoch=self.epoch, durable=self.durable)
         log.info("mapper_ready", epoch=self.epoch, durable=self.durable)
-        watcher = asyncio.create_task(self.watch_consumer(sub))
-        conn_watch = asyncio.create_task(watch_connection(self.nc, self.stopper, self.health, log))
+        return [self.consume(sub), self.watch_consumer(sub)]
 
-        try:
-            while not self.stopper.stopping:
-                self.health.beat()
+    async def consume(self, sub: Any) -> None:
+        while not self.stopper.stopping:
+            self.health.beat()
+            try:
+                msgs = await sub.fetch(self.batch_size, timeout=1.0)
+            except (nats.errors.TimeoutError, asyncio.TimeoutError):
+                continue
+            except Exception as exc:  # connection trouble: stay alive, report not ready
+                self.health.set_ready(False, f"fetch failed: {exc}")
+                log.warning("fetch_failed", error=f"{type(exc).__name__}: {exc}")
+                await self.stopper.sleep(1.0)
+                # The consumer or the stream may be gone (HERMES_RAW recreated, a server that
+                # lost its store): bind again, which also re-reads the epoch.
                 try:
-                    msgs = await sub.fetch(self.batch_size, timeout=1.0)
-                except (nats.errors.TimeoutError, asyncio.TimeoutError):
-                    continue
-                except Exception as exc:  # connection trouble: stay alive, report not ready
-                    self.health.set_ready(False, f"fetch failed: {exc}")
-                    log.warning("fetch_failed", error=f"{type(exc).__name__}: {exc}")
-                    await self.stopper.sleep(1.0)
-                    # The consumer or the stream may be gone (HERMES_RAW recreated, a server that
-                    # lost its store): bind again, which also re-reads the epoch.
-                    try:
-                        sub = await self.bind()
-                        log.info("mapper_rebound", epoch=self.epoch)
-                    except Exception as bind_exc:
-                        log.warning("rebind_failed", error=f"{type(bind_exc).__name__}: {bind_exc}")
-                    continue
-                self.health.set_ready(True)
-                await self.process_batch(msgs)
-        finally:
-            log.info("mapper_stopping", signal=self.stopper.signal, failed=self.stopper.failed)
-            watcher.cancel()
-            conn_watch.cancel()
-            await self.close()
-            http.stop()
-        return self.stopper.exit_code
+                    sub = await self.bind()
+                    log.info("mapper_rebound", epoch=self.epoch)
+                except Exception as bind_exc:
+                    log.warning("rebind_failed", error=f"{type(bind_exc).__name__}: {bind_exc}")
+                continue
+            self.health.set_ready(True)
+            await self.process_batch(msgs)
 
     async def close(self) -> None:
         await close_connection(self.nc)

@@ -75,7 +75,7 @@ from bridge.nats import streams as S
 from bridge.nats import subjects as subj
 from bridge.nats.connection import connect_service
 from bridge.nats.lookup import SERVER_MARGIN_NS, find_msg_id, stored_ns
-from bridge.services.runtime import BoundedLabel, Health, HttpServer, Stopper, close_connection, watch_connection
+from bridge.runtime import BoundedLabel, Health, Loop, Stopper, close_connection, serve
 
 log = structlog.get_logger("aep_bridge.pairing")
 
@@ -622,46 +622,37 @@ class PairingService:
         self.late_after_ns = int(float(window or S.DUPLICATE_WINDOW_S) * 1e9) // 2
 
     async def run(self, http_port: int | None = None) -> int:
-        self.stopper.install()
-        port = http_port if http_port is not None else (PAIRING_METRICS_PORT if self.settings.metrics_port is None else self.settings.metrics_port)
-        http = HttpServer(self.health, self.registry, host=self.settings.metrics_host, port=port).start()
-        log.info("pairing_starting", replica=self.replica, metrics_port=http.port, partitions=self.settings.partitions)
-        try:
-            await self.connect()
-        except Exception as exc:
-            log.error("pairing_start_failed", error=f"{type(exc).__name__}: {exc}")
-            http.stop()
-            await self.close()
-            raise
-        self.health.connection = self.nc
+        return await serve("pairing", self.settings, self.start, health=self.health, stopper=self.stopper,
+                           connection=lambda: self.nc, stop=self.stop, registry=self.registry,
+                           default_port=PAIRING_METRICS_PORT, port=http_port,
+                           starting={"replica": self.replica, "partitions": self.settings.partitions},
+                           stopping=lambda: {"partitions": sorted(self.partitions)})
+
+    async def start(self) -> list[Loop]:
+        await self.connect()
         self.health.set_ready(True)
-        ticker = asyncio.create_task(self.tick_loop())
-        conn_watch = asyncio.create_task(watch_connection(self.nc, self.stopper, self.health, log))
-        try:
-            while not self.stopper.stopping:
-                self.health.beat()
-                try:
-                    await self.maintain()
-                except Exception as exc:
-                    self.health.set_ready(False, f"maintain failed: {type(exc).__name__}: {exc}")
-                    log.warning("maintain_failed", error=f"{type(exc).__name__}: {exc}")
-                if await self.stopper.sleep(RENEW_S):
-                    break
-        finally:
-            log.info("pairing_stopping", signal=self.stopper.signal, partitions=sorted(self.partitions),
-                     failed=self.stopper.failed)
-            ticker.cancel()
-            conn_watch.cancel()
-            # Partition loops see `stopping`, finish the batch in hand, checkpoint and return.
-            tasks = [p.task for p in self.partitions.values() if p.task]
-            done, still = await asyncio.wait(tasks, timeout=20) if tasks else (set(), set())
-            for task in still:
-                task.cancel()
-            for part in list(self.partitions.values()):
-                await self.release(part)
-            await self.close()
-            http.stop()
-        return self.stopper.exit_code
+        return [self.maintain_loop(), self.tick_loop()]
+
+    async def maintain_loop(self) -> None:
+        while not self.stopper.stopping:
+            self.health.beat()
+            try:
+                await self.maintain()
+            except Exception as exc:
+                self.health.set_ready(False, f"maintain failed: {type(exc).__name__}: {exc}")
+                log.warning("maintain_failed", error=f"{type(exc).__name__}: {exc}")
+            if await self.stopper.sleep(RENEW_S):
+                return
+
+    async def stop(self) -> None:
+        """Partition loops see `stopping`, finish the batch in hand, checkpoint and return; then
+        the leases go back."""
+        tasks = [p.task for p in self.partitions.values() if p.task]
+        done, still = await asyncio.wait(tasks, timeout=20) if tasks else (set(), set())
+        for task in still:
+            task.cancel()
+        for part in list(self.partitions.values()):
+            await self.release(part)
 
     async def close(self) -> None:
         await close_connection(self.nc)

@@ -28,7 +28,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from bridge.nats import streams as S
 from bridge.nats.bootstrap import bootstrap
-from bridge.services.profiling import rss_kb
+from bridge.runtime.profiling import rss_kb
 
 ROOT = Path(__file__).resolve().parents[2]
 

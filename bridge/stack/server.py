@@ -20,12 +20,13 @@ import time
 from pathlib import Path
 
 
-def terminate(proc: "subprocess.Popen[bytes] | None", timeout: float = 10.0) -> int | None:
-    """SIGTERM, wait up to ``timeout``, then SIGKILL: the one way every child process is stopped."""
+def terminate(proc: "subprocess.Popen[bytes] | None", timeout: float = 10.0, sig: int = signal.SIGTERM) -> int | None:
+    """SIGTERM (or ``sig``: SIGINT is a user's Ctrl-C), wait up to ``timeout``, then SIGKILL: the
+    one way every child process is stopped."""
     if proc is None:
         return None
     if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(sig)
         try:
             proc.wait(timeout)
         except subprocess.TimeoutExpired:

@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import urllib.request
 from pathlib import Path
 
-from bridge.stack.server import free_port
+from bridge.stack.server import free_port, terminate
 from tests.support.services import http_json, wait_for
 from tests.support.otlp import Receiver
 from tests.stack.test_up import cli, pid_alive, running_up
@@ -68,3 +70,34 @@ def test_up_refuses_a_bad_export_url(tmp_path):
     env = {**os.environ, "XDG_STATE_HOME": str(tmp_path / "state"), "AEP_BRIDGE_CONFIG": os.devnull}
     r = cli("up", "--export", "http://collector:4318/v1/logs", env=env, timeout=30)
     assert r.returncode == 2 and "--export" in r.stderr and "kafka://" in r.stderr
+
+
+def test_up_export_without_the_kafka_client_fails_at_start_with_the_install_command(tmp_path):
+    """Before the fix `up` ran on while its exporter crash-looped on ModuleNotFoundError:
+    confluent_kafka, and nothing said so until Kafka stayed empty. A `confluent_kafka` that
+    cannot be imported (first on PYTHONPATH, as when the `export` extra is missing) must stop
+    `up` at start, with the command that installs it, and leave no process behind."""
+    root = Path(__file__).resolve().parents[2]
+    shadow = tmp_path / "shadow"
+    shadow.mkdir()
+    (shadow / "confluent_kafka.py").write_text("raise ImportError('no confluent_kafka here (test)')\n")
+    env = {**os.environ, "XDG_STATE_HOME": str(tmp_path / "state"), "AEP_BRIDGE_CONFIG": os.devnull,
+           "PYTHONPATH": os.pathsep.join([str(shadow), str(root)])}
+    env.pop("AEP_BRIDGE_NATS_URL", None)
+    out = open(tmp_path / "up.out", "w")
+    up = subprocess.Popen([sys.executable, "-m", "bridge.cli", "up", "--port", str(free_port()),
+                           "--mapper-port", str(free_port()), "--pairing-port", str(free_port()),
+                           "--relay-port", str(free_port()), "--export-port", str(free_port()),
+                           "--export", "kafka://127.0.0.1:9/aep-events"],
+                          env=env, stdout=out, stderr=subprocess.STDOUT, cwd=root)
+    try:
+        code = up.wait(60)
+    except subprocess.TimeoutExpired:  # still running (the defect): stop it and what it started
+        code = None
+    finally:
+        terminate(up, 60, signal.SIGINT)
+        out.close()
+    printed = (tmp_path / "up.out").read_text()
+    assert code == 2, f"exit {code}:\n{printed[-3000:]}"
+    assert "pip install 'aep-bridge[export]'" in printed and "confluent-kafka" in printed, printed
+    assert not (tmp_path / "state" / "aep-bridge" / "up.json").exists()

@@ -25,55 +25,11 @@ from pathlib import Path
 
 
 from bridge.stack.server import free_port, terminate
+from tests.support.auth_server import USER, AuthServer
 from tests.support.services import Service, http_json, wait_for
 from tests.support.shim import dumps, envelope, run_hook, shim_env
-from tests.deploy.test_nats_permissions import nats_server_binary
 
 ROOT = Path(__file__).resolve().parents[2]
-USER = "svc"
-
-
-class AuthServer:
-    """nats-server with one user whose password the test can rotate (config reload, SIGHUP)."""
-
-    def __init__(self, tmp: Path, password: str) -> None:
-        self.tmp, self.port = tmp, free_port()
-        self.conf = tmp / "nats.conf"
-        self.url = f"nats://127.0.0.1:{self.port}"
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.write(password)
-
-    def write(self, password: str) -> None:
-        self.conf.write_text(json.dumps({
-            "jetstream": {"store_dir": str(self.tmp / "js")},
-            "authorization": {"users": [{"user": USER, "password": password}]},
-        }))
-
-    def start(self) -> "AuthServer":
-        log = open(self.tmp / "server.log", "ab")
-        self.proc = subprocess.Popen([nats_server_binary(), "-c", str(self.conf), "-a", "127.0.0.1", "-p", str(self.port)],
-                                     stdout=log, stderr=subprocess.STDOUT)
-        log.close()
-        wait_for(lambda: _connects(self.port), 15, what="nats-server")
-        return self
-
-    def rotate(self, password: str) -> None:
-        self.write(password)
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGHUP)
-
-    def stop(self) -> None:
-        terminate(self.proc, 10)
-
-
-def _connects(port: int) -> bool:
-    import socket
-
-    try:
-        socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-        return True
-    except OSError:
-        return False
 
 
 def _env(tmp: Path, password: str) -> dict[str, str]:
@@ -143,11 +99,7 @@ def test_a_connection_closed_by_the_server_is_replaced_and_the_stream_continues(
         logs = (tmp_path / "state" / "aep-bridge" / "logs" / "mapper.log").read_text()
         assert "nats_connection_lost" in logs
     finally:
-        up.send_signal(signal.SIGINT)
-        try:
-            up.wait(60)
-        except subprocess.TimeoutExpired:
-            up.kill()
+        terminate(up, 60, signal.SIGINT)
         out.close()
         server.stop()
 

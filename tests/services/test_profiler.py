@@ -1,4 +1,4 @@
-"""The opt-in allocation profiler of the services (bridge/services/profiling.py, issue 8)."""
+"""The opt-in allocation profiler of the services (bridge/runtime/profiling.py, issue 8)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from bridge.services import profiling
-from bridge.services.profiling import container_census, start_allocation_profiler, stop_allocation_profiler
-from bridge.services.runtime import Health
+from bridge.runtime import profiling
+from bridge.runtime.profiling import container_census, start_allocation_profiler, stop_allocation_profiler
+from bridge.runtime import Health
 
 
 @pytest.fixture(autouse=True)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from bridge.stack.server import free_port
+from bridge.stack.server import free_port, terminate
 from tests.corpus import records
 from tests.support.services import http_json as http_get, wait_for
 
@@ -70,12 +70,7 @@ def running_up(tmp_path: Path, *extra: str, workers: int = 3):
         wait_for(started, 60, what="up to be running")
         yield proc, env, json.loads(info_path.read_text()), tmp_path
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        terminate(proc, 60, signal.SIGINT)
         out.close()
 
 

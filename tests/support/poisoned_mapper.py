@@ -14,8 +14,8 @@ import sys
 from bridge.cli import build_parser
 from bridge.commands.mapping import policy_from_args
 from bridge.commands.services import run_service, settings_from_args
+from bridge.runtime import configure_logging
 from bridge.services.mapper import Mapper
-from bridge.services.runtime import configure_logging
 
 
 def main(argv: list[str]) -> int:
@@ -29,7 +29,7 @@ def main(argv: list[str]) -> int:
     if args.command != "mapper":
         raise SystemExit("usage: python -m tests.support.poisoned_mapper mapper [mapper options]")
     settings = settings_from_args(args)
-    configure_logging(settings.log_format, settings.log_level)
+    configure_logging(settings.log_format, settings.log_level, component="mapper", replica=settings.instance)
     return run_service(Mapper(settings, policy_from_args(args, settings), batch=args.batch, before_map=fail_on_poison).run())
 
 

@@ -123,3 +123,4 @@ def http_json(url: str) -> tuple[int, dict]:
         return e.code, {}
     except OSError:
         return 0, {}
+

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import email.utils
 import gzip
+import importlib
 import threading
 import time
 from dataclasses import dataclass
@@ -42,6 +43,32 @@ class Outcome:
 
 
 DELIVERED = Outcome(True)
+
+#: what installs the sinks' client libraries
+INSTALL_EXPORT = "pip install 'aep-bridge[export]'"
+#: per sink kind: (a module it imports, the distribution that has it)
+CLIENTS = {
+    "kafka": ("confluent_kafka", "confluent-kafka"),
+    "otlp": ("opentelemetry.proto.collector.logs.v1.logs_service_pb2", "opentelemetry-proto"),
+}
+
+
+class ClientMissing(RuntimeError):
+    """A sink's client library cannot be imported (the `export` extra is not installed)."""
+
+
+def require_clients(cfgs: list[SinkConfig]) -> None:
+    """Import each configured kind's client library now: a missing one is a clear error at
+    start, with the command that installs it (before: a Kafka sink's start died on a bare
+    ModuleNotFoundError, which a supervisor restarts forever; an OTLP sink dead-lettered every
+    event it could not encode)."""
+    for kind in sorted({cfg.kind for cfg in cfgs}):
+        module, dist = CLIENTS[kind]
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            raise ClientMissing(f"{kind} sinks need {dist}, which cannot be imported ({type(exc).__name__}: {exc}); "
+                                f"install it with: {INSTALL_EXPORT}") from exc
 
 
 class KafkaSink:

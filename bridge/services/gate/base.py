@@ -31,7 +31,7 @@ from bridge.core.control import (
 from bridge.nats import subjects as subj
 from bridge.nats.streams import AEP_EVENTS, HERMES_RAW
 from bridge.services.gate.config import GateConfig, GateMetrics
-from bridge.services.runtime import Health, Stopper
+from bridge.runtime import Health, Stopper
 
 log = structlog.get_logger("aep_bridge.gate")
 

@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from bridge.config import resolve
 from bridge.core.ceiling import CapturePolicy
 from bridge.core.control import ACK_WINDOW_MS, INSTRUCT, RESPOND, accepted_verbs
-from bridge.services.runtime import BoundedLabel
+from bridge.runtime import BoundedLabel
 
 RAW_DURABLE = "gate"
 COMMAND_DURABLE = "gate-commands"

@@ -47,7 +47,7 @@ from bridge.services.gate.config import (
     RAW_HOOKS,
     SWEEP_S,
 )
-from bridge.services.runtime import HttpServer, watch_connection
+from bridge.runtime import Loop, close_connection, serve
 
 log = structlog.get_logger("aep_bridge.gate")
 
@@ -173,39 +173,16 @@ class Gate(Commands):
         self.metrics.open.set(len(self.cards))
 
     async def run(self, http_port: int | None = None) -> int:
-        self.stopper.install()
-        port = http_port if http_port is not None else (GATE_METRICS_PORT if self.settings.metrics_port is None else self.settings.metrics_port)
-        http = HttpServer(self.health, self.registry, host=self.settings.metrics_host, port=port).start()
-        log.info("gate_starting", metrics_port=http.port, accepts=self.config.accepts)
-        try:
-            raw, commands = await self.connect()
-        except Exception as exc:
-            log.error("gate_start_failed", error=f"{type(exc).__name__}: {exc}")
-            http.stop()
-            await self.close()
-            raise
-        self.health.connection = self.nc
+        return await serve("gate", self.settings, self.start, health=self.health, stopper=self.stopper,
+                           connection=lambda: self.nc, registry=self.registry, default_port=GATE_METRICS_PORT,
+                           port=http_port, starting={"accepts": self.config.accepts})
+
+    async def start(self) -> list[Loop]:
+        raw, commands = await self.connect()
         self.health.set_ready(True)
         log.info("gate_ready", accepts=self.config.accepts, epoch=self.epoch, open_cards=len(self.cards))
-        tasks = [
-            asyncio.create_task(self.consume(raw, self.handle_raw, "raw")),
-            asyncio.create_task(self.consume(commands, self.handle_command, "commands")),
-            asyncio.create_task(self.sweep_loop()),
-            asyncio.create_task(watch_connection(self.nc, self.stopper, self.health, log)),
-        ]
-        try:
-            await self.stopper.event.wait()
-        finally:
-            log.info("gate_stopping", signal=self.stopper.signal, failed=self.stopper.failed)
-            done, pending = await asyncio.wait(tasks, timeout=10)
-            for t in pending:
-                t.cancel()
-            await self.close()
-            http.stop()
-        return self.stopper.exit_code
+        return [self.consume(raw, self.handle_raw, "raw"), self.consume(commands, self.handle_command, "commands"),
+                self.sweep_loop()]
 
     async def close(self) -> None:
-        if self.nc is not None and not self.nc.is_closed:
-            with contextlib.suppress(Exception):
-                await self.nc.flush(timeout=3)
-            await self.nc.close()
+        await close_connection(self.nc)

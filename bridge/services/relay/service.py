@@ -7,7 +7,6 @@ per AEP-0003; the fan-out is ``hub.Hub``.
 from __future__ import annotations
 
 import asyncio
-import signal
 import ssl
 from typing import Any
 
@@ -18,6 +17,7 @@ from bridge.config import Settings
 from bridge.core.ceiling import LEVELS
 from bridge.core.downlevel import payload_fields
 from bridge.nats.connection import connect_service
+from bridge.runtime import Health, Loop, Stopper, serve
 from bridge.services.relay.claims import Claims
 from bridge.services.relay.config import Principal, RelayConfig
 from bridge.services.relay.endpoints import HttpEndpoints
@@ -122,28 +122,25 @@ class Relay(HttpEndpoints, WebSocketSessions):
 
 
 async def run_relay(settings: Settings, cfg: RelayConfig) -> int:
-    nc = await connect_service(settings, name=f"aep-bridge-relay-{settings.instance}", role="relay")
-    js = nc.jetstream()
-    relay = Relay(cfg, js, nc, settings.instance)
-    runner = await relay.start()
-    log.info("relay listening", url=cfg.url, auth="tokens" if cfg.auth_required else "none (loopback)",
-             replay_buffer=cfg.replay_buffer)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    """The relay under the services' runtime (signals, the connection watched, exit codes); its
+    HTTP port is its own (aiohttp: /healthz, /readyz, /metrics beside the AEP bindings)."""
+    relay: Relay | None = None
+    runner: web.AppRunner | None = None
 
-    async def watch() -> None:
-        while not nc.is_closed:
-            await asyncio.sleep(1.0)
-        stop.set()
+    async def start() -> list[Loop]:
+        nonlocal relay, runner
+        nc = await connect_service(settings, name=f"aep-bridge-relay-{settings.instance}", role="relay")
+        relay = Relay(cfg, nc.jetstream(), nc, settings.instance)
+        runner = await relay.start()
+        log.info("relay listening", url=cfg.url, auth="tokens" if cfg.auth_required else "none (loopback)",
+                 replay_buffer=cfg.replay_buffer)
+        return []
 
-    watcher = asyncio.create_task(watch())
-    await stop.wait()
-    watcher.cancel()
-    await relay.hub.stop()
-    await runner.cleanup()
-    closed = nc.is_closed
-    if not closed:
-        await nc.close()
-    return 1 if closed else 0
+    async def stop() -> None:
+        if relay is not None:
+            await relay.hub.stop()
+        if runner is not None:
+            await runner.cleanup()
+
+    return await serve("relay", settings, start, health=Health("relay"), stopper=Stopper(),
+                       connection=lambda: relay.nc if relay is not None else None, stop=stop)

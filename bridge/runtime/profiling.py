@@ -1,13 +1,13 @@
 """Opt-in allocation profiling of the services, and the memory figures it records.
 
 For memory investigations such as the soak's. With
-`AEP_BRIDGE_TRACEMALLOC=<dir>` the HTTP server's start also starts `tracemalloc`
+`AEP_BRIDGE_TRACEMALLOC=<dir>` the service's start (`bridge.runtime.serve`) also starts `tracemalloc`
 (`AEP_BRIDGE_TRACEMALLOC_FRAMES` frames, default 4) and a daemon thread that writes a
 snapshot every `AEP_BRIDGE_TRACEMALLOC_EVERY_S` seconds (default 60) to
 `<dir>/<service>-<pid>-<unix time>.snap`, plus one line per snapshot to
 `<dir>/<service>-<pid>.jsonl` (traced bytes, RSS, glibc malloc figures, and a census of
 the large containers held by the bridge's and nats-py's objects); a last one when the
-server stops. tracemalloc makes Python 7x (1 frame) to 12x (4 frames) slower here:
+service stops. tracemalloc makes Python 7x (1 frame) to 12x (4 frames) slower here:
 `AEP_BRIDGE_TRACEMALLOC_FRAMES=0` keeps only the rows and the census (no per-allocation
 cost; a pause of a fraction of a second per row), for runs at full rate. Unset (the
 default), nothing of it runs.
@@ -32,8 +32,8 @@ import structlog
 
 from bridge.config import load_environ, setting
 
-if TYPE_CHECKING:  # the HTTP server passes its Health; runtime imports this module
-    from bridge.services.runtime import Health
+if TYPE_CHECKING:  # the service's Health (bridge.runtime.health imports nothing of this module)
+    from bridge.runtime.health import Health
 
 TRACEMALLOC_ENV = "AEP_BRIDGE_TRACEMALLOC"
 TRACEMALLOC_EVERY_ENV = "AEP_BRIDGE_TRACEMALLOC_EVERY_S"

@@ -1,0 +1,204 @@
+"""A service's life, the same for every one (`serve`): signals, the HTTP port, the allocation
+profiler, start (and the cleanup after a failed one), its loops, its NATS connection watched,
+the stop (loops given a grace, then cancelled), the connection closed, the exit code."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from typing import Any, Awaitable, Callable, Coroutine, Iterable, Mapping
+
+import structlog
+from prometheus_client import CollectorRegistry
+
+from bridge.config import Settings
+from bridge.runtime.health import Health, HttpServer
+from bridge.runtime.profiling import start_allocation_profiler, stop_allocation_profiler
+
+#: what a service runs until it stops: coroutines that return once `Stopper.stopping`
+Loop = Coroutine[Any, Any, None]
+
+
+class Stopper:
+    """SIGTERM / SIGINT -> an asyncio.Event the service's loop watches."""
+
+    def __init__(self) -> None:
+        self.event = asyncio.Event()
+        self.signal: str | None = None
+
+    def install(self) -> "Stopper":
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                loop.add_signal_handler(sig, self.trigger, sig.name)
+            except (NotImplementedError, RuntimeError):  # not the main thread (tests)
+                pass
+        return self
+
+    def trigger(self, why: str = "requested") -> None:
+        self.signal = why
+        self.event.set()
+
+    #: why the service must stop and exit non-zero (None: a requested stop, exit 0)
+    failed: str | None = None
+
+    def fail(self, why: str) -> None:
+        if not self.event.is_set():
+            self.failed = why
+        self.trigger(why)
+
+    @property
+    def exit_code(self) -> int:
+        return 1 if self.failed else 0
+
+    @property
+    def stopping(self) -> bool:
+        return self.event.is_set()
+
+    async def sleep(self, seconds: float) -> bool:
+        """Sleep unless asked to stop; True when stopping."""
+        try:
+            await asyncio.wait_for(self.event.wait(), timeout=seconds)
+        except asyncio.TimeoutError:
+            return False
+        return True
+
+
+async def watch_connection(nc: Any, stopper: Stopper, health: Health, log: Any, every_s: float = 0.5) -> None:
+    """Stop the service (exit 1) when its connection is unusable for good: closed (nats-py
+    does not reconnect a connection the server closed with an error), or its credentials
+    refused while reconnecting. A server that is merely away is retried by nats-py forever
+    (`/readyz` is false meanwhile, `/healthz` says `reconnecting`)."""
+    health.connection = nc
+    while not stopper.stopping:
+        why = None
+        last = getattr(nc, "last_error", None)
+        if nc.is_closed:
+            why = f"NATS connection closed ({type(last).__name__}: {last})" if last else "NATS connection closed"
+        elif nc.is_reconnecting and last is not None and "authoriz" in f"{type(last).__name__} {last}".lower():
+            why = f"NATS refused the credentials while reconnecting ({type(last).__name__}: {last})"
+        if why is not None:
+            if not stopper.stopping:
+                log.error("nats_connection_lost", error=why, action="exit 1: a supervisor starts the service again")
+                health.failed = why
+                stopper.fail(why)
+            return
+        if await stopper.sleep(every_s):
+            return
+
+
+async def close_connection(nc: Any) -> None:
+    """Flush what is in flight (acks included), then close. Not `drain()`: with a pull
+    subscription bound it can wait for its full timeout."""
+    if nc is not None and not nc.is_closed:
+        try:
+            await nc.flush(timeout=3)
+        except Exception:
+            pass
+        await nc.close()
+
+
+def metrics_port(settings: Settings, default_port: int, port: int | None = None) -> int:
+    """The HTTP port: ``port`` (a caller's, e.g. 0 in tests), else ``AEP_BRIDGE_METRICS_PORT``
+    (``--metrics-port``), else the service's default."""
+    if port is not None:
+        return port
+    return default_port if settings.metrics_port is None else settings.metrics_port
+
+
+async def serve(
+    name: str,
+    settings: Settings,
+    start: Callable[[], Awaitable[Iterable[Loop]]],
+    *,
+    health: Health,
+    stopper: Stopper,
+    connection: Callable[[], Any],
+    stop: Callable[[], Awaitable[None]] | None = None,
+    registry: CollectorRegistry | None = None,
+    default_port: int | None = None,
+    port: int | None = None,
+    grace_s: float = 10.0,
+    starting: Mapping[str, Any] | None = None,
+    stopping: Callable[[], Mapping[str, Any]] | None = None,
+) -> int:
+    """Run one service; its exit code: 0 after a requested stop (SIGTERM, SIGINT,
+    `stopper.trigger`), 1 after a failure (`stopper.fail`: the NATS connection closed for good
+    or its credentials refused, a loop that raised or ended on its own). A failed start raises.
+
+    In order: signals go to ``stopper``; the HTTP port (`/metrics` of ``registry``, `/healthz`,
+    `/readyz` of ``health``) listens when ``default_port`` is given (see `metrics_port`); the
+    allocation profiler starts (opt-in, `AEP_BRIDGE_TRACEMALLOC`); ``<name>_starting`` is logged
+    (with ``metrics_port`` and ``starting``); ``start()`` connects and binds and returns the
+    loops. If it raises: ``<name>_start_failed``, the connection (``connection()``, whatever it
+    is by then) is closed, the port and the profiler stopped, and the exception propagates.
+    Else the loops run, and ``connection()`` is watched, until the stopper is set or a loop
+    ends; then ``<name>_stopping`` (signal, failed, ``stopping()``), the loops get ``grace_s``
+    to finish what they hold and the rest are cancelled, ``stop()`` (the service's own cleanup,
+    on an open connection), the connection is flushed and closed, the port and the profiler
+    stopped."""
+    log = structlog.get_logger(f"aep_bridge.{name}")
+    stopper.install()
+    http: HttpServer | None = None
+    try:
+        if default_port is not None:
+            http = HttpServer(health, registry or CollectorRegistry(), host=settings.metrics_host,
+                              port=metrics_port(settings, default_port, port)).start()
+        start_allocation_profiler(name, health)
+        log.info(f"{name}_starting", **({"metrics_port": http.port} if http else {}), **(starting or {}))
+        try:
+            loops = list(await start())
+        except BaseException as exc:
+            if isinstance(exc, Exception):
+                log.error(f"{name}_start_failed", error=f"{type(exc).__name__}: {exc}")
+            await close_connection(connection())
+            raise
+        return await _run(name, loops, connection(), health, stopper, stop, grace_s, stopping, log)
+    finally:
+        if http is not None:
+            http.stop()
+        stop_allocation_profiler()
+
+
+async def _run(name: str, loops: list[Loop], nc: Any, health: Health, stopper: Stopper,
+               stop: Callable[[], Awaitable[None]] | None, grace_s: float,
+               stopping: Callable[[], Mapping[str, Any]] | None, log: Any) -> int:
+    tasks = {asyncio.ensure_future(loop): getattr(loop, "__qualname__", "loop") for loop in loops}
+    if nc is not None:
+        health.connection = nc
+        tasks[asyncio.ensure_future(watch_connection(nc, stopper, health, log))] = "watch_connection"
+    stopped = asyncio.ensure_future(stopper.event.wait())
+    try:
+        running = set(tasks)
+        while not stopper.stopping:
+            done, running = await asyncio.wait(running | {stopped}, return_when=asyncio.FIRST_COMPLETED)
+            running.discard(stopped)
+            for task in done - {stopped}:
+                if stopper.stopping or task.cancelled():
+                    continue
+                exc = task.exception()
+                why = f"{tasks[task]} failed: {type(exc).__name__}: {exc}" if exc else f"{tasks[task]} ended"
+                log.error(f"{name}_loop_failed", error=why, action="exit 1: a supervisor starts the service again")
+                health.failed = why
+                stopper.fail(why)
+    finally:
+        log.info(f"{name}_stopping", signal=stopper.signal, failed=stopper.failed, **(stopping() if stopping else {}))
+        if not stopper.stopping:  # cancelled from outside
+            stopper.trigger("stopping")
+        stopped.cancel()
+        pending = [t for t in tasks if not t.done()]
+        if pending:
+            _, late = await asyncio.wait(pending, timeout=grace_s)
+            for task in late:
+                task.cancel()
+            await asyncio.gather(*late, return_exceptions=True)
+        for task in tasks:  # retrieved, so none is reported as "never retrieved"
+            if task.done() and not task.cancelled():
+                task.exception()
+        if stop is not None:
+            try:
+                await stop()
+            except Exception as exc:  # the connection is still closed below
+                log.error(f"{name}_stop_failed", error=f"{type(exc).__name__}: {exc}")
+        await close_connection(nc)
+    return stopper.exit_code

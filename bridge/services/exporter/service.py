@@ -1,0 +1,349 @@
+"""The exporter service: AEP_EVENTS -> Kafka topics and OTLP/HTTP endpoints, in AEP-0005 forms.
+
+Theory of operation
+-------------------
+* One `SinkWorker` per configured sink (`bridge.core.sinks`), each with its own durable pull
+  consumer ``export-<sink>`` on AEP_EVENTS (`streams.exporter_consumer_config`): a slow or
+  unreachable sink holds back its own consumer only.
+* A worker fetches a batch, and for each event: the sink's attr-match filter (no match: acked,
+  counted ``filtered``), the projection after the sink's ``max_capture`` (no record in this
+  format, e.g. OCSF for a heartbeat: acked, counted ``no_record``; an event the projection
+  refuses: dead-lettered to ``bridge.dlq.export_<reason>``, then acked).
+* The batch goes to the sink; a message is acked only once the sink confirmed it (Kafka's
+  delivery report; the OTLP endpoint's 2xx). A sink that fails transiently (Kafka down,
+  OTLP 429/502/503/504, a connection refused) is retried for as long as it takes, with the
+  server's Retry-After or exponential backoff (1 s doubling to 30 s), while the worker tells
+  JetStream the messages are in progress: nothing is acked and nothing fetched meanwhile
+  (backpressure), nothing is lost, and delivery resumes where it stopped. A permanent refusal
+  (OTLP 400, a Kafka record too large) dead-letters the batch's events with the reason.
+* A crash between delivery and ack redelivers: the sink sees the same event again, with the
+  same id (Kafka header ``aep-id``, CloudEvents ``id``, OCSF ``metadata.uid``,
+  OTLP ``aep.event_id``), so consumers dedupe on it.
+* Metrics per sink (label ``sink``): delivered, filtered / no_record, retries, errors,
+  dead letters, last success time, lag (the consumer's pending + unacknowledged).
+  /readyz: NATS connected and every sink's consumer bound.
+* A sink whose client library is missing (the `export` extra) fails the start, with the
+  command that installs it (`sinks.require_clients`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import time
+from typing import Any
+
+import msgspec
+import nats.errors
+import structlog
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from bridge.config import EXPORTER_METRICS_PORT, Settings
+from bridge.core import deadletter
+from bridge.core.bridges import BridgeError, project
+from bridge.core.ceiling import LEVELS, CapturePolicy, configure
+from bridge.core.redaction import Redactor
+from bridge.services.exporter.delivery import kafka_record
+from bridge.core.sinks import PROJECTION, SinkConfig, check_unique, sink_from_url, sinks_from_document
+from bridge.nats import streams as S
+from bridge.nats.connection import connect_service, server_list
+from bridge.nats.subjects import dlq_subject
+from bridge.services.exporter.sinks import Outcome, make_sink, require_clients
+from bridge.runtime import Health, Loop, Stopper, serve
+
+log = structlog.get_logger("aep_bridge.exporter")
+
+BACKOFF_FIRST_S = 1.0
+BACKOFF_MAX_S = 30.0
+PROGRESS_EVERY_S = S.EXPORT_ACK_WAIT_S / 3
+
+
+class ExporterMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        p = "aep_bridge_export_"
+        self.delivered = Counter(p + "delivered", "events the sink confirmed", ["sink"], registry=registry)
+        self.skipped = Counter(p + "skipped", "events acked without a record: filtered (the sink's filter) "
+                               "or no_record (the format has none for the type)", ["sink", "reason"], registry=registry)
+        self.retries = Counter(p + "retries", "deliveries retried (per event)", ["sink"], registry=registry)
+        self.errors = Counter(p + "errors", "failed deliveries by reason", ["sink", "reason"], registry=registry)
+        self.dead_letters = Counter(p + "dead_letters", "events dead-lettered", ["sink", "reason"], registry=registry)
+        self.last_success = Gauge(p + "last_success_timestamp_seconds", "time of the last confirmed delivery",
+                                  ["sink"], registry=registry)
+        self.lag = Gauge(p + "lag", "events of AEP_EVENTS the sink has not confirmed (pending + unacked)",
+                         ["sink"], registry=registry)
+
+
+class Item:
+    """One fetched message and what the sink gets for it."""
+
+    __slots__ = ("msg", "event", "record")
+
+    def __init__(self, msg: Any, event: dict[str, Any], record: Any) -> None:
+        self.msg, self.event, self.record = msg, event, record
+
+
+class SinkWorker:
+    def __init__(self, service: "Exporter", cfg: SinkConfig) -> None:
+        self.service = service
+        self.cfg = cfg
+        self.sink = make_sink(cfg)
+        self.metrics = service.metrics
+        for metric in (self.metrics.delivered, self.metrics.retries, self.metrics.last_success):
+            metric.labels(sink=cfg.name)  # every sink's series exists from the start, at 0
+        self.sub: Any = None
+        self.bound = False
+        self.state = "starting"
+        self._decode = msgspec.json.Decoder().decode
+
+    # ------------------------------------------------------------ setup
+
+    async def bind(self) -> None:
+        # Create the durable, or update one an earlier release made for aep.hermes.> alone
+        # (it then takes aep.ingest.> from its position on), then bind to it.
+        await self.service.js.add_consumer(
+            S.AEP_EVENTS, S.exporter_consumer_config(self.cfg.durable, f"aep-bridge exporter sink {self.cfg.name}"))
+        self.sub = await self.service.js.pull_subscribe_bind(durable=self.cfg.durable, stream=S.AEP_EVENTS)
+        self.bound = True
+
+    # ------------------------------------------------------------ one batch
+
+    def prepare(self, msg: Any) -> tuple[Item | None, str | None]:
+        """(item to deliver, None) or (None, why it is acked without delivery / dead-lettered)."""
+        event = self._decode(msg.data)
+        if not isinstance(event, dict):
+            raise BridgeError("not_object", "an AEP event is a JSON object")
+        if not self.cfg.filter.matches(event):
+            return None, "filtered"
+        if self.cfg.kind == "kafka":
+            lane = msg.subject.split(".")[2] if msg.subject.count(".") >= 3 else str(event.get("session", "_"))
+            record = kafka_record(self.cfg.format, event, lane, self.cfg.max_capture, self.cfg.ce_mode)
+        else:
+            record = project(PROJECTION[self.cfg.format], event, self.cfg.max_capture)
+        if record is None:
+            return None, "no_record"
+        return Item(msg, event, record), None
+
+    async def handle(self, msgs: list[Any]) -> None:
+        items: list[Item] = []
+        for msg in msgs:
+            try:
+                item, why = self.prepare(msg)
+            except (BridgeError, msgspec.DecodeError, UnicodeDecodeError) as exc:
+                reason = getattr(exc, "reason", "not_json")
+                await self.dead_letter([msg], f"export_{reason}", f"{type(exc).__name__}: {exc}")
+                continue
+            except Exception as exc:  # an event no projection foresaw must not stop the sink
+                log.error("export_unprojectable", sink=self.cfg.name, error=type(exc).__name__)
+                await self.dead_letter([msg], "export_unprojectable", f"{type(exc).__name__}: {exc}")
+                continue
+            if item is None:
+                self.metrics.skipped.labels(sink=self.cfg.name, reason=why).inc()
+                await self.ack([msg])
+            else:
+                items.append(item)
+        if items:
+            await self.deliver(items)
+
+    async def deliver(self, items: list[Item]) -> None:
+        """Until every item is confirmed or dead-lettered (or the service stops: then the rest
+        stays unacked and comes back)."""
+        attempt = 0
+        keepalive = asyncio.create_task(self._keep_in_progress(items))
+        try:
+            while items:
+                outcomes = await self.send(items)
+                delivered = [i for i, o in zip(items, outcomes) if o.ok]
+                permanent = [(i, o) for i, o in zip(items, outcomes) if not o.ok and not o.retry]
+                retry = [(i, o) for i, o in zip(items, outcomes) if not o.ok and o.retry]
+                if delivered:
+                    await self.ack([i.msg for i in delivered])
+                    self.metrics.delivered.labels(sink=self.cfg.name).inc(len(delivered))
+                    self.metrics.last_success.labels(sink=self.cfg.name).set(time.time())
+                    if self.state != "delivering":
+                        log.info("sink_delivering", sink=self.cfg.name, after_attempts=attempt)
+                    self.state, attempt = "delivering", 0
+                for item, outcome in permanent:
+                    self.metrics.errors.labels(sink=self.cfg.name, reason=outcome.reason).inc()
+                    await self.dead_letter([item.msg], f"export_{outcome.reason}", outcome.detail)
+                items = [i for i, _ in retry]
+                if not items:
+                    return
+                attempt += 1
+                reason = retry[0][1].reason
+                self.metrics.errors.labels(sink=self.cfg.name, reason=reason).inc(len(items))
+                self.metrics.retries.labels(sink=self.cfg.name).inc(len(items))
+                delay = max((o.retry_after_s for _, o in retry if o.retry_after_s is not None), default=None)
+                if delay is None:
+                    delay = min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** (attempt - 1)) * random.uniform(0.8, 1.0)
+                if self.state != "retrying" or attempt % 10 == 1:
+                    log.warning("sink_retry", sink=self.cfg.name, events=len(items), attempt=attempt,
+                                reason=reason, detail=retry[0][1].detail[:300], wait_s=round(delay, 2))
+                self.state = "retrying"
+                if await self.service.stopper.sleep(delay):
+                    return  # unacked: redelivered to the next exporter
+        finally:
+            keepalive.cancel()
+
+    async def send(self, items: list[Item]) -> list[Outcome]:
+        """The sink's outcomes for ``items``. A batch the sink cannot even frame (a record its
+        encoder refuses) is sent again one record at a time, so that only the record that
+        cannot be sent is dead-lettered and the rest go on."""
+        try:
+            return await self.sink.send([i.record for i in items])
+        except Exception as exc:
+            if len(items) == 1:
+                log.error("export_unsendable", sink=self.cfg.name, error=type(exc).__name__)
+                return [Outcome(False, retry=False, reason="unsendable", detail=f"{type(exc).__name__}: {exc}")]
+        outcomes: list[Outcome] = []
+        for item in items:
+            outcomes += await self.send([item])
+        return outcomes
+
+    async def _keep_in_progress(self, items: list[Item]) -> None:
+        """While a batch waits for its sink: +WPI, so JetStream does not redeliver it meanwhile."""
+        while True:
+            await asyncio.sleep(PROGRESS_EVERY_S)
+            self.service.health.beat()
+            for item in items:
+                try:
+                    await item.msg.in_progress()
+                except Exception:
+                    pass
+
+    async def ack(self, msgs: list[Any]) -> None:
+        for msg in msgs:
+            try:
+                await msg.ack()
+            except Exception as exc:  # redelivered later: a same-id duplicate at the sink
+                log.warning("ack_failed", sink=self.cfg.name, error=f"{type(exc).__name__}: {exc}")
+
+    async def dead_letter(self, msgs: list[Any], reason: str, error: str) -> None:
+        """Dead-letter events the sink refuses for good (`bridge.core.deadletter`, within the
+        sink's own ceiling: its `max_capture`), then ack them."""
+        bridge = self.service.dlq_policy  # a dead letter never holds more than the bridge's lowest ceiling
+        level = min(self.cfg.max_capture, bridge.lowest())
+        policy = CapturePolicy(default=LEVELS[level], overrides={}, redactor=bridge.redactor)
+        for msg in msgs:
+            seq = msg.metadata.sequence.stream
+            original = deadletter.Original(S.AEP_EVENTS, seq, msg.subject, msg.data)
+            letter = deadletter.build(f"exporter:{self.cfg.name}", reason, reason, error, original, policy)
+            # one letter per sink and event (another sink may refuse the same event)
+            headers = {**letter.headers, "Nats-Msg-Id": f"dlq:{S.AEP_EVENTS}:{self.cfg.name}:{seq}"}
+            self.metrics.dead_letters.labels(sink=self.cfg.name, reason=reason).inc()
+            log.warning("dead_letter", sink=self.cfg.name, reason=reason, events_seq=seq,
+                        error=headers["Bridge-Dlq-Error"][:200])
+            try:
+                await self.service.js.publish(dlq_subject(reason), letter.body, headers=headers)
+            except Exception as exc:  # not acked: it comes back and is tried again
+                log.error("dead_letter_failed", sink=self.cfg.name, error=f"{type(exc).__name__}: {exc}")
+                continue
+            await self.ack([msg])
+
+    # ------------------------------------------------------------ the loop
+
+    async def run(self) -> None:
+        stopper = self.service.stopper
+        while not stopper.stopping:
+            if not self.bound:
+                try:
+                    await self.bind()
+                except Exception as exc:
+                    self.state = f"bind failed: {exc}"
+                    log.warning("bind_failed", sink=self.cfg.name, error=f"{type(exc).__name__}: {exc}")
+                    await stopper.sleep(2.0)
+                    continue
+            self.service.health.beat()
+            try:
+                msgs = await self.sub.fetch(self.cfg.batch, timeout=1.0)
+            except (nats.errors.TimeoutError, asyncio.TimeoutError):
+                continue
+            except Exception as exc:  # connection trouble, consumer gone: bind again
+                log.warning("fetch_failed", sink=self.cfg.name, error=f"{type(exc).__name__}: {exc}")
+                self.bound = False
+                await stopper.sleep(1.0)
+                continue
+            await self.handle(msgs)
+
+    async def watch(self) -> None:
+        while not self.service.stopper.stopping:
+            if self.sub is not None:
+                try:
+                    info = await self.sub.consumer_info()
+                    self.metrics.lag.labels(sink=self.cfg.name).set((info.num_pending or 0) + (info.num_ack_pending or 0))
+                except Exception:
+                    pass
+            if await self.service.stopper.sleep(5.0):
+                return
+
+
+class Exporter:
+    def __init__(self, settings: Settings, sinks: list[SinkConfig], registry: CollectorRegistry | None = None) -> None:
+        if not sinks:
+            raise ValueError("no sinks configured: --sink URL or AEP_BRIDGE_EXPORT_CONFIG")
+        self.settings = settings
+        # Only for dead letters: the bridge's ceiling and redaction (AEP_BRIDGE_CAPTURE*, REDACT_NAMES).
+        self.dlq_policy = configure(settings.capture, settings.capture_overrides, (), Redactor(
+            secret_values=settings.secret_values(), home=os.path.expanduser("~")))[0]
+        self.registry = registry or CollectorRegistry()
+        self.metrics = ExporterMetrics(self.registry)
+        self.health = Health("exporter")
+        self.stopper = Stopper()
+        self.nc: Any = None
+        self.js: Any = None
+        self.workers = [SinkWorker(self, cfg) for cfg in sinks]
+
+    async def connect(self) -> None:
+        self.nc = await connect_service(self.settings, name=f"aep-bridge-exporter-{self.settings.instance}", role="exporter")
+        self.js = self.nc.jetstream()
+
+    def _readiness(self) -> None:
+        bound = all(w.bound for w in self.workers)
+        connected = self.nc is not None and self.nc.is_connected
+        self.health.set_ready(bound and connected, "" if bound and connected else
+                              ("NATS disconnected" if not connected else "binding sink consumers"))
+        self.health.info["sinks"] = {w.cfg.name: w.state for w in self.workers}
+
+    async def run(self, http_port: int | None = None) -> int:
+        return await serve("exporter", self.settings, self.start, health=self.health, stopper=self.stopper,
+                           connection=lambda: self.nc, stop=self.stop, registry=self.registry,
+                           default_port=EXPORTER_METRICS_PORT, port=http_port, grace_s=15.0,
+                           starting={"nats": server_list(self.settings).urls,
+                                     "sinks": [w.cfg.describe() for w in self.workers]})
+
+    async def start(self) -> list[Loop]:
+        require_clients([w.cfg for w in self.workers])
+        await self.connect()
+        for worker in self.workers:
+            await worker.sink.start()
+        return [w.run() for w in self.workers] + [w.watch() for w in self.workers] + [self.readiness_loop()]
+
+    async def readiness_loop(self) -> None:
+        while not self.stopper.stopping:
+            self._readiness()
+            if await self.stopper.sleep(0.5):
+                return
+
+    async def stop(self) -> None:
+        for worker in self.workers:
+            try:
+                await worker.sink.close()
+            except Exception:
+                pass
+
+
+def load_sinks(urls: list[str], config_path: str | None, environ: dict[str, str] | None = None) -> list[SinkConfig]:
+    """The sinks of ``--sink`` URLs plus those of the config file (YAML or JSON)."""
+    environ = dict(os.environ) if environ is None else environ
+    sinks = [sink_from_url(u, environ) for u in urls]
+    if config_path:
+        from ruamel.yaml import YAML
+
+        with open(config_path) as f:
+            doc = YAML(typ="safe").load(f)
+        sinks += sinks_from_document(doc, environ)
+    check_unique(sinks)
+    return sinks
+
+
+__all__ = ["Exporter", "ExporterMetrics", "Outcome", "SinkWorker", "load_sinks"]

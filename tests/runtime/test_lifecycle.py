@@ -1,0 +1,234 @@
+"""The services' runtime (bridge/runtime/, issue 22): `serve` on a real nats-server, and the
+logging every service shares.
+
+* A failed start leaves nothing behind: the connection it opened is closed, the HTTP port no
+  longer listens, the allocation profiler is stopped, the error propagates.
+* Exit codes: 0 after a requested stop; 1 when a loop raises, when a loop ends on its own and
+  when the connection is closed for good (then /healthz says so until the process exits).
+* The stop: the loops first (one that outlives the grace is cancelled), then the service's
+  own cleanup on the still-open connection, then the connection closed.
+* Every log line carries its component and replica, also one written by another thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import tracemalloc
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import nats
+import pytest
+import structlog
+
+from bridge.config import Settings
+from bridge.runtime import Health, Loop, Stopper, configure_logging, profiling, serve
+from bridge.stack.server import free_port
+from tests.natsfixture import JetStreamClient
+from tests.support.auth_server import accepts_connections
+from tests.support.services import Service, wait_for
+
+
+def settings() -> Settings:
+    s = Settings()
+    s.metrics_host = "127.0.0.1"
+    return s
+
+
+class Probe:
+    """A service for `serve`: its connection, what it saw, what it was asked to do."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.nc: Any = None
+        self.health = Health("probe")
+        self.stopper = Stopper()
+        self.seen: list[str] = []
+        self.port = free_port()
+
+    async def connect(self) -> None:
+        self.nc = await nats.connect(self.url, allow_reconnect=False)
+
+    async def stop(self) -> None:
+        self.seen.append(f"stop: connection {'closed' if self.nc.is_closed else 'open'}")
+
+    async def serve(self, start: Any, **kw: Any) -> int:
+        return await serve("probe", settings(), start, health=self.health, stopper=self.stopper,
+                           connection=lambda: self.nc, stop=self.stop, default_port=0, port=self.port, **kw)
+
+    async def healthz(self) -> tuple[int, dict]:
+        return await asyncio.to_thread(get_json, f"http://127.0.0.1:{self.port}/healthz")
+
+
+def get_json(url: str) -> tuple[int, dict]:
+    """(status, JSON body) of a GET, the body of a 503 included."""
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_a_failed_start_closes_its_connection_and_stops_the_port_and_the_profiler(
+        nats_server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(profiling.TRACEMALLOC_ENV, str(tmp_path))
+    monkeypatch.setenv(profiling.TRACEMALLOC_FRAMES_ENV, "1")
+    probe = Probe(nats_server.url)
+
+    async def start() -> list[Loop]:
+        await probe.connect()
+        probe.seen.append(f"healthz {(await probe.healthz())[0]}")
+        raise RuntimeError("bind refused (test)")
+
+    with pytest.raises(RuntimeError, match="bind refused"):
+        asyncio.run(probe.serve(start))
+    assert probe.seen == ["healthz 200"]  # the port listened during the start, not after it
+    assert probe.nc.is_closed and not accepts_connections(probe.port)
+    assert profiling._profiler is None and not tracemalloc.is_tracing()
+    assert list(tmp_path.glob("probe-*.jsonl")), "the profiler ran during the start and wrote its last row"
+    assert len(probe.seen) == 1  # the service's stop is for a service that started
+
+
+def test_a_requested_stop_exits_0_after_the_loops_and_the_cleanup(nats_server) -> None:
+    probe = Probe(nats_server.url)
+
+    async def work() -> None:
+        while not probe.stopper.stopping:
+            await probe.stopper.sleep(0.05)
+        probe.seen.append("loop finished")
+
+    async def asks_to_stop() -> None:
+        await asyncio.sleep(0.2)
+        probe.stopper.trigger("SIGTERM")
+        await probe.stopper.event.wait()
+
+    async def start() -> list[Loop]:
+        await probe.connect()
+        return [work(), asks_to_stop()]
+
+    assert asyncio.run(probe.serve(start)) == 0
+    assert probe.seen == ["loop finished", "stop: connection open"]
+    assert probe.nc.is_closed and probe.stopper.failed is None
+
+
+def test_a_loop_that_raises_exits_1_and_the_others_stop(nats_server) -> None:
+    probe = Probe(nats_server.url)
+
+    async def work() -> None:
+        await probe.stopper.event.wait()
+        probe.seen.append("loop finished")
+
+    async def broken() -> None:
+        await asyncio.sleep(0.1)
+        raise ValueError("a bug (test)")
+
+    async def start() -> list[Loop]:
+        await probe.connect()
+        return [work(), broken()]
+
+    assert asyncio.run(probe.serve(start)) == 1
+    assert probe.seen == ["loop finished", "stop: connection open"]
+    assert "broken failed: ValueError: a bug (test)" in (probe.stopper.failed or "")
+    assert probe.health.failed == probe.stopper.failed and probe.nc.is_closed
+
+
+def test_a_loop_that_ends_on_its_own_exits_1(nats_server) -> None:
+    probe = Probe(nats_server.url)
+
+    async def gives_up() -> None:
+        return None
+
+    async def start() -> list[Loop]:
+        await probe.connect()
+        return [gives_up()]
+
+    assert asyncio.run(probe.serve(start)) == 1
+    assert "gives_up ended" in (probe.stopper.failed or "")
+
+
+def test_a_loop_past_its_grace_is_cancelled(nats_server) -> None:
+    probe = Probe(nats_server.url)
+
+    async def stubborn() -> None:
+        try:
+            await asyncio.Event().wait()  # never looks at the stopper
+        except asyncio.CancelledError:
+            probe.seen.append("cancelled")
+            raise
+
+    async def start() -> list[Loop]:
+        await probe.connect()
+        asyncio.get_running_loop().call_later(0.2, probe.stopper.trigger, "test")
+        return [stubborn()]
+
+    assert asyncio.run(probe.serve(start, grace_s=0.2)) == 0
+    assert probe.seen == ["cancelled", "stop: connection open"]
+
+
+def test_a_connection_closed_for_good_turns_healthz_red_and_exits_1(nats_server) -> None:
+    probe = Probe(nats_server.url)
+    seen: dict[str, Any] = {}
+
+    async def closes_it() -> None:
+        seen["before"] = await probe.healthz()
+        await probe.nc.close()  # as nats-py does after the server closed it with an error
+        while not probe.stopper.stopping:
+            await asyncio.sleep(0.05)
+        seen["healthz"] = await probe.healthz()
+
+    async def start() -> list[Loop]:
+        await probe.connect()
+        return [closes_it()]
+
+    assert asyncio.run(probe.serve(start)) == 1
+    assert seen["before"][0] == 200 and seen["before"][1]["nats"] == "connected", seen
+    status, body = seen["healthz"]
+    assert status == 503 and body["nats"] == "closed" and body["status"] == "nats_closed", body
+    assert "NATS connection closed" in (probe.stopper.failed or "")
+
+
+@pytest.fixture
+def fresh_logging():  # type: ignore[no-untyped-def]
+    yield
+    structlog.reset_defaults()
+
+
+def test_every_log_line_carries_its_component_and_replica(fresh_logging: None, capsys: pytest.CaptureFixture[str]) -> None:
+    configure_logging("json", "info", component="pairing", replica="pairing-7")
+    log = structlog.get_logger("test-lifecycle")
+    log.info("here")
+    thread = threading.Thread(target=lambda: log.warning("from another thread", component_given=False))
+    thread.start()
+    thread.join()
+    log.info("explicit", replica="the service's own word")
+    lines = [json.loads(line) for line in capsys.readouterr().err.splitlines()]
+    assert [(l["event"], l["component"], l["replica"]) for l in lines] == [
+        ("here", "pairing", "pairing-7"),
+        ("from another thread", "pairing", "pairing-7"),
+        ("explicit", "pairing", "the service's own word"),
+    ]
+
+
+@pytest.mark.parametrize("name, args, replica", [
+    ("mapper", (), "gw-runtime-logs"),
+    ("pairing", ("--replica", "pairing-r1"), "pairing-r1"),
+])
+def test_a_service_process_logs_its_component_and_replica_on_every_line(
+        nats_server_fn, tmp_path: Path, name: str, args: tuple[str, ...], replica: str) -> None:
+    client = JetStreamClient(nats_server_fn.url)  # a server of its own: a pairing takes every free partition
+    try:
+        client.bootstrap()
+    finally:
+        client.close()
+    svc = Service(name, nats_server_fn.url, tmp_path, *args, env={"AEP_BRIDGE_INSTANCE": "gw-runtime-logs"}).start()
+    try:
+        wait_for(lambda: '"mapper_ready"' in svc.log() or '"partition_acquired"' in svc.log(), 60, what=f"{name} ready")
+    finally:
+        assert svc.terminate() == 0
+    lines = [json.loads(line) for line in svc.log_path.read_text().splitlines() if line.startswith("{")]
+    assert any(l["event"] == f"{name}_stopping" for l in lines), lines
+    assert {(l["component"], l["replica"]) for l in lines} == {(name, replica)}, lines

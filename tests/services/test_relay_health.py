@@ -1,0 +1,46 @@
+"""The relay's NATS connection watched like every service's (issue 22): credentials the server
+refuses when the relay reconnects make it exit 1, so its supervisor starts it on a new
+connection, instead of a relay whose /healthz says ok while it can never read AEP_EVENTS again."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from bridge.stack.server import free_port, terminate
+from tests.support.auth_server import USER, AuthServer
+from tests.support.services import http_json, wait_for
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_credentials_refused_on_reconnect_make_the_relay_exit_1(tmp_path: Path) -> None:
+    """Before the fix the relay checked only whether its connection was closed: reconnecting
+    forever on 'Authorization Violation', it kept answering /healthz 200."""
+    server = AuthServer(tmp_path, "pw-1").start()
+    env = {**os.environ, "AEP_BRIDGE_CONFIG": os.devnull, "AEP_BRIDGE_LOG_FORMAT": "json",
+           "AEP_BRIDGE_NATS_URL": server.url, "AEP_BRIDGE_NATS_USER": USER, "AEP_BRIDGE_NATS_PASSWORD": "pw-1"}
+    for var in ("AEP_BRIDGE_NATS_TOKEN", "AEP_BRIDGE_RELAY_TOKEN", "AEP_BRIDGE_RELAY_TOKENS_FILE"):
+        env.pop(var, None)
+    subprocess.run([sys.executable, "-m", "bridge.cli", "bootstrap"], check=True, capture_output=True, cwd=ROOT, env=env)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log_path = tmp_path / "relay.log"
+    with open(log_path, "wb") as log:
+        relay = subprocess.Popen([sys.executable, "-m", "bridge.cli", "relay", "--listen", f"127.0.0.1:{port}"],
+                                 stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+    try:
+        wait_for(lambda: http_json(url + "/readyz")[0] == 200, 60, what="the relay ready")
+        server.stop()  # away, then back with another password: every reconnect is refused
+        server.write("pw-2")
+        server.start()
+        wait_for(lambda: relay.poll() is not None or http_json(url + "/healthz")[0] == 503, 60,
+                 what="the relay to see its credentials refused (exit, or /healthz 503)")
+        assert relay.wait(30) == 1, log_path.read_text(errors="replace")[-2000:]
+        logs = log_path.read_text(errors="replace")
+        assert "nats_connection_lost" in logs and "refused the credentials" in logs, logs[-2000:]
+    finally:
+        terminate(relay, 10)
+        server.stop()

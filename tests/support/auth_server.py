@@ -1,0 +1,57 @@
+"""A nats-server whose one user's password a test changes: reloaded (SIGHUP: the server closes
+the connections of the old credential) or restarted (every reconnect is refused)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+from pathlib import Path
+
+from bridge.stack.server import find_nats_server, free_port, terminate
+from tests.support.services import wait_for
+
+USER = "svc"
+
+
+class AuthServer:
+    """nats-server with one user whose password the test can rotate (config reload, SIGHUP)."""
+
+    def __init__(self, tmp: Path, password: str) -> None:
+        self.tmp, self.port = tmp, free_port()
+        self.conf = tmp / "nats.conf"
+        self.url = f"nats://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.write(password)
+
+    def write(self, password: str) -> None:
+        self.conf.write_text(json.dumps({
+            "jetstream": {"store_dir": str(self.tmp / "js")},
+            "authorization": {"users": [{"user": USER, "password": password}]},
+        }))
+
+    def start(self) -> "AuthServer":
+        log = open(self.tmp / "server.log", "ab")
+        self.proc = subprocess.Popen([find_nats_server(), "-c", str(self.conf), "-a", "127.0.0.1", "-p", str(self.port)],
+                                     stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        wait_for(lambda: accepts_connections(self.port), 15, what="nats-server")
+        return self
+
+    def rotate(self, password: str) -> None:
+        self.write(password)
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGHUP)
+
+    def stop(self) -> None:
+        terminate(self.proc, 10)
+
+
+def accepts_connections(port: int) -> bool:
+    """Something listens on 127.0.0.1:``port``."""
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+        return True
+    except OSError:
+        return False
