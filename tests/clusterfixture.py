@@ -8,8 +8,8 @@ monitoring port, cluster (route) port, store directory and ``server_name`` (``n1
 once, so a node restarts on the same addresses.
 
 ``Cluster`` (``start()`` starts the three in parallel and returns once each answers
-``/healthz?js-enabled-only=true`` and the meta group has a leader and all 3 peers current;
-no fixed sleeps):
+``/healthz?js-enabled-only=true``, then the full ``/healthz``, and the meta group has a
+leader and all 3 peers current; no fixed sleeps):
 
 * ``urls`` / ``url`` (comma-separated, what ``AEP_BRIDGE_NATS_URL`` takes), ``nodes``,
   ``node(name)``;
@@ -217,8 +217,9 @@ class Cluster:
         self.wait_ready(timeout)
 
     def wait_ready(self, timeout: float = 30.0) -> str:
-        """Every running node healthy (JetStream enabled), a meta leader, and every node a
-        current peer of the meta group. Returns the meta leader's name."""
+        """Every running node healthy (JetStream enabled, then the full ``/healthz``: current
+        with the meta group), a meta leader, and every node a current peer of the meta group.
+        Returns the meta leader's name."""
         deadline = time.monotonic() + timeout
         for n in self.nodes:
             if n.proc is not None:
@@ -228,7 +229,8 @@ class Cluster:
             for n in self.nodes:
                 n.check_alive()
             leader = self.meta_leader()
-            if leader is not None:
+            # the full /healthz: each node current with the meta leader (its JetStream API answers)
+            if leader is not None and all(n.healthz(js_only=False) for n in self.nodes if n.running):
                 try:
                     meta = self.node(leader).jsz().get("meta_cluster") or {}
                 except OSError as exc:
