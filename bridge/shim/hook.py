@@ -1083,7 +1083,8 @@ def server_order(cfg):
     """The servers in the order this run tries them. One server: the list as is (no file
     read). Several: the list rotated to start at a place given by a hash of the instance
     name (instances spread over the servers; stable across processes, unlike ``hash``),
-    then the server that acked last (``<spool dir>/<instance token>.server``) moved first."""
+    rotated again to start at the server that acked last (``<spool dir>/<instance
+    token>.server``) when it is in the list."""
     servers = cfg.servers
     n = len(servers)
     if n < 2:
@@ -1105,8 +1106,8 @@ def server_order(cfg):
         posix.close(fd)
     if last and _bare_server(order[0]) != last:
         for i in range(1, n):
-            if _bare_server(order[i]) == last:
-                return [order[i]] + order[:i] + order[i + 1 :]
+            if _bare_server(order[i]) == last:  # go on round the list from there
+                return order[i:] + order[:i]
     return order
 
 

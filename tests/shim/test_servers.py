@@ -139,6 +139,10 @@ def test_the_remembered_server_keeps_no_credentials(tmp_path: Path) -> None:
     assert hook.server_order(cfg)[0] == second
     kept = b"".join(p.read_bytes() for p in tmp_path.glob("*.server"))
     assert kept and b"s3cret" not in kept and b"tok3n" not in kept and b"alice" not in kept
+    three = hook.Config(environ=shim_env("nats://a:1,nats://b:2,nats://c:3", tmp_path, "creds"))
+    start = hook.server_order(three)
+    hook.remember_server(three, start[1])  # round the list from the remembered one
+    assert hook.server_order(three) == start[1:] + start[:1]
     hook.remember_server(cfg, "nats://elsewhere:1")  # not in the list: ignored when read
     assert sorted(hook.server_order(cfg)) == sorted(cfg.servers)
 
@@ -171,15 +175,19 @@ def test_one_server_reads_no_file(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_a_paused_cluster_node_does_not_spool(nats_cluster: Cluster, tmp_path: Path) -> None:
-    """The real thing: three servers at R3, the first SIGSTOPped (accepts, never answers)."""
+    """The real thing: three servers at R3, the first SIGSTOPped (accepts, never answers).
+    It is a follower of HERMES_RAW: pausing the stream's leader stops every publish until
+    the cluster elects another (seconds), whichever server the shim picks."""
     c = nats_cluster.client()
     try:
         c.bootstrap(replicas=3)
     finally:
         c.close()
-    paused = nats_cluster.nodes[0]
-    instance = instance_starting_at(nats_cluster.url, paused.url, "paused", tmp_path)
-    env = shim_env(nats_cluster.url, tmp_path, instance, deadline_ms=DEADLINE_MS)
+    leader = nats_cluster.wait_leader("HERMES_RAW")
+    paused = next(n for n in nats_cluster.nodes if n.name not in (leader, nats_cluster.meta_leader()))
+    servers = ",".join([paused.url] + [n.url for n in nats_cluster.nodes if n is not paused])
+    instance = instance_starting_at(servers, paused.url, "paused", tmp_path)
+    env = shim_env(servers, tmp_path, instance, deadline_ms=DEADLINE_MS)
     assert run_hook(dumps(envelope(session="p-0")), env).answered_empty_object  # warm: the stream has a leader
     paused.pause()
     try:
