@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import math
 import os
@@ -149,40 +148,19 @@ def p99(values: list[float]) -> float:
     return ordered[max(0, math.ceil(0.99 * len(ordered)) - 1)]  # nearest rank
 
 
-class BlackHole:
-    """Accepts TCP connections and never sends a byte (holds them until closed)."""
-
-    def __init__(self) -> None:
-        import threading
-
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(128)
-        self.url = f"nats://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.accepted = 0
-        self.held: list[socket.socket] = []
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            self.accepted += 1
-            self.held.append(conn)
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self.sock.shutdown(socket.SHUT_RDWR)
-        self.sock.close()
-        for c in self.held:
-            c.close()
+def print_header(args: argparse.Namespace, stdin: str, commands: dict[str, str], nats: str, *more: str) -> None:
+    print(f"python      {sys.executable} ({sys.version.split()[0]})")
+    print(f"nats        {nats}")
+    for line in more:
+        print(line)
+    print(f"envelope    {len(stdin.encode())} bytes, {args.runs} runs each, interleaved, {args.warmup} warm-up")
+    for name, cmd in commands.items():
+        print(f"{name:<11} {cmd}")
 
 
 def blackhole_main(args: argparse.Namespace) -> int:
     from bridge.shim import hook
-    from tests.clusterfixture import make_cluster
+    from tests.clusterfixture import BlackHole, make_cluster
 
     work = Path(tempfile.mkdtemp(prefix="aep-bench-shim-bh-"))
     cluster = make_cluster()
@@ -210,12 +188,8 @@ def blackhole_main(args: argparse.Namespace) -> int:
             commands[name] = inst.build_command(python, script, env_file)
             instances[name] = instance
         stdin = envelope_1kb()
-        print(f"python      {python} ({sys.version.split()[0]})")
-        print(f"nats        3-node cluster {cluster.url} (JetStream, file store, streams R3)")
-        print(f"blackhole   {hole.url} (accepts, never answers) in place of {cluster.urls[0]}")
-        print(f"envelope    {len(stdin.encode())} bytes, {args.runs} runs each, interleaved, {args.warmup} warm-up")
-        for name, cmd in commands.items():
-            print(f"{name:<11} {cmd}")
+        print_header(args, stdin, commands, f"3-node cluster {cluster.url} (JetStream, file store, streams R3)",
+                     f"blackhole   {hole.url} (accepts, never answers) in place of {cluster.urls[0]}")
         first = hermes_spawn(commands["blackhole"], stdin)  # pays the black hole's share once
         first_hits = hole.accepted
         for _ in range(args.warmup):
@@ -289,11 +263,7 @@ def main() -> int:
             commands[mode] = inst.build_command(python, script, env_file)
             instances[mode] = instance
         stdin = envelope_1kb()
-        print(f"python      {python} ({sys.version.split()[0]})")
-        print(f"nats        {url} (JetStream, file store)")
-        print(f"envelope    {len(stdin.encode())} bytes, {args.runs} runs each, interleaved, {args.warmup} warm-up")
-        for name, cmd in commands.items():
-            print(f"{name:<11} {cmd}")
+        print_header(args, stdin, commands, f"{url} (JetStream, file store)")
         for _ in range(args.warmup):
             for cmd in commands.values():
                 hermes_spawn(cmd, stdin)

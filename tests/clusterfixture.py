@@ -23,6 +23,9 @@ leader and all 3 peers current; no fixed sleeps):
   nothing answers: a black-holed server).
 
 Only the process backend: a cluster needs three servers the test owns.
+
+``BlackHole``: a loopback socket that accepts connections and never sends a byte (what a
+black-holed server looks like to a client; ``accepted`` counts the connections).
 """
 
 from __future__ import annotations
@@ -31,8 +34,10 @@ import contextlib
 import json
 import shutil
 import signal
+import socket
 import subprocess
 import tempfile
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -312,3 +317,36 @@ def make_cluster(size: int = 3, extra_config: str = "") -> Cluster:
         cluster.close()
         raise
     return cluster
+
+
+class BlackHole:
+    """A TCP server that accepts connections and never says a word (no INFO): a black-holed
+    NATS server. ``url``, ``accepted`` (connections so far), ``close()``."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(128)
+        self.port = self.sock.getsockname()[1]
+        self.url = f"nats://127.0.0.1:{self.port}"
+        self.accepted = 0
+        self.held: list[socket.socket] = []
+        self.thread = threading.Thread(target=self._accept, daemon=True)
+        self.thread.start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:  # closed
+                return
+            self.accepted += 1
+            self.held.append(conn)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
+        for c in self.held:
+            c.close()
+        self.thread.join(2)

@@ -5,11 +5,8 @@ start at different places in the list."""
 
 from __future__ import annotations
 
-import contextlib
-import socket
 import subprocess
 import sys
-import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,48 +14,11 @@ from pathlib import Path
 import pytest
 
 from bridge.shim import hook
-from tests.clusterfixture import Cluster
+from tests.clusterfixture import BlackHole, Cluster
 from tests.natsfixture import JetStreamClient, NatsServer, free_port
 from tests.support.shim import dumps, envelope, run_hook, shim_env
 
 DEADLINE_MS = 1000  # roomy for a loaded machine: the assertions count connections, not time
-
-
-class BlackHole:
-    """A TCP server that accepts connections and never says a word (no INFO)."""
-
-    def __init__(self) -> None:
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(64)
-        self.port = self.sock.getsockname()[1]
-        self.accepted = 0
-        self.held: list[socket.socket] = []
-        self.closed = False
-        self.thread = threading.Thread(target=self._accept, daemon=True)
-        self.thread.start()
-
-    @property
-    def url(self) -> str:
-        return f"nats://127.0.0.1:{self.port}"
-
-    def _accept(self) -> None:
-        while not self.closed:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            self.accepted += 1
-            self.held.append(conn)
-
-    def close(self) -> None:
-        self.closed = True
-        with contextlib.suppress(OSError):
-            self.sock.shutdown(socket.SHUT_RDWR)
-        self.sock.close()
-        for c in self.held:
-            c.close()
-        self.thread.join(2)
 
 
 @pytest.fixture
