@@ -12,7 +12,7 @@ once, so a node restarts on the same addresses.
 leader and all 3 peers current; no fixed sleeps):
 
 * ``urls`` / ``url`` (comma-separated, what ``AEP_BRIDGE_NATS_URL`` takes), ``nodes``,
-  ``node(name)``;
+  ``node(name)``, ``client()`` (a ``JetStreamClient`` on the running nodes), ``bootstrap(replicas)``;
 * ``wait_ready()``, ``meta_leader()``; per node ``jsz()`` and ``held_stream(name)`` (its own copy);
 * ``leader(stream, consumer=None)`` and ``kv_leader(bucket)`` (the stream ``KV_<bucket>``):
   the ``server_name`` of the current leader, from stream/consumer info ``cluster.leader``;
@@ -153,10 +153,22 @@ class ClusterNode:
         self.kill()
         shutil.rmtree(self.store_dir, ignore_errors=True)
 
-    def pause(self) -> None:
-        """SIGSTOP: connections are still accepted by the kernel, nothing answers."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGSTOP)
+    def pause(self, timeout: float = 5.0) -> None:
+        """SIGSTOP: connections are still accepted by the kernel, nothing answers. Returns once
+        the process is stopped (state ``T`` in /proc: the signal takes effect asynchronously)."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                stat = Path(f"/proc/{self.proc.pid}/stat").read_text()
+            except OSError:
+                return  # no /proc: nothing more to wait for
+            if stat.rsplit(")", 1)[1].split()[0] in ("T", "t"):
+                return
+            time.sleep(0.005)
+        raise NatsBackendError(f"cluster node {self.name} did not stop after SIGSTOP within {timeout}s")
 
     def resume(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -264,6 +276,23 @@ class Cluster:
     def client(self) -> JetStreamClient:
         """A nats-py client on the running nodes (closed by the caller)."""
         return JetStreamClient([n.url for n in self.nodes if n.running])  # type: ignore[arg-type]  # nats.connect takes a list
+
+    def bootstrap(self, replicas: int = 3, timeout: float = 30.0) -> dict[str, str]:
+        """The bridge's bootstrap at ``replicas``, again while the cluster calls a peer offline
+        (a peer that missed its heartbeats on the loaded machine, right after start)."""
+        from bridge.nats.bootstrap import ReplicasError
+
+        deadline = time.monotonic() + timeout
+        while True:
+            c = self.client()
+            try:
+                return c.bootstrap(replicas=replicas)
+            except ReplicasError as exc:
+                if "offline" not in str(exc) or time.monotonic() >= deadline:
+                    raise
+            finally:
+                c.close()
+            time.sleep(0.2)
 
     def leader(self, stream: str, consumer: str | None = None) -> str | None:
         """The server_name of the stream's (or its consumer's) leader, None while it has none."""

@@ -63,17 +63,20 @@ def servers_seen(nc: Any) -> tuple[int | None, str]:
     if not urls:
         return None, f"cluster {info['cluster']} (its size is not advertised)"
     n = len(set(urls))
-    return n, f"cluster {info['cluster']} has {n} server{'s' if n != 1 else ''}"
+    return n, f"cluster {info['cluster']} has {n} server{'s' if n != 1 else ''} up"
 
 
 def replicas_error(js: Any, config: Any, exc: Exception) -> ReplicasError:
-    _, what = servers_seen(getattr(js, "_nc", None))
+    count, what = servers_seen(getattr(js, "_nc", None))
     desc = getattr(exc, "description", None) or str(exc)
-    return ReplicasError(
-        f"{config.num_replicas} replicas asked for, but {what}: the server refused stream {config.name} "
-        f"({desc}). Use --replicas (or AEP_BRIDGE_STREAM_REPLICAS) at most the number of servers: 1 for a "
-        f"single server, 3 on a three-node cluster"
-    )
+    n = config.num_replicas
+    if "offline" in desc or (count is not None and count >= n):
+        hint = ("a server of the cluster is offline or unreachable: run bootstrap again once every server is up "
+                "(or ask for fewer replicas)")
+    else:
+        hint = ("use --replicas (or AEP_BRIDGE_STREAM_REPLICAS) at most the number of servers: 1 for a single "
+                "server, 3 on a three-node cluster")
+    return ReplicasError(f"{n} replicas asked for, but {what}: the server refused stream {config.name} ({desc}); {hint}")
 
 
 def configured_replicas(settings: Settings | None = None, environ: dict[str, str] | None = None) -> int | None:

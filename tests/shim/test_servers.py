@@ -138,11 +138,7 @@ def test_a_paused_cluster_node_does_not_spool(nats_cluster: Cluster, tmp_path: P
     """The real thing: three servers at R3, the first SIGSTOPped (accepts, never answers).
     It is a follower of HERMES_RAW: pausing the stream's leader stops every publish until
     the cluster elects another (seconds), whichever server the shim picks."""
-    c = nats_cluster.client()
-    try:
-        c.bootstrap(replicas=3)
-    finally:
-        c.close()
+    nats_cluster.bootstrap(replicas=3)
     leader = nats_cluster.wait_leader("HERMES_RAW")
     paused = next(n for n in nats_cluster.nodes if n.name not in (leader, nats_cluster.meta_leader()))
     servers = ",".join([paused.url] + [n.url for n in nats_cluster.nodes if n is not paused])
