@@ -92,3 +92,20 @@ def test_paused_node_accepts_but_never_answers(nats_cluster: Cluster) -> None:
     with socket.create_connection((node.host, node.port), timeout=1) as s:
         s.settimeout(5)
         assert s.recv(5) == b"INFO "
+
+
+def test_leaders_of_a_stream_a_consumer_and_a_kv_bucket(nats_cluster: Cluster) -> None:
+    from nats.js.api import ConsumerConfig, KeyValueConfig
+
+    c = nats_cluster.client()
+    try:
+        _r3_stream(c, "LEADS")
+        c.run(c.js.add_consumer("LEADS", ConsumerConfig(durable_name="d1")))
+        c.run(c.js.create_key_value(KeyValueConfig(bucket="leads_kv", replicas=3)))
+    finally:
+        c.close()
+    names = {"n1", "n2", "n3"}
+    assert nats_cluster.wait_leader("LEADS") in names
+    assert nats_cluster.wait_leader("LEADS", "d1") in names
+    kv = nats_cluster.wait_leader("KV_leads_kv")  # the bucket's stream
+    assert kv in names and nats_cluster.kv_leader("leads_kv") == kv
