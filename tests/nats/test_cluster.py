@@ -21,15 +21,17 @@ def test_cluster_has_three_peers_and_a_meta_leader(nats_cluster: Cluster) -> Non
     assert nats_cluster.url.count(",") == 2
 
 
-def _r3_stream(c, name: str) -> None:  # type: ignore[no-untyped-def]
+def _r3_stream(cluster: Cluster, c, name: str) -> None:  # type: ignore[no-untyped-def]
+    """An R3 stream, returned once it has a leader (until then a publish finds no responders)."""
     c.run(c.js.add_stream(StreamConfig(name=name, subjects=[f"{name.lower()}.>"], num_replicas=3)))
+    cluster.wait_leader(name)
 
 
 @pytest.mark.slow
 def test_r3_stream_survives_killing_its_leader(nats_cluster: Cluster) -> None:
     c = nats_cluster.client()
     try:
-        _r3_stream(c, "SURVIVE")
+        _r3_stream(nats_cluster, c, "SURVIVE")
         for i in range(10):
             c.run(c.js.publish("survive.x", b"%d" % i))
         info = c.stream_info("SURVIVE")
@@ -56,7 +58,7 @@ def test_r3_stream_survives_killing_its_leader(nats_cluster: Cluster) -> None:
 def test_wiped_node_catches_up(nats_cluster: Cluster) -> None:
     c = nats_cluster.client()
     try:
-        _r3_stream(c, "CATCHUP")
+        _r3_stream(nats_cluster, c, "CATCHUP")
         for i in range(20):
             c.run(c.js.publish("catchup.x", b"%d" % i))
     finally:
@@ -99,7 +101,7 @@ def test_leaders_of_a_stream_a_consumer_and_a_kv_bucket(nats_cluster: Cluster) -
 
     c = nats_cluster.client()
     try:
-        _r3_stream(c, "LEADS")
+        _r3_stream(nats_cluster, c, "LEADS")
         c.run(c.js.add_consumer("LEADS", ConsumerConfig(durable_name="d1")))
         c.run(c.js.create_key_value(KeyValueConfig(bucket="leads_kv", replicas=3)))
     finally:
