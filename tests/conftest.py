@@ -8,6 +8,8 @@
   server with extra configuration; closed at the end of the test.
 * ``jetstream``: a ``JetStreamClient`` on ``nats_server`` with every stream and
   bucket bootstrapped by the bridge's own ``bootstrap``.
+* ``nats_cluster``: a fresh three-node JetStream cluster per test (tests/clusterfixture.py:
+  nats-server processes on loopback; kill, restart, wipe, pause nodes; name leaders).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
+from tests.clusterfixture import Cluster, make_cluster
 from tests.natsfixture import JetStreamClient, NatsServer, chosen_backend, make_server
 
 
@@ -70,3 +73,12 @@ def jetstream(nats_server: NatsServer) -> Iterator[JetStreamClient]:
         yield client
     finally:
         client.close()
+
+
+@pytest.fixture
+def nats_cluster() -> Iterator[Cluster]:
+    cluster = make_cluster()
+    try:
+        yield cluster
+    finally:
+        cluster.close()

@@ -19,25 +19,38 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--replicas",
-        type=int,
+        type=_replicas,
         default=None,
-        help="stream replicas (default: AEP_BRIDGE_STREAM_REPLICAS or 1; 3 on a cluster)",
+        help="replicas of every stream, KV bucket and object store, 1-5 (default: AEP_BRIDGE_STREAM_REPLICAS "
+             "or 1; 3 on a three-node cluster). Existing ones with another count are scaled in place; more "
+             "replicas than servers is an error (exit 2)",
     )
     p.add_argument("--timeout", type=float, default=5.0, help="connect timeout in seconds (default 5)")
     p.set_defaults(func=cmd_bootstrap)
+
+
+def _replicas(raw: str) -> int:
+    try:
+        n = int(raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {raw!r}") from None
+    if not 1 <= n <= 5:
+        raise argparse.ArgumentTypeError(f"must be between 1 and 5 (JetStream's limit), got {n}")
+    return n
 
 
 def cmd_bootstrap(args: argparse.Namespace) -> int:
     import asyncio
 
     from bridge.config import Settings
-    from bridge.nats.bootstrap import BootstrapError, bootstrap
+    from bridge.nats.bootstrap import BootstrapError, ReplicasError, bootstrap
     from bridge.nats.connection import NatsConnectError, quick_connect
 
     settings = Settings.from_env()
 
     def report(name: str, outcome: str, diff: dict) -> None:
-        detail = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in diff.items())
+        detail = ", ".join(f"scaled from {a} to {b} replicas" if k == "num_replicas" else f"{k} {a!r} -> {b!r}"
+                           for k, (a, b) in diff.items())
         print(f"{name:<16} {outcome}" + (f" ({detail})" if detail else ""))
 
     async def run() -> int:
@@ -50,6 +63,9 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
 
     try:
         return asyncio.run(run())
+    except ReplicasError as exc:
+        print(f"aep-bridge bootstrap: {exc}", file=sys.stderr)
+        return 2
     except (NatsConnectError, BootstrapError) as exc:
         print(f"aep-bridge bootstrap: {exc}", file=sys.stderr)
         return 1

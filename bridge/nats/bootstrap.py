@@ -5,10 +5,20 @@ is created, one whose managed settings differ is updated in place, an equal one
 is left alone. Running it twice changes nothing the second time. Settings the
 server cannot change on a live stream (storage, retention) raise
 ``BootstrapError`` naming the stream, instead of silently diverging.
+
+Replicas (``--replicas`` / ``AEP_BRIDGE_STREAM_REPLICAS``): an existing stream, KV bucket
+(stream ``KV_<bucket>``) or object store (``OBJ_<bucket>``) with another replica count is
+scaled in place by a stream update (its messages stay; the report says "scaled from 1 to 3
+replicas"). With neither set (1 for new streams), an existing stream with more replicas keeps
+them: a deploy that forgot the setting never scales a cluster's R3 down. More replicas than the servers can place (a single server, or a cluster with
+fewer servers) is a ``ReplicasError`` naming the servers count, raised on the server's
+first refusal (it answers at once: "no suitable peers for placement", "replicas > 1 not
+supported in non-clustered mode"), before any other stream is touched.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any, Callable
 
@@ -29,14 +39,54 @@ class BootstrapError(RuntimeError):
     pass
 
 
-def default_replicas(settings: Settings | None = None, environ: dict[str, str] | None = None) -> int:
-    """``AEP_BRIDGE_STREAM_REPLICAS`` (environment or config file), else 1."""
+class ReplicasError(BootstrapError):
+    """More replicas asked for than the servers can place (``aep-bridge bootstrap`` exits 2)."""
+
+
+# JetStream API error codes that mean "these replicas cannot be placed".
+PLACEMENT_ERRORS = {
+    10005,  # no suitable peers for placement (cluster smaller than the replicas, or servers down)
+    10023,  # insufficient resources
+    10074,  # replicas > 1 not supported in non-clustered mode
+}
+
+
+def servers_seen(nc: Any) -> tuple[int | None, str]:
+    """How many servers the connected server reports, from its INFO: (count, description).
+    A server without a ``cluster`` is a single server; a cluster's ``connect_urls`` lists the
+    client URLs of the servers currently routed to it, itself included (None: not advertised)."""
+    info = getattr(nc, "_server_info", None) or {}
+    name = info.get("server_name") or "the server"
+    if not info.get("cluster"):
+        return 1, f"{name} is 1 server, not a cluster"
+    urls = info.get("connect_urls") or []
+    if not urls:
+        return None, f"cluster {info['cluster']} (its size is not advertised)"
+    n = len(set(urls))
+    return n, f"cluster {info['cluster']} has {n} server{'s' if n != 1 else ''} up"
+
+
+def replicas_error(js: Any, config: Any, exc: Exception) -> ReplicasError:
+    count, what = servers_seen(getattr(js, "_nc", None))
+    desc = getattr(exc, "description", None) or str(exc)
+    n = config.num_replicas
+    if "offline" in desc or (count is not None and count >= n):
+        hint = ("a server of the cluster is offline or unreachable: run bootstrap again once every server is up "
+                "(or ask for fewer replicas)")
+    else:
+        hint = ("use --replicas (or AEP_BRIDGE_STREAM_REPLICAS) at most the number of servers: 1 for a single "
+                "server, 3 on a three-node cluster")
+    return ReplicasError(f"{n} replicas asked for, but {what}: the server refused stream {config.name} ({desc}); {hint}")
+
+
+def configured_replicas(settings: Settings | None = None, environ: dict[str, str] | None = None) -> int | None:
+    """``AEP_BRIDGE_STREAM_REPLICAS`` (settings, environment or config file), None when unset."""
     value = getattr(settings, "stream_replicas", None)
     if value:
         return int(value)
     raw = load_environ(environ if environ is not None else dict(os.environ)).get("AEP_BRIDGE_STREAM_REPLICAS")
     if not raw:
-        return 1
+        return None
     try:
         n = int(raw)
     except ValueError:
@@ -44,6 +94,11 @@ def default_replicas(settings: Settings | None = None, environ: dict[str, str] |
     if not 1 <= n <= 5:
         raise BootstrapError(f"AEP_BRIDGE_STREAM_REPLICAS must be between 1 and 5, got {n}")
     return n
+
+
+def default_replicas(settings: Settings | None = None, environ: dict[str, str] | None = None) -> int:
+    """``AEP_BRIDGE_STREAM_REPLICAS`` (environment or config file), else 1."""
+    return configured_replicas(settings, environ) or 1
 
 
 def _norm(field: str, value: Any) -> Any:
@@ -74,19 +129,32 @@ def differences(current: Any, wanted: Any) -> dict[str, tuple[Any, Any]]:
     return out
 
 
-async def ensure_stream(js: Any, config: Any) -> tuple[str, dict[str, tuple[Any, Any]]]:
-    """Create or update one stream. Returns ("created" | "updated" | "unchanged", differences)."""
+async def ensure_stream(js: Any, config: Any, keep_more_replicas: bool = False) -> tuple[str, dict[str, tuple[Any, Any]]]:
+    """Create or update one stream. Returns ("created" | "updated" | "unchanged", differences).
+
+    ``keep_more_replicas``: an existing stream with more replicas than ``config`` keeps them
+    (the replica count was not asked for: a deploy without the setting never scales down)."""
     try:
         info = await js.stream_info(config.name)
     except NotFoundError:
-        await js.add_stream(config)
+        try:
+            await js.add_stream(config)
+        except APIError as exc:
+            if exc.err_code in PLACEMENT_ERRORS:
+                raise replicas_error(js, config, exc) from None
+            raise BootstrapError(f"stream {config.name} cannot be created: {exc.description or exc}") from None
         return "created", {}
+    have = info.config.num_replicas or 1
+    if keep_more_replicas and have > (config.num_replicas or 1):
+        config = dataclasses.replace(config, num_replicas=have)
     diff = differences(info.config, config)
     if not diff:
         return "unchanged", {}
     try:
         await js.update_stream(config)
     except APIError as exc:
+        if "num_replicas" in diff and exc.err_code in PLACEMENT_ERRORS:
+            raise replicas_error(js, config, exc) from None
         changes = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in diff.items())
         raise BootstrapError(
             f"stream {config.name} exists with different settings the server will not update in place "
@@ -111,10 +179,12 @@ async def bootstrap(
     ``duplicate_window_s`` replaces the streams' duplicate window (default 120 s; see
     ``bridge.nats.streams.all_stream_configs``); running bootstrap again without it
     restores the default."""
-    n = replicas if replicas is not None else default_replicas(settings)
+    if replicas is None:
+        replicas = configured_replicas(settings)
+    keep = replicas is None  # neither --replicas nor AEP_BRIDGE_STREAM_REPLICAS: never scale down
     results: dict[str, str] = {}
-    for config in S.all_stream_configs(n, duplicate_window_s):
-        outcome, diff = await ensure_stream(js, config)
+    for config in S.all_stream_configs(replicas or 1, duplicate_window_s):
+        outcome, diff = await ensure_stream(js, config, keep_more_replicas=keep)
         results[config.name] = outcome
         if report is not None:
             report(config.name, outcome, diff)

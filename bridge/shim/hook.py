@@ -27,9 +27,11 @@ Theory of operation
 3. Publish with the NATS text protocol over a raw ``_socket``: read ``INFO``,
    then send ``CONNECT`` + ``SUB <inbox>.*`` + ``HPUB`` (header
    ``Nats-Msg-Id: <id>``) in ONE write, and wait for the JetStream PubAck on
-   the inbox. Servers (comma-separated ``AEP_BRIDGE_NATS_URL``) are tried in
-   order; all of connect + publish + ack happens within
-   ``AEP_BRIDGE_DEADLINE_MS`` (default 250) of the start.
+   the inbox. Servers (comma-separated ``AEP_BRIDGE_NATS_URL``) are tried from a
+   place hashed from the instance name, the one that acked last first (kept in
+   ``<spool dir>/<token>.server``), each but the last with a share of the time left
+   to answer (``server_order``, ``connect_candidates``); all of connect + publish + ack
+   happens within ``AEP_BRIDGE_DEADLINE_MS`` (default 250) of the start.
 4. Spool: when no server acks in time, the stamped message is appended to
    ``<spool dir>/<instance token>.spool``, one record per line:
    ``<crc32 hex8> <id> <subject> <message JSON>\\n`` (the compact JSON never
@@ -876,9 +878,13 @@ class NatsConnection:
         # Messages on our inbox that are not PubAcks (the gate's ping or release on <inbox>.g can
         # overtake the PubAck of the held call itself), kept for `next_msg` instead of dropped.
         self.early = []
+        self.place = 0  # where its server was in this run's server_order (0: the first tried)
 
     @classmethod
-    def connect(cls, server, cfg, deadline):
+    def connect(cls, server, cfg, deadline, answer_by=None):
+        """Connect and read INFO. ``answer_by`` (monotonic, before ``deadline``): the TCP
+        connect and the INFO line must come by then (a server that is not the last to try
+        gets a share of the deadline: see ``connect_candidates``)."""
         scheme, host, port, user, password, tok = parse_server_url(server)
         if cfg.user or cfg.password:
             user, password, tok = cfg.user, cfg.password, None
@@ -888,6 +894,8 @@ class NatsConnection:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise NatsError("deadline passed before connecting to %s" % server)
+        answer = deadline if answer_by is None or answer_by > deadline else answer_by
+        started = time.monotonic()
         sock = None
         err = None
         # A str host makes getaddrinfo encode it with the "idna" codec, whose import pulls in
@@ -899,7 +907,7 @@ class NatsConnection:
         for af, st, proto, _, sa in _socket.getaddrinfo(hostb, port, 0, _socket.SOCK_STREAM):
             sock = _socket.socket(af, st, proto)
             try:
-                sock.settimeout(max(deadline - time.monotonic(), 0.001))
+                sock.settimeout(max(answer - time.monotonic(), 0.001))
                 sock.connect(sa)
                 break
             except OSError as exc:
@@ -914,7 +922,10 @@ class NatsConnection:
             except OSError:
                 pass
             conn = cls(sock, {}, server, cfg.instance)
-            line = conn._read_line(deadline)
+            try:
+                line = conn._read_line(answer)
+            except TimeoutError:
+                raise NatsError("%s sent no INFO within %d ms" % (server, (answer - started) * 1000)) from None
             if not line.startswith(b"INFO "):
                 raise NatsError("%s: expected INFO, got %r" % (server, line[:80]))
             info = loads(line[5:].decode("utf-8"))
@@ -1109,36 +1120,115 @@ def _wrap_tls(sock, host, cfg, deadline):
         raise NatsError("TLS handshake with %s failed: %s" % (host, exc)) from None
 
 
-def connect_any(cfg, deadline, errors):
-    """The first server of ``cfg.servers`` that accepts a connection before ``deadline``, or None."""
-    for server in cfg.servers:
-        if time.monotonic() >= deadline:
+def _bare_server(server):
+    """A server URL without its user info (what ``<token>.server`` keeps: no credentials)."""
+    s = server.strip()
+    head, sep, rest = s.partition("://")
+    if not sep:
+        head, rest = "", s
+    rest = rest.rsplit("@", 1)[-1]
+    return head + sep + rest
+
+
+def _server_memo_path(cfg):
+    return cfg.spool_dir.rstrip("/") + "/" + token(cfg.instance) + ".server"
+
+
+def server_order(cfg):
+    """The servers in the order this run tries them. One server: the list as is (no file
+    read). Several: the list rotated to start at a place given by a hash of the instance
+    name (instances spread over the servers; stable across processes, unlike ``hash``),
+    rotated again to start at the server that acked last (``<spool dir>/<instance
+    token>.server``) when it is in the list."""
+    servers = cfg.servers
+    n = len(servers)
+    if n < 2:
+        return servers
+    h = 0
+    for b in cfg.instance.encode("utf-8", "replace"):
+        h = (h * 31 + b) & 0xFFFFFFFF
+    start = h % n
+    order = servers[start:] + servers[:start]
+    try:
+        fd = _open_own(_server_memo_path(cfg), posix.O_RDONLY)
+    except OSError:
+        return order
+    try:
+        last = posix.pread(fd, 1024, 0).decode("utf-8", "replace").strip()
+    except OSError:
+        last = ""
+    finally:
+        posix.close(fd)
+    if last and _bare_server(order[0]) != last:
+        for i in range(1, n):
+            if _bare_server(order[i]) == last:  # go on round the list from there
+                return order[i:] + order[:i]
+    return order
+
+
+def remember_server(cfg, server):
+    """Keep ``server`` (without credentials) as the one to try first next time. Best effort:
+    a spool directory that cannot be written just means no memory."""
+    data = (_bare_server(server) + "\n").encode("utf-8", "replace")
+    try:
+        _makedirs(cfg.spool_dir)
+        fd = _open_own(_server_memo_path(cfg), posix.O_WRONLY | posix.O_CREAT)
+        try:
+            posix.pwrite(fd, data, 0)
+            posix.ftruncate(fd, len(data))
+        finally:
+            posix.close(fd)
+    except OSError:
+        pass
+
+
+def connect_candidates(cfg, deadline, errors):
+    """Yield a connection to each server of ``server_order`` that answers, in order, until
+    the caller stops (``conn.place``: where its server was in that order). Every server but the
+    last to try has an equal share of the time left to answer (TCP connect + INFO): a
+    black-holed server (it accepts, never answers) or one whose packets are dropped costs
+    that share, not the whole deadline."""
+    order = server_order(cfg)
+    n = len(order)
+    for i, server in enumerate(order):
+        now = time.monotonic()
+        if now >= deadline:
             errors.append("deadline passed")
-            break
+            return
+        answer_by = None if i == n - 1 else now + (deadline - now) / (n - i)
         try:
-            return NatsConnection.connect(server, cfg, deadline)
-        except (OSError, NatsError, ValueError) as exc:
-            errors.append(str(exc) or exc.__class__.__name__)
-    return None
-
-
-def publish_one(cfg, record, deadline, errors):
-    """Connect (servers in order) and publish one record. True when acked; a str when
-    rejected for good; False otherwise (then ``errors`` says why)."""
-    for server in cfg.servers:
-        if time.monotonic() >= deadline:
-            break
-        try:
-            conn = NatsConnection.connect(server, cfg, deadline)
+            conn = NatsConnection.connect(server, cfg, deadline, answer_by)
         except (OSError, NatsError, ValueError) as exc:
             errors.append(str(exc) or exc.__class__.__name__)
             continue
+        conn.place = i
+        yield conn
+
+
+def connect_any(cfg, deadline, errors):
+    """The first server (in ``server_order``) that answers before ``deadline``, or None."""
+    for conn in connect_candidates(cfg, deadline, errors):
+        return conn
+    return None
+
+
+def acked(cfg, conn):
+    """``conn``'s server acked: when it was not the first tried, remember it for next time."""
+    if conn.place:
+        remember_server(cfg, conn.server)
+
+
+def publish_one(cfg, record, deadline, errors):
+    """Connect (servers in ``server_order``) and publish one record. True when acked; a str
+    when rejected for good; False otherwise (then ``errors`` says why)."""
+    for conn in connect_candidates(cfg, deadline, errors):
         try:
             fit(record, conn.max_payload, cfg.max_field_bytes)
             got = conn.publish([record], deadline)
             if got:
+                acked(cfg, conn)
                 return got[0]
-            errors.append(str(conn.error or "no ack from %s before the deadline" % server))
+            errors.append(str(conn.error or "no ack from %s before the deadline" % conn.server))
         finally:
             conn.close()
     return False
@@ -1796,6 +1886,8 @@ def _deliver(record, cfg, started, deadline, spool, ctl):
                     outcome = got[0] if got else False
                     if not got:
                         errors.append(str(conn.error or "no ack before the deadline"))
+                    else:
+                        acked(cfg, conn)
                 if outcome is True and ctl is not None:
                     ctl.run(conn, cfg, started)
             finally:

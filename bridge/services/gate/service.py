@@ -26,7 +26,7 @@ from bridge.core.envelope import EnvelopeError, decode_raw
 from bridge.core.lanes import event_lane_token
 from bridge.core.pipeline import map_record, record_from_raw
 from bridge.nats import subjects as subj
-from bridge.nats.bootstrap import default_replicas, ensure_stream
+from bridge.nats.bootstrap import configured_replicas, ensure_stream
 from bridge.nats.connection import connect_service
 from bridge.nats.lanes import KvLanes, epoch_of
 from bridge.nats.streams import (
@@ -133,9 +133,9 @@ class Gate(Commands):
     async def connect(self) -> tuple[Any, Any]:
         self.nc = await connect_service(self.settings, name=f"aep-bridge-gate-{self.settings.instance}", role="gate")
         self.js = self.nc.jetstream()
-        replicas = default_replicas(self.settings)  # AEP_BRIDGE_STREAM_REPLICAS, like `bootstrap`
-        for spec in CONTROL_BUCKETS:
-            await ensure_stream(self.js, spec.config(replicas))
+        replicas = configured_replicas(self.settings)  # AEP_BRIDGE_STREAM_REPLICAS, like `bootstrap`
+        for spec in CONTROL_BUCKETS:  # unset: 1 for new buckets, existing ones keep theirs (never scaled down)
+            await ensure_stream(self.js, spec.config(replicas or 1), keep_more_replicas=replicas is None)
         self.kv = await self.js.key_value(CONTROL_BUCKET.bucket)
         self.queues = await self.js.key_value(INSTRUCT_BUCKET.bucket)
         self.lanes = KvLanes(await self.js.key_value(LANES_BUCKET))
