@@ -21,7 +21,7 @@ from tests.services.test_relay_claims import connect, emitter_hello, next_frame,
 from tests.support.relay import EMITTER, OPERATOR, RelayProcess, encode, event
 from tests.support.services import wait_for
 
-CLAIM_TTL_S = "3"
+CLAIM_TTL_S = "4"
 
 
 @pytest.fixture
@@ -109,7 +109,7 @@ def test_a_command_reaches_the_claim_held_by_the_other_replica_once(replicas) ->
             out["roster_a"] = await listed(s, a, session)
             out["via_b"] = await asyncio.to_thread(sdk_send, b, session)
             out["via_a"] = await asyncio.to_thread(sdk_send, a, session)
-            await asyncio.sleep(3 * float(CLAIM_TTL_S))  # past the TTL: renewed while the socket lives
+            await asyncio.sleep(2 * float(CLAIM_TTL_S))  # past the TTL: renewed while the socket lives
             out["renewed"] = await listed(s, b, session)
             task.cancel()
             await ws.close()

@@ -192,8 +192,8 @@ class Router:
         if self.bindings is not None:  # a source is the first operator token's that used it
             try:
                 owner = await self.bindings.owner(frame["source"], who.name)
-            except RelayStoreUnavailable:
-                return await refuse("no-route", "the relay could not read its bucket aep_relay")
+            except RelayStoreUnavailable as exc:
+                return await refuse("no-route", f"the relay could not read its bucket aep_relay: {exc}")
             if owner != who.name:
                 return await refuse("unauthorized", "this source belongs to another operator token")
         recorded = self._answered((frame["source"], cid), session)
