@@ -202,6 +202,7 @@ FIELDS: tuple[Field, ...] = (
     _f("AEP_HERMES_HOLD_MS", "int", hook.DEFAULT_HOLD_MS, {"shim"}, "shim: how long a held call waits for the operator", range=(1, hook.HOLD_MS_MAX), shim=True),
     _f("AEP_CONTROL_SENDERS", "list", None, {"gate"}, "command senders (`agent`s) the gate obeys (default: any)"),
     _f("AEP_GATE_PROBE_MS", "int", 1000, {"gate"}, "how often a held hook is probed", range=(1, 3_600_000), flag="--probe-ms"),
+    _f("AEP_BRIDGE_SESSION_IDLE_TTL_S", "int", 1800, {"gate", "relay"}, "a Hermes session with no raw message this long is no longer live (roster, commands)", range=(1, 7 * 86400)),
     # ---- the relay
     _f("AEP_BRIDGE_RELAY_LISTEN", "listen", DEFAULT_RELAY_LISTEN, {"relay"}, "HOST:PORT the relay listens on", flag="--listen"),
     _f("AEP_BRIDGE_RELAY_TOKEN", "str", None, {"relay"}, "a bearer token with every right", secret=True),
@@ -212,6 +213,7 @@ FIELDS: tuple[Field, ...] = (
     _f("AEP_BRIDGE_RELAY_REPLAY_BUFFER", "int", 10000, {"relay"}, "the replay window: the last N events of AEP_EVENTS", range=(1, 10**9)),
     _f("AEP_BRIDGE_RELAY_QUEUE", "int", 10000, {"relay"}, "events queued per subscription before backpressure", range=(1, 10**7)),
     _f("AEP_BRIDGE_RELAY_HEARTBEAT_S", "int", 15, {"relay"}, "SSE ping / idle interval in seconds", range=(1, 30)),
+    _f("AEP_BRIDGE_RELAY_CLAIM_TTL_S", "int", 30, {"relay"}, "a WebSocket emitter's shared claim outlives a dead replica this long", range=(3, 3600)),
     # ---- the exporter
     _f("AEP_BRIDGE_EXPORT_CONFIG", "path", None, {"exporter"}, "sinks file, YAML or JSON", flag="--config"),
     _f("AEP_BRIDGE_KAFKA_SASL_PASSWORD", "str", None, {"exporter"}, "fills a Kafka sink's sasl.password", secret=True),

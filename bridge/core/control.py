@@ -420,6 +420,21 @@ class SessionInfo(msgspec.Struct, kw_only=True):
     instance: str = ""
     ended: bool = False
     session: str = ""  # the session id itself (its lane token may be a hash); "" in records before it
+    seen: float = 0.0  # when the gate last saw a raw message of it (unix s; 0: a record before it)
+
+
+def is_idle(info: SessionInfo, now: float, idle_ttl_s: float) -> bool:
+    """A session the gate has not seen for ``idle_ttl_s`` (a crashed Hermes never sends its
+    finalize) is no longer live; a record without ``seen`` (an older gate's) is judged live."""
+    return bool(info.seen) and now - info.seen > idle_ttl_s
+
+
+def restamp(old: SessionInfo | None, new: SessionInfo, idle_ttl_s: float) -> bool:
+    """Whether the gate rewrites its record: something changed, or its ``seen`` is older than
+    a quarter of the idle TTL (so a session that speaks stays live with room to spare)."""
+    if old is None or msgspec.structs.replace(old, seen=0.0) != msgspec.structs.replace(new, seen=0.0):
+        return True
+    return new.seen - old.seen >= idle_ttl_s / 4
 
 
 def instruct_decision(cmd: Command, session: SessionInfo | None, queued: int) -> str | Reject:
@@ -600,6 +615,6 @@ __all__ = [
     "GATE_REPLY_HEADER", "GATE_SLOT", "INSTRUCT", "Instruction", "MAX_QUEUE", "MAX_TEXT", "Position", "REJECTED", "RESPOND", "Reject",
     "SessionInfo", "Verdict", "Where", "accepted_verbs", "ack_id", "ack_payload", "build_event", "card_payload",
     "command_key", "dedupe_action", "drop_seqs", "gate_command", "gate_id", "gone_trigger", "hello",
-    "instruct_decision", "interpret_answer", "is_ack_of", "joined_context", "next_seq", "parse_command",
-    "respond_decision", "shim_answer", "tool_prompt", "transition",
+    "instruct_decision", "interpret_answer", "is_ack_of", "is_idle", "joined_context", "next_seq", "parse_command",
+    "respond_decision", "restamp", "shim_answer", "tool_prompt", "transition",
 ]

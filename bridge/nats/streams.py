@@ -54,6 +54,7 @@ INGEST_SUBJECTS = f"{INGEST_PREFIX}.>"  # events other AEP emitters post to the 
 LANES_BUCKET = "aep_lanes"  # s.<token> = known session, t.<task id token> = task alias
 PAIRING_BUCKET = "aep_pairing"  # pairing progress q.<partition>; p.<partition>: checkpoints of older releases
 CHECKPOINTS_BUCKET = "aep_checkpoints"  # object store: pairing checkpoints, object p.<partition>
+RELAY_BUCKET = "aep_relay"  # relay replicas: claim.<lane token>.<replica>.<conn>, src.<digest>
 LEASES_BUCKET = "aep_leases"  # partition ownership leases, key p.<partition>; expire after LEASE_TTL_S
 LANES_TTL_S = 7 * DAY
 LEASE_TTL_S = 10.0  # a lease nobody renews for this long is gone (pairing renews every 2 s)
@@ -69,7 +70,8 @@ __all__ = [
     "AEP_EVENTS", "BRIDGE_DLQ", "BRIDGE_MAPPED", "BUCKETS", "BucketSpec", "CHECKPOINTS_BUCKET", "CONTROL_BUCKET",
     "CONTROL_BUCKETS", "HERMES_RAW", "INSTRUCT_BUCKET",
     "LANES_BUCKET", "LEASES_BUCKET", "LEASE_TTL_S", "MAPPER_DURABLE", "MAPPER_MAX_DELIVER", "OBJECT_STORES",
-    "ObjectStoreSpec", "PAIRING_BUCKET", "STREAMS", "StreamSpec", "all_stream_configs", "mapper_consumer_config",
+    "ObjectStoreSpec", "PAIRING_BUCKET", "RELAY", "RELAY_BUCKET", "STREAMS", "StreamSpec", "all_stream_configs",
+    "mapper_consumer_config",
 ]
 
 
@@ -115,6 +117,7 @@ class BucketSpec:
     history: int = 1
     max_bytes: int = GiB
     max_value_size: int = -1
+    allow_msg_ttl: bool = False  # keys may carry their own TTL (a Nats-TTL header; nats-server 2.11+)
 
     @property
     def stream_name(self) -> str:
@@ -139,6 +142,7 @@ class BucketSpec:
             max_consumers=-1,
             duplicate_window=min(DUPLICATE_WINDOW_S, self.ttl_s) if self.ttl_s else DUPLICATE_WINDOW_S,
             num_replicas=replicas,
+            **({"allow_msg_ttl": True} if self.allow_msg_ttl else {}),
         )
 
 
@@ -203,7 +207,13 @@ PAIRING = BucketSpec(
     PAIRING_BUCKET, "pairing progress per partition (q.<n>); checkpoints of older releases (p.<n>)", max_bytes=GiB,
 )
 LEASES = BucketSpec(LEASES_BUCKET, "pairing partition leases (p.<n>)", ttl_s=LEASE_TTL_S, max_bytes=16 * MiB)
-BUCKETS: tuple[BucketSpec, ...] = (LANES, PAIRING, LEASES)
+# The relay replicas' shared state: claim.<lane token>.<replica>.<connection> the live claims of
+# their WebSocket emitters (each with a per-message TTL, renewed while its socket lives) and
+# src.<digest> the operator token a command source belongs to (kept as long as AEP_EVENTS keeps
+# the decisions a reused (source, id) could read).
+RELAY = BucketSpec(RELAY_BUCKET, "relay replicas: emitter claims (claim.) and command sources' tokens (src.)",
+                   ttl_s=30 * DAY, max_bytes=256 * MiB, allow_msg_ttl=True)
+BUCKETS: tuple[BucketSpec, ...] = (LANES, PAIRING, LEASES, RELAY)
 # The opt-in control plane's buckets: the gate creates them at start (bootstrap does not, so an
 # observe-only deployment has none of them).
 CONTROL_BUCKET = BucketSpec("aep_control", "control plane: commands (cmd.), held calls (card.), seq. and sess. per session",

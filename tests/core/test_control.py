@@ -8,6 +8,7 @@ import json
 from functools import lru_cache
 
 import jsonschema
+import msgspec
 import pytest
 
 from bridge.core import aep
@@ -363,3 +364,22 @@ def test_shim_reads_the_opt_ins(env, control, instruct, hold, tools) -> None:
 ])
 def test_shim_gate_tools(pattern, tool, gated) -> None:
     assert hook._gated(tool, pattern) is gated
+
+
+# ---------------------------------------------------------------- liveness (issue 25 item 5)
+
+
+def test_a_session_is_idle_past_the_ttl_since_the_gate_last_saw_it():
+    seen = C.SessionInfo(source="x", session="s", seen=1000.0)
+    assert not C.is_idle(seen, 1000.0 + 1800, 1800)
+    assert C.is_idle(seen, 1000.0 + 1800.5, 1800)
+    assert not C.is_idle(C.SessionInfo(source="x", session="s"), 10**10, 1800)  # an older gate's record: live
+
+
+def test_the_gate_restamps_on_a_change_or_a_quarter_of_the_ttl():
+    old = C.SessionInfo(source="x", instance="h", session="s", seen=1000.0)
+    assert C.restamp(None, old, 1800)
+    assert not C.restamp(old, msgspec.structs.replace(old, seen=1000.0 + 449), 1800)
+    assert C.restamp(old, msgspec.structs.replace(old, seen=1000.0 + 450), 1800)
+    assert C.restamp(old, msgspec.structs.replace(old, seen=1001.0, ended=True), 1800)
+    assert C.restamp(old, msgspec.structs.replace(old, seen=1001.0, instance="other"), 1800)

@@ -784,9 +784,11 @@ def test_values_handed_to_the_nats_subchart_are_self_consistent() -> None:
         ref = container_env[var]["valueFrom"]["secretKeyRef"]
         assert ref == {"name": defaults["auth"]["existingSecret"], "key": f"{role}-password"}, user
         permissions = entry["permissions"]
-        # allow_responses: only the control-enabled shim (it confirms the gate's requests);
-        # the observe-only hermes-shim has no control right.
-        assert permissions.keys() == {"publish", "subscribe"} | ({"allow_responses"} if role == "shim-control" else set()), user
+        # allow_responses: only the control-enabled shim (it confirms the gate's requests) and
+        # the relay (it answers the commands its other replicas forward); the observe-only
+        # hermes-shim has no control right.
+        assert permissions.keys() == {"publish", "subscribe"} | (
+            {"allow_responses"} if role in ("shim-control", "relay") else set()), user
         # its own inbox prefix only (bridge.nats.connection.ROLE_INBOX), never _INBOX.>
         inbox = "_INBOX.hermes.>" if user.startswith("hermes-") else f"_INBOX.{user}.>"
         assert inbox in permissions["subscribe"]["allow"] and "_INBOX.>" not in permissions["subscribe"]["allow"], user

@@ -650,8 +650,14 @@ def test_sample_and_values_grant_the_same_permissions() -> None:
             else {"_INBOX.hermes.>"} if user.startswith("hermes-") else {f"_INBOX.{user}.>"}), user
     assert {user for user, rules in sample.items() if any(p.startswith("_INBOX.") for p in rules[1])} == {"aep-gate"}
     assert {p for p in sample["aep-gate"][1] if p.startswith("_INBOX.")} == {"_INBOX.hermes.>", "_INBOX.aep-operator.>"}
-    # Only the control-enabled shim answers requests (the gate's) and pulls instructions.
-    assert {user for user, rules in sample.items() if rules[3]} == {"hermes-shim-control"}
+    # Only the control-enabled shim answers requests (the gate's) and pulls instructions; the
+    # relay answers the commands its other replicas forward to it.
+    assert {user for user, rules in sample.items() if rules[3]} == {"hermes-shim-control", "aep-relay"}
+    # Only the relay uses its replicas' bucket and subjects.
+    assert {user for user, rules in sample.items() if any("aep_relay" in s or s.startswith("aep.relay.")
+                                                          for s in rules[1])} == {"aep-relay", "aep-bootstrap"}
+    assert {s for s in sample["aep-bootstrap"][1] if "aep_relay" in s} == {
+        "$JS.API.STREAM.CREATE.KV_aep_relay", "$JS.API.STREAM.UPDATE.KV_aep_relay", "$JS.API.STREAM.INFO.KV_aep_relay"}
     assert {user for user, rules in sample.items() if "aep.gate.instruct.*" in rules[1]} == {"hermes-shim-control"}
     # Only the mapper publishes mapped events; pairing only its ticks.
     assert {user for user, rules in sample.items() if "bridge.mapped.>" in rules[1]} == {"aep-mapper"}
@@ -726,7 +732,36 @@ def test_the_real_relay_does_its_job_as_its_user_and_nothing_else(server: dict, 
     asyncio.run(bootstrap(server["url"]))
     url = server["url"].replace("nats://", "nats://aep-relay:relay-pw@")
     relay = RelayProcess(url, tmp_path).start()
+    other = RelayProcess(url, tmp_path).start()  # a second replica: claims and commands cross between them
     ev = event("perm-relay", 1)
+
+    async def across() -> dict:
+        """An emitter's claim on ``relay``, a command for it through ``other``, its ack back."""
+        session = "perm-claim"
+        async with aiohttp.ClientSession() as s:
+            em = await s.ws_connect(relay.ws_url, headers=auth(EMITTER))
+            await em.send_json({"type": "hello", "versions": ["0.1"], "role": "emitter", "identity": {"agent": "perm"},
+                                "capabilities": {"control": {"accepts": ["control.attention.respond"]}}})
+            await em.receive(timeout=5)
+            await em.send_str(encode({**event(session, 0, "session.started", data={"client": {"name": "p"}})}).decode())
+            op = await s.ws_connect(other.ws_url, headers=auth(OPERATOR))
+            await op.send_json({"type": "hello", "versions": ["0.1"], "role": "consumer"})
+            await op.receive(timeout=5)
+            for _ in range(50):
+                await op.send_json({"type": "roster", "id": "r"})
+                if json.loads((await op.receive(timeout=10)).data)["entries"]:
+                    break
+                await asyncio.sleep(0.1)
+            cmd = {"aep": "0.1", "id": "PERMCMD1", "type": "control.attention.respond", "time": "2026-12-01T10:00:00.000Z",
+                   "source": "urn:test:perm", "agent": "op", "session": session, "data": {"answer": {"option": "allow"}}}
+            await op.send_json(cmd)
+            got = json.loads((await em.receive(timeout=10)).data)
+            await em.send_str(encode({**event(session, 1, "control.accepted", data={}), "cause": got["id"],
+                                      "id": "perm-ack"}).decode())
+            ack = json.loads((await op.receive(timeout=10)).data)
+            await em.close()
+            await op.close()
+            return ack
 
     async def use() -> tuple[int, dict, dict]:
         async with aiohttp.ClientSession() as s:
@@ -745,8 +780,12 @@ def test_the_real_relay_does_its_job_as_its_user_and_nothing_else(server: dict, 
 
     try:
         posted, got, roster = asyncio.run(use())
+        ack = asyncio.run(across())
     finally:
         relay.stop()
+        other.stop()
+    assert ack["type"] == "control.accepted" and ack["cause"] == "PERMCMD1", ack
+    assert "Permissions Violation" not in other.logs() and "Traceback" not in other.logs()
     assert posted == 202
     assert [e["data"] for e in got["events"]] == [encode(ev)]
     assert roster == {"type": "roster", "id": "r", "entries": []}
@@ -758,6 +797,8 @@ def test_the_real_relay_does_its_job_as_its_user_and_nothing_else(server: dict, 
             await expect_publish_refused(c, "aep.hermes.s1.session.started")  # the bridge's own events
             await expect_publish_refused(c, "aep.hermes.s1.control.accepted")  # acks are the gate's
             await expect_publish_refused(c, "hermes.raw.gw.pre_tool_call")
+            await expect_publish_refused(c, "$KV.aep_lanes.s.x")  # of the KV buckets, aep_relay only
+            await expect_publish_refused(c, "aep.relay.x.other")  # of its own subjects, command and reply only
             await expect_api_refused(c, c.js.pull_subscribe("hermes.raw.>", durable="x", stream="HERMES_RAW"), "HERMES_RAW")
             await expect_api_refused(c, c.js.delete_stream("AEP_EVENTS"), "$JS.API.STREAM.DELETE.AEP_EVENTS")
         finally:

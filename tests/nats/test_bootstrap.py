@@ -18,7 +18,7 @@ from tests.natsfixture import JetStreamClient
 
 ROOT = Path(__file__).resolve().parents[2]
 ALL = ["HERMES_RAW", "BRIDGE_MAPPED", "BRIDGE_DLQ", "AEP_EVENTS", "KV_aep_lanes", "KV_aep_pairing", "KV_aep_leases",
-       "OBJ_aep_checkpoints"]
+       "KV_aep_relay", "OBJ_aep_checkpoints"]
 
 
 def cli(*args: str, url: str, **env: str) -> subprocess.CompletedProcess[str]:
@@ -55,6 +55,8 @@ def test_bootstrap_creates_everything_with_explicit_limits(nats_factory) -> None
         assert js.stream_info("KV_aep_leases").config.max_age == S.LEASE_TTL_S
         leases = js.run(js.js.key_value(S.LEASES_BUCKET))
         js.run(leases.create("p.0", b"me"))
+        # the relay replicas' bucket takes per-message TTLs (their claims' renewals)
+        assert js.stream_info("KV_aep_relay").config.allow_msg_ttl is True
         # the checkpoint bucket is an object store for nats-py: its stream is the one nats-py
         # itself creates (ADR-20), and an object of several chunks goes in and out
         from nats.js.api import ObjectMeta, ObjectMetaOptions

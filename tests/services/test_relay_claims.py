@@ -330,7 +330,9 @@ def test_an_emitters_declarations_are_bounded(relay) -> None:
 
 def test_a_live_hermes_session_is_never_diverted_to_an_impostor(relay, jetstream) -> None:
     """A live Hermes session (the gate's live. record) and a WebSocket emitter claiming the
-    same name: refused ambiguous, never delivered to the emitter, gate or no gate."""
+    same name: the Hermes session shadows the emitter's claim (issue 25 item 3), so the
+    command is the gate's (here no gate answers: no-route), never delivered to the emitter,
+    and the roster does not list the shadowed claim."""
     session = "h" + uuid.uuid4().hex[:10]
 
     async def put() -> None:
@@ -347,17 +349,23 @@ def test_a_live_hermes_session_is_never_diverted_to_an_impostor(relay, jetstream
 
     async def go() -> tuple[Any, dict]:
         async with aiohttp.ClientSession() as s:
-            imp, op = await claim_then_command(s, relay, "impostor", session, cid)
+            imp = await connect(s, relay, emitter_hello("impostor"), EMITTER)
+            await imp.send_str(encode(started(session)).decode())
+            await imp.send_json({"type": "ping"})
+            assert (await next_frame(imp))["type"] == "pong"  # frames are handled in order: claimed
+            op = await connect(s, relay, {"type": "hello", "versions": ["0.1"], "role": "consumer"}, OPERATOR)
+            await op.send_str(respond(session, cid).decode())
             answer = await next_frame(op)
             try:
                 got = (await imp.receive(timeout=1)).data
             except asyncio.TimeoutError:
                 got = None
-            return got, answer
+            return got, answer, [e for e in await roster(s, relay) if e["session"] == session]
 
-    got, answer = asyncio.run(go())
+    got, answer, entries = asyncio.run(go())
     assert got is None, "the command for a live Hermes session went to an impostor WebSocket emitter"
-    assert answer["code"] == "ambiguous" and answer["cause"] == cid
+    assert answer["code"] == "no-route" and answer["cause"] == cid and "gate" in answer["detail"], answer
+    assert entries == []
 
 
 def test_commands_are_not_ingested_and_claims_are_bounded(relay, monkeypatch) -> None:

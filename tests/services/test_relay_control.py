@@ -20,7 +20,7 @@ from bridge.core.aep import encode_event
 from bridge.nats.subjects import HELLO_SUBJECT
 from bridge.services.gate.config import COMMAND_DURABLE
 from tests.support.plane import Plane, new_session, start_session
-from tests.support.relay import CONSUMER, EMITTER as EMITTER_TOKEN, OPERATOR, RelayProcess, auth
+from tests.support.relay import ALL, CONSUMER, EMITTER as EMITTER_TOKEN, OPERATOR, RelayProcess, auth
 from tests.support.services import wait_for
 from tests.support.shim import envelope
 from tests.support.streams import consumer_idle
@@ -382,3 +382,79 @@ def plane_hello(plane: Plane) -> dict[str, Any]:
             await nc.close()
 
     return asyncio.run(ask())
+
+
+def test_an_emitter_naming_a_live_hermes_session_does_not_block_its_operators(relay_plane) -> None:
+    """Issue 25 item 3: one WebSocket emitter's session.started under a live Hermes session's
+    name used to make that session's commands `ambiguous`. A live Hermes session shadows
+    emitter claims of its name: the command goes to the gate, the emitter gets nothing, and
+    the roster lists the Hermes session only."""
+    plane, relay = relay_plane
+    session, shim, req, cid, cmd = held_call(plane, "call-shadow", "deny")
+    started = {"aep": "0.1", "id": f"{session}-imp", "type": "session.started", "time": "2026-12-01T10:00:00.000Z",
+               "source": "urn:test:impostor", "agent": "impostor", "session": session, "seq": 0,
+               "data": {"client": {"name": "impostor"}}}
+    emitter_hello = {"type": "hello", "versions": ["0.1"], "role": "emitter", "identity": {"agent": "impostor"},
+                     "capabilities": {"control": {"accepts": [C.RESPOND]}}}
+
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            imp = await s.ws_connect(relay.ws_url, headers=auth(EMITTER_TOKEN))
+            await imp.send_json(emitter_hello)
+            await imp.receive(timeout=5)
+            await imp.send_str(json.dumps(started))
+            await imp.send_json({"type": "ping"})
+            assert json.loads((await imp.receive(timeout=5)).data)["type"] == "pong"  # in order: claimed
+            ws, _ = await operator_socket(s, relay)
+            entries: list[dict[str, Any]] = []
+            for _ in range(40):  # the relay's list of live Hermes sessions is at most 1 s old
+                await ws.send_json({"type": "roster", "id": "shadow"})
+                entries = [e for e in json.loads((await ws.receive(timeout=10)).data)["entries"]
+                           if e["session"] == session]
+                if any(e.get("agent") != "impostor" for e in entries):
+                    break
+                await asyncio.sleep(0.25)
+            await ws.send_str(cmd.decode())
+            ack = json.loads((await ws.receive(timeout=15)).data)
+            try:
+                got = (await imp.receive(timeout=1)).data
+            except asyncio.TimeoutError:
+                got = None
+            return entries, ack, got
+
+    entries, ack, got = asyncio.run(go())
+    out, _ = shim.communicate(timeout=15)
+    assert ack["type"] == "control.accepted" and ack["cause"] == cid, ack
+    assert json.loads(out)["action"] == "block"
+    assert got is None, "the command went to the impostor"
+    assert len(entries) == 1 and entries[0].get("agent") != "impostor", entries  # the Hermes session's entry only
+
+
+def test_a_commands_source_is_bound_to_the_operator_token_that_first_used_it(relay_plane) -> None:
+    """Issue 25 item 3: a second operator token reusing another's (source, id) used to read
+    its decision (the gate's recorded ack). A source belongs to the first token that sent a
+    command under it: another token's command under that source is refused `unauthorized`
+    before anything is routed or read; the owner's commands still go through."""
+    plane, relay = relay_plane
+    session, shim, req, cid, _ = held_call(plane, "call-bound", "deny")
+    sender = f"console-{uuid.uuid4().hex[:8]}"
+    first = encode_event(build_command(C.RESPOND, session, {"answer": {"option": "deny"}}, sender=sender,
+                                       subject=req["id"], command_id=cid))
+
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            owner, _ = await operator_socket(s, relay)
+            await owner.send_str(first.decode())
+            ack = json.loads((await owner.receive(timeout=15)).data)
+            other, _ = await operator_socket(s, relay, token=ALL)  # another token with control rights
+            await other.send_str(first.decode())  # the same (source, id): would read the decision
+            stolen = json.loads((await other.receive(timeout=10)).data)
+            await owner.send_str(first.decode())  # the owner's retry: its recorded ack
+            again = json.loads((await owner.receive(timeout=10)).data)
+            return ack, stolen, again
+
+    ack, stolen, again = asyncio.run(go())
+    shim.communicate(timeout=15)
+    assert ack["type"] == "control.accepted" and ack["cause"] == cid
+    assert stolen["type"] == "error" and stolen["code"] == "unauthorized" and stolen["cause"] == cid, stolen
+    assert again == ack

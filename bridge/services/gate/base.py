@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from typing import Any, AsyncIterator
 
 import msgspec
@@ -27,6 +28,7 @@ from bridge.core.control import (
     build_event,
     hello,
     next_seq,
+    restamp,
 )
 from bridge.nats import subjects as subj
 from bridge.nats.streams import AEP_EVENTS, HERMES_RAW
@@ -131,8 +133,8 @@ class GateBase:
 
     async def learn(self, token: str, source: str, instance: str, ended: bool = False, session: str = "") -> None:
         info, _ = await self.kv_get(self.kv, f"sess.{token}", SessionInfo)
-        new = SessionInfo(source=source, instance=instance, ended=ended, session=session)
-        if info != new:
+        new = SessionInfo(source=source, instance=instance, ended=ended, session=session, seen=time.time())
+        if restamp(info, new, self.config.idle_ttl_s):  # seen: the relay's idle rule (AEP_BRIDGE_SESSION_IDLE_TTL_S)
             await self.kv_put(self.kv, f"sess.{token}", new)
             # live.<token>: the sessions a command can reach now, the relay's roster (a scan of
             # the live ones, not of every session the bucket keeps for 7 days)

@@ -27,6 +27,7 @@ class GateConfig:
     instruct: bool = False
     senders: frozenset[str] | None = None  # AEP_CONTROL_SENDERS: allowed command `agent`s (None: any)
     probe_ms: int = 1000
+    idle_ttl_s: float = 1800.0  # AEP_BRIDGE_SESSION_IDLE_TTL_S: live.<token> is re-stamped well within it
     release_timeout_s: float = 5.0  # how long the shim has to confirm a release
     pull_timeout_s: float = 1.0  # ... an instruction delivery
     ack_window_ms: int = ACK_WINDOW_MS
@@ -45,6 +46,7 @@ class GateConfig:
             instruct=v["AEP_INSTRUCT"],
             senders=frozenset(senders) if senders else None,
             probe_ms=v["AEP_GATE_PROBE_MS"],
+            idle_ttl_s=float(v["AEP_BRIDGE_SESSION_IDLE_TTL_S"]),
             policy=policy or CapturePolicy(),
         )
 

@@ -5,16 +5,20 @@ Two kinds of claimant terminate here:
 * **WebSocket emitters.** A connection whose hello says ``emitter`` (or ``both``) claims every
   session it sends an Event for, for as long as it stays open. Its roster entry relays its
   hello's ``identity.agent``/``identity.instance`` and its declared ``capabilities.control``
-  and ``capabilities.emits`` verbatim. A claim lives in the replica that terminates the
-  connection: with several relay replicas, a consumer sees (and can command) the WebSocket
-  emitters of the replica it is connected to.
+  and ``capabilities.emits`` verbatim. The replica that terminates the connection shares
+  its claims with the other replicas (``replicas.SharedClaims``: the KV bucket aep_relay,
+  renewed while the socket lives), and routes to it the commands they receive: every
+  replica lists, and can command, every replica's WebSocket emitters.
 * **Hermes sessions** (the fleet). The gate is their control target on NATS: a Hermes session
   is live while the gate has seen it and not seen its ``on_session_finalize`` (its
   ``live.<lane token>`` record in the control bucket). Every replica sees the same set. The
   entry carries the Hermes instance the session runs on, and the gate's declared control
   block verbatim (the gate answers for every shim).
 
-A command is routed only to exactly one live claimant: none is ``no-route``, more than one is
+A live Hermes session shadows WebSocket emitters' claims of its name: its commands go to the
+gate, and the roster lists the Hermes session only (an emitter cannot block its operators by
+naming it; its events are stored all the same, under ``aep.ingest.>``). Otherwise a command
+is routed only to exactly one live claimant: none is ``no-route``, more than one is
 ``ambiguous`` (never a guess, never a broadcast).
 """
 
@@ -23,6 +27,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from typing import Any
+
+from bridge.services.relay.replicas import new_id
 
 MAX_CLAIMS_PER_CONNECTION = 4096  # sessions one emitter connection may claim (memory bound)
 MAX_CLAIMS = 50_000  # claims of all the connections of one replica
@@ -39,6 +45,7 @@ class Claimant:
     capabilities: dict[str, Any]
     close: Any = None  # async callable: end that connection (it stopped reading)
     sessions: set[str] = field(default_factory=set)
+    conn: str = field(default_factory=new_id)  # its id among the replicas (shared claims, forwarding)
 
     @classmethod
     def from_hello(cls, send: Any, hello: dict[str, Any], close: Any = None) -> Claimant:
@@ -81,9 +88,11 @@ class Claimant:
 class Claims:
     """The WebSocket emitters' claims of this replica: session -> claimants."""
 
-    def __init__(self) -> None:
+    def __init__(self, shared: Any = None) -> None:
         self.by_session: dict[str, list[Claimant]] = {}
+        self.by_conn: dict[str, Claimant] = {}
         self.count = 0
+        self.shared = shared  # replicas.SharedClaims: the claims published for the other replicas
 
     def claim(self, who: Claimant, session: str) -> bool:
         """Record that ``who`` claims ``session``; False past a bound (the connection's, the
@@ -95,7 +104,10 @@ class Claims:
             return False
         who.sessions.add(session)
         self.by_session.setdefault(session, []).append(who)
+        self.by_conn[who.conn] = who
         self.count += 1
+        if self.shared is not None:
+            self.shared.put(session, who.conn, who.entry(session))
         return True
 
     def release(self, who: Claimant) -> None:
@@ -107,6 +119,9 @@ class Claims:
             else:
                 self.by_session.pop(session, None)
         self.count -= len(who.sessions)
+        if self.shared is not None:
+            self.shared.drop(who.sessions, who.conn)
+        self.by_conn.pop(who.conn, None)
         who.sessions.clear()
 
     def of(self, session: str) -> list[Claimant]:

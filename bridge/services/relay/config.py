@@ -24,6 +24,11 @@ environment, then the AEP_BRIDGE_CONFIG file; the table is bridge/config.py) and
   ``replay-exhausted``.
 * ``AEP_BRIDGE_RELAY_QUEUE``: events queued per subscription before backpressure (default 10000).
 * ``AEP_BRIDGE_RELAY_HEARTBEAT_S``: SSE ``: ping`` / idle interval (default 15).
+* ``AEP_BRIDGE_RELAY_CLAIM_TTL_S``: how long a WebSocket emitter's claim, shared with the
+  other replicas (the KV bucket aep_relay), outlives a replica that died without releasing it
+  (default 30; renewed every third of it while the socket lives).
+* ``AEP_BRIDGE_SESSION_IDLE_TTL_S`` (shared with the gate): a Hermes session with no raw
+  message this long is no longer live (default 1800).
 
 With no token configured at all (a development relay) it serves consumers and takes posted
 events anonymously, on loopback only, and refuses control (AEP-0004: authentication is
@@ -86,6 +91,8 @@ class RelayConfig:
     replay_buffer: int = 10000
     queue: int = 10000
     heartbeat_s: float = 15.0
+    claim_ttl_s: float = 30.0
+    idle_ttl_s: float = 1800.0
     max_body: int = 4 * 1024 * 1024
 
     @property
@@ -194,7 +201,8 @@ def from_env(environ: Mapping[str, str] | None = None, flags: Mapping[str, Any] 
     cfg = RelayConfig(
         host=host, port=port, tokens=tokens, tls_cert=get("TLS_CERT"), tls_key=get("TLS_KEY"),
         insecure=get("INSECURE"), replay_buffer=get("REPLAY_BUFFER"), queue=get("QUEUE"),
-        heartbeat_s=float(get("HEARTBEAT_S")),
+        heartbeat_s=float(get("HEARTBEAT_S")), claim_ttl_s=float(get("CLAIM_TTL_S")),
+        idle_ttl_s=float(values["AEP_BRIDGE_SESSION_IDLE_TTL_S"]),
     )
     cfg.check()
     return cfg

@@ -1,21 +1,23 @@
 """Presence: what the relay knows of the Hermes side. The gate's hello (its capabilities
 document, cached: ``HELLO_*``) and the live Hermes sessions (the gate's ``live.*`` records
-in the control bucket, read through a watch)."""
+in the control bucket, read through a watch, less those the gate has not seen for the idle
+TTL: ``SessionInfo.seen``)."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import time
 from typing import Any
 
 import msgspec
 from nats.errors import NoRespondersError
 from nats.js.errors import BucketNotFoundError
 
-from bridge.core.control import SessionInfo
+from bridge.core.control import SessionInfo, is_idle
 from bridge.core.lanes import lane_from_token, lane_token
 from bridge.nats.streams import CONTROL_BUCKET
 from bridge.nats.subjects import HELLO_SUBJECT
+from bridge.services.relay.shared import kv_scan
 
 # The gate's hello (`Presence.gate_hello`): an answer is kept HELLO_FRESH_S; "no gate" only
 # HELLO_NONE_S, so a restarted gate is routed to again within a second. A gate that is
@@ -39,9 +41,10 @@ class StoreUnavailable(Exception):
 class Presence:
     """The gate's hello and the live Hermes sessions, as one relay process sees them."""
 
-    def __init__(self, js: Any = None, nc: Any = None) -> None:
+    def __init__(self, js: Any = None, nc: Any = None, idle_ttl_s: float = 1800.0) -> None:
         self.js = js
         self.nc = nc
+        self.idle_ttl_s = idle_ttl_s  # AEP_BRIDGE_SESSION_IDLE_TTL_S: a session the gate has not seen this long is not live
         self._hello: tuple[float, dict[str, Any] | None] | None = None  # (asked at, what it means now)
         self._hello_answer: tuple[float, dict[str, Any]] | None = None  # (answered at, the gate's last answer)
         self._live_cache: tuple[float, asyncio.Future] | None = None
@@ -62,30 +65,17 @@ class Presence:
             return []
         except Exception as exc:  # noqa: BLE001
             raise StoreUnavailable(type(exc).__name__) from exc
-        out = []
-        watcher = None
         try:
-            watcher = await kv.watch(keys, ignore_deletes=True)
-            async for entry in watcher:
-                if entry is None:
-                    break
-                if entry.value:
-                    out.append((entry.key, entry.value))
+            return await kv_scan(kv, keys)
         except Exception as exc:  # noqa: BLE001 - NATS trouble mid-scan: unknown, not empty
             raise StoreUnavailable(type(exc).__name__) from exc
-        finally:
-            if watcher is not None:
-                with contextlib.suppress(Exception):
-                    await watcher.stop()
-        return out
 
-    @staticmethod
-    def _live(token: str, value: bytes) -> tuple[str, SessionInfo] | None:
+    def _live(self, token: str, value: bytes) -> tuple[str, SessionInfo] | None:
         try:
             info = msgspec.json.decode(value, type=SessionInfo)
         except (msgspec.DecodeError, msgspec.ValidationError):
             return None
-        if info.ended:
+        if info.ended or is_idle(info, time.time(), self.idle_ttl_s):  # finalized, or crashed (silent)
             return None
         session = info.session
         if not session:

@@ -19,6 +19,7 @@ from typing import Any
 import msgspec
 import structlog
 
+from bridge.core.ceiling import FULL
 from bridge.core.downlevel import downlevel_fields
 from bridge.core.control import is_ack_of
 from bridge.core.lanes import lane_token
@@ -28,6 +29,19 @@ from bridge.services.relay.claims import Claimant, Claims
 from bridge.services.relay.config import Principal
 from bridge.services.relay.hub import Hub, Item, Subscription
 from bridge.services.relay.presence import CONTROL_TYPES, Presence, StoreUnavailable
+from bridge.services.relay.replicas import (
+    CONN_HEADER,
+    FORWARD_REQUEST_TIMEOUT_S,
+    REPLICA_HEADER,
+    REPLY_HEADER,
+    SUBJECT_PREFIX,
+    Remote,
+    SharedClaims,
+    SourceBindings,
+    forward_subject,
+    reply_subject,
+)
+from bridge.services.relay.replicas import StoreUnavailable as RelayStoreUnavailable
 
 log = structlog.get_logger("relay")
 
@@ -46,7 +60,7 @@ class Pending:
     session: str
     senders: list[tuple[Any, int, dict]]  # (send, the sender's capture ceiling, its subscriptions)
     deadline: float
-    target: Claimant | None = None  # the WebSocket emitter it went to; None: the gate
+    target: Claimant | Remote | None = None  # the WebSocket emitter it went to (here, or another replica's); None: the gate
 
 
 Refusal = tuple[str, str]  # (AEP-0004 error code, detail)
@@ -66,17 +80,19 @@ def shape_refusal(frame: dict[str, Any]) -> Refusal | None:
 
 
 def claimant_refusal(emitters: int, hermes_live: bool) -> Refusal | None:
-    """Exactly one live claimant, or a refusal: none is no-route, several are ambiguous
-    (a live Hermes session counts even when no gate answers)."""
-    claimants = emitters + hermes_live
-    if claimants == 0:
-        return ("no-route", "no live claimant of this session is connected to this relay")
-    if claimants > 1:
-        return ("ambiguous", f"{claimants} live claimants of this session")
+    """Exactly one live claimant, or a refusal: none is no-route, several are ambiguous. A
+    live Hermes session is the gate's even when no gate answers: it shadows emitters' claims
+    of its name (an emitter naming it must not block its operators)."""
+    if hermes_live:
+        return None
+    if emitters == 0:
+        return ("no-route", "no live claimant of this session is connected to the relay")
+    if emitters > 1:
+        return ("ambiguous", f"{emitters} live claimants of this session")
     return None
 
 
-def emitter_refusal(ctype: str, target: Claimant) -> Refusal | None:
+def emitter_refusal(ctype: str, target: Claimant | Remote) -> Refusal | None:
     """A WebSocket emitter takes the types its hello's ``control.accepts`` declares."""
     if not target.accepts(ctype):
         return ("unsupported", f"the claimant accepts {(target.control or {}).get('accepts', [])}")
@@ -117,11 +133,11 @@ def late_retry(sent_time: Any, now: float, duplicate_window_s: float) -> bool:
     return now - sent > duplicate_window_s / 2
 
 
-def settles(key: tuple[str, str], entry: "Pending", event: dict[str, Any], target: Claimant | None) -> bool:
+def settles(key: tuple[str, str], entry: "Pending", event: dict[str, Any], target: Claimant | Remote | None) -> bool:
     """Whether the ack ``event`` from ``target`` (None: the gate) settles the command ``key``
     (source, id) routed as ``entry``: same session and the target it went to; the gate's ack
     also names its command's (source, id) (another source may use the same id)."""
-    if entry.session != event.get("session") or entry.target is not target:
+    if entry.session != event.get("session") or entry.target != target:
         return False
     return target is not None or is_ack_of(event.get("id"), *key)
 
@@ -129,8 +145,13 @@ def settles(key: tuple[str, str], entry: "Pending", event: dict[str, Any], targe
 class Router:
     """The commands this relay routed and waits an ack for, and the gate's recent acks."""
 
-    def __init__(self, js: Any, hub: Hub, claims: Claims, presence: Presence, metrics: Any) -> None:
+    def __init__(self, js: Any, hub: Hub, claims: Claims, presence: Presence, metrics: Any, nc: Any = None,
+                 replica: str = "", shared: SharedClaims | None = None, bindings: SourceBindings | None = None) -> None:
         self.js = js
+        self.nc = nc
+        self.replica = replica  # this replica's id: where other replicas forward commands (replicas.forward_subject)
+        self.shared = shared  # the other replicas' claims
+        self.bindings = bindings  # which operator token a command source belongs to
         self.hub = hub
         self.claims = claims
         self.presence = presence
@@ -169,6 +190,13 @@ class Router:
         problem = ingest.command_problem(raw)
         if problem:
             return await refuse("unsupported", f"not an AEP command: {problem}")
+        if self.bindings is not None:  # a source is the first operator token's that used it
+            try:
+                owner = await self.bindings.owner(frame["source"], who.name)
+            except RelayStoreUnavailable as exc:
+                return await refuse("no-route", f"the relay could not read its bucket aep_relay: {exc}")
+            if owner != who.name:
+                return await refuse("unauthorized", "this source belongs to another operator token")
         recorded = self._answered((frame["source"], cid), session)
         if recorded is not None:  # a retry after the gate's decision: its recorded ack (§2.3, §3)
             self.metrics.commands.inc()
@@ -178,8 +206,15 @@ class Router:
         except StoreUnavailable:
             return await refuse("no-route", "the relay could not read the control bucket")
         hello = await self.presence.gate_hello() if hermes is not None else None
-        emitters = self.claims.of(session)  # after the awaits: a claim made meanwhile counts
-        target: Claimant | None = emitters[0] if emitters else None
+        remote: list[Remote] = []
+        if hermes is None and self.shared is not None:
+            try:
+                remote = await self.shared.of(session)
+            except RelayStoreUnavailable as exc:  # this replica's own claims still route
+                log.warning("shared claims not read", error=str(exc))
+        # after the awaits: a claim made meanwhile counts; a live Hermes session shadows them all
+        emitters: list[Claimant | Remote] = [] if hermes is not None else [*self.claims.of(session), *remote]
+        target: Claimant | Remote | None = emitters[0] if emitters else None
         refusal = claimant_refusal(len(emitters), hermes is not None) or (
             emitter_refusal(ctype, target) if target is not None else gate_refusal(ctype, hello))
         if refusal:
@@ -187,20 +222,12 @@ class Router:
         window = ack_window_ms(((target.control if target is not None else gate_control(hello or {})) or {})
                                .get("ack_window_ms"))
         key = (frame["source"], cid)
-        waiting = self.pending.get(key)
-        if waiting is not None:  # a retry while the decision is pending: the one ack answers it
-            if all(send is not other for other, _, _ in waiting.senders):
-                waiting.senders.append((send, who.max_capture, subs))
+        enlisted = self._enlist(key, session, target, (send, who.max_capture, subs), window)
+        if enlisted is not True:  # a retry joined the pending command, or a refusal
+            return await refuse(*enlisted) if enlisted else None
+        if isinstance(target, Remote):  # another replica's emitter: that replica forwards it
+            self._background(self._forward_remote(target, raw, key, refuse))
             return
-        if target is not None and any(  # an emitter's ack names its command by id alone
-                other[0] != key[0] and (e := self.pending.get(other)) is not None and e.session == session
-                and e.target is target for other in self.pending_by_cid.get(cid, ())):
-            return await refuse("ambiguous", "another source's command with this id is pending for this claimant: "
-                                             "retry after its ack")
-        entry = Pending(session, [(send, who.max_capture, subs)],
-                        asyncio.get_running_loop().time() + window / 1000 + ACK_GRACE_S, target)
-        self.pending[key] = entry
-        self.pending_by_cid.setdefault(cid, []).append(key)
         if target is not None:  # off the sender's read loop: a target that stops reading stalls no one
             self._background(self._forward(target, raw, session, ctype, key, refuse))
             return
@@ -218,6 +245,112 @@ class Router:
             self._background(self._recorded_ack(key, session, begin=stored.seq + 1))
         elif late_retry(frame.get("time"), time.time(), self.hub.duplicate_window_s):  # a new copy, but the decision may be older
             self._background(self._recorded_ack(key, session, last=stored.seq - 1, recent=True))
+
+    def _enlist(self, key: tuple[str, str], session: str, target: Claimant | Remote | None,
+                sender: tuple[Any, int, dict], window: int) -> Refusal | bool:
+        """Register the command ``key`` as pending for ``target`` (True), or add ``sender`` to
+        it when it is pending already (False: a retry, the one ack answers it), or refuse."""
+        waiting = self.pending.get(key)
+        if waiting is not None:
+            if all(sender[0] is not other for other, _, _ in waiting.senders):
+                waiting.senders.append(sender)
+            return False
+        if target is not None and any(  # an emitter's ack names its command by id alone
+                other[0] != key[0] and (e := self.pending.get(other)) is not None and e.session == session
+                and e.target == target for other in self.pending_by_cid.get(key[1], ())):
+            return ("ambiguous", "another source's command with this id is pending for this claimant: retry after its ack")
+        self.pending[key] = Pending(session, [sender], asyncio.get_running_loop().time() + window / 1000 + ACK_GRACE_S,
+                                    target)
+        self.pending_by_cid.setdefault(key[1], []).append(key)
+        return True
+
+    # ------------------------------------------------------------ between replicas
+
+    async def start_replica(self) -> None:
+        """Take the commands other replicas forward to this one's emitters, and what those
+        replicas' emitters answer to the commands this one forwarded (`replicas`)."""
+        await self.nc.subscribe(forward_subject(self.replica), cb=self._forwarded)
+        await self.nc.subscribe(reply_subject(self.replica), cb=self._replied)
+
+    async def _forward_remote(self, target: Remote, raw: bytes, key: tuple[str, str], refuse: Any) -> None:
+        """A command for another replica's emitter, sent to that replica; it answers at once
+        (taken, or why not), the emitter's ack comes later on this replica's reply subject."""
+        try:
+            answer = await self.nc.request(forward_subject(target.replica), raw, timeout=FORWARD_REQUEST_TIMEOUT_S,
+                                           headers={CONN_HEADER: target.conn, REPLY_HEADER: reply_subject(self.replica)})
+            doc = _decode(answer.data)
+        except Exception as exc:  # noqa: BLE001 - that replica is gone, or slow
+            log.warning("command not forwarded", error=type(exc).__name__)
+            doc = {"code": "no-route", "detail": "the relay replica holding the claim did not answer"}
+        if isinstance(doc, dict) and doc.get("code"):
+            self._forget(key)
+            with contextlib.suppress(Exception):
+                await refuse(str(doc["code"]), str(doc.get("detail", "")))
+            return
+        self.metrics.commands.inc()
+
+    async def _forwarded(self, msg: Any) -> None:
+        """A command another replica received for an emitter connected here: forwarded to it
+        as a local one (its ack and any later refusal go back on the sender's reply subject)."""
+        headers = msg.headers or {}
+        conn, reply_to = headers.get(CONN_HEADER), headers.get(REPLY_HEADER)
+
+        async def answer(doc: dict[str, Any]) -> None:
+            with contextlib.suppress(Exception):
+                await msg.respond(_encode(doc))
+
+        try:
+            frame = _decode(msg.data)
+        except msgspec.DecodeError:
+            frame = None
+        if (not isinstance(frame, dict) or shape_refusal(frame) is not None or not isinstance(reply_to, str)
+                or not reply_to.startswith(SUBJECT_PREFIX + ".") or not isinstance(frame.get("type"), str)):
+            return await answer({"code": "unsupported", "detail": "not a forwarded command"})
+        target = self.claims.by_conn.get(conn) if isinstance(conn, str) else None
+        session, ctype, cid = frame["session"], frame["type"], frame["id"]
+        if target is None or session not in target.sessions:
+            return await answer({"code": "no-route", "detail": "the claim ended"})
+        refusal = emitter_refusal(ctype, target)
+
+        async def send(obj: Any) -> None:
+            with contextlib.suppress(Exception):
+                await self.nc.publish(reply_to, obj if isinstance(obj, bytes) else _encode(obj),
+                                      headers={REPLICA_HEADER: self.replica, CONN_HEADER: target.conn})
+
+        key = (frame["source"], cid)
+        enlisted = refusal or self._enlist(key, session, target, (send, FULL, {}),
+                                           ack_window_ms((target.control or {}).get("ack_window_ms")))
+        if enlisted is not True and enlisted:
+            return await answer({"code": enlisted[0], "detail": enlisted[1]})
+        await answer({"ok": True})
+        if enlisted is True:
+            async def refuse(code: str, detail: str) -> None:
+                await send({"type": "error", "cause": cid, "code": code, "detail": detail})
+
+            self._background(self._forward(target, msg.data, session, ctype, key, refuse))
+
+    async def _replied(self, msg: Any) -> None:
+        """What another replica's emitter answered to a command this replica forwarded: its
+        ack settles the command (once, as a local emitter's), a refusal ends it."""
+        headers = msg.headers or {}
+        try:
+            event = _decode(msg.data)
+        except msgspec.DecodeError:
+            return
+        if not isinstance(event, dict):
+            return
+        remote = Remote(str(headers.get(REPLICA_HEADER)), str(headers.get(CONN_HEADER)), {})
+        if event.get("type") in ACK_TYPES:
+            return self.settle(event, msg.data, remote)
+        cause = event.get("cause")
+        if event.get("type") != "error" or not isinstance(cause, str):
+            return
+        for key in list(self.pending_by_cid.get(cause, ())):
+            entry = self.pending.get(key)
+            if entry is not None and entry.target == remote:
+                self._forget(key)
+                for send, _, _ in entry.senders:
+                    asyncio.ensure_future(self._deliver_ack(send, msg.data))
 
     def _background(self, coro: Any) -> None:
         """Off the sender's read loop (a forward or a history read must not hold up its next frames)."""
@@ -311,7 +444,7 @@ class Router:
         if item.event.get("type") in ACK_TYPES and item.subject.startswith(EVENTS_PREFIX + "."):
             self.settle(item.event, item, None)
 
-    def settle(self, event: dict[str, Any], payload: Item | bytes, target: Claimant | None,
+    def settle(self, event: dict[str, Any], payload: Item | bytes, target: Claimant | Remote | None,
                again: bool = False) -> None:
         """The ack ``event`` from ``target`` (None: the gate) settles the commands routed to
         that target under its cause and session; the gate's, only the one command its id

@@ -23,6 +23,7 @@ from bridge.services.relay.config import Principal, RelayConfig
 from bridge.services.relay.endpoints import HttpEndpoints
 from bridge.services.relay.hub import Hub, Subscription
 from bridge.services.relay.presence import Presence
+from bridge.services.relay.replicas import SharedClaims, SourceBindings, new_id
 from bridge.services.relay.routing import Router
 from bridge.services.relay.shared import MAX_REQUEST_LINE, Metrics, bearer, to_the_end
 from bridge.services.relay.websocket import WebSocketSessions
@@ -43,9 +44,12 @@ class Relay(HttpEndpoints, WebSocketSessions):
         self.sockets: set[web.WebSocketResponse] = set()
         self.socket_subs: dict[web.WebSocketResponse, dict[str, Subscription]] = {}
         self.stopping = asyncio.Event()
-        self.claims = Claims()
-        self.presence = Presence(js, nc)
-        self.router = Router(js, self.hub, self.claims, self.presence, self.metrics)
+        self.replica = new_id()  # this process among the relay replicas (`replicas`)
+        self.shared = SharedClaims(js, nc, self.replica, cfg.claim_ttl_s) if js is not None and nc is not None else None
+        self.claims = Claims(self.shared)
+        self.presence = Presence(js, nc, cfg.idle_ttl_s)
+        self.router = Router(js, self.hub, self.claims, self.presence, self.metrics, nc=nc, replica=self.replica,
+                             shared=self.shared, bindings=SourceBindings(js) if js is not None else None)
         self.hub.listeners.append(self.router.on_item)
         self.app = web.Application(client_max_size=cfg.max_body, middlewares=[self._logged])
         self.app.router.add_get("/healthz", self.healthz)
@@ -67,7 +71,11 @@ class Relay(HttpEndpoints, WebSocketSessions):
             "capture": list(LEVELS),
             "control": {"accepts": accepts},
             "roster": {},
-            "experimental": {"x-aep-bridge": {"replay_buffer": "global count: the last N events of AEP_EVENTS"}},
+            "experimental": {"x-aep-bridge": {
+                "replay_buffer": "global count: the last N events of AEP_EVENTS",
+                # a Hermes session with no raw message this long leaves the roster and takes no command
+                "session_idle_ttl_s": int(self.cfg.idle_ttl_s),
+            }},
         }
 
     def refuse(self, status: int, code: str, detail: str, **extra: Any) -> web.Response:
@@ -91,6 +99,8 @@ class Relay(HttpEndpoints, WebSocketSessions):
         self.stopping.set()
         for ws in list(self.sockets):
             await self._close_socket(ws, "shutdown")
+        if self.shared is not None:
+            await self.shared.stop()
 
     # ------------------------------------------------------------ life
 
@@ -98,6 +108,10 @@ class Relay(HttpEndpoints, WebSocketSessions):
         payload_fields("session.started")  # the field-level table (~50 ms to build): now, not on a subscriber's first event
         if self.js is not None:
             await self.hub.start()
+        if self.shared is not None:
+            self.shared.start()
+            await self.router.start_replica()
+            log.info("relay replica", replica=self.replica)
         self._expirer = asyncio.ensure_future(self.router.expire())
         # handler_cancellation: a client that closes its connection ends its handler at once
         # (an SSE stream that waits for events would notice only at its next write or

@@ -4,6 +4,7 @@ the AEP versions served, the resume limit, the metrics, and the bearer token of 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 from typing import Any, Awaitable, Callable
 
@@ -37,6 +38,25 @@ class Metrics:
         self.claims = Gauge("aep_bridge_relay_claims", "live claims of this replica's WebSocket emitters (sessions x connections)",
                             registry=r)
         self.resumes = Counter("aep_bridge_relay_resumes_total", "subscriptions that resumed (from, Last-Event-ID)", ["kind"], registry=r)
+
+
+async def kv_scan(kv: Any, keys: str) -> list[tuple[str, bytes]]:
+    """(key, value) of ``kv``'s live keys matching ``keys``, read through a watch (the bucket
+    read the relay's NATS role has). A failure raises (unknown is not empty)."""
+    out = []
+    watcher = None
+    try:
+        watcher = await kv.watch(keys, ignore_deletes=True)
+        async for entry in watcher:
+            if entry is None:
+                break
+            if entry.value:
+                out.append((entry.key, entry.value))
+    finally:
+        if watcher is not None:
+            with contextlib.suppress(Exception):
+                await watcher.stop()
+    return out
 
 
 def to_the_end(handler: Callable[[web.Request], Awaitable[Any]]) -> Callable[[web.Request], Awaitable[Any]]:

@@ -37,6 +37,7 @@ class WebSocketSessions:
     router: Any  # routing.Router
     presence: Any  # presence.Presence
     claims: Any  # claims.Claims
+    shared: Any  # replicas.SharedClaims | None: the other replicas' claims
     metrics: Any  # shared.Metrics
     sockets: set[web.WebSocketResponse]
     socket_subs: dict[web.WebSocketResponse, dict[str, Subscription]]
@@ -272,7 +273,8 @@ class WebSocketSessions:
         """AEP-0003 §4.1: a snapshot of the live claims this relay routes to, one entry per
         claim (`bridge.services.relay.claims`): the live Hermes sessions with the gate's
         declared control block verbatim (none without a gate: no route), then the sessions
-        of this replica's WebSocket emitters with their own declarations verbatim."""
+        of every replica's WebSocket emitters with their own declarations verbatim, less
+        those a live Hermes session shadows (its commands are the gate's)."""
         rid = frame.get("id")
         if rid is None:
             return  # a roster request carries an id; without one there is nothing to answer
@@ -282,13 +284,13 @@ class WebSocketSessions:
             return
         hello = await self.presence.gate_hello()
         entries: list[dict[str, Any]] = []
+        try:
+            live = await self.presence.hermes_sessions()
+        except StoreUnavailable:
+            live = []  # the control bucket unreadable: no Hermes session is reachable now
         if hello is not None:
             identity = hello.get("identity") if isinstance(hello.get("identity"), dict) else {}
             control = (hello.get("capabilities") or {}).get("control")
-            try:
-                live = await self.presence.hermes_sessions()
-            except StoreUnavailable:
-                live = []  # the control bucket unreadable: no Hermes session is reachable now
             for session, info in live:
                 entry: dict[str, Any] = {"session": session}
                 if isinstance(identity.get("agent"), str):
@@ -298,5 +300,7 @@ class WebSocketSessions:
                 if isinstance(control, dict):
                     entry["control"] = control
                 entries.append(entry)
-        entries.extend(self.claims.entries())
+        shadowed = {session for session, _ in live}  # a live Hermes session's name is the gate's alone
+        remote = await self.shared.entries() if self.shared is not None else []
+        entries.extend(e for e in (*self.claims.entries(), *remote) if e.get("session") not in shadowed)
         await send({"type": "roster", "id": rid, "entries": entries})
