@@ -94,6 +94,16 @@ def hermes_home(explicit: str | os.PathLike[str] | None = None) -> Path:
     return Path(env).expanduser().absolute() if env else Path.home() / ".hermes"
 
 
+def installed_env_file(home: Path | None = None) -> Path | None:
+    """The settings file the installed hook is registered with (``--config``) in ``home`` (default
+    :func:`hermes_home`), or None when aep-bridge is not installed there."""
+    home = hermes_home() if home is None else home
+    manifest = Manifest.load(home)
+    if manifest is None:
+        return None
+    return Path(manifest.env_file) if manifest.env_file else home / ENV_FILENAME
+
+
 def default_timeout_s(deadline_ms: int) -> int:
     """Hermes's per-hook timeout: whole seconds, comfortably above the shim's own deadline."""
     return max(2, math.ceil(deadline_ms / 1000) + 2)
