@@ -326,3 +326,26 @@ def test_every_command_the_gate_banner_prints_works_when_pasted_into_a_clean_she
                 if p.poll() is None:
                     p.kill()
         assert not failed, "\n".join(f"{c}\n  -> exit {rc}: {text}" for c, (rc, text) in failed.items())
+
+
+@pytest.mark.parametrize(("variable", "worker"), [("AEP_BRIDGE_RELAY_QUEUE", "relay"),
+                                                  ("AEP_BRIDGE_TRACEMALLOC_FRAMES", "(mapper|pairing|relay)")])
+def test_a_worker_refusing_a_bad_setting_stops_up_with_its_message(tmp_path, variable, worker):
+    """A worker that exits 2 (a setting it cannot use) would exit 2 again on every restart: `up`
+    stops, says which worker and repeats its message, and leaves no process behind (issue 22)."""
+    env = {**os.environ, "XDG_STATE_HOME": str(tmp_path / "state"), "AEP_BRIDGE_CONFIG": os.devnull, variable: "abc"}
+    env.pop("AEP_BRIDGE_NATS_URL", None)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bridge.cli", "up", "--port", str(free_port()), "--mapper-port", str(free_port()),
+         "--pairing-port", str(free_port()), "--relay-port", str(free_port()), "--no-follow"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+    try:
+        out, _ = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        terminate(proc, 60, signal.SIGINT)
+        out, _ = proc.communicate()
+        pytest.fail("`up` kept restarting a worker that refuses its settings:\n" + out)
+    assert proc.returncode == 2, out
+    assert re.search(f"up: {worker} exited with code 2", out) and "restarting" not in out, out
+    assert f"{variable} must be an integer" in out and "got 'abc'" in out, out
+    assert not (tmp_path / "state" / "aep-bridge" / "up.json").exists()
