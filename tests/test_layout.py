@@ -58,3 +58,11 @@ def test_the_architecture_opens_with_the_tree_of_every_folder_and_module() -> No
     assert not missing, f"not in docs/ARCHITECTURE.md's tree: {missing}"
     extra = sorted(p for p in shown if not (ROOT / p).exists())
     assert not extra, f"in docs/ARCHITECTURE.md's tree but not in bridge/: {extra}"
+
+
+def test_no_test_module_imports_another() -> None:
+    """Helpers shared by test modules live in tests/support/ (issue 22): a test module imported
+    by another runs its module-level code twice and couples two suites."""
+    pattern = re.compile(r"^\s*(?:from|import)\s+tests\.(?:\w+\.)*test_\w+", re.M)
+    offenders = [rel(p) for p in sorted((ROOT / "tests").rglob("*.py")) if pattern.search(p.read_text())]
+    assert not offenders, f"import another test module (move the helper to tests/support/): {offenders}"
