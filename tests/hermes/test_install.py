@@ -270,3 +270,23 @@ def test_spool_commands_read_the_installed_shims_settings_file(tmp_path: Path) -
     drain = spool_cli("drain", "--timeout", "1")  # NATS is unreachable in SETTINGS: the shim's server is tried
     assert drain.returncode == 1 and "127.0.0.1:1" in drain.stderr, drain.stderr
     assert f"settings       {home / inst.ENV_FILENAME}" in drain.stderr
+
+
+def test_doctor_finds_the_fallback_spool_named_in_the_settings_file(tmp_path: Path) -> None:
+    """TMPDIR set only in the shim's settings file: the shim's fallback spool is under it (the
+    merged settings), and so is doctor's (not fallback_spool_dir(os.environ))."""
+    home = home_with(tmp_path)
+    blocked = tmp_path / "a-file-not-a-dir"
+    blocked.write_text("")
+    tmp = tmp_path / "tmp-from-file"
+    tmp.mkdir()
+    res = inst.install(home, events=["pre_tool_call"], settings={**SETTINGS, "AEP_BRIDGE_SPOOL_DIR": str(blocked)})
+    with open(home / inst.ENV_FILENAME, "a") as fh:
+        fh.write(f"TMPDIR={tmp}\n")
+    clean = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    proc = subprocess.run(shlex.split(res.command), input=dumps(envelope()), capture_output=True, env=clean, timeout=10)
+    assert proc.returncode == 0 and any(tmp.iterdir()), proc.stderr
+    env = {**clean, "HERMES_HOME": str(home), "PYTHONPATH": str(ROOT)}
+    doc = subprocess.run([sys.executable, "-m", "bridge.cli", "hermes", "doctor", "--timeout", "1"], env=env,
+                         capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert "1 pending" in doc.stdout and str(tmp) in doc.stdout, doc.stdout + doc.stderr
