@@ -72,7 +72,8 @@ def _config_arg(p: argparse.ArgumentParser) -> None:
         "--config",
         default=None,
         metavar="FILE",
-        help="KEY=VALUE settings file, as the hook's --config (e.g. ~/.hermes/aep-bridge.env); default AEP_BRIDGE_CONFIG",
+        help="KEY=VALUE settings file, as the hook's --config; default AEP_BRIDGE_CONFIG, else the file the "
+        "installed hook reads ($HERMES_HOME/aep-bridge.env) when `hermes install` ran, else ~/.config/aep-bridge/env",
     )
 
 
@@ -81,9 +82,19 @@ def _home_arg(p: argparse.ArgumentParser) -> None:
 
 
 def _shim_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    """The shim's settings as the installed hook sees them, and the settings file they came from:
+    --config, else AEP_BRIDGE_CONFIG, else the hook's own --config file when Hermes wiring exists
+    ($HERMES_HOME or ~/.hermes), else the default file."""
     from bridge.shim import hook
 
-    return hook.Config(environ=dict(os.environ), config_path=os.path.expanduser(args.config) if args.config else None)
+    path = os.path.expanduser(args.config) if args.config else None
+    if path is None and not os.environ.get("AEP_BRIDGE_CONFIG"):
+        from bridge.hermes.install import installed_env_file
+
+        installed = installed_env_file()
+        path = str(installed) if installed is not None else None
+    environ = dict(os.environ)
+    return hook.Config(environ=environ, config_path=path), hook.settings_file(environ, path)
 
 
 # ---------------------------------------------------------------- spool
@@ -92,11 +103,12 @@ def _shim_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
 def cmd_spool_status(args: argparse.Namespace) -> int:
     from bridge.shim import hook
 
-    cfg = _shim_config(args)
+    cfg, settings_file = _shim_config(args)
     st = hook.spool_for(cfg).status()
     if args.json:
-        print(json.dumps(st, indent=2, sort_keys=True))
+        print(json.dumps({**st, "settings_file": settings_file}, indent=2, sort_keys=True))
         return 0
+    print(f"settings       {settings_file}")
     print(f"spool          {st['path']}")
     print(f"pending        {st['pending_records']} record(s), {st['pending_bytes']} bytes (cap {st['max_bytes']})")
     fb = st.get("fallback")
@@ -115,7 +127,9 @@ def cmd_spool_status(args: argparse.Namespace) -> int:
 def cmd_spool_drain(args: argparse.Namespace) -> int:
     from bridge.shim import hook
 
-    cfg = _shim_config(args)
+    cfg, settings_file = _shim_config(args)
+    if not args.quiet:
+        print(f"settings       {settings_file}", file=sys.stderr)
     spool = hook.spool_for(cfg)
     start = spool.status()
     fb = start.get("fallback") or {"pending_records": 0, "torn_tail_bytes": 0}

@@ -1,0 +1,1 @@
+"""Hermes wiring: ``install`` (install / uninstall, the config.yaml and allowlist formats) and ``doctor``."""

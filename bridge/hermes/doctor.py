@@ -15,9 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bridge.config import DEFAULT_DEADLINE_MS, Settings, read_env_file
+from bridge.config import Settings, read_env_file
 from bridge.hermes.install import (ENV_FILENAME, SHIM_SETTINGS, InstallError, Manifest, check_gate_timeout, hold_ms_of,
-                                   is_approved, load_config_yaml, pyc_is_current, read_allowlist)
+                                   is_approved, load_config_yaml, pyc_is_current, read_allowlist,
+                                   shim_number)
 from bridge.nats import streams as S
 from bridge.nats.connection import NatsConnectError, quick_connect
 from bridge.shim.hook import Config, spool_for
@@ -73,11 +74,11 @@ def _gate_checks(home: Path, cfg: dict[str, Any], command: str) -> list[Check]:
     values.update({k: v for k, v in os.environ.items() if k in SHIM_SETTINGS})
     try:
         hold = hold_ms_of(values)
+        if hold is None:
+            return []
+        deadline = shim_number(values, "AEP_BRIDGE_DEADLINE_MS")
     except InstallError as exc:
-        return [Check(False, str(exc))]
-    if hold is None:
-        return []
-    deadline = int(values.get("AEP_BRIDGE_DEADLINE_MS") or DEFAULT_DEADLINE_MS)
+        return [Check(False, f"{exc} (the shim uses its default meanwhile)")]
     entries = ((cfg.get("hooks") or {}).get("pre_tool_call") or [])
     ours = [e for e in entries if isinstance(e, dict) and e.get("command") == command]
     if not ours:

@@ -52,8 +52,7 @@ from typing import Any, Iterator
 from ruamel.yaml import YAML
 from ruamel.yaml.comments import CommentedMap, CommentedSeq
 
-from bridge.config import DEFAULT_DEADLINE_MS, load_environ
-from bridge.core.control import DEFAULT_HOLD_MS
+from bridge.config import BY_NAME, SettingError, load_environ
 
 HOOK_SOURCE = Path(__file__).resolve().parent.parent / "shim" / "hook.py"
 ALLOWLIST_FILENAME = "shell-hooks-allowlist.json"
@@ -95,6 +94,16 @@ def hermes_home(explicit: str | os.PathLike[str] | None = None) -> Path:
     return Path(env).expanduser().absolute() if env else Path.home() / ".hermes"
 
 
+def installed_env_file(home: Path | None = None) -> Path | None:
+    """The settings file the installed hook is registered with (``--config``) in ``home`` (default
+    :func:`hermes_home`), or None when aep-bridge is not installed there."""
+    home = hermes_home() if home is None else home
+    manifest = Manifest.load(home)
+    if manifest is None:
+        return None
+    return Path(manifest.env_file) if manifest.env_file else home / ENV_FILENAME
+
+
 def default_timeout_s(deadline_ms: int) -> int:
     """Hermes's per-hook timeout: whole seconds, comfortably above the shim's own deadline."""
     return max(2, math.ceil(deadline_ms / 1000) + 2)
@@ -108,15 +117,19 @@ def hold_ms_of(values: dict[str, str]) -> int | None:
     """The gate's hold window when AEP_HERMES_CONTROL is on in ``values`` (the shim's settings), else None."""
     if not _on(values.get("AEP_HERMES_CONTROL")):
         return None
+    return shim_number(values, "AEP_HERMES_HOLD_MS")
 
-    raw = values.get("AEP_HERMES_HOLD_MS") or str(DEFAULT_HOLD_MS)
+
+def shim_number(values: dict[str, str], name: str) -> int:
+    """The shim's integer setting ``name`` in ``values`` (unset or empty: its default); InstallError
+    naming the variable and its range (the settings table's message) when it is not one."""
+    raw = values.get(name)
+    if not raw:
+        return int(BY_NAME[name].default)
     try:
-        hold = int(raw)
-    except ValueError:
-        raise InstallError(f"AEP_HERMES_HOLD_MS must be an integer (milliseconds), got {raw!r}") from None
-    if hold < 1:
-        raise InstallError(f"AEP_HERMES_HOLD_MS must be positive, got {hold}")
-    return hold
+        return int(BY_NAME[name].parse(raw))
+    except SettingError as exc:
+        raise InstallError(str(exc)) from None
 
 
 def gate_timeout_s(hold_ms: int, deadline_ms: int) -> int:
@@ -437,7 +450,7 @@ def install(
     effective = load_environ() if settings is None else dict(settings)
     values = {k: effective[k] for k in SHIM_SETTINGS if effective.get(k)}
     values.setdefault("AEP_BRIDGE_NATS_URL", "nats://127.0.0.1:4222")
-    deadline_ms = int(values.get("AEP_BRIDGE_DEADLINE_MS") or DEFAULT_DEADLINE_MS)
+    deadline_ms = shim_number(values, "AEP_BRIDGE_DEADLINE_MS")
     explicit = timeout
     timeout = timeout or default_timeout_s(deadline_ms)
     if timeout * 1000 <= deadline_ms:

@@ -1,0 +1,1 @@
+"""The long-running services: mapper, pairing, gate/, exporter/, relay/ (none imports another)."""

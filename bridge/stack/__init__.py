@@ -1,0 +1,1 @@
+"""The one-machine stack: the embedded nats-server, ``up``, ``demo`` and ``tail``."""

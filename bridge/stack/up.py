@@ -3,7 +3,8 @@
 Starts an embedded `nats-server` with JetStream (unless `--nats URL` names one),
 bootstraps the streams and buckets, and supervises one mapper and one pairing
 worker as child processes: a worker that dies is restarted (with backoff) and the
-restart is logged; one Ctrl-C (SIGINT) or SIGTERM stops the workers, then the
+restart is logged, except one that exits 2 (a setting it cannot use: it would exit 2 on every
+restart), which stops `up` with exit 2 and that worker's message; one Ctrl-C (SIGINT) or SIGTERM stops the workers, then the
 server, and leaves no process behind. While it runs, `<state dir>/up.json`
 tells `demo` and `tail` where the server is.
 
@@ -73,6 +74,7 @@ LOCAL_USER = "aep-local"
 CLUSTER_REPLICAS = 3  # `--cluster`: every stream, bucket and object store at R3
 CLUSTER_READY_S = 30.0  # how long bootstrap retries while a new cluster elects its JetStream leader
 RELAY_PORT = 8787
+EXIT_SETTINGS = 2  # a command's exit code for a setting it cannot use (bridge/cli.py)
 CREDENTIAL_KEYS = ("AEP_BRIDGE_NATS_USER", "AEP_BRIDGE_NATS_PASSWORD", "AEP_BRIDGE_NATS_TOKEN",
                    "AEP_BRIDGE_NATS_CREDS", "AEP_BRIDGE_NATS_NKEY_SEED")
 
@@ -131,15 +133,27 @@ class Worker:
     restarts: int = 0
     next_start: float = 0.0
     started_at: float = field(default_factory=time.monotonic)
+    log_offset: int = 0  # the log's size when this run started
 
     def start(self) -> None:
         log = open(self.log_path, "ab")
+        self.log_offset = log.seek(0, os.SEEK_END)
         self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True)
         log.close()
         self.started_at = time.monotonic()
 
     def stop(self, timeout: float = 25.0) -> None:
         terminate(self.proc, timeout)
+
+    def last_words(self, limit: int = 4096) -> str:
+        """The last line this run wrote to its log (a worker that exits 2 names the setting there)."""
+        try:
+            with open(self.log_path, "rb") as log:
+                log.seek(max(self.log_offset, os.path.getsize(self.log_path) - limit))
+                lines = log.read().decode("utf-8", "replace").strip().splitlines()
+        except OSError:
+            return ""
+        return lines[-1] if lines else ""
 
 
 class Up:
@@ -172,6 +186,7 @@ class Up:
         self.relay_token = secrets.token_urlsafe(24)
         self.url = ""
         self.stop_event: asyncio.Event | None = None
+        self.refused: Worker | None = None  # a worker that exited 2: restarting cannot help
         self.password: str | None = None  # of LOCAL_USER on the embedded server (generated at start)
 
     def say(self, text: str) -> None:
@@ -341,6 +356,14 @@ class Up:
         for w in self.workers:
             if w.proc is not None and w.proc.poll() is not None:
                 code = w.proc.returncode
+                if code == EXIT_SETTINGS:  # a setting it cannot use: it would exit 2 on every restart
+                    self.say(f"aep-bridge up: {w.name} exited with code {code} (a bad setting; not restarted): "
+                             f"{w.last_words() or 'see ' + str(w.log_path)}")
+                    w.proc = None
+                    self.refused = w
+                    if self.stop_event is not None:
+                        self.stop_event.set()
+                    return
                 w.restarts += 1
                 backoff = min(10.0, 0.5 * 2 ** min(w.restarts, 5)) if now - w.started_at < 30 else 0.5
                 self.say(f"aep-bridge up: {w.name} exited with code {code}; restarting in {backoff:.1f}s "
@@ -472,7 +495,7 @@ class Up:
                 side.cancel()
                 await asyncio.gather(side, return_exceptions=True)
             self.say("\naep-bridge up: stopping workers and the server ...")
-            return 0
+            return EXIT_SETTINGS if self.refused is not None else 0
         finally:
             await asyncio.to_thread(self.shutdown)
             self.say("aep-bridge up: stopped")

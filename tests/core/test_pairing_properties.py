@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from bridge.core.aep import Event, encode_event
 from bridge.core.invariants import check_invariants
 from bridge.core.pairing import HOUR, MINUTE, SECOND, PairingState
-from tests.core.test_pairing import BASE_NS, Mk, assert_valid
+from tests.support.pairing import BASE_NS, Mk, assert_valid
 
 # a message of the partition stream: an event with its hints, or a tick
 Message = tuple[str, Any, Any]

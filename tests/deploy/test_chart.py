@@ -15,402 +15,57 @@ checked against small JSON Schemas written for this project
 (:data:`SERVICEMONITOR_SCHEMA`, :data:`PROMETHEUSRULE_SCHEMA`): the fields the
 chart sets, unknown fields rejected.
 
-The module also holds helpers other tests reuse (import them with
-``from tests.deploy.test_chart import ...``):
-
-* :func:`render_chart` / :func:`render_manifests`: render with values.
-* :func:`workload_env`: the environment (and arguments) of a rendered container,
-  with ``secretKeyRef`` values resolved from a dict and secret volumes
-  materialised in a local directory, so a test can start the real services with
-  exactly the environment the chart gives them (see its docstring).
+The helpers (render, validate, a container's environment) are in tests/support/chart.py. The
+check of our production values against the official NATS chart itself needs that chart on the
+machine, so it is not a test of this suite: deploy/check_nats_chart.py, run by hand
+(deploy/README.md, "What is not validated here").
 """
 
 from __future__ import annotations
 
 import copy
 import json
-import os
 import re
-import shutil
-import tarfile
-from collections.abc import Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 # The `deploy` extra (pyproject.toml) provides helm_python and kubernetes_validate;
 # `make venv` installs it. A missing package is a collection error, not a skip.
 import helm_python as helm
-import jsonschema
-import kubernetes_validate.utils as kv_utils
 import pytest
 import yaml
 
-from bridge.config import MAPPER_METRICS_PORT, PAIRING_METRICS_PORT
 from bridge.services.gate import GATE_METRICS_PORT as GATE_PORT
-
-REPO = Path(__file__).resolve().parents[2]
-CHART_DIR = REPO / "deploy" / "helm" / "aep-bridge"
-CI_DIR = CHART_DIR / "ci"
-ARCHITECTURE = REPO / "docs" / "ARCHITECTURE.md"
-DEPLOY_README = REPO / "deploy" / "README.md"
-
-RELEASE = "demo"
-NAMESPACE = "bridge"
-# The oldest Kubernetes the chart supports (Chart.yaml kubeVersion) and the newest
-# kubernetes-validate knows: every manifest must be valid for both.
-KUBE_VERSIONS = ("1.27", kv_utils.latest_version())
-
-# The services' default HTTP ports (docs/ARCHITECTURE.md: AEP_BRIDGE_METRICS_PORT).
-MAPPER_PORT, PAIRING_PORT = MAPPER_METRICS_PORT, PAIRING_METRICS_PORT
-DEFAULT_PORTS = {"mapper": MAPPER_PORT, "pairing": PAIRING_PORT}
-
-# The documented production values (a three-node NATS cluster, streams at R3: issue 23),
-# rendered and checked like every ci/ file.
-PRODUCTION_VALUES = CHART_DIR / "values-production.yaml"
-CI_VALUES = sorted(CI_DIR.glob("*-values.yaml")) + [PRODUCTION_VALUES]
-REQUIRED_CI_VALUES = {"defaults", "external-nats", "creds-auth", "autoscaling", "monitoring", "gate", "exporter"}
-
-
-# --------------------------------------------------------------------------- helpers
-
-
-def load_values(path: Path | str) -> dict[str, Any]:
-    """A values file as a dict (an empty file or `{}` gives {})."""
-    return yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
-
-
-def ci_values(name: str) -> dict[str, Any]:
-    """The values of ``deploy/helm/aep-bridge/ci/<name>-values.yaml``."""
-    return load_values(CI_DIR / f"{name}-values.yaml")
-
-
-def render_chart(
-    values: Mapping[str, Any] | None = None,
-    *,
-    name: str = RELEASE,
-    namespace: str = NAMESPACE,
-) -> dict[str, str]:
-    """Render the chart offline: {template path: rendered text} (NOTES.txt included).
-
-    Only this chart's own templates render: the NATS dependency is not in charts/.
-    """
-    with helm.Chart.load(CHART_DIR) as chart:
-        return chart.render(
-            dict(values) if values else None, name=name, namespace=namespace, is_install=True
-        )
-
-
-def render_manifests(values: Mapping[str, Any] | None = None, **kw: Any) -> list[dict[str, Any]]:
-    """Every Kubernetes object the chart renders, parsed (NOTES.txt and empty documents left out)."""
-    out = []
-    for path, text in sorted(render_chart(values, **kw).items()):
-        if path.endswith("NOTES.txt"):
-            continue
-        for doc in yaml.safe_load_all(text):
-            if doc:
-                doc.setdefault("metadata", {}).setdefault("annotations", None)
-                if doc["metadata"]["annotations"] is None:
-                    del doc["metadata"]["annotations"]
-                out.append(doc)
-    return out
-
-
-def ours(manifests: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The objects of this chart (every object carries app.kubernetes.io/part-of: aep-bridge)."""
-    return [
-        m
-        for m in manifests
-        if m["metadata"].get("labels", {}).get("app.kubernetes.io/part-of") == "aep-bridge"
-    ]
-
-
-def select(manifests: list[dict[str, Any]], kind: str, component: str | None = None) -> list[dict[str, Any]]:
-    found = [m for m in ours(manifests) if m["kind"] == kind]
-    if component is not None:
-        found = [
-            m for m in found if m["metadata"]["labels"].get("app.kubernetes.io/component") == component
-        ]
-    return found
-
-
-def one(manifests: list[dict[str, Any]], kind: str, component: str | None = None) -> dict[str, Any]:
-    found = select(manifests, kind, component)
-    assert len(found) == 1, f"expected one {kind} {component or ''}, found {len(found)}"
-    return found[0]
-
-
-def workload(manifests: list[dict[str, Any]], component: str) -> dict[str, Any]:
-    """The Deployment (mapper, pairing, gate) or Job (bootstrap) of a component."""
-    kind = "Job" if component == "bootstrap" else "Deployment"
-    return one(manifests, kind, component)
-
-
-def pod_spec(obj: dict[str, Any]) -> dict[str, Any]:
-    return obj["spec"]["template"]["spec"]
-
-
-@dataclass
-class WorkloadEnv:
-    """What a rendered container would run with: ``args`` (after the `aep-bridge`
-    entrypoint) and ``env`` (name -> value, secrets resolved, file paths local)."""
-
-    component: str
-    args: list[str]
-    env: dict[str, str]
-    files: dict[str, Path] = field(default_factory=dict)  # container path -> local file
-
-
-def workload_env(
-    component: str,
-    values: Mapping[str, Any] | None = None,
-    *,
-    secrets: Mapping[str, Mapping[str, str]] | None = None,
-    mount_root: Path | None = None,
-    manifests: list[dict[str, Any]] | None = None,
-) -> WorkloadEnv:
-    """The environment the chart gives the ``mapper``, ``pairing``, ``bootstrap`` or ``gate`` container.
-
-    ``secrets`` is ``{secret name: {key: value}}``: every ``valueFrom.secretKeyRef``
-    is resolved from it (a missing Secret or key raises ``KeyError`` naming it, as
-    the kubelet would refuse to start the pod). Secret volumes (the ``.creds`` /
-    nkey seed file, the TLS files) are written under ``mount_root`` from the same
-    dict, and every variable whose value is a path inside such a mount is
-    rewritten to the local file, so the values can be given to a local process::
-
-        w = workload_env("mapper", {"nats": {"enabled": False, "url": url}},
-                         secrets={"aep-bridge-nats-auth": {"mapper-password": pw}})
-        subprocess.Popen([aep_bridge, *w.args], env={**os.environ, **w.env})
-
-    ``values`` should point ``nats.url`` at the local server (``nats.enabled: false``).
-    """
-    manifests = manifests if manifests is not None else render_manifests(values)
-    spec = pod_spec(workload(manifests, component))
-    (container,) = [c for c in spec["containers"] if c["name"] == component]
-    secrets = {} if secrets is None else secrets
-
-    def secret_value(name: str, key: str) -> str:
-        if name not in secrets:
-            raise KeyError(f"Secret {name!r} (needed by the {component} container) was not given")
-        if key not in secrets[name]:
-            raise KeyError(f"key {key!r} of Secret {name!r} (needed by the {component} container) was not given")
-        return secrets[name][key]
-
-    # Materialise the secret volumes: container path -> local path.
-    files: dict[str, Path] = {}
-    volumes = {v["name"]: v for v in spec.get("volumes", [])}
-    for mount in container.get("volumeMounts", []):
-        volume = volumes[mount["name"]]
-        if "secret" not in volume:
-            continue
-        secret_name = volume["secret"]["secretName"]
-        for item in volume["secret"].get("items", []):
-            container_path = f"{mount['mountPath'].rstrip('/')}/{item['path']}"
-            if mount_root is None:
-                files[container_path] = Path(container_path)
-                continue
-            local = Path(mount_root) / container_path.lstrip("/")
-            local.parent.mkdir(parents=True, exist_ok=True)
-            local.write_text(secret_value(secret_name, item["key"]), encoding="utf-8")
-            local.chmod(0o400)
-            files[container_path] = local
-
-    env: dict[str, str] = {}
-    for var in container.get("env", []):
-        if "value" in var:
-            value = str(var["value"])
-            env[var["name"]] = str(files.get(value, value))
-        elif "secretKeyRef" in var.get("valueFrom", {}):
-            ref = var["valueFrom"]["secretKeyRef"]
-            env[var["name"]] = secret_value(ref["name"], ref["key"])
-        else:
-            raise AssertionError(f"unexpected env source in {component}: {var}")
-    return WorkloadEnv(component, list(container.get("args", [])), env, files)
-
-
-def env_entries(obj: dict[str, Any], component: str) -> dict[str, dict[str, Any]]:
-    """The raw env entries (name -> EnvVar) of a workload's main container."""
-    (container,) = [c for c in pod_spec(obj)["containers"] if c["name"] == component]
-    return {e["name"]: e for e in container.get("env", [])}
-
-
-def documented_variables() -> set[str]:
-    """Every `AEP_BRIDGE_*` name in docs/ARCHITECTURE.md or read by the bridge's code."""
-    names = set(re.findall(r"`(AEP_BRIDGE_[A-Z_]+)`", ARCHITECTURE.read_text(encoding="utf-8")))
-    for source in (REPO / "bridge").rglob("*.py"):
-        names |= set(re.findall(r"\b(AEP_BRIDGE_[A-Z_]+)\b", source.read_text(encoding="utf-8")))
-    return names
-
-
-# ServiceMonitor / PrometheusRule (monitoring.coreos.com/v1): kubernetes-validate has
-# no schema for these custom resources, so they are checked against the schemas
-# below, written for this project. They cover exactly the fields the chart sets
-# (templates/servicemonitor.yaml, templates/prometheusrule.yaml), with their types
-# and formats, and reject any other field wherever the chart controls the shape
-# (like kubernetes-validate --strict). They are deliberately narrower than the
-# Prometheus Operator's CRDs: a field the chart starts to use must be added here.
-
-# A Prometheus duration ("30s", "1h30m", "0"): units in descending order.
-_DURATION = {
-    "type": "string",
-    "minLength": 1,
-    "pattern": "^(0|" + "".join(f"([0-9]+{unit})?" for unit in ("y", "w", "d", "h", "m", "s", "ms")) + ")$",
-}
-_STRING_MAP = {"type": "object", "additionalProperties": {"type": "string"}}
-_OBJECT_META = {
-    "type": "object",
-    "required": ["name", "namespace"],
-    "additionalProperties": False,
-    "properties": {
-        "name": {"type": "string", "maxLength": 253, "pattern": r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"},
-        "namespace": {"type": "string", "maxLength": 63, "pattern": r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"},
-        "labels": _STRING_MAP,
-        "annotations": _STRING_MAP,
-    },
-}
-_LABEL_SELECTOR = {
-    "type": "object",
-    "additionalProperties": False,
-    "properties": {
-        "matchLabels": _STRING_MAP,
-        "matchExpressions": {
-            "type": "array",
-            "items": {
-                "type": "object",
-                "required": ["key", "operator"],
-                "additionalProperties": False,
-                "properties": {
-                    "key": {"type": "string", "minLength": 1},
-                    "operator": {"enum": ["In", "NotIn", "Exists", "DoesNotExist"]},
-                    "values": {"type": "array", "items": {"type": "string"}},
-                },
-            },
-        },
-    },
-}
-
-
-def _custom_resource(kind: str, spec: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "$schema": "http://json-schema.org/draft-07/schema#",
-        "title": f"monitoring.coreos.com/v1 {kind}, as this chart renders it",
-        "type": "object",
-        "required": ["apiVersion", "kind", "metadata", "spec"],
-        "additionalProperties": False,
-        "properties": {
-            "apiVersion": {"const": "monitoring.coreos.com/v1"},
-            "kind": {"const": kind},
-            "metadata": _OBJECT_META,
-            "spec": spec,
-        },
-    }
-
-
-SERVICEMONITOR_SCHEMA = _custom_resource("ServiceMonitor", {
-    "type": "object",
-    "required": ["selector", "endpoints"],
-    "additionalProperties": False,
-    "properties": {
-        "selector": _LABEL_SELECTOR,
-        "namespaceSelector": {
-            "type": "object",
-            "additionalProperties": False,
-            "properties": {
-                "any": {"type": "boolean"},
-                "matchNames": {"type": "array", "items": {"type": "string", "minLength": 1}},
-            },
-        },
-        "endpoints": {
-            "type": "array",
-            "minItems": 1,
-            "items": {
-                "type": "object",
-                "required": ["port"],
-                "additionalProperties": False,
-                "properties": {
-                    "port": {"type": "string", "minLength": 1},  # the Service port's name
-                    "path": {"type": "string", "pattern": "^/"},
-                    "scheme": {"enum": ["http", "https"]},
-                    "interval": _DURATION,
-                    "scrapeTimeout": _DURATION,
-                },
-            },
-        },
-    },
-})
-
-PROMETHEUSRULE_SCHEMA = _custom_resource("PrometheusRule", {
-    "type": "object",
-    "required": ["groups"],
-    "additionalProperties": False,
-    "properties": {
-        "groups": {
-            "type": "array",
-            "minItems": 1,
-            "items": {
-                "type": "object",
-                "required": ["name", "rules"],
-                "additionalProperties": False,
-                "properties": {
-                    "name": {"type": "string", "minLength": 1},
-                    "rules": {
-                        "type": "array",
-                        "minItems": 1,
-                        "items": {
-                            "type": "object",
-                            "required": ["alert", "expr"],
-                            "additionalProperties": False,
-                            "properties": {
-                                # An alert name is a Prometheus label value of alertname;
-                                # keep it a metric-style identifier.
-                                "alert": {"type": "string", "pattern": "^[A-Za-z_][A-Za-z0-9_]*$"},
-                                "expr": {"type": "string", "minLength": 1},
-                                "for": _DURATION,
-                                "labels": _STRING_MAP,
-                                "annotations": _STRING_MAP,
-                            },
-                        },
-                    },
-                },
-            },
-        },
-    },
-})
-
-CUSTOM_RESOURCE_SCHEMAS = {
-    ("monitoring.coreos.com/v1", "ServiceMonitor"): SERVICEMONITOR_SCHEMA,
-    ("monitoring.coreos.com/v1", "PrometheusRule"): PROMETHEUSRULE_SCHEMA,
-}
-
-
-def _custom_resource_validator(obj: dict[str, Any]) -> jsonschema.Draft7Validator:
-    schema = CUSTOM_RESOURCE_SCHEMAS[(obj["apiVersion"], obj["kind"])]
-    jsonschema.Draft7Validator.check_schema(schema)
-    return jsonschema.Draft7Validator(schema)
-
-
-def validate_manifest(obj: dict[str, Any]) -> list[str]:
-    """Problems of one object: kubernetes-validate --strict for every KUBE_VERSIONS entry,
-    or this project's schema (unknown fields rejected) for the monitoring custom resources."""
-    problems = []
-    if (obj.get("apiVersion"), obj.get("kind")) in CUSTOM_RESOURCE_SCHEMAS:
-        for err in _custom_resource_validator(obj).iter_errors(obj):
-            problems.append(f"{obj['kind']}/{obj['metadata']['name']}: {'.'.join(map(str, err.path))}: {err.message}")
-        return problems
-    for version in KUBE_VERSIONS:
-        try:
-            kv_utils.validate(obj, version, strict=True)
-        except kv_utils.ValidationError as err:
-            path = ".".join(str(p) for p in err.path)
-            problems.append(f"{obj['kind']}/{obj['metadata']['name']} (k8s {version}): {path}: {err.message}")
-        except kv_utils.SchemaNotFoundError as err:
-            problems.append(f"{obj['kind']}/{obj['metadata']['name']}: {err.message}")
-    return problems
-
-
-def lint_messages(path: Path, values: Mapping[str, Any] | None, **kw: Any) -> dict[str, Any]:
-    return helm.lint(path, dict(values) if values else None, kube_version=f"v{KUBE_VERSIONS[-1]}", **kw)
-
+from tests.support.chart import (
+    ALL_SERVICES,
+    ARCHITECTURE,
+    CHART_DIR,
+    CI_VALUES,
+    DEFAULT_PORTS,
+    DEPLOY_README,
+    MAPPER_PORT,
+    NAMESPACE,
+    PRODUCTION_VALUES,
+    RELEASE,
+    REQUIRED_CI_VALUES,
+    any_secrets,
+    ci_values,
+    documented_variables,
+    env_entries,
+    lint_messages,
+    load_values,
+    merged,
+    one,
+    ours,
+    pod_spec,
+    production_with_everything,
+    render_chart,
+    render_manifests,
+    select,
+    validate_manifest,
+    workload,
+    workload_env,
+)
 
 # --------------------------------------------------------------------------- fixtures
 
@@ -513,9 +168,9 @@ def test_probes_point_at_the_services_endpoints_and_ports(ci_case) -> None:
 def test_commands_and_shared_settings(ci_case) -> None:
     name, values, manifests = ci_case
     partitions = str(values.get("config", {}).get("partitions", 8))
-    assert workload_env("mapper", manifests=manifests, secrets=_any_secrets()).args == ["mapper"]
-    assert workload_env("bootstrap", manifests=manifests, secrets=_any_secrets()).args == ["bootstrap"]
-    assert workload_env("pairing", manifests=manifests, secrets=_any_secrets()).args == [
+    assert workload_env("mapper", manifests=manifests, secrets=any_secrets()).args == ["mapper"]
+    assert workload_env("bootstrap", manifests=manifests, secrets=any_secrets()).args == ["bootstrap"]
+    assert workload_env("pairing", manifests=manifests, secrets=any_secrets()).args == [
         "pairing", "--partitions", partitions,
     ]
     for component in ("bootstrap", "mapper", "pairing"):
@@ -524,30 +179,6 @@ def test_commands_and_shared_settings(ci_case) -> None:
         assert set(env) <= documented_variables(), set(env) - documented_variables()
 
 
-class _AnySecrets(dict):
-    """A secrets mapping that answers every (name, key) with a placeholder."""
-
-    def __contains__(self, key: object) -> bool:
-        return True
-
-    def __getitem__(self, key: str) -> Mapping[str, str]:
-        return _AnyKeys(key)
-
-
-class _AnyKeys(dict):
-    def __init__(self, name: str) -> None:
-        super().__init__()
-        self.name = name
-
-    def __contains__(self, key: object) -> bool:
-        return True
-
-    def __getitem__(self, key: str) -> str:
-        return f"<{self.name}/{key}>"
-
-
-def _any_secrets() -> Mapping[str, Mapping[str, str]]:
-    return _AnySecrets()
 
 
 def test_security_context_is_set(ci_case) -> None:
@@ -635,7 +266,7 @@ def test_credentials_per_auth_type(values_name: str, expected: set[str], tmp_pat
         "AEP_BRIDGE_TLS_CA", "AEP_BRIDGE_TLS_CERT", "AEP_BRIDGE_TLS_KEY",
     }
     for component in ("bootstrap", "mapper", "pairing"):
-        w = workload_env(component, manifests=manifests, secrets=_any_secrets(), mount_root=tmp_path / component)
+        w = workload_env(component, manifests=manifests, secrets=any_secrets(), mount_root=tmp_path / component)
         assert set(w.env) & credential_vars == expected, (values_name, component)
         # Every file the environment names is a mounted Secret item (materialised here).
         for var in expected & {"AEP_BRIDGE_NATS_CREDS", "AEP_BRIDGE_NATS_NKEY_SEED",
@@ -649,7 +280,7 @@ def test_credentials_per_auth_type(values_name: str, expected: set[str], tmp_pat
             ).get("existingSecret", "aep-bridge-nats-auth")
             assert w.env["AEP_BRIDGE_NATS_PASSWORD"] == f"<{role_secret}/{component}-password>"
     external = values.get("nats", {}).get("enabled") is False
-    url = workload_env("mapper", manifests=manifests, secrets=_any_secrets()).env["AEP_BRIDGE_NATS_URL"]
+    url = workload_env("mapper", manifests=manifests, secrets=any_secrets()).env["AEP_BRIDGE_NATS_URL"]
     assert url == (values["nats"]["url"] if external else f"nats://{RELEASE}-nats.{NAMESPACE}.svc:4222")
     assert "@" not in url, "credentials never travel in the URL"
 
@@ -683,9 +314,9 @@ def test_mapper_autoscaling() -> None:
         "apiVersion": "apps/v1", "kind": "Deployment", "name": deployment["metadata"]["name"],
     }
     assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (3, 12)
-    bootstrap_env = workload_env("bootstrap", manifests=manifests, secrets=_any_secrets()).env
+    bootstrap_env = workload_env("bootstrap", manifests=manifests, secrets=any_secrets()).env
     assert bootstrap_env["AEP_BRIDGE_STREAM_REPLICAS"] == "3"
-    assert "AEP_BRIDGE_STREAM_REPLICAS" not in workload_env("bootstrap", manifests=default, secrets=_any_secrets()).env
+    assert "AEP_BRIDGE_STREAM_REPLICAS" not in workload_env("bootstrap", manifests=default, secrets=any_secrets()).env
     types = [m["type"] for m in hpa["spec"]["metrics"]]
     assert types == ["Resource", "Resource", "External"]
     assert select(manifests, "HorizontalPodAutoscaler", "pairing") == []
@@ -820,7 +451,7 @@ def test_bundled_nats_url_and_network_policy_agree(
     to the pods labelled with the subchart's name, the release and component nats."""
     manifests = render_manifests(values, name=release)
     for component in ("bootstrap", "mapper", "pairing"):
-        env = workload_env(component, manifests=manifests, secrets=_any_secrets()).env
+        env = workload_env(component, manifests=manifests, secrets=any_secrets()).env
         assert env["AEP_BRIDGE_NATS_URL"] == url, component
     policies = select(manifests, "NetworkPolicy")
     assert len(policies) == 3
@@ -1023,7 +654,7 @@ def test_gate_when_enabled_is_one_recreated_pod_like_the_other_services(tmp_path
     assert container["resources"]["limits"].keys() >= {"cpu", "memory"}
 
     # Command and environment: its own NATS user, the password only from the Secret.
-    w = workload_env("gate", manifests=manifests, secrets=_any_secrets(), mount_root=tmp_path)
+    w = workload_env("gate", manifests=manifests, secrets=any_secrets(), mount_root=tmp_path)
     assert w.args == ["gate"]
     assert w.env["AEP_BRIDGE_NATS_USER"] == "aep-gate"
     assert w.env["AEP_BRIDGE_NATS_PASSWORD"] == "<aep-bridge-nats-auth/gate-password>"
@@ -1064,7 +695,7 @@ def test_gate_switches_and_other_auth_types(tmp_path: Path) -> None:
     """gate.control / gate.instruct / gate.senders become the gate's variables; the gate
     authenticates like every role (here a .creds file from the Secret, mutual TLS)."""
     manifests = render_manifests({"gate": {"enabled": True, "control": False, "instruct": False}})
-    env = workload_env("gate", manifests=manifests, secrets=_any_secrets()).env
+    env = workload_env("gate", manifests=manifests, secrets=any_secrets()).env
     assert (env["AEP_HERMES_CONTROL"], env["AEP_INSTRUCT"]) == ("0", "0")
     assert "AEP_CONTROL_SENDERS" not in env and env["AEP_GATE_PROBE_MS"] == "1000"
 
@@ -1092,29 +723,9 @@ def test_gate_switches_and_other_auth_types(tmp_path: Path) -> None:
 # (config.cluster.enabled / replicas, podTemplate.merge for the anti-affinity, its
 # podDisruptionBudget, whose template says maxUnavailable: 1), every stream at R3, and every
 # service given the three servers. Without the NATS chart (see the module docstring) these
-# tests check the values handed to it and the names our templates derive; with
-# AEP_BRIDGE_NATS_CHART set, test_production_values_with_the_official_nats_chart renders
-# the chart itself and checks what it makes of them.
-
-ALL_SERVICES = ("bootstrap", "mapper", "pairing", "gate", "relay", "exporter")
-
-
-def merged(*docs: Mapping[str, Any]) -> dict[str, Any]:
-    """Values files combined as `helm -f a -f b` does: maps merged key by key, the last wins."""
-    out: dict[str, Any] = {}
-    for doc in docs:
-        for key, value in doc.items():
-            if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
-                out[key] = merged(out[key], value)
-            else:
-                out[key] = copy.deepcopy(value)
-    return out
-
-
-def production_with_everything() -> dict[str, Any]:
-    """The production values with the opt-in services on too (gate, relay, exporter)."""
-    return merged(load_values(PRODUCTION_VALUES), ci_values("gate"), ci_values("relay"), ci_values("exporter"))
-
+# tests check the values handed to it and the names our templates derive;
+# deploy/check_nats_chart.py renders the chart itself, where it is on the machine, and checks
+# what it makes of them.
 
 def cluster_urls(*, release: str = RELEASE, statefulset: str | None = None, headless: str | None = None,
                  replicas: int = 3, port: int = 4222, scheme: str = "nats") -> str:
@@ -1151,13 +762,13 @@ def test_production_values_give_every_service_all_three_servers() -> None:
                 for m in ours(manifests) if m["kind"] in ("Deployment", "Job")}
     assert rendered == set(ALL_SERVICES)
     for component in ALL_SERVICES:
-        env = workload_env(component, manifests=manifests, secrets=_any_secrets()).env
+        env = workload_env(component, manifests=manifests, secrets=any_secrets()).env
         assert env["AEP_BRIDGE_NATS_URL"] == cluster_urls(), component
         assert len(env["AEP_BRIDGE_NATS_URL"].split(",")) == 3
-    bootstrap_env = workload_env("bootstrap", manifests=manifests, secrets=_any_secrets()).env
+    bootstrap_env = workload_env("bootstrap", manifests=manifests, secrets=any_secrets()).env
     assert bootstrap_env["AEP_BRIDGE_STREAM_REPLICAS"] == "3", "every stream, bucket and object store at R3"
     # The gate creates its own buckets (aep_control, aep_instruct) at start: at R3 too.
-    gate_env = workload_env("gate", manifests=manifests, secrets=_any_secrets()).env
+    gate_env = workload_env("gate", manifests=manifests, secrets=any_secrets()).env
     assert gate_env["AEP_BRIDGE_STREAM_REPLICAS"] == "3"
     # The NetworkPolicies still reach exactly the bundled NATS pods (all three carry these labels).
     for policy in select(manifests, "NetworkPolicy"):
@@ -1191,14 +802,14 @@ def test_cluster_urls_follow_the_nats_chart_names(nats: dict[str, Any], release:
         values["tls"] = {"enabled": True, "existingSecret": "nats-ca"}
     manifests = render_manifests(values, name=release)
     for component in ("bootstrap", "mapper", "pairing"):
-        assert workload_env(component, manifests=manifests, secrets=_any_secrets()).env["AEP_BRIDGE_NATS_URL"] == expected
+        assert workload_env(component, manifests=manifests, secrets=any_secrets()).env["AEP_BRIDGE_NATS_URL"] == expected
 
 
 def test_single_server_default_keeps_the_service_url() -> None:
     """Without config.cluster.enabled (the default install: one server) the URL stays the
     client Service's, and streams stay at the command's default."""
     manifests = render_manifests()
-    env = workload_env("mapper", manifests=manifests, secrets=_any_secrets()).env
+    env = workload_env("mapper", manifests=manifests, secrets=any_secrets()).env
     assert env["AEP_BRIDGE_NATS_URL"] == f"nats://{RELEASE}-nats.{NAMESPACE}.svc:4222"
     assert load_values(CHART_DIR / "values.yaml")["nats"]["config"].get("cluster", {}).get("enabled", False) is False
 
@@ -1216,89 +827,16 @@ def test_jetstream_sync_interval_is_a_documented_value() -> None:
         assert "sync_interval" not in template.read_text(encoding="utf-8"), template.name
 
 
-# The official NATS chart, when the machine has it: AEP_BRIDGE_NATS_CHART names its directory
-# or the .tgz `helm pull nats --repo https://nats-io.github.io/k8s/helm/charts/ --version <ours>`
-# fetches. It is not in the repository (nothing copied from another project), so without it
-# the test below is skipped and says how to run it (deploy/README.md, section 7).
-NATS_CHART = os.environ.get("AEP_BRIDGE_NATS_CHART", "")
+def test_the_nats_chart_check_refuses_a_chart_of_another_version(tmp_path: Path) -> None:
+    """deploy/check_nats_chart.py (run by hand where the official NATS chart is) stays runnable:
+    its imports resolve, and a chart other than the one Chart.yaml depends on is refused."""
+    import subprocess
+    import sys
 
-
-@pytest.fixture(scope="module")
-def chart_with_nats(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    if not NATS_CHART:
-        pytest.skip("AEP_BRIDGE_NATS_CHART is not set: the official NATS chart is not on this machine "
-                    "(set it to the chart's directory or .tgz to render the bundled NATS too)")
-    root = tmp_path_factory.mktemp("chart") / "aep-bridge"
-    shutil.copytree(CHART_DIR, root)
-    charts = root / "charts"
-    charts.mkdir()
-    source = Path(NATS_CHART)
-    if source.is_dir():
-        shutil.copytree(source, charts / "nats")
-    else:
-        with tarfile.open(source) as tgz:
-            tgz.extractall(charts, filter="data")
-    with helm.Chart.load(CHART_DIR) as chart:
-        (dep,) = chart.metadata["dependencies"]
-    assert yaml.safe_load((charts / "nats" / "Chart.yaml").read_text())["version"] == dep["version"]
-    return root
-
-
-def render_with_nats(chart: Path, values: Mapping[str, Any]) -> list[dict[str, Any]]:
-    with helm.Chart.load(chart) as loaded:
-        rendered = loaded.render(dict(values), name=RELEASE, namespace=NAMESPACE, is_install=True)
-    docs = []
-    for path, text in sorted(rendered.items()):
-        if path.endswith("NOTES.txt") or "/tests/" in path:
-            continue
-        docs += [d for d in yaml.safe_load_all(text) if d]
-    return docs
-
-
-def nats_objects(manifests: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
-    return [m for m in manifests if m["kind"] == kind
-            and m["metadata"].get("labels", {}).get("app.kubernetes.io/component") == "nats"]
-
-
-def test_production_values_with_the_official_nats_chart(chart_with_nats: Path) -> None:
-    """The NATS chart renders our production values into 3 servers, one per node, a PDB of
-    maxUnavailable 1, routes between the same pod names the services are given, and our
-    sync_interval in the jetstream block; every object is valid."""
-    manifests = render_with_nats(chart_with_nats, production_with_everything())
-    problems = [p for m in manifests for p in validate_manifest(m)]
-    assert problems == [], "\n".join(problems)
-
-    (sts,) = nats_objects(manifests, "StatefulSet")
-    assert sts["spec"]["replicas"] == 3
-    pod = sts["spec"]["template"]
-    labels = pod["metadata"]["labels"]
-    (term,) = pod["spec"]["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
-    assert term["topologyKey"] == "kubernetes.io/hostname"
-    assert term["labelSelector"]["matchLabels"] and term["labelSelector"]["matchLabels"].items() <= labels.items()
-    assert term["labelSelector"]["matchLabels"]["app.kubernetes.io/instance"] == RELEASE
-
-    (pdb,) = nats_objects(manifests, "PodDisruptionBudget")
-    assert pdb["spec"] == {"maxUnavailable": 1, "selector": pdb["spec"]["selector"]}
-    assert pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()
-
-    headless = [s for s in nats_objects(manifests, "Service") if s["spec"].get("clusterIP") == "None"]
-    (headless,) = headless
-    assert sts["spec"]["serviceName"] == headless["metadata"]["name"]
-    pods = [f"{sts['metadata']['name']}-{i}.{headless['metadata']['name']}" for i in range(3)]
-    expected = ",".join(f"nats://{p}.{NAMESPACE}.svc:4222" for p in pods)
-    for component in ALL_SERVICES:
-        env = workload_env(component, manifests=ours(manifests), secrets=_any_secrets()).env
-        assert env["AEP_BRIDGE_NATS_URL"] == expected, component
-
-    (config_map,) = nats_objects(manifests, "ConfigMap")
-    conf = config_map["data"]["nats.conf"]
-    for p in pods:
-        assert f"nats://{p}:6222" in conf, p
-    assert re.search(r'"jetstream": \{[^}]*"sync_interval": "2m"', conf), conf
-
-    # The default install: one server, the client Service's URL.
-    single = render_with_nats(chart_with_nats, {})
-    assert [s["spec"]["replicas"] for s in nats_objects(single, "StatefulSet")] == [1]
-    env = workload_env("mapper", manifests=ours(single), secrets=_any_secrets()).env
-    (client,) = [s for s in nats_objects(single, "Service") if s["spec"].get("clusterIP") != "None"]
-    assert env["AEP_BRIDGE_NATS_URL"] == f"nats://{client['metadata']['name']}.{NAMESPACE}.svc:4222"
+    other = tmp_path / "nats"
+    (other / "templates").mkdir(parents=True)
+    (other / "Chart.yaml").write_text("apiVersion: v2\nname: nats\nversion: 0.0.1\n")
+    out = subprocess.run([sys.executable, str(CHART_DIR.parents[1] / "check_nats_chart.py"), str(other)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "FAIL the NATS chart is 0.0.1; Chart.yaml depends on" in out.stderr, out.stderr

@@ -16,8 +16,8 @@ import pytest
 from bridge.config import EXPORTER_METRICS_PORT
 from bridge.services.exporter import load_sinks
 from tests.support.services import wait_for
-from tests.core.test_bridges_pins import golden
-from tests.deploy.test_chart import (
+from tests.support.aep_fixtures import golden
+from tests.support.chart import (
     NAMESPACE,
     ci_values,
     documented_variables,
@@ -32,7 +32,7 @@ from tests.deploy.test_chart import (
     workload,
     workload_env,
 )
-from tests.deploy.test_nats_permissions import (
+from tests.support.nats_roles import (
     PASSWORDS,
     Client,
     configured_server,

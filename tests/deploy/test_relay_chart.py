@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.deploy.test_chart import ci_values, env_entries, one, ours, pod_spec, render_chart, render_manifests, validate_manifest, workload
+from tests.support.chart import ci_values, env_entries, one, ours, pod_spec, render_chart, render_manifests, validate_manifest, workload
 
 
 def component_of(obj: dict) -> str | None:

@@ -21,8 +21,8 @@ from tests.corpus import envelopes
 from tests.natsfixture import JetStreamClient
 from tests.support.services import http_json as http_status, wait_for
 from tests.support.shim import compiled_hook, envelope, run_hook, shim_env
-from tests.deploy.test_chart import workload_env
-from tests.deploy.test_nats_permissions import PASSWORDS, configured_server, sample_nats_conf
+from tests.support.chart import workload_env
+from tests.support.nats_roles import PASSWORDS, configured_server, sample_nats_conf
 
 SECRET = "aep-bridge-nats-auth"
 SECRETS = {SECRET: {f"{role}-password": PASSWORDS[f"AEP_{role.upper().replace('-', '_')}_PASSWORD"]

@@ -245,3 +245,48 @@ def test_doctor_counts_what_waits_in_the_fallback_spool(tmp_path: Path) -> None:
     doc = cli("hermes", "doctor", "--timeout", "1",
               env={**settings, "AEP_BRIDGE_CONFIG": os.devnull, "HERMES_HOME": str(home), "TMPDIR": str(tmp)})
     assert "1 pending" in doc.stdout and str(tmp) in doc.stdout, doc.stdout + doc.stderr
+
+
+def test_spool_commands_read_the_installed_shims_settings_file(tmp_path: Path) -> None:
+    """Without --config or AEP_BRIDGE_CONFIG, `spool status` / `drain` read the file the installed
+    hook is registered with ($HERMES_HOME/aep-bridge.env), not ~/.config/aep-bridge/env, and say so."""
+    home = home_with(tmp_path)
+    spool = tmp_path / "spool"
+    res = inst.install(home, events=["pre_tool_call"], settings={**SETTINGS, "AEP_BRIDGE_SPOOL_DIR": str(spool)})
+    clean = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    proc = subprocess.run(shlex.split(res.command), input=dumps(envelope()), capture_output=True, env=clean, timeout=10)
+    assert proc.returncode == 0 and (spool / "inst-test.spool").stat().st_size > 0
+
+    def spool_cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "bridge.cli", "spool", *args], capture_output=True, text=True,
+                              env={**clean, "HERMES_HOME": str(home), "PYTHONPATH": str(ROOT)}, timeout=60, cwd=ROOT)
+
+    status = spool_cli("status", "--json")
+    assert status.returncode == 0, status.stderr
+    st = json.loads(status.stdout)
+    assert st["pending_records"] == 1 and st["settings_file"] == str(home / inst.ENV_FILENAME)
+    text = spool_cli("status")
+    assert f"settings       {home / inst.ENV_FILENAME}" in text.stdout and str(spool / "inst-test.spool") in text.stdout
+    drain = spool_cli("drain", "--timeout", "1")  # NATS is unreachable in SETTINGS: the shim's server is tried
+    assert drain.returncode == 1 and "127.0.0.1:1" in drain.stderr, drain.stderr
+    assert f"settings       {home / inst.ENV_FILENAME}" in drain.stderr
+
+
+def test_doctor_finds_the_fallback_spool_named_in_the_settings_file(tmp_path: Path) -> None:
+    """TMPDIR set only in the shim's settings file: the shim's fallback spool is under it (the
+    merged settings), and so is doctor's (not fallback_spool_dir(os.environ))."""
+    home = home_with(tmp_path)
+    blocked = tmp_path / "a-file-not-a-dir"
+    blocked.write_text("")
+    tmp = tmp_path / "tmp-from-file"
+    tmp.mkdir()
+    res = inst.install(home, events=["pre_tool_call"], settings={**SETTINGS, "AEP_BRIDGE_SPOOL_DIR": str(blocked)})
+    with open(home / inst.ENV_FILENAME, "a") as fh:
+        fh.write(f"TMPDIR={tmp}\n")
+    clean = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    proc = subprocess.run(shlex.split(res.command), input=dumps(envelope()), capture_output=True, env=clean, timeout=10)
+    assert proc.returncode == 0 and any(tmp.iterdir()), proc.stderr
+    env = {**clean, "HERMES_HOME": str(home), "PYTHONPATH": str(ROOT)}
+    doc = subprocess.run([sys.executable, "-m", "bridge.cli", "hermes", "doctor", "--timeout", "1"], env=env,
+                         capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert "1 pending" in doc.stdout and str(tmp) in doc.stdout, doc.stdout + doc.stderr

@@ -61,8 +61,9 @@ def test_turning_the_gate_on_updates_the_existing_entry(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("settings", "timeout", "message"), [
     ({"AEP_HERMES_HOLD_MS": "296000"}, None, "300 s"),  # Hermes clamps a hook timeout at 300 s
     ({"AEP_HERMES_HOLD_MS": "30000"}, 30, "must be above the hold window"),  # an explicit --timeout too short
-    ({"AEP_HERMES_HOLD_MS": "soon"}, None, "integer"),
-    ({"AEP_HERMES_HOLD_MS": "0"}, None, "positive"),
+    ({"AEP_HERMES_HOLD_MS": "soon"}, None, "AEP_HERMES_HOLD_MS must be an integer in 1-86400000, got 'soon'"),
+    ({"AEP_HERMES_HOLD_MS": "0"}, None, "AEP_HERMES_HOLD_MS must be an integer in 1-86400000, got '0'"),
+    ({"AEP_BRIDGE_DEADLINE_MS": "abc"}, None, "AEP_BRIDGE_DEADLINE_MS must be an integer in 1-60000, got 'abc'"),
 ])
 def test_a_hold_that_hermes_would_cut_short_is_refused(tmp_path: Path, settings: dict[str, str], timeout: int | None,
                                                        message: str) -> None:
@@ -85,3 +86,24 @@ def test_doctor_flags_a_timeout_edited_below_the_hold(tmp_path: Path) -> None:
     cfg.write_text(cfg.read_text().replace("timeout: 16", "timeout: 10"))
     gate = [c for c in doctor(h, nats_timeout=0.2) if c.what.startswith("gate:")]
     assert len(gate) == 1 and not gate[0].ok and "hold window" in gate[0].what
+
+
+@pytest.mark.parametrize("control", ["0", "1"])
+def test_install_names_a_bad_deadline_and_its_range(tmp_path: Path, control: str) -> None:
+    """Not a bare int() error: the settings table's message, variable and range (issue 22)."""
+    h = home(tmp_path)
+    with pytest.raises(inst.InstallError, match=r"AEP_BRIDGE_DEADLINE_MS must be an integer in 1-60000, got '99999999'"):
+        inst.install(h, events=EVENTS, settings={**BASE, "AEP_HERMES_CONTROL": control, "AEP_BRIDGE_DEADLINE_MS": "99999999"})
+    assert not (h / "config.yaml").exists()
+
+
+def test_doctor_names_a_bad_deadline_edited_into_the_settings_file(tmp_path: Path) -> None:
+    """The shim falls back to its default on a bad number; doctor says which variable and range
+    instead of failing with a bare int() error."""
+    h = home(tmp_path)
+    inst.install(h, events=EVENTS, settings={**BASE, "AEP_HERMES_CONTROL": "1", "AEP_HERMES_HOLD_MS": "10000"})
+    env = h / inst.ENV_FILENAME
+    env.write_text(env.read_text().replace("AEP_BRIDGE_DEADLINE_MS=250", "AEP_BRIDGE_DEADLINE_MS=abc"))
+    bad = [c for c in doctor(h, nats_timeout=0.2) if "AEP_BRIDGE_DEADLINE_MS" in c.what]
+    assert len(bad) == 1 and not bad[0].ok, bad
+    assert "must be an integer in 1-60000, got 'abc'" in bad[0].what

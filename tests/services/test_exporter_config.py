@@ -11,7 +11,7 @@ from bridge.core.bridges.otlp import to_log_record
 from bridge.core.ceiling import METADATA
 from bridge.core.sinks import SinkConfigError, sink_from_mapping, sink_from_url, sinks_from_document
 from bridge.services.exporter.sinks import retry_after_seconds
-from tests.core.test_bridges_pins import golden
+from tests.support.aep_fixtures import golden
 
 
 def test_kafka_url_with_format_filter_and_passthrough_settings():

@@ -18,7 +18,7 @@ from tests.natsfixture import JetStreamClient
 from tests.support.services import Service, wait_for
 from tests.support.shim import compiled_hook, run_hook, shim_env
 from tests.support.tansu import Tansu
-from tests.core.test_bridges_pins import OCSF_TYPES, ocsf_problems
+from tests.support.aep_fixtures import OCSF_TYPES, ocsf_problems
 from tests.support.streams import quiet
 
 CANARY = "CANARY-7f3a-export-must-not-carry-this"

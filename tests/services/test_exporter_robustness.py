@@ -15,7 +15,7 @@ from bridge.core.sinks import sink_from_url
 from bridge.services.exporter import ExporterMetrics, SinkWorker
 from bridge.services.exporter.delivery import otlp_request_proto
 from bridge.services.exporter.sinks import DELIVERED
-from tests.core.test_bridges_pins import golden
+from tests.support.aep_fixtures import golden
 
 
 class Msg:

@@ -13,7 +13,7 @@ from pathlib import Path
 from bridge.stack.server import free_port, terminate
 from tests.support.services import http_json, wait_for
 from tests.support.otlp import Receiver
-from tests.stack.test_up import cli, pid_alive, running_up
+from tests.support.up import cli, pid_alive, running_up
 
 
 def metrics(url: str) -> dict[str, float]:

@@ -315,7 +315,7 @@ def test_mapper_takes_the_instance_from_the_subject():
 def test_a_gateway_user_cannot_post_as_another_instance(tmp_path):
     """The sample deploy/nats/nats.conf users: the shim as hermes-gateway-0, the mapper as
     aep-mapper, pairing as aep-pairing, the reader as aep-consumer."""
-    from tests.deploy.test_nats_permissions import INBOX, USERS, configured_server, ensure_streams, sample_nats_conf
+    from tests.support.nats_roles import INBOX, USERS, configured_server, ensure_streams, sample_nats_conf
 
     import nats
 

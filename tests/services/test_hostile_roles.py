@@ -24,7 +24,7 @@ import pytest
 
 from tests.support.services import raw_records
 from tests.support.shim import compiled_hook, dumps, envelope, shim_env
-from tests.deploy.test_nats_permissions import (
+from tests.support.nats_roles import (
     USERS, Client, configured_server, ensure_streams, role_settings, sample_nats_conf,
 )
 
@@ -311,7 +311,7 @@ def test_up_listens_on_loopback_only_and_requires_its_generated_credential(tmp_p
     import nats
 
     from tests.support.shim import run_hook
-    from tests.stack.test_up import cli, running_up
+    from tests.support.up import cli, running_up
 
     with running_up(tmp_path) as (proc, env, info, tmp):
         url = info["nats_url"]
@@ -364,7 +364,7 @@ def test_up_listens_on_loopback_only_and_requires_its_generated_credential(tmp_p
 def test_the_sample_nats_conf_serves_monitoring_on_loopback_only(url: str, tmp_path_factory) -> None:  # type: ignore[no-untyped-def]
     """Finding 17: `/connz`, `/subsz`, `/jsz` have no authentication; the sample bound them to
     every interface (http_port: 8222)."""
-    from tests.deploy.test_nats_permissions import SAMPLE_CONF
+    from tests.support.nats_roles import SAMPLE_CONF
 
     text = "\n".join(line.split("#", 1)[0] for line in SAMPLE_CONF.read_text().splitlines())
     assert "http_port" not in text and "monitor_port" not in text

@@ -313,7 +313,7 @@ def test_verifier_waits_for_a_card_that_pairing_still_has_to_end(nats_server, je
 
     from bridge.core.aep import encode_event
     from bridge.nats.subjects import events_subject
-    from tests.core.test_pairing import Mk
+    from tests.support.pairing import Mk
 
     mk = Mk(instance="vw-" + os.urandom(3).hex())
     lane = "vw-" + os.urandom(3).hex()

@@ -5,7 +5,6 @@ workers and stopped by the same Ctrl-C."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -16,7 +15,6 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -24,88 +22,15 @@ import pytest
 from bridge.stack.server import free_port, terminate
 from tests.corpus import records
 from tests.support.services import http_json as http_get, wait_for
+from tests.support.up import cli, expected_summary, pid_alive, running_up, totals
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except OSError:
-        return False
-    try:  # a zombie is gone for our purposes
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def cli(*args: str, env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "bridge.cli", *args], env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
-
-
-@contextlib.contextmanager
-def running_up(tmp_path: Path, *extra: str, workers: int = 3):
-    """`aep-bridge up` with free ports and its own state directory, until `workers` workers run."""
-    env = {**os.environ, "XDG_STATE_HOME": str(tmp_path / "state"), "AEP_BRIDGE_CONFIG": os.devnull}
-    for var in ("AEP_BRIDGE_NATS_URL", "AEP_HERMES_CONTROL", "AEP_INSTRUCT", "AEP_HERMES_HOLD_MS"):
-        env.pop(var, None)
-    state = tmp_path / "state" / "aep-bridge"
-    port = free_port()
-    out = open(tmp_path / "up.out", "w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "bridge.cli", "up", "--port", str(port), "--mapper-port", str(free_port()),
-         "--pairing-port", str(free_port()), "--relay-port", str(free_port()), *extra],
-        env=env, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
-    )
-    info_path = state / "up.json"
-
-    def started() -> bool:
-        if not info_path.exists():
-            return False
-        pids = json.loads(info_path.read_text())["workers"]
-        return len(pids) == workers and all(pids.values())
-
-    try:
-        wait_for(started, 60, what="up to be running")
-        yield proc, env, json.loads(info_path.read_text()), tmp_path
-    finally:
-        terminate(proc, 60, signal.SIGINT)
-        out.close()
 
 
 @pytest.fixture
 def up(tmp_path):
     with running_up(tmp_path) as running:
         yield running
-
-
-def expected_summary() -> dict[str, int]:
-    envs = [r["envelope"] for r in records()]
-    c = Counter(e["hook_event_name"] for e in envs)
-    status = Counter(e["extra"].get("status") for e in envs if e["hook_event_name"] == "post_tool_call")
-    return {
-        "runs_started": c["pre_llm_call"],
-        "tools_completed": status["ok"],
-        "tools_failed": status["error"] + status["cancelled"] + status["timeout"],
-        "tools_denied": status["blocked"],
-        "approvals": c["pre_approval_request"],
-        "subagents_started": c["subagent_start"],
-        "subagents_stopped": c["subagent_stop"],
-    }
-
-
-def totals(summary: dict) -> dict[str, int]:
-    t: Counter[str] = Counter()
-    for s in summary["sessions"].values():
-        t["runs_started"] += s["runs"].get("started", 0)
-        t["tools_completed"] += s["tools"].get("completed", 0)
-        t["tools_failed"] += s["tools"].get("failed", 0)
-        t["tools_denied"] += s["tools"].get("denied", 0)
-        t["approvals"] += s["approvals"].get("requested", 0)
-        t["subagents_started"] += s["subagents"].get("started", 0)
-        t["subagents_stopped"] += s["subagents"].get("stopped", 0)
-    return dict(t)
 
 
 def test_up_demo_tail_restart_and_clean_stop(up):
@@ -176,8 +101,6 @@ def test_up_demo_tail_restart_and_clean_stop(up):
     output = (tmp / "up.out").read_text()
     assert "restarted" in output and "stopped" in output
     assert not state.exists()
-
-
 
 
 def test_up_gate_runs_the_control_plane_and_stops_it_with_the_rest(tmp_path):
@@ -326,3 +249,26 @@ def test_every_command_the_gate_banner_prints_works_when_pasted_into_a_clean_she
                 if p.poll() is None:
                     p.kill()
         assert not failed, "\n".join(f"{c}\n  -> exit {rc}: {text}" for c, (rc, text) in failed.items())
+
+
+@pytest.mark.parametrize(("variable", "worker"), [("AEP_BRIDGE_RELAY_QUEUE", "relay"),
+                                                  ("AEP_BRIDGE_TRACEMALLOC_FRAMES", "(mapper|pairing|relay)")])
+def test_a_worker_refusing_a_bad_setting_stops_up_with_its_message(tmp_path, variable, worker):
+    """A worker that exits 2 (a setting it cannot use) would exit 2 again on every restart: `up`
+    stops, says which worker and repeats its message, and leaves no process behind (issue 22)."""
+    env = {**os.environ, "XDG_STATE_HOME": str(tmp_path / "state"), "AEP_BRIDGE_CONFIG": os.devnull, variable: "abc"}
+    env.pop("AEP_BRIDGE_NATS_URL", None)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bridge.cli", "up", "--port", str(free_port()), "--mapper-port", str(free_port()),
+         "--pairing-port", str(free_port()), "--relay-port", str(free_port()), "--no-follow"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+    try:
+        out, _ = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        terminate(proc, 60, signal.SIGINT)
+        out, _ = proc.communicate()
+        pytest.fail("`up` kept restarting a worker that refuses its settings:\n" + out)
+    assert proc.returncode == 2, out
+    assert re.search(f"up: {worker} exited with code 2", out) and "restarting" not in out, out
+    assert f"{variable} must be an integer" in out and "got 'abc'" in out, out
+    assert not (tmp_path / "state" / "aep-bridge" / "up.json").exists()

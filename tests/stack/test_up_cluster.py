@@ -19,7 +19,7 @@ import pytest
 
 from bridge.nats.streams import BUCKETS, OBJECT_STORES, STREAMS
 from bridge.stack.server import EmbeddedCluster, EmbeddedNats, free_port, terminate
-from tests.stack.test_up import ROOT, cli, expected_summary, pid_alive, running_up, totals
+from tests.support.up import ROOT, cli, expected_summary, pid_alive, running_up, totals
 from tests.support.services import wait_for
 
 pytestmark = pytest.mark.slow

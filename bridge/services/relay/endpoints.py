@@ -37,6 +37,7 @@ class HttpEndpoints:
 
     cfg: RelayConfig
     nc: Any
+    health: Any  # bridge.runtime.Health
     js: Any
     hub: Any  # hub.Hub
     presence: Any  # presence.Presence
@@ -59,8 +60,10 @@ class HttpEndpoints:
     # ------------------------------------------------------------ plain endpoints
 
     async def healthz(self, request: web.Request) -> web.Response:
-        ok = self.nc is None or not self.nc.is_closed
-        return web.json_response({"status": "ok" if ok else "nats closed", "position": self.hub.position}, status=200 if ok else 503)
+        """The runtime's Health: ``nats`` is the connection's state (``reconnecting`` while the
+        server is away); 503 once it is closed or found unusable (credentials refused)."""
+        ok, body = self.health.healthz()
+        return web.json_response({**body, "position": self.hub.position}, status=200 if ok else 503)
 
     async def readyz(self, request: web.Request) -> web.Response:
         """Ready: connected to NATS and the hub consuming AEP_EVENTS."""

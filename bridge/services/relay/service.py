@@ -7,6 +7,7 @@ per AEP-0003; the fan-out is ``hub.Hub``.
 from __future__ import annotations
 
 import asyncio
+import math
 import ssl
 from typing import Any
 
@@ -34,11 +35,15 @@ log = structlog.get_logger("relay")
 class Relay(HttpEndpoints, WebSocketSessions):
     """One relay process: the hub, presence, the router, the aiohttp application, the counters."""
 
-    def __init__(self, cfg: RelayConfig, js: Any = None, nc: Any = None, instance: str = "") -> None:
+    def __init__(self, cfg: RelayConfig, js: Any = None, nc: Any = None, instance: str = "",
+                 health: Health | None = None) -> None:
         self.cfg = cfg
         self.js = js
         self.nc = nc
         self.instance = instance
+        #: what /healthz answers: the runtime's view (the connection's state, a failure it found)
+        self.health = health if health is not None else relay_health()
+        self.health.connection = nc
         self.metrics = Metrics()
         self.hub = Hub(js, cfg.replay_buffer, self.metrics)
         self.sockets: set[web.WebSocketResponse] = set()
@@ -135,16 +140,23 @@ class Relay(HttpEndpoints, WebSocketSessions):
 
 
 
+def relay_health() -> Health:
+    """The relay's Health. No loop of its own beats it (aiohttp answering is its liveness): it is
+    never stalled, but red once its connection is closed or the runtime found it unusable."""
+    return Health("relay", stall_after_s=math.inf)
+
+
 async def run_relay(settings: Settings, cfg: RelayConfig) -> int:
     """The relay under the services' runtime (signals, the connection watched, exit codes); its
     HTTP port is its own (aiohttp: /healthz, /readyz, /metrics beside the AEP bindings)."""
     relay: Relay | None = None
     runner: web.AppRunner | None = None
+    health = relay_health()
 
     async def start() -> list[Loop]:
         nonlocal relay, runner
         nc = await connect_service(settings, name=f"aep-bridge-relay-{settings.instance}", role="relay")
-        relay = Relay(cfg, nc.jetstream(), nc, settings.instance)
+        relay = Relay(cfg, nc.jetstream(), nc, settings.instance, health=health)
         runner = await relay.start()
         log.info("relay listening", url=cfg.url, auth="tokens" if cfg.auth_required else "none (loopback)",
                  replay_buffer=cfg.replay_buffer)
@@ -156,5 +168,5 @@ async def run_relay(settings: Settings, cfg: RelayConfig) -> int:
         if runner is not None:
             await runner.cleanup()
 
-    return await serve("relay", settings, start, health=Health("relay"), stopper=Stopper(),
+    return await serve("relay", settings, start, health=health, stopper=Stopper(),
                        connection=lambda: relay.nc if relay is not None else None, stop=stop)

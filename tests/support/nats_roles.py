@@ -1,0 +1,192 @@
+"""The per-role NATS users of deploy/nats/nats.conf and the chart's bundled server, for the
+tests that connect as them: the passwords and users, each role's inbox, a real nats-server
+started with a configuration (:func:`configured_server`: the sample, :func:`sample_nats_conf`,
+or the chart's values, :func:`values_nats_conf`), a :class:`Client` that records the server's
+permission errors, and the refusals it expects (:func:`expect_publish_refused`,
+:func:`expect_api_refused`)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import re
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import nats
+import pytest
+from nats.errors import TimeoutError as NatsTimeout
+from nats.js.errors import NoStreamResponseError
+
+from bridge.config import Settings
+from bridge.nats.bootstrap import bootstrap as bridge_bootstrap
+from tests.natsfixture import free_port, nats_server_binary
+from tests.support.chart import CHART_DIR, REPO, load_values
+
+
+SAMPLE_CONF = REPO / "deploy" / "nats" / "nats.conf"
+
+
+PASSWORDS = {
+    "AEP_BOOTSTRAP_PASSWORD": "bootstrap-pw",
+    "AEP_MAPPER_PASSWORD": "mapper-pw",
+    "AEP_PAIRING_PASSWORD": "pairing-pw",
+    "AEP_SHIM_PASSWORD": "shim-pw",
+    "AEP_CONSUMER_PASSWORD": "consumer-pw",
+    "AEP_GATEWAY_0_PASSWORD": "gateway-0-pw",
+    "AEP_GATE_PASSWORD": "gate-pw",
+    "AEP_OPERATOR_PASSWORD": "operator-pw",
+    "AEP_SHIM_CONTROL_PASSWORD": "shim-control-pw",
+    "AEP_EXPORTER_PASSWORD": "exporter-pw",
+    "AEP_RELAY_PASSWORD": "relay-pw",
+}
+
+
+USERS = {
+    "bootstrap": ("aep-bootstrap", "bootstrap-pw"),
+    "mapper": ("aep-mapper", "mapper-pw"),
+    "pairing": ("aep-pairing", "pairing-pw"),
+    "shim": ("hermes-shim", "shim-pw"),
+    "consumer": ("aep-consumer", "consumer-pw"),
+    "gateway-0": ("hermes-gateway-0", "gateway-0-pw"),
+    "gate": ("aep-gate", "gate-pw"),
+    "operator": ("aep-operator", "operator-pw"),
+    "shim-control": ("hermes-shim-control", "shim-control-pw"),
+    "exporter": ("aep-exporter", "exporter-pw"),
+    "relay": ("aep-relay", "relay-pw"),
+}
+
+
+#: each role's own inbox prefix (bridge.nats.connection.ROLE_INBOX; the shim's names its
+#: instance): its user may subscribe there only
+INBOX = {
+    "bootstrap": "_INBOX.aep-bootstrap", "mapper": "_INBOX.aep-mapper", "pairing": "_INBOX.aep-pairing",
+    "consumer": "_INBOX.aep-consumer", "gate": "_INBOX.aep-gate", "operator": "_INBOX.aep-operator",
+    "shim": "_INBOX.hermes.gateway-0", "shim-control": "_INBOX.hermes.gateway-0",
+    "gateway-0": "_INBOX.hermes.gateway-0", "exporter": "_INBOX.aep-exporter",
+    "relay": "_INBOX.aep-relay",
+}
+
+
+DENY_WAIT = 0.3  # seconds to wait for a refused request (the server refuses at once)
+
+
+def values_merge() -> dict:
+    """`nats.config.merge` of values.yaml: what the chart adds to the bundled server's config."""
+    return load_values(CHART_DIR / "values.yaml")["nats"]["config"]["merge"]
+
+
+def values_nats_conf(store_dir: Path) -> str:
+    """A nats.conf holding values.yaml's `nats.config.merge` (JSON is valid nats.conf),
+    with JetStream on in ``store_dir``. ``<< $VAR >>`` (a value the NATS chart leaves
+    unquoted) becomes ``$VAR``, which nats-server reads from its environment."""
+    conf = {"server_name": "aep-test-values", "jetstream": {"store_dir": str(store_dir)}, **values_merge()}
+    text, n = re.subn(r'"<< (\$[A-Z0-9_]+) >>"', r"\1", json.dumps(conf, indent=2))
+    assert n == len(USERS) - 1, "one password variable per user of the merge block"
+    assert "<<" not in text
+    return text
+
+
+def sample_nats_conf(store_dir: Path) -> str:
+    """deploy/nats/nats.conf with its store directory (the pod's path) moved to ``store_dir``."""
+    text, n = re.subn(r"(store_dir:\s*)/data\S*", lambda m: f'{m.group(1)}"{store_dir}"', SAMPLE_CONF.read_text())
+    assert n == 1, "store_dir not found"
+    return text
+
+
+@contextlib.contextmanager
+def configured_server(tmp: Path, conf_text: str) -> Iterator[str]:
+    """A real nats-server started with ``conf_text`` (the role passwords in its environment)
+    on free loopback ports; yields its URL, its log at ``tmp/server.log``."""
+    conf = tmp / "nats.conf"
+    conf.write_text(conf_text)
+    port = free_port()
+    # Command-line flags override the file's listen address and ports.
+    cmd = [nats_server_binary(), "-c", str(conf), "-a", "127.0.0.1", "-p", str(port), "-m", str(free_port())]
+    log = open(tmp / "server.log", "wb")
+    proc = subprocess.Popen(cmd, env={**os.environ, **PASSWORDS}, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            break
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                log.close()
+                pytest.fail(f"nats-server did not start:\n{(tmp / 'server.log').read_text()}")
+            time.sleep(0.02)
+    try:
+        yield f"nats://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(5)
+        except subprocess.TimeoutExpired:  # pragma: no cover
+            proc.kill()
+        log.close()
+
+
+class Client:
+    """A nats-py connection as one role, recording the server's permission errors."""
+
+    def __init__(self, nc, errors: list[str]) -> None:
+        self.nc, self.errors = nc, errors
+        self.js = nc.jetstream(timeout=2)
+
+    @classmethod
+    async def connect(cls, url: str, role: str, password: str | None = None, inbox_prefix: str | None = None) -> "Client":
+        user, pw = USERS[role]
+        errors: list[str] = []
+
+        async def on_error(exc: Exception) -> None:
+            errors.append(str(exc))
+
+        nc = await nats.connect(
+            url, user=user, password=password or pw, error_cb=on_error,
+            allow_reconnect=False, connect_timeout=2, inbox_prefix=inbox_prefix or INBOX[role],
+        )
+        return cls(nc, errors)
+
+    async def refused(self, what: str) -> bool:
+        """True once the server reported a permissions violation naming `what`."""
+        deadline = time.monotonic() + DENY_WAIT
+        while time.monotonic() < deadline:
+            if any("permissions violation" in e.lower() and what.lower() in e.lower() for e in self.errors):
+                return True
+            await asyncio.sleep(0.01)
+        return False
+
+    async def close(self) -> None:
+        await self.nc.close()
+
+
+async def expect_publish_refused(client: Client, subject: str) -> None:
+    with pytest.raises((NatsTimeout, NoStreamResponseError, asyncio.TimeoutError)):
+        await client.js.publish(subject, b"x", timeout=DENY_WAIT)
+    assert await client.refused(subject), client.errors
+
+
+async def expect_api_refused(client: Client, coro, subject_part: str) -> None:
+    with pytest.raises(Exception):  # a timeout: the request never reaches JetStream
+        await asyncio.wait_for(coro, DENY_WAIT * 2)
+    assert await client.refused(subject_part), client.errors
+
+
+def role_settings(url: str, role: str) -> "Settings":
+    settings = Settings()
+    settings.nats_url = url
+    settings.nats_user, settings.nats_password = USERS[role]
+    return settings
+
+
+async def ensure_streams(url: str) -> None:
+    c = await Client.connect(url, "bootstrap")
+    try:
+        await bridge_bootstrap(c.js, replicas=1)
+    finally:
+        await c.close()

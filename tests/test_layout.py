@@ -1,0 +1,68 @@
+"""The layout of the package is documented where it lives (issue 22): every package's docstring
+says in its first line what lives in that folder, and docs/ARCHITECTURE.md opens with the tree of
+bridge/ as it is: every folder and module."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = sorted(p.parent for p in (ROOT / "bridge").rglob("__init__.py") if "__pycache__" not in p.parts)
+MODULES = sorted(p for p in (ROOT / "bridge").rglob("*.py") if "__pycache__" not in p.parts and p.name != "__init__.py")
+
+
+def rel(path: Path) -> str:
+    return path.relative_to(ROOT).as_posix()
+
+
+@pytest.mark.parametrize("package", PACKAGES, ids=rel)
+def test_every_package_says_what_lives_in_it(package: Path) -> None:
+    doc = ast.get_docstring(ast.parse((package / "__init__.py").read_text()))
+    assert doc and doc.splitlines()[0].strip(), f"{rel(package)}/__init__.py has no docstring saying what lives there"
+
+
+def tree() -> str:
+    """The first code block of docs/ARCHITECTURE.md's first section."""
+    text = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
+    first = re.split(r"^## ", text, flags=re.M)[1]
+    match = re.search(r"^```\n(.*?)^```", first, flags=re.M | re.S)
+    assert match, "docs/ARCHITECTURE.md's first section has no tree"
+    return match.group(1)
+
+
+def names_in_tree() -> set[str]:
+    """Every path the tree shows: an entry's name, under the folders it is indented below."""
+    paths: set[str] = set()
+    stack: list[tuple[int, str]] = []
+    for line in tree().splitlines():
+        m = re.match(r"^( *)([\w.]+/|[\w.]+\.py)(?:\s|$)", line)
+        if not m:
+            continue
+        indent, name = len(m.group(1)), m.group(2)
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        path = "".join(n for _, n in stack) + name
+        paths.add(path.rstrip("/"))
+        if name.endswith("/"):
+            stack.append((indent, name))
+    return paths
+
+
+def test_the_architecture_opens_with_the_tree_of_every_folder_and_module() -> None:
+    shown = names_in_tree()
+    missing = [rel(p) for p in [*PACKAGES, *MODULES] if rel(p) not in shown]
+    assert not missing, f"not in docs/ARCHITECTURE.md's tree: {missing}"
+    extra = sorted(p for p in shown if not (ROOT / p).exists())
+    assert not extra, f"in docs/ARCHITECTURE.md's tree but not in bridge/: {extra}"
+
+
+def test_no_test_module_imports_another() -> None:
+    """Helpers shared by test modules live in tests/support/ (issue 22): a test module imported
+    by another runs its module-level code twice and couples two suites."""
+    pattern = re.compile(r"^\s*(?:from|import)\s+tests\.(?:\w+\.)*test_\w+", re.M)
+    offenders = [rel(p) for p in sorted((ROOT / "tests").rglob("*.py")) if pattern.search(p.read_text())]
+    assert not offenders, f"import another test module (move the helper to tests/support/): {offenders}"
