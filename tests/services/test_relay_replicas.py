@@ -17,7 +17,7 @@ import aep_sdk  # the official SDK (test extra: agenteventprotocol-sdk)
 import aiohttp
 import pytest
 
-from tests.services.test_relay_claims import connect, emitter_hello, next_frame, roster, started
+from tests.support.relay_ws import connect, emitter_hello, next_frame, roster, started
 from tests.support.relay import EMITTER, OPERATOR, RelayProcess, encode, event
 from tests.support.services import wait_for
 
