@@ -4,10 +4,11 @@ A bounded in-process cache (`bridge.core.lanes.MemoryLanes`) in front of the buc
 short negative cache, and the pipelined puts that teach it. Used by the mapper (it learns and
 looks up) and the gate (it looks up); `epoch_of` is the AEP epoch rule both share.
 
-Lane facts (`r.<instance token>.<raw id token>`): the lane a raw message whose lane came from
-a look-up was filed under, recorded (create: the first attempt wins) before its first event
-is published, and reused by every later attempt (`PinnedLane`), so that an alias that changed
-or a KV get that failed between two attempts cannot file the same event under two lanes.
+Lane facts (bucket `aep_lane_facts`, key `r.<instance token>.<raw id token>`): the lane a raw
+message whose lane came from a look-up was filed under, recorded (create: the first attempt
+wins) before its first event is published, and reused by every later attempt (`PinnedLane`),
+so that an alias that changed or a KV get that failed between two attempts cannot file the
+same event under two lanes.
 """
 
 from __future__ import annotations
@@ -98,8 +99,9 @@ class PinnedLane:
 class KvLanes:
     """Lane lookups: a bounded cache in front of the `aep_lanes` KV bucket."""
 
-    def __init__(self, kv: Any, cache_size: int = LANE_CACHE_ENTRIES) -> None:
+    def __init__(self, kv: Any, cache_size: int = LANE_CACHE_ENTRIES, facts: Any = None) -> None:
         self.kv = kv
+        self.facts = facts  # the aep_lane_facts bucket (None: lanes are not recorded)
         self.cache = MemoryLanes(max_entries=cache_size)
         # Negative cache: key -> monotonic time the look-up that found nothing was SENT, oldest
         # first (one TTL for all: insertion order is expiry order).
@@ -128,8 +130,10 @@ class KvLanes:
     async def recorded_lane(self, key: str) -> PinnedLane | None:
         """The lane fact under ``key`` (`lane_fact_key`), or None when none is recorded. Any
         other failure raises: the caller cannot tell which lane an earlier attempt chose."""
+        if self.facts is None:
+            return None
         try:
-            entry = await self.kv.get(key)
+            entry = await self.facts.get(key)
         except KeyNotFoundError:
             return None
         return PinnedLane.decode(entry.value or b"")
@@ -143,7 +147,7 @@ class KvLanes:
 
     @staticmethod
     async def _create(nc: Any, key: str, value: bytes) -> dict[str, Any]:
-        reply = await nc.request(subj.kv_subject(S.LANES_BUCKET, key), value, timeout=FACT_TIMEOUT_S,
+        reply = await nc.request(subj.kv_subject(S.LANE_FACTS_BUCKET, key), value, timeout=FACT_TIMEOUT_S,
                                  headers={"Nats-Expected-Last-Subject-Sequence": "0"})
         answer = json.loads(reply.data or b"{}")
         if "error" in answer or "seq" not in answer:
@@ -154,7 +158,7 @@ class KvLanes:
         """Record ``lane`` as the fact under ``key`` unless one is recorded already (KV create,
         acked before the caller publishes); returns the fact in force. Raises on failure."""
         try:
-            await self.kv.create(key, lane.encode())
+            await self.facts.create(key, lane.encode())
             return lane
         except KeyWrongLastSequenceError:  # an earlier attempt recorded one first
             recorded = await self.recorded_lane(key)

@@ -145,7 +145,8 @@ class MapperMetrics:
             f"{ns}_ack_floor_reads_total", "Lane waits that asked the server for the consumer's ack floor", registry=registry,
         )
         self.lane_facts = Counter(
-            f"{ns}_lane_facts_total", "Lanes of look-up raw messages recorded by a first attempt, or reused from an earlier one",
+            f"{ns}_lane_facts_total",
+            "Lanes of look-up raw messages: recorded by a first attempt, reused from an earlier one, or failed to record",
             ["outcome"], registry=registry,
         )
         self.late_scans_incomplete = Counter(
@@ -300,7 +301,12 @@ class Mapper:
             self.mapped_late_after_ns = int(float(window) * 1e9) // 2
         self.metrics.epoch.set(self.epoch)
         kv = await self.js.key_value(S.LANES_BUCKET)
-        self.lanes = KvLanes(kv)
+        try:
+            facts = await self.js.key_value(S.LANE_FACTS_BUCKET)
+        except Exception as exc:  # a release before lane facts bootstrapped this server: map without them
+            log.warning("lane_facts_unavailable", error=f"{type(exc).__name__}: {exc}")
+            facts = None
+        self.lanes = KvLanes(kv, facts=facts)
         sub = await self.js.pull_subscribe(
             S.RAW_SUBJECTS, durable=self.durable, stream=S.HERMES_RAW, config=S.mapper_consumer_config(self.durable)
         )
@@ -336,7 +342,8 @@ class Mapper:
             env = record.envelope
             # A lane that only a look-up can give is a fact of the raw message, fixed by its first
             # attempt (`KvLanes.record_lane`) and reused by every later one (docs/ARCHITECTURE.md "Lanes").
-            fact = lane_fact_key(msg.subject.split(".")[2], raw.id) if lane_candidates(env) else None
+            fact = lane_fact_key(msg.subject.split(".")[2], raw.id) \
+                if self.lanes.facts is not None and lane_candidates(env) else None
             pinned = await self.lanes.recorded_lane(fact) if fact is not None and meta.num_delivered > 1 else None
             if pinned is not None:
                 self.metrics.lane_facts.labels(outcome="reused").inc()
@@ -348,7 +355,11 @@ class Mapper:
             first = meta.num_delivered <= 1
             if fact is not None and pinned is None and result.events and not first:
                 chosen = PinnedLane.of(result)
-                recorded = await self.lanes.record_lane(fact, chosen)
+                try:
+                    recorded = await self.lanes.record_lane(fact, chosen)
+                except Exception as exc:  # not recorded: published as before lane facts (the scans are the backstop)
+                    self.lane_fact_failed(raw_seq, exc)
+                    recorded = chosen
                 if recorded != chosen:  # an earlier attempt recorded another lane: file it there
                     pinned = recorded
                     self.metrics.lane_facts.labels(outcome="reused").inc()
@@ -405,7 +416,7 @@ class Mapper:
         for h in held:
             created = h.created
             if not created.done():
-                created.cancel()  # no ack: retried
+                created.cancel()  # no answer in 10 s: retried
                 continue
             if created.cancelled():
                 continue
@@ -414,7 +425,10 @@ class Mapper:
             if error is None:
                 self.metrics.lane_facts.labels(outcome="recorded").inc()
             elif getattr(error, "err_code", None) != WRONG_LAST_SEQUENCE:
-                continue
+                # Not recorded (a full bucket, a timeout): published as before lane facts, the
+                # late scans are the backstop; retrying would only delay it behind its lane.
+                self.lane_fact_failed(h.raw_seq, error)
+                h.futures.remove(created)
             else:
                 try:
                     recorded = await self.lanes.recorded_lane(h.fact) if self.lanes is not None else None
@@ -428,6 +442,10 @@ class Mapper:
                 h.futures.remove(created)
                 self.metrics.lane_facts.labels(outcome="reused").inc()
             await self.publish_events(h.futures, subject, result, bodies, hints)
+
+    def lane_fact_failed(self, raw_seq: int, error: BaseException) -> None:
+        self.metrics.lane_facts.labels(outcome="failed").inc()
+        log.warning("lane_fact_failed", raw_seq=raw_seq, error=f"{type(error).__name__}: {error}")
 
     def map_one(self, record: Any, raw_seq: int, lanes: Any) -> tuple[Any, str, str, list[bytes]]:
         """Map one record (pure core) with ``lanes`` as its look-up: the result, its subject,

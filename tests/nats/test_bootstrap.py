@@ -18,6 +18,7 @@ from tests.natsfixture import JetStreamClient
 
 ROOT = Path(__file__).resolve().parents[2]
 ALL = ["HERMES_RAW", "BRIDGE_MAPPED", "BRIDGE_DLQ", "AEP_EVENTS", "KV_aep_lanes", "KV_aep_pairing", "KV_aep_leases",
+       "KV_aep_lane_facts",
        "OBJ_aep_checkpoints"]
 
 

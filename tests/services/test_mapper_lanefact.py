@@ -207,6 +207,7 @@ def test_a_redelivery_that_cannot_read_its_lane_is_retried_not_guessed(nats_serv
     def all_gets_fail(m: Mapper) -> None:
         assert m.lanes is not None
         m.lanes.kv = FailingGets(m.lanes.kv, lambda key: True)
+        m.lanes.facts = FailingGets(m.lanes.facts, lambda key: True)
 
     out = two_attempts(nats_server_fn.url, tmp_path, nothing, all_gets_fail, lane_wait_ms=0)
     assert out["retries"] == 1, out
@@ -248,7 +249,8 @@ def test_a_first_delivery_whose_lane_is_recorded_already_files_it_there(nats_ser
         await publish_all(js, records)
         kv = await js.key_value(S.LANES_BUCKET)
         await kv.put("s." + lane_token(S2), b"1")
-        await kv.create(lane_fact_key("lanefact", records[1][2]), PinnedLane(S2).encode())  # the forgotten attempt's
+        facts = await js.key_value(S.LANE_FACTS_BUCKET)
+        await facts.create(lane_fact_key("lanefact", records[1][2]), PinnedLane(S2).encode())  # the forgotten attempt's
         m = mapper(nats_server_fn.url, "m-forgot")
         await m.connect()
         sub = await m.bind()
@@ -289,8 +291,8 @@ def test_a_first_delivery_records_its_lane_once_acked(nats_server_fn):
             msgs += await sub.fetch(4 - len(msgs), timeout=5)
         await m.process_batch(msgs)
         await m.close()
-        kv = await js.key_value(S.LANES_BUCKET)
-        fact = PinnedLane.decode((await kv.get(lane_fact_key("lanefact", records[1][2]))).value)
+        facts = await js.key_value(S.LANE_FACTS_BUCKET)
+        fact = PinnedLane.decode((await facts.get(lane_fact_key("lanefact", records[1][2]))).value)
         ids = await ids_of(js, S.BRIDGE_MAPPED, "bridge.mapped.>", field="seq")
         await nc.close()
         return fact, ids
