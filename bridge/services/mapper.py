@@ -14,6 +14,11 @@ Theory of operation
 * Lanes: a KV bucket (`aep_lanes`) of known sessions and task aliases, read
   through a bounded in-process cache (`MemoryLanes`). The lookups the pure
   mapping might need are prefetched before it runs.
+* One raw message, one lane: the lane of a raw message that needed a look-up is recorded
+  (`aep_lane_facts`, a KV create) before its events are published, the creates of a batch
+  in flight together (`release_held`), and every later attempt maps with exactly that lane
+  (`PinnedLane`). A redelivery that cannot read its fact is retried; a fact that cannot be
+  recorded maps the message as before (the late look-ups are the backstop).
 * An approval names its session in its `turn_id` prefix (`bridge.core.lanes`, rule 2):
   filed there with no look-up and no wait. Only what the envelope cannot name (a tool
   called inside `execute_code`: a task alias; an approval without a turn id: its
@@ -57,11 +62,11 @@ Theory of operation
   (`aep_bridge_mapper_resends_dropped_total`). Likewise a redelivered raw message
   stored longer ago than half of BRIDGE_MAPPED's window (an earlier attempt may have
   stored some events before its ack was lost) publishes only the events BRIDGE_MAPPED
-  does not hold yet: the ids on its lane subject (and on `_unknown` for an event whose
-  lane came from a look-up) stored since the raw message, read once per batch and
+  does not hold yet: the ids on its lane subject (and on `_unknown` for a look-up lane
+  no earlier attempt recorded) stored since the raw message, read once per batch and
   subject, at most LATE_SCAN_BUDGET messages per batch. Lookups cost nothing on the
-  normal path; one that fails or runs out of budget lets the copy through (a duplicate
-  at worst, never a loss).
+  normal path; one that fails (an error reply too) or runs out of budget lets the copy
+  through (a duplicate at worst, never a loss) and is counted.
 """
 
 from __future__ import annotations
