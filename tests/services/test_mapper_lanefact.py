@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import json
 from typing import Any, Callable
 
 import nats
@@ -30,6 +29,7 @@ from bridge.core.lanes import UNKNOWN_TOKEN, lane_token, partition_of
 from bridge.nats import streams as S
 from bridge.services.mapper import Mapper
 from bridge.sim.harness import Pipeline
+from tests.services.test_mapper_redelivery import stored_ids
 from tests.support.services import publish_all, raw_records, wait_for
 
 WINDOW_S = 2.0
@@ -80,23 +80,19 @@ def mapper(url: str, name: str, lane_wait_ms: int = 2000) -> Mapper:
                   registry=CollectorRegistry())
 
 
+async def bound_with(url: str, name: str, n: int, lane_wait_ms: int = 2000) -> tuple[Mapper, Any, list[Any]]:
+    """A fresh replica, bound to the durable, and the next ``n`` raw messages it fetched."""
+    m = mapper(url, name, lane_wait_ms)
+    await m.connect()
+    sub = await m.bind()
+    msgs: list[Any] = []
+    while len(msgs) < n:
+        msgs += await sub.fetch(n - len(msgs), timeout=5)
+    return m, sub, msgs
+
+
 async def ids_of(js: Any, stream: str, subjects: str, field: str = "id") -> list[tuple[str, Any]]:
-    """(subject, event id) of every message of ``stream`` in stream order (the window probe
-    left out); another field of the event than its id when asked."""
-    sub = await js.pull_subscribe(subjects, stream=stream)
-    out = []
-    try:
-        while True:
-            try:
-                msgs = await sub.fetch(256, timeout=0.5)
-            except (nats.errors.TimeoutError, asyncio.TimeoutError):
-                return out
-            for m in msgs:
-                if m.subject != PROBE_SUBJECT:
-                    out.append((m.subject, json.loads(m.data)[field]))
-                await m.ack()
-    finally:
-        await sub.unsubscribe()
+    return await stored_ids(js, stream, subjects, PROBE_SUBJECT, field)
 
 
 async def window_passed(js: Any) -> None:
@@ -117,13 +113,7 @@ def two_attempts(url: str, tmp_path: Any, between: Callable[[Any], Any],
     pipe.add("pairing", name="solo")
     try:
         async def attempt_1(js: Any) -> list[tuple[str, str]]:
-            first = mapper(url, "m-first")
-            await first.connect()
-            sub = await first.bind()
-            msgs: list[Any] = []
-            while len(msgs) < 2:
-                msgs += await sub.fetch(2 - len(msgs), timeout=5)
-            start, inner = msgs
+            first, _, (start, inner) = await bound_with(url, "m-first", 2)
             await first.process_batch([start])
             futures, _ = await first.handle(inner)
             await first.release_held()  # its events follow its lane fact's ack
@@ -138,11 +128,8 @@ def two_attempts(url: str, tmp_path: Any, between: Callable[[Any], Any],
         async def attempt_2(js: Any) -> dict[str, Any]:
             await between(js)
             await window_passed(js)
-            again = mapper(url, "m-second", lane_wait_ms=lane_wait_ms)
-            await again.connect()
-            sub = await again.bind()
+            again, _, [msg] = await bound_with(url, "m-second", 1, lane_wait_ms)
             second(again)
-            [msg] = await sub.fetch(1, timeout=5)
             assert msg.metadata.num_delivered == 2
             await again.process_batch([msg])
             retries = again.metrics.retries._value.get()
@@ -251,12 +238,7 @@ def test_a_first_delivery_whose_lane_is_recorded_already_files_it_there(nats_ser
         await kv.put("s." + lane_token(S2), b"1")
         facts = await js.key_value(S.LANE_FACTS_BUCKET)
         await facts.create(lane_fact_key("lanefact", records[1][2]), PinnedLane(S2).encode())  # the forgotten attempt's
-        m = mapper(nats_server_fn.url, "m-forgot")
-        await m.connect()
-        sub = await m.bind()
-        msgs: list[Any] = []
-        while len(msgs) < 2:
-            msgs += await sub.fetch(2 - len(msgs), timeout=5)
+        m, _, msgs = await bound_with(nats_server_fn.url, "m-forgot", 2)
         assert [x.metadata.num_delivered for x in msgs] == [1, 1]
         await m.process_batch(msgs)
         facts = {o: m.metrics.lane_facts.labels(outcome=o)._value.get() for o in ("recorded", "reused")}
@@ -283,12 +265,7 @@ def test_a_first_delivery_records_its_lane_once_acked(nats_server_fn):
         js = nc.jetstream()
         await bootstrap(js, None, replicas=1, duplicate_window_s=WINDOW_S)
         await publish_all(js, records)
-        m = mapper(nats_server_fn.url, "m-fact")
-        await m.connect()
-        sub = await m.bind()
-        msgs: list[Any] = []
-        while len(msgs) < 4:
-            msgs += await sub.fetch(4 - len(msgs), timeout=5)
+        m, _, msgs = await bound_with(nats_server_fn.url, "m-fact", 4)
         await m.process_batch(msgs)
         await m.close()
         facts = await js.key_value(S.LANE_FACTS_BUCKET)

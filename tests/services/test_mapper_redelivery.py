@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
+from typing import Any
 
 import nats
 from prometheus_client import CollectorRegistry
@@ -40,9 +41,11 @@ WINDOW_S = 2.0  # BRIDGE_MAPPED's duplicate window here (120 s in production): l
 PROBE_SUBJECT = "bridge.mapped.0.window-probe"
 
 
-async def stored_ids(js) -> list[tuple[str, str]]:  # type: ignore[no-untyped-def]
-    """(subject, event id) of every event in BRIDGE_MAPPED, the window probe left out."""
-    sub = await js.pull_subscribe("bridge.mapped.>", stream=S.BRIDGE_MAPPED)
+async def stored_ids(js, stream: str = S.BRIDGE_MAPPED, subjects: str = "bridge.mapped.>",  # type: ignore[no-untyped-def]
+                     probe: str = PROBE_SUBJECT, field: str = "id") -> list[tuple[str, Any]]:
+    """(subject, event id) of every event in BRIDGE_MAPPED in stream order, the window probe
+    left out (another stream, probe subject or event field when asked)."""
+    sub = await js.pull_subscribe(subjects, stream=stream)
     out = []
     try:
         while True:
@@ -51,8 +54,8 @@ async def stored_ids(js) -> list[tuple[str, str]]:  # type: ignore[no-untyped-de
             except (nats.errors.TimeoutError, asyncio.TimeoutError):
                 return out
             for m in msgs:
-                if m.subject != PROBE_SUBJECT:
-                    out.append((m.subject, json.loads(m.data)["id"]))
+                if m.subject != probe:
+                    out.append((m.subject, json.loads(m.data)[field]))
                 await m.ack()
     finally:
         await sub.unsubscribe()
