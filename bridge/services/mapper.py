@@ -446,7 +446,12 @@ class Mapper:
                     continue
                 h.futures.remove(created)
                 self.metrics.lane_facts.labels(outcome="reused").inc()
-            await self.publish_events(h.futures, subject, result, bodies, hints)
+            try:
+                await self.publish_events(h.futures, subject, result, bodies, hints)
+            except Exception as exc:  # (the connection going away) retried, like a failed publish ack
+                failed = asyncio.get_running_loop().create_future()
+                failed.set_exception(exc)
+                h.futures.append(failed)
 
     def lane_fact_failed(self, raw_seq: int, error: BaseException) -> None:
         self.metrics.lane_facts.labels(outcome="failed").inc()

@@ -281,3 +281,45 @@ def test_a_first_delivery_records_its_lane_once_acked(nats_server_fn):
     s1 = [seq for s, seq in ids if s.rsplit(".", 1)[1] == lane_token(S1)]
     assert len(s1) == 3 and s1 == sorted(s1), ids
     assert [s.rsplit(".", 1)[1] for s, _ in ids].count(lane_token(S2)) == 1
+
+
+def test_a_held_event_whose_publish_fails_is_retried_not_a_crash(nats_server_fn):
+    """The events of a first attempt are published after its fact's ack, at the end of the
+    batch; a publish that raises then (the connection going away) retries that message,
+    like any failed publish, instead of escaping the batch loop."""
+    from bridge.nats.bootstrap import bootstrap
+
+    async def run() -> tuple[float, list[tuple[str, str]]]:
+        nc = await nats.connect(nats_server_fn.url)
+        js = nc.jetstream()
+        await bootstrap(js, None, replicas=1, duplicate_window_s=WINDOW_S)
+        await publish_all(js, raw_records([start_of(S1), INNER], instance="lanefact"))
+        m, _, msgs = await bound_with(nats_server_fn.url, "m-raise", 2)
+        publish = m.js.publish_async
+
+        async def refuse_inner(subject: str, *args: Any, **kwargs: Any) -> Any:
+            if (kwargs.get("headers") or {}).get("Nats-Msg-Id") in inner_ids:
+                raise nats.errors.ConnectionClosedError
+            return await publish(subject, *args, **kwargs)
+
+        inner_ids: set[str] = set()
+        original_map = m.map_one
+
+        def remember(record: Any, raw_seq: int, lanes: Any) -> Any:
+            out = original_map(record, raw_seq, lanes)
+            if not record.envelope.session_id:
+                inner_ids.update(e.id for e in out[0].events)
+            return out
+
+        m.map_one = remember  # type: ignore[method-assign]
+        m.js.publish_async = refuse_inner
+        await m.process_batch(msgs)
+        retries = m.metrics.retries._value.get()
+        await m.close()
+        ids = await ids_of(js, S.BRIDGE_MAPPED, "bridge.mapped.>")
+        await nc.close()
+        return retries, ids
+
+    retries, ids = asyncio.run(run())
+    assert retries == 1
+    assert len(ids) == 1, "the start's event only: the inner call is retried"
