@@ -3,14 +3,23 @@
 A bounded in-process cache (`bridge.core.lanes.MemoryLanes`) in front of the bucket, with a
 short negative cache, and the pipelined puts that teach it. Used by the mapper (it learns and
 looks up) and the gate (it looks up); `epoch_of` is the AEP epoch rule both share.
+
+Lane facts (bucket `aep_lane_facts`, key `r.<instance token>.<raw id token>`): the lane a raw
+message whose lane came from a look-up was filed under, recorded (create: the first attempt
+wins) before its first event is published, and reused by every later attempt (`PinnedLane`),
+so that an alias that changed or a KV get that failed between two attempts cannot file the
+same event under two lanes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections import OrderedDict
 from typing import Any
+
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
 from bridge.core.lanes import MemoryLanes, lane_candidates, lane_of, lane_token
 from bridge.core.mapping import MapResult
@@ -25,6 +34,10 @@ NEGATIVE_MAX = 4096  # misses remembered at most
 # approval) or one idempotent KV put (its next event). At 100,000 the cache grew the mapper
 # by ~0.8 KiB per new session for ~26 minutes of such a fleet (tracemalloc, 2026-12-01).
 LANE_CACHE_ENTRIES = 8192
+FACT_PREFIX = "r."  # + <raw subject's instance token>.<lane_token(raw id)>: a raw message's lane
+FACT_UNKNOWN = b"?"  # the fact "filed under the unknown lane"; a session is b"=" + its UTF-8
+WRONG_LAST_SEQUENCE = 10071  # JetStream's err_code when a create finds the key there already
+FACT_TIMEOUT_S = 5.0
 
 
 def epoch_of(created: Any) -> int:
@@ -34,11 +47,61 @@ def epoch_of(created: Any) -> int:
     return int(created.timestamp() * 1000) if created else 0
 
 
+class LaneFactError(Exception):
+    """The server refused a lane fact's create (``err_code``: WRONG_LAST_SEQUENCE when one is there)."""
+
+    def __init__(self, error: dict[str, Any]) -> None:
+        self.err_code = error.get("err_code")
+        super().__init__(f"{error.get('code')} {self.err_code} {error.get('description', '')}")
+
+
+def lane_fact_key(instance_token: str, raw_id: str) -> str:
+    """The KV key of a raw message's lane fact: its instance (the raw subject's token, which the
+    server authorised: one instance cannot pin another's messages) and its id."""
+    return f"{FACT_PREFIX}{instance_token}.{lane_token(raw_id)}"
+
+
+class PinnedLane:
+    """The lane look-up of a raw message whose lane is a recorded fact: it answers exactly
+    ``session`` (None: the unknown lane), whatever the lanes KV says now."""
+
+    __slots__ = ("session",)
+
+    def __init__(self, session: str | None) -> None:
+        self.session = session
+
+    @classmethod
+    def of(cls, result: MapResult) -> "PinnedLane":
+        return cls(None if result.unknown else result.lane)
+
+    @classmethod
+    def decode(cls, value: bytes) -> "PinnedLane":
+        if value == FACT_UNKNOWN or not value.startswith(b"="):
+            return cls(None)
+        return cls(value[1:].decode("utf-8", "surrogatepass"))
+
+    def encode(self) -> bytes:
+        return FACT_UNKNOWN if self.session is None else b"=" + self.session.encode("utf-8", "surrogatepass")
+
+    def is_known_session(self, session_id: str) -> bool:
+        return self.session is not None and session_id == self.session
+
+    def task_session(self, task_id: str) -> str | None:
+        return self.session
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, PinnedLane) and other.session == self.session
+
+    def __hash__(self) -> int:
+        return hash(self.session)
+
+
 class KvLanes:
     """Lane lookups: a bounded cache in front of the `aep_lanes` KV bucket."""
 
-    def __init__(self, kv: Any, cache_size: int = LANE_CACHE_ENTRIES) -> None:
+    def __init__(self, kv: Any, cache_size: int = LANE_CACHE_ENTRIES, facts: Any = None) -> None:
         self.kv = kv
+        self.facts = facts  # the aep_lane_facts bucket (None: lanes are not recorded)
         self.cache = MemoryLanes(max_entries=cache_size)
         # Negative cache: key -> monotonic time the look-up that found nothing was SENT, oldest
         # first (one TTL for all: insertion order is expiry order).
@@ -53,14 +116,55 @@ class KvLanes:
             return None
         try:
             entry = await self.kv.get(key)
-        except Exception:  # KeyNotFoundError, KeyDeletedError, timeouts: treat as unknown for now
+        except KeyNotFoundError:  # (a deleted key too) a miss, remembered for a moment
             missing = self._missing
             missing.pop(key, None)
             missing[key] = sent
             while missing and (len(missing) > NEGATIVE_MAX or sent - next(iter(missing.values())) >= NEGATIVE_TTL_S):
                 missing.popitem(last=False)
             return None
+        except Exception:  # a timeout, no leader: unknown for now, not a miss to remember
+            return None
         return entry.value if entry is not None else None
+
+    async def recorded_lane(self, key: str) -> PinnedLane | None:
+        """The lane fact under ``key`` (`lane_fact_key`), or None when none is recorded. Any
+        other failure raises: the caller cannot tell which lane an earlier attempt chose."""
+        if self.facts is None:
+            return None
+        try:
+            entry = await self.facts.get(key)
+        except KeyNotFoundError:
+            return None
+        return PinnedLane.decode(entry.value or b"")
+
+    def send_lane(self, nc: Any, key: str, lane: PinnedLane) -> asyncio.Future:
+        """The create of the fact under ``key``, under way (`record_lane` without the wait; many
+        are in flight at once). It fails with a `LaneFactError` whose ``err_code`` is
+        WRONG_LAST_SEQUENCE when a fact is recorded already. A request, not ``publish_async``:
+        nats-py never settles that future when the server answers an error."""
+        return asyncio.ensure_future(self._create(nc, key, lane.encode()))
+
+    @staticmethod
+    async def _create(nc: Any, key: str, value: bytes) -> dict[str, Any]:
+        reply = await nc.request(subj.kv_subject(S.LANE_FACTS_BUCKET, key), value, timeout=FACT_TIMEOUT_S,
+                                 headers={"Nats-Expected-Last-Subject-Sequence": "0"})
+        answer = json.loads(reply.data or b"{}")
+        if "error" in answer or "seq" not in answer:
+            raise LaneFactError(answer.get("error") or {"description": "no stream answered"})
+        return answer
+
+    async def record_lane(self, key: str, lane: PinnedLane) -> PinnedLane:
+        """Record ``lane`` as the fact under ``key`` unless one is recorded already (KV create,
+        acked before the caller publishes); returns the fact in force. Raises on failure."""
+        try:
+            await self.facts.create(key, lane.encode())
+            return lane
+        except KeyWrongLastSequenceError:  # an earlier attempt recorded one first
+            recorded = await self.recorded_lane(key)
+            if recorded is None:
+                raise
+            return recorded
 
     async def prefetch(self, env: Any, since: float | None = None) -> bool:
         """Load what `resolve_lane` may ask about this envelope into the cache. Returns

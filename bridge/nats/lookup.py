@@ -7,10 +7,11 @@ last checkpoint after a long takeover) would be stored twice. The stage that res
 knows when the first attempt can have happened at the earliest, so it asks the
 stream, on the subject the copy would have had, from that time on: JetStream's
 ``STREAM.MSG.GET`` with ``start_time`` + ``next_by_subj``, then ``seq`` +
-``next_by_subj``, at most ``max_probes`` messages. Only messages that may be older
-than the window are looked up, so the normal path never pays for it. Errors (no
-permission, a timeout) answer "not found": the caller then publishes, a duplicate at
-worst, never a loss.
+``next_by_subj``, at most ``max_probes`` messages (SCAN_BUDGET unless the caller says).
+Only messages that may be older than the window are looked up, so the normal path never
+pays for it. The only reply that ends a subject is "no message found" (10037); any other
+error reply raises `ScanError`, as a timeout raises: the read did not cover its stretch.
+The caller then publishes, a duplicate at worst, never a loss, and counts it.
 
 `find_msg_id` looks for one id; `msg_ids_on` reads the ids of a whole stretch of a
 subject once, for a caller with many ids to look up on it (a redelivered batch).
@@ -28,7 +29,11 @@ from typing import Any
 
 DEFAULT_MARGIN_NS = 10 * 1_000_000_000  # a shim host's clock vs the server's, plus the shim's deadline
 SERVER_MARGIN_NS = 1_000_000_000  # two JetStream timestamps (stream leaders' clocks may differ a little)
-DEFAULT_MAX_PROBES = 64
+# Messages one look-up reads at most (one request each: ~0.4-0.5 ms on a local server). A
+# busy subject (`_unknown` collects every session's unknown events) holds far more than the
+# 64 probes of earlier releases within a window.
+SCAN_BUDGET = 10_000
+NO_MESSAGE = 10037  # JetStream's err_code for "no message found": the end of the subject
 MSG_ID_HEADER = b"Nats-Msg-Id: "
 
 
@@ -59,6 +64,15 @@ def msg_id_of(headers: bytes) -> str | None:
     return headers[start:end if end >= 0 else len(headers)].decode("utf-8", "replace")
 
 
+class ScanError(Exception):
+    """A STREAM.MSG.GET answered an error other than "no message found" (no stream, no
+    leader, ...): what was read so far is not all there is."""
+
+    def __init__(self, stream: str, error: dict[str, Any]) -> None:
+        self.code = error.get("err_code")
+        super().__init__(f"{stream}: {error.get('code')} {self.code} {error.get('description', '')}".strip())
+
+
 async def _stored_on(nc: Any, stream: str, subject: str, since_ns: int, *, api_prefix: str,
                      timeout: float) -> AsyncIterator[tuple[int, int, bytes]]:
     """(stream seq, stored time ns, raw headers) of each message on ``subject`` from ``since_ns`` on."""
@@ -66,9 +80,13 @@ async def _stored_on(nc: Any, stream: str, subject: str, since_ns: int, *, api_p
     request: dict[str, Any] = {"start_time": rfc3339_ns(max(since_ns, 0)), "next_by_subj": subject}
     while True:
         reply = await nc.request(api, json.dumps(request).encode(), timeout=timeout)
-        found = json.loads(reply.data).get("message")
+        answer = json.loads(reply.data)
+        found = answer.get("message")
         if not found:
-            return  # {"error": {"code": 404, ...}}: nothing more on the subject
+            error = answer.get("error") or {}
+            if error.get("err_code") == NO_MESSAGE:
+                return  # nothing more on the subject
+            raise ScanError(stream, error)
         seq = int(found["seq"])
         yield seq, parse_rfc3339_ns(found["time"]), base64.b64decode(found.get("hdrs") or "")
         request = {"seq": seq + 1, "next_by_subj": subject}
@@ -76,7 +94,7 @@ async def _stored_on(nc: Any, stream: str, subject: str, since_ns: int, *, api_p
 
 async def find_msg_id(nc: Any, stream: str, subject: str, msg_id: str, since_ns: int, *,
                       before_seq: int | None = None, until_ns: int | None = None,
-                      max_probes: int = DEFAULT_MAX_PROBES, api_prefix: str = "$JS.API",
+                      max_probes: int = SCAN_BUDGET, api_prefix: str = "$JS.API",
                       timeout: float = 5.0) -> int | None:
     """The stream sequence of a message on ``subject`` stored at or after ``since_ns`` whose
     ``Nats-Msg-Id`` is ``msg_id`` (stopping at ``before_seq`` / after ``until_ns``), or None."""
@@ -100,7 +118,7 @@ async def msg_ids_on(nc: Any, stream: str, subject: str, since_ns: int, until_ns
                      api_prefix: str = "$JS.API", timeout: float = 5.0) -> tuple[set[str], bool]:
     """The ``Nats-Msg-Id`` of every message on ``subject`` stored from ``since_ns`` to
     ``until_ns``, and whether that is all of them (False: ``max_probes`` messages were read
-    and there are more)."""
+    and there are more). An error reply raises `ScanError`."""
     ids: set[str] = set()
     if max_probes <= 0:
         return ids, False

@@ -57,6 +57,10 @@ CHECKPOINTS_BUCKET = "aep_checkpoints"  # object store: pairing checkpoints, obj
 RELAY_BUCKET = "aep_relay"  # relay replicas: claim.<lane token>.<replica>.<conn>, src.<digest>
 LEASES_BUCKET = "aep_leases"  # partition ownership leases, key p.<partition>; expire after LEASE_TTL_S
 LANES_TTL_S = 7 * DAY
+# r.<instance token>.<raw id token> = the lane of a raw message whose lane came from a look-up
+# (docs/ARCHITECTURE.md "Lanes"); kept for the redeliveries after a mapper outage of hours.
+LANE_FACTS_BUCKET = "aep_lane_facts"
+LANE_FACTS_TTL_S = 6 * 3600.0
 LEASE_TTL_S = 10.0  # a lease nobody renews for this long is gone (pairing renews every 2 s)
 
 MAPPER_DURABLE = "mapper"
@@ -69,7 +73,7 @@ DUPLICATE_WINDOW_S = 120.0
 __all__ = [
     "AEP_EVENTS", "BRIDGE_DLQ", "BRIDGE_MAPPED", "BUCKETS", "BucketSpec", "CHECKPOINTS_BUCKET", "CONTROL_BUCKET",
     "CONTROL_BUCKETS", "HERMES_RAW", "INSTRUCT_BUCKET",
-    "LANES_BUCKET", "LEASES_BUCKET", "LEASE_TTL_S", "MAPPER_DURABLE", "MAPPER_MAX_DELIVER", "OBJECT_STORES",
+    "LANES_BUCKET", "LANE_FACTS_BUCKET", "LEASES_BUCKET", "LEASE_TTL_S", "MAPPER_DURABLE", "MAPPER_MAX_DELIVER", "OBJECT_STORES",
     "ObjectStoreSpec", "PAIRING_BUCKET", "RELAY", "RELAY_BUCKET", "STREAMS", "StreamSpec", "all_stream_configs",
     "mapper_consumer_config",
 ]
@@ -213,7 +217,11 @@ LEASES = BucketSpec(LEASES_BUCKET, "pairing partition leases (p.<n>)", ttl_s=LEA
 # the decisions a reused (source, id) could read).
 RELAY = BucketSpec(RELAY_BUCKET, "relay replicas: emitter claims (claim.) and command sources' tokens (src.)",
                    ttl_s=30 * DAY, max_bytes=256 * MiB, allow_msg_ttl=True)
-BUCKETS: tuple[BucketSpec, ...] = (LANES, PAIRING, LEASES, RELAY)
+# ~170 B a fact: at 2,000 raw messages/s of which ~5 % need a look-up (the simulated fleet),
+# ~0.35 GB per TTL. A full bucket refuses new facts: those messages are mapped as before facts.
+LANE_FACTS = BucketSpec(LANE_FACTS_BUCKET, "the lane of each look-up raw message (r.<instance>.<raw id>)",
+                        ttl_s=LANE_FACTS_TTL_S, max_bytes=GiB)
+BUCKETS: tuple[BucketSpec, ...] = (LANES, PAIRING, LEASES, RELAY, LANE_FACTS)
 # The opt-in control plane's buckets: the gate creates them at start (bootstrap does not, so an
 # observe-only deployment has none of them).
 CONTROL_BUCKET = BucketSpec("aep_control", "control plane: commands (cmd.), held calls (card.), seq. and sess. per session",

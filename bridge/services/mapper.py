@@ -14,6 +14,11 @@ Theory of operation
 * Lanes: a KV bucket (`aep_lanes`) of known sessions and task aliases, read
   through a bounded in-process cache (`MemoryLanes`). The lookups the pure
   mapping might need are prefetched before it runs.
+* One raw message, one lane: the lane of a raw message that needed a look-up is recorded
+  (`aep_lane_facts`, a KV create) before its events are published, the creates of a batch
+  in flight together (`release_held`), and every later attempt maps with exactly that lane
+  (`PinnedLane`). A redelivery that cannot read its fact is retried; a fact that cannot be
+  recorded maps the message as before (the late look-ups are the backstop).
 * An approval names its session in its `turn_id` prefix (`bridge.core.lanes`, rule 2):
   filed there with no look-up and no wait. Only what the envelope cannot name (a tool
   called inside `execute_code`: a task alias; an approval without a turn id: its
@@ -57,18 +62,18 @@ Theory of operation
   (`aep_bridge_mapper_resends_dropped_total`). Likewise a redelivered raw message
   stored longer ago than half of BRIDGE_MAPPED's window (an earlier attempt may have
   stored some events before its ack was lost) publishes only the events BRIDGE_MAPPED
-  does not hold yet: the ids on its lane subject (and on `_unknown` for an event whose
-  lane came from a look-up) stored since the raw message, read once per batch and
+  does not hold yet: the ids on its lane subject (and on `_unknown` for a look-up lane
+  no earlier attempt recorded) stored since the raw message, read once per batch and
   subject, at most LATE_SCAN_BUDGET messages per batch. Lookups cost nothing on the
-  normal path; one that fails or runs out of budget lets the copy through (a duplicate
-  at worst, never a loss).
+  normal path; one that fails (an error reply too) or runs out of budget lets the copy
+  through (a duplicate at worst, never a loss) and is counted.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import msgspec
 import nats.errors
@@ -87,7 +92,7 @@ from bridge.core.pipeline import map_record, record_from_raw
 from bridge.nats import streams as S
 from bridge.nats import subjects as subj
 from bridge.nats.connection import connect_service, server_list
-from bridge.nats.lanes import KvLanes, epoch_of
+from bridge.nats.lanes import WRONG_LAST_SEQUENCE, KvLanes, PinnedLane, epoch_of, lane_fact_key
 from bridge.nats.lookup import DEFAULT_MARGIN_NS, SERVER_MARGIN_NS, find_msg_id, msg_ids_on, stored_ns
 from bridge.runtime import OTHER, BoundedLabel, Health, Loop, Stopper, close_connection, serve
 
@@ -143,6 +148,16 @@ class MapperMetrics:
         )
         self.floor_reads = Counter(
             f"{ns}_ack_floor_reads_total", "Lane waits that asked the server for the consumer's ack floor", registry=registry,
+        )
+        self.lane_facts = Counter(
+            f"{ns}_lane_facts_total",
+            "Lanes of look-up raw messages: recorded by a first attempt, reused from an earlier one, or failed to record",
+            ["outcome"], registry=registry,
+        )
+        self.late_scans_incomplete = Counter(
+            f"{ns}_late_scans_incomplete_total",
+            "Reads of BRIDGE_MAPPED for a late redelivery that did not cover their stretch (budget spent, or an error)",
+            ["reason"], registry=registry,
         )
         self.epoch = Gauge(f"{ns}_epoch", "The AEP epoch in use (HERMES_RAW creation time)", registry=registry)
         # Label values from the wire are bounded (`BoundedLabel`): a hostile raw stream must not
@@ -208,6 +223,21 @@ class MapperMetrics:
         return self.type_label.child(self.events_out, event_type)
 
 
+class Held(NamedTuple):
+    """A first attempt waiting for its lane fact's ack before its events are published."""
+
+    created: asyncio.Future
+    futures: list[asyncio.Future]  # the raw message's futures (its ack waits for them all)
+    record: Any
+    raw_seq: int
+    fact: str
+    chosen: PinnedLane
+    result: Any
+    subject: str
+    hints: str
+    bodies: list[bytes]
+
+
 class Mapper:
     def __init__(self, settings: Settings, policy: CapturePolicy, registry: CollectorRegistry | None = None,
                  batch: int = 256, durable: str = S.MAPPER_DURABLE,
@@ -250,6 +280,10 @@ class Mapper:
         # subject -> (read from, stored ns; monotonic time read; the ids), and what it may still read.
         self._late_scans: dict[str, tuple[int, float, set[str]]] = {}
         self._late_budget = LATE_SCAN_BUDGET
+        # First attempts of look-up raw messages whose lane facts are sent and whose events wait
+        # for those acks (`release_held`), and the subjects they will publish on.
+        self._held: list[Held] = []
+        self._held_subjects: set[str] = set()
 
     # ------------------------------------------------------------ setup
 
@@ -272,7 +306,12 @@ class Mapper:
             self.mapped_late_after_ns = int(float(window) * 1e9) // 2
         self.metrics.epoch.set(self.epoch)
         kv = await self.js.key_value(S.LANES_BUCKET)
-        self.lanes = KvLanes(kv)
+        try:
+            facts = await self.js.key_value(S.LANE_FACTS_BUCKET)
+        except Exception as exc:  # a release before lane facts bootstrapped this server: map without them
+            log.warning("lane_facts_unavailable", error=f"{type(exc).__name__}: {exc}")
+            facts = None
+        self.lanes = KvLanes(kv, facts=facts)
         sub = await self.js.pull_subscribe(
             S.RAW_SUBJECTS, durable=self.durable, stream=S.HERMES_RAW, config=S.mapper_consumer_config(self.durable)
         )
@@ -305,18 +344,33 @@ class Mapper:
                 self.metrics.edge_seen(raw)
             record = record_from_raw(raw, checked=True)
             assert self.lanes is not None
-            if not record.envelope.session_id and await self.lanes.prefetch(record.envelope):
+            env = record.envelope
+            # A lane that only a look-up can give is a fact of the raw message, fixed by its first
+            # attempt (`KvLanes.record_lane`) and reused by every later one (docs/ARCHITECTURE.md "Lanes").
+            fact = lane_fact_key(msg.subject.split(".")[2], raw.id) \
+                if self.lanes.facts is not None and lane_candidates(env) else None
+            pinned = await self.lanes.recorded_lane(fact) if fact is not None and meta.num_delivered > 1 else None
+            if pinned is not None:
+                self.metrics.lane_facts.labels(outcome="reused").inc()
+            elif not env.session_id and await self.lanes.prefetch(env):
                 # Its session is not known (yet): settle every earlier raw message, look again
                 # (KV misses remembered from before the settling are not believed).
-                await self.lanes.prefetch(record.envelope, since=await self.settle_earlier(raw_seq))
-            started = time.perf_counter()
-            result = map_record(record, raw_seq, self.epoch, self.lanes.cache, self.policy)
-            self.metrics.latency.observe(time.perf_counter() - started)
-            token = event_lane_token(result.lane, result.unknown)
-            subject = subj.mapped_subject(partition_of(token, self.settings.partitions), token)
-            hints = msgspec.json.encode(result.hints).decode()
-            bodies = [encode_event(event) for event in result.events]
-            self.check_sizes(bodies, hints)
+                await self.lanes.prefetch(env, since=await self.settle_earlier(raw_seq))
+            result, subject, hints, bodies = self.map_one(record, raw_seq, pinned or self.lanes.cache)
+            first = meta.num_delivered <= 1
+            if fact is not None and pinned is None and result.events and not first:
+                chosen = PinnedLane.of(result)
+                try:
+                    recorded = await self.lanes.record_lane(fact, chosen)
+                except Exception as exc:  # not recorded: published as before lane facts (the scans are the backstop)
+                    self.lane_fact_failed(raw_seq, exc)
+                    recorded = chosen
+                if recorded != chosen:  # an earlier attempt recorded another lane: file it there
+                    pinned = recorded
+                    self.metrics.lane_facts.labels(outcome="reused").inc()
+                    result, subject, hints, bodies = self.map_one(record, raw_seq, recorded)
+                else:
+                    self.metrics.lane_facts.labels(outcome="recorded").inc()
         except (EnvelopeError, subj.SubjectError) as exc:
             return [await self.dead_letter(msg, exc.reason, exc)], 0
         futures = await self.lanes.learn(result, self.js) if self.lanes.needs_learning(result) else []
@@ -324,8 +378,29 @@ class Mapper:
             self.metrics.drift_seen(result.drift).inc()
         if result.problems:
             self.metrics.problems.inc()
+        if fact is not None and pinned is None and result.events and first:
+            # A first attempt: its fact is sent now and its events once that is acked, with the
+            # other first attempts of the batch (`release_held`: one round trip, not one each).
+            chosen = PinnedLane.of(result)
+            created = self.lanes.send_lane(self.nc, fact, chosen)
+            futures.append(created)
+            self._held.append(Held(created, futures, record, raw_seq, fact, chosen, result, subject, hints, bodies))
+            self._held_subjects.add(subject)
+            return futures, record.ts_ns
+        if subject in self._held_subjects:  # events of one lane reach BRIDGE_MAPPED in raw order
+            await self.release_held()
+        # `_unknown` is looked at too only for a look-up lane that no earlier attempt recorded
+        # (one made by a release before lane facts may have filed it there).
+        stored = await self.already_mapped(msg, subject, result.events,
+                                           None if result.unknown or pinned is not None else env)
+        await self.publish_events(futures, subject, result, bodies, hints, stored)
+        return futures, record.ts_ns
+
+    async def publish_events(self, futures: list[asyncio.Future], subject: str, result: Any, bodies: list[bytes],
+                             hints: str, stored: set[str] | frozenset[str] = frozenset()) -> None:
+        """Publish a mapped raw message's events (but those in ``stored``), pipelined: their
+        futures are added to ``futures``."""
         publish = self.js.publish_async
-        stored = await self.already_mapped(msg, subject, result.events, None if result.unknown else record.envelope)
         for event, body in zip(result.events, bodies):
             if event.id in stored:
                 continue
@@ -333,7 +408,67 @@ class Mapper:
             self.metrics.event_out(event.type).inc()
         if result.unknown:
             self.metrics.unknown_lane.inc(len(result.events))
-        return futures, record.ts_ns
+
+    async def release_held(self) -> None:
+        """Publish the events of the first attempts whose lane facts were sent (`handle`), once
+        the facts are acked. A fact found recorded already (an earlier attempt the server did
+        not count) is read and the events filed on its lane; a fact that failed otherwise
+        publishes nothing: the message is retried (`flush_pending` sees the failed create)."""
+        held, self._held, self._held_subjects = self._held, [], set()
+        if not held:
+            return
+        await asyncio.wait([h.created for h in held], timeout=10)
+        for h in held:
+            created = h.created
+            if not created.done():
+                created.cancel()  # no answer in 10 s: retried
+                continue
+            if created.cancelled():
+                continue
+            result, subject, hints, bodies = h.result, h.subject, h.hints, h.bodies
+            error = created.exception()
+            if error is None:
+                self.metrics.lane_facts.labels(outcome="recorded").inc()
+            elif getattr(error, "err_code", None) != WRONG_LAST_SEQUENCE:
+                # Not recorded (a full bucket, a timeout): published as before lane facts, the
+                # late scans are the backstop; retrying would only delay it behind its lane.
+                self.lane_fact_failed(h.raw_seq, error)
+                h.futures.remove(created)
+            else:
+                try:
+                    recorded = await self.lanes.recorded_lane(h.fact) if self.lanes is not None else None
+                    if recorded is None:
+                        continue
+                    if recorded != h.chosen:
+                        result, subject, hints, bodies = self.map_one(h.record, h.raw_seq, recorded)
+                except Exception as exc:  # cannot tell (or map) its lane now: retried
+                    log.warning("lane_fact_failed", raw_seq=h.raw_seq, error=f"{type(exc).__name__}: {exc}")
+                    continue
+                h.futures.remove(created)
+                self.metrics.lane_facts.labels(outcome="reused").inc()
+            try:
+                await self.publish_events(h.futures, subject, result, bodies, hints)
+            except Exception as exc:  # (the connection going away) retried, like a failed publish ack
+                failed = asyncio.get_running_loop().create_future()
+                failed.set_exception(exc)
+                h.futures.append(failed)
+
+    def lane_fact_failed(self, raw_seq: int, error: BaseException) -> None:
+        self.metrics.lane_facts.labels(outcome="failed").inc()
+        log.warning("lane_fact_failed", raw_seq=raw_seq, error=f"{type(error).__name__}: {error}")
+
+    def map_one(self, record: Any, raw_seq: int, lanes: Any) -> tuple[Any, str, str, list[bytes]]:
+        """Map one record (pure core) with ``lanes`` as its look-up: the result, its subject,
+        hints and event bodies."""
+        started = time.perf_counter()
+        result = map_record(record, raw_seq, self.epoch, lanes, self.policy)
+        self.metrics.latency.observe(time.perf_counter() - started)
+        token = event_lane_token(result.lane, result.unknown)
+        subject = subj.mapped_subject(partition_of(token, self.settings.partitions), token)
+        hints = msgspec.json.encode(result.hints).decode()
+        bodies = [encode_event(event) for event in result.events]
+        self.check_sizes(bodies, hints)
+        return result, subject, hints, bodies
 
     def check_sizes(self, bodies: list[bytes], hints: str) -> None:
         """``EnvelopeError('too_large')`` when an event would not fit the server's max_payload
@@ -470,11 +605,13 @@ class Mapper:
             ids, complete = await msg_ids_on(self.nc, S.BRIDGE_MAPPED, subject, since_ns,
                                              time.time_ns() - self.mapped_late_after_ns, max_probes=self._late_budget,
                                              api_prefix=getattr(self.js, "_prefix", "$JS.API"))
-        except Exception as exc:  # let it through: a duplicate at worst, never a loss
+        except Exception as exc:  # an error reply, a timeout: let it through, a duplicate at worst, never a loss
+            self.metrics.late_scans_incomplete.labels(reason="error").inc()
             log.warning("resend_check_failed", raw_seq=raw_seq, error=f"{type(exc).__name__}: {exc}")
             return set()
         self._late_budget -= len(ids)
         if not complete:
+            self.metrics.late_scans_incomplete.labels(reason="budget").inc()
             log.warning("resend_check_incomplete", raw_seq=raw_seq, subject=subject, read=len(ids))
         self._late_scans[subject] = (since_ns, now, ids)
         return ids
@@ -501,6 +638,7 @@ class Mapper:
         self.metrics.batch.observe(len(msgs))
         self._batch_pending, self._batch_done = [], set()
         self._late_scans, self._late_budget = {}, LATE_SCAN_BUDGET
+        self._held, self._held_subjects = [], set()
         for msg in msgs:
             try:
                 futures, ts_ns = await self.handle(msg)
@@ -514,6 +652,7 @@ class Mapper:
 
     async def flush_pending(self) -> None:
         """Wait for the publish acks of the messages mapped so far, then ack them."""
+        await self.release_held()
         pending, self._batch_pending = self._batch_pending, []
         seen: dict[str, int] = {}
         for msg, _fs, ts_ns in pending:

@@ -74,7 +74,7 @@ from bridge.core.pairing import PairingInputError, PairingState
 from bridge.nats import streams as S
 from bridge.nats import subjects as subj
 from bridge.nats.connection import connect_service
-from bridge.nats.lookup import SERVER_MARGIN_NS, find_msg_id, stored_ns
+from bridge.nats.lookup import SCAN_BUDGET, SERVER_MARGIN_NS, find_msg_id, stored_ns
 from bridge.runtime import BoundedLabel, Health, Loop, Stopper, close_connection, serve
 
 log = structlog.get_logger("aep_bridge.pairing")
@@ -436,7 +436,7 @@ class PairingService:
             try:
                 subject = subj.event_subject(event)
                 found = await find_msg_id(self.nc, S.AEP_EVENTS, subject, event.id, stored - SERVER_MARGIN_NS,
-                                          api_prefix=getattr(self.js, "_prefix", "$JS.API"))
+                                          max_probes=SCAN_BUDGET, api_prefix=getattr(self.js, "_prefix", "$JS.API"))
             except Exception as exc:  # let it through: a duplicate at worst, never a loss
                 log.warning("republish_check_failed", error=f"{type(exc).__name__}: {exc}")
                 found = None

@@ -182,6 +182,9 @@ async def scenario(url: str, kind: str) -> None:
         lanes = await c.js.key_value("aep_lanes")
         await lanes.put("s.s1", b"1")
         assert (await lanes.get("s.s1")).value == b"1"
+        facts = await c.js.key_value("aep_lane_facts")  # a look-up raw message's lane: created once, read
+        await facts.create("r.gw-1.01M8VHZ6HWX38VDH034AXBGQ7G", b"=s1")
+        assert (await facts.get("r.gw-1.01M8VHZ6HWX38VDH034AXBGQ7G")).value == b"=s1"
         await c.nc.subscribe("$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.HERMES_RAW.mapper")
         await expect_publish_refused(c, "aep.hermes.s1.session.started")  # only pairing writes AEP_EVENTS
         await expect_publish_refused(c, "$KV.aep_pairing.p.0")
@@ -224,6 +227,7 @@ async def scenario(url: str, kind: str) -> None:
         lanes = await c.js.key_value("aep_lanes")
         assert (await lanes.get("s.s1")).value == b"1"
         await expect_publish_refused(c, "$KV.aep_lanes.s.s2")  # lanes are the mapper's to write
+        await expect_publish_refused(c, "$KV.aep_lane_facts.r.gw-1.x")  # and so are the lane facts
         await expect_publish_refused(c, "hermes.raw.gateway-0.pre_tool_call")
         await expect_api_refused(
             c, c.js.pull_subscribe("hermes.raw.>", durable="steal", stream="HERMES_RAW"),

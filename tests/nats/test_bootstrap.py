@@ -18,7 +18,7 @@ from tests.natsfixture import JetStreamClient
 
 ROOT = Path(__file__).resolve().parents[2]
 ALL = ["HERMES_RAW", "BRIDGE_MAPPED", "BRIDGE_DLQ", "AEP_EVENTS", "KV_aep_lanes", "KV_aep_pairing", "KV_aep_leases",
-       "KV_aep_relay", "OBJ_aep_checkpoints"]
+       "KV_aep_relay", "KV_aep_lane_facts", "OBJ_aep_checkpoints"]
 
 
 def cli(*args: str, url: str, **env: str) -> subprocess.CompletedProcess[str]:

@@ -93,3 +93,50 @@ def test_find_msg_id_by_subject_from_a_start_time(nats_server, jetstream):
             await nc.close()
 
     asyncio.run(main())
+
+
+def test_an_error_reply_is_not_the_end_of_the_subject(nats_server, jetstream):
+    """Only "no message found" ends a subject; any other error reply (here: no such stream)
+    means the read did not cover its stretch, and says so (issue 25: a scan that met an error
+    reported itself complete)."""
+    import nats
+    import pytest
+
+    from bridge.nats.lookup import ScanError
+
+    async def main() -> None:
+        nc = await nats.connect(nats_server.url)
+        try:
+            with pytest.raises(ScanError) as got:
+                await msg_ids_on(nc, "NO_SUCH_STREAM", "x.a", 0, time.time_ns(), max_probes=10)
+            assert got.value.code == 10059  # stream not found
+            with pytest.raises(ScanError):
+                await find_msg_id(nc, "NO_SUCH_STREAM", "x.a", "id-1", 0)
+        finally:
+            await nc.close()
+
+    asyncio.run(main())
+
+
+def test_a_look_up_reads_past_64_messages_by_default(nats_server, jetstream):
+    """The default budget is the mapper's, not the 64 probes of earlier releases (pairing's
+    restore check used that default and missed a copy 100 messages along its subject)."""
+    import nats
+
+    stream = "LOOKUP_DEFAULT"
+
+    async def main() -> None:
+        nc = await nats.connect(nats_server.url)
+        js = nc.jetstream()
+        try:
+            await js.add_stream(name=stream, subjects=["deflt.>"])
+            before = time.time_ns()
+            for i in range(100):
+                await js.publish("deflt.a", b"x", headers={"Nats-Msg-Id": f"other-{i}"})
+            seq = (await js.publish("deflt.a", b"x", headers={"Nats-Msg-Id": "needle"})).seq
+            assert await find_msg_id(nc, stream, "deflt.a", "needle", before) == seq
+        finally:
+            await js.delete_stream(stream)
+            await nc.close()
+
+    asyncio.run(main())

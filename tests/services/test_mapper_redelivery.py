@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
+from typing import Any
 
 import nats
 from prometheus_client import CollectorRegistry
@@ -35,27 +36,9 @@ from bridge.nats.bootstrap import bootstrap
 from bridge.services.mapper import Mapper
 from tests.support.lanes import SESSION, TASK, envelopes
 from tests.support.services import publish_all, raw_records
+from tests.support.streams import PROBE_SUBJECT, stored_ids
 
 WINDOW_S = 2.0  # BRIDGE_MAPPED's duplicate window here (120 s in production): late = 1 s
-PROBE_SUBJECT = "bridge.mapped.0.window-probe"
-
-
-async def stored_ids(js) -> list[tuple[str, str]]:  # type: ignore[no-untyped-def]
-    """(subject, event id) of every event in BRIDGE_MAPPED, the window probe left out."""
-    sub = await js.pull_subscribe("bridge.mapped.>", stream=S.BRIDGE_MAPPED)
-    out = []
-    try:
-        while True:
-            try:
-                msgs = await sub.fetch(256, timeout=0.3)
-            except (nats.errors.TimeoutError, asyncio.TimeoutError):
-                return out
-            for m in msgs:
-                if m.subject != PROBE_SUBJECT:
-                    out.append((m.subject, json.loads(m.data)["id"]))
-                await m.ack()
-    finally:
-        await sub.unsubscribe()
 
 
 async def window_passed(js) -> None:  # type: ignore[no-untyped-def]
@@ -138,6 +121,7 @@ def test_a_late_redelivery_finds_its_event_filed_under_unknown_before(nats_serve
         sub = await first.bind()
         [inner] = await sub.fetch(1, timeout=5)
         futures, _ = await first.handle(inner)
+        await first.release_held()  # its events follow its lane fact's ack
         await asyncio.gather(*futures)
         await inner.nak()  # killed before the ack
         await first.close()

@@ -1,8 +1,15 @@
-"""Waiting on JetStream streams in tests."""
+"""Waiting on JetStream streams in tests, and reading what they hold."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import time
+from typing import Any
+
+import nats
+
+from bridge.nats import streams as S
 
 from tests.natsfixture import JetStreamClient
 
@@ -30,3 +37,27 @@ def consumer_idle(client: JetStreamClient, stream: str, durable: str) -> bool:
     to deliver, nothing delivered and unacked (so nothing will be redelivered either)."""
     info = client.run(client.js.consumer_info(stream, durable))
     return info.num_pending == 0 and info.num_ack_pending == 0
+
+
+#: a probe the redelivery tests publish to prove a duplicate window passed; stored_ids leaves it out
+PROBE_SUBJECT = "bridge.mapped.0.window-probe"
+
+
+async def stored_ids(js, stream: str = S.BRIDGE_MAPPED, subjects: str = "bridge.mapped.>",  # type: ignore[no-untyped-def]
+                     probe: str = PROBE_SUBJECT, field: str = "id") -> list[tuple[str, Any]]:
+    """(subject, event id) of every event in BRIDGE_MAPPED in stream order, the window probe
+    left out (another stream, probe subject or event field when asked)."""
+    sub = await js.pull_subscribe(subjects, stream=stream)
+    out = []
+    try:
+        while True:
+            try:
+                msgs = await sub.fetch(256, timeout=0.3)
+            except (nats.errors.TimeoutError, asyncio.TimeoutError):
+                return out
+            for m in msgs:
+                if m.subject != probe:
+                    out.append((m.subject, json.loads(m.data)[field]))
+                await m.ack()
+    finally:
+        await sub.unsubscribe()
