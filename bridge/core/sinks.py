@@ -89,13 +89,8 @@ class SinkConfig:
     def partitioned(self) -> bool:
         return self.replicas > 1
 
-    @property
-    def export_stream(self) -> str:
-        """The sink's work-queue stream of partitioned events (replicas > 1)."""
-        return f"AEP_EXPORT_{self.name}"
-
     def partition_durable(self, n: int) -> str:
-        """Partition ``n``'s durable consumer on `export_stream`."""
+        """Partition ``n``'s durable consumer on AEP_EXPORT (replicas > 1)."""
         return f"export-{self.name}-p{n}"
 
     def describe(self) -> dict[str, Any]:

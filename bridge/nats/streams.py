@@ -273,43 +273,61 @@ def exporter_consumer_config(durable: str, description: str = "", max_ack_pendin
     )
 
 
-#: subjects of a sink's partitioned stream: export.<partition>.<the AEP_EVENTS subject>
+#: the partitioned sinks' work-queue stream (one source of AEP_EVENTS per sink with replicas > 1);
+#: its subjects are export.<sink>.<partition>.<the AEP_EVENTS subject>
+EXPORT_STREAM = "AEP_EXPORT"
 EXPORT_PARTITION_PREFIX = "export"
-#: a sink's partitioned stream holds at most this much unconfirmed backlog; when full, sourcing
-#: waits (discard new) and the events stay in AEP_EVENTS, as a lagging one-replica durable's do
+#: AEP_EXPORT holds at most this much unconfirmed backlog (all partitioned sinks together); when
+#: full, sourcing waits (discard new) and the events stay in AEP_EVENTS, as a lagging
+#: one-replica durable's do
 EXPORT_STREAM_MAX_BYTES = 2 * GiB
 
 
-def export_stream_config(name: str, partitions: int, events: Any, start_seq: int | None = None) -> Any:
-    """A sink's work-queue stream when several exporter replicas share it: AEP_EVENTS'
-    aep.hermes.> and aep.ingest.> sourced in order (from ``start_seq``, else the start), each
-    subject prefixed with ``export.<partition>.`` where the partition is the server's
-    ``partition(n, lane token)`` transform (a lane always lands in the same partition). A
-    message is removed once its partition's consumer acked it, so the stream holds only what
-    the sink has not confirmed (at most EXPORT_STREAM_MAX_BYTES); storage, replicas and max
-    age are AEP_EVENTS' own (``events``, its StreamConfig)."""
-    from nats.js.api import DiscardPolicy, RetentionPolicy, StreamConfig, StreamSource, SubjectTransform
+def export_source(sink: str, partitions: int, start_seq: int | None = None) -> Any:
+    """A partitioned sink's source of AEP_EVENTS in AEP_EXPORT: aep.hermes.> and aep.ingest.>
+    in order (from ``start_seq``, else the start), each subject prefixed with
+    ``export.<sink>.<partition>.``, the partition being the server's ``partition(n, lane
+    token)`` transform: a lane always lands in the same partition."""
+    from nats.js.api import StreamSource, SubjectTransform
 
-    transforms = [SubjectTransform(src=f"{prefix}.*.>",
-                                   dest=f"{EXPORT_PARTITION_PREFIX}.{{{{partition({partitions},1)}}}}.{prefix}.{{{{wildcard(1)}}}}.>")
-                  for prefix in (EVENTS_PREFIX, INGEST_PREFIX)]
+    return StreamSource(name=AEP_EVENTS, opt_start_seq=start_seq, subject_transforms=[
+        SubjectTransform(src=f"{prefix}.*.>", dest=f"{EXPORT_PARTITION_PREFIX}.{sink}.{{{{partition({partitions},1)}}}}"
+                                                    f".{prefix}.{{{{wildcard(1)}}}}.>")
+        for prefix in (EVENTS_PREFIX, INGEST_PREFIX)])
+
+
+def export_source_sink(source: Any) -> str | None:
+    """The sink an AEP_EXPORT source is for (None: not one of `export_source`'s)."""
+    transforms = getattr(source, "subject_transforms", None) or []
+    dest = getattr(transforms[0], "dest", "") if transforms else ""
+    parts = dest.split(".")
+    return parts[1] if len(parts) > 2 and parts[0] == EXPORT_PARTITION_PREFIX else None
+
+
+def export_stream_config(events: Any, sources: list[Any]) -> Any:
+    """AEP_EXPORT: the partitioned sinks' events until their partition's consumer acked them
+    (work queue: the stream holds only what a sink has not confirmed, at most
+    EXPORT_STREAM_MAX_BYTES); storage, replicas and max age are AEP_EVENTS' own (``events``,
+    its StreamConfig)."""
+    from nats.js.api import DiscardPolicy, RetentionPolicy, StreamConfig
+
     return StreamConfig(
-        name=name,
-        description=f"aep-bridge exporter: AEP_EVENTS in {partitions} lane partitions, until the sink confirmed them",
+        name=EXPORT_STREAM,
+        description="aep-bridge exporter: AEP_EVENTS in lane partitions per sink, until the sink confirmed them",
         retention=RetentionPolicy.WORK_QUEUE,
         storage=events.storage,
         num_replicas=events.num_replicas,
         max_age=events.max_age,
         max_bytes=min(EXPORT_STREAM_MAX_BYTES, events.max_bytes or EXPORT_STREAM_MAX_BYTES),
         discard=DiscardPolicy.NEW,
-        sources=[StreamSource(name=AEP_EVENTS, opt_start_seq=start_seq, subject_transforms=transforms)],
+        sources=sources,
     )
 
 
-def export_partition_consumer_config(durable: str, partition: int, description: str = "",
+def export_partition_consumer_config(durable: str, sink: str, partition: int, description: str = "",
                                      max_ack_pending: int = EXPORT_MAX_ACK_PENDING) -> Any:
-    """Partition ``partition``'s durable pull consumer on a sink's partitioned stream: what
-    `exporter_consumer_config` is for one replica, for ``export.<partition>.>``."""
+    """A partitioned sink's durable pull consumer of one partition on AEP_EXPORT: what
+    `exporter_consumer_config` is for one replica, for ``export.<sink>.<partition>.>``."""
     from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
     return ConsumerConfig(
@@ -320,5 +338,5 @@ def export_partition_consumer_config(durable: str, partition: int, description: 
         ack_wait=EXPORT_ACK_WAIT_S,
         max_deliver=-1,
         max_ack_pending=max_ack_pending,
-        filter_subject=f"{EXPORT_PARTITION_PREFIX}.{partition}.>",
+        filter_subject=f"{EXPORT_PARTITION_PREFIX}.{sink}.{partition}.>",
     )

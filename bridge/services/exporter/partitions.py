@@ -2,14 +2,14 @@
 
 Theory of operation
 -------------------
-* Partitions: the sink's work-queue stream ``AEP_EXPORT_<sink>``
-  (`streams.export_stream_config`) sources AEP_EVENTS' aep.hermes.> and aep.ingest.> in
-  order, and the server's subject transform puts each message under
-  ``export.<partition(PARTITIONS, lane token)>.<its subject>``: a lane is always in the same
-  partition, so one consumer per partition keeps every lane in order (the Kafka key is the
-  lane: one Kafka partition per lane). A message leaves the stream once acked, so the stream
-  holds only what the sink has not confirmed.
-* Upgrade from one replica: the first replica creates the stream from the sink's
+* Partitions: the work-queue stream ``AEP_EXPORT`` (`streams.export_stream_config`) has one
+  source of AEP_EVENTS (aep.hermes.> and aep.ingest.>, in order) per partitioned sink, whose
+  subject transform puts each message under ``export.<sink>.<partition(PARTITIONS, lane
+  token)>.<its subject>`` (`streams.export_source`): a lane is always in the same partition,
+  so one consumer per partition keeps every lane in order (the Kafka key is the lane: one
+  Kafka partition per lane). A message leaves the stream once acked, so it holds only what
+  the sinks have not confirmed.
+* Upgrade from one replica: the sink's first replica adds its source from the sink's
   ``export-<sink>`` ack floor + 1 when that durable exists (from the start otherwise) and
   leaves the durable as it was (going back to ``replicas: 1`` resumes it there: same-id
   duplicates only).
@@ -92,23 +92,36 @@ class PartitionedSink:
     # ------------------------------------------------------------ setup
 
     async def setup(self) -> None:
-        """The sink's partitioned stream (created by the first replica) and the lease bucket."""
+        """The sink's source in AEP_EXPORT (the stream created by the first partitioned sink),
+        and the lease bucket."""
         js = self.service.js
-        try:
-            await js.stream_info(self.cfg.export_stream)
-        except nats.js.errors.NotFoundError:
+        for _ in range(10):  # read, add, write, read again: two sinks starting at once both get in
+            try:
+                stream = (await js.stream_info(S.EXPORT_STREAM)).config
+            except nats.js.errors.NotFoundError:
+                stream = None
+            if stream is not None and any(S.export_source_sink(src) == self.cfg.name for src in stream.sources or []):
+                break
             start = None
             try:  # an upgrade: go on from where the one-replica durable is
                 legacy = await js.consumer_info(S.AEP_EVENTS, self.cfg.durable)
                 start = legacy.ack_floor.stream_seq + 1
             except nats.js.errors.NotFoundError:
                 pass
-            events = (await js.stream_info(S.AEP_EVENTS)).config
+            source = S.export_source(self.cfg.name, self.partitions, start)
             try:
-                await js.add_stream(S.export_stream_config(self.cfg.export_stream, self.partitions, events, start))
-                log.info("export_stream_created", sink=self.cfg.name, stream=self.cfg.export_stream, start_seq=start)
-            except nats.js.errors.BadRequestError:  # another replica created it meanwhile
-                await js.stream_info(self.cfg.export_stream)
+                if stream is None:
+                    events = (await js.stream_info(S.AEP_EVENTS)).config
+                    await js.add_stream(S.export_stream_config(events, [source]))
+                else:
+                    stream.sources = [*(stream.sources or []), source]
+                    await js.update_stream(stream)
+                log.info("export_source_added", sink=self.cfg.name, stream=S.EXPORT_STREAM, start_seq=start)
+            except nats.js.errors.BadRequestError as exc:  # another replica or sink changed it meanwhile
+                log.info("export_source_retry", sink=self.cfg.name, error=str(exc))
+            await asyncio.sleep(0.2)
+        else:
+            raise RuntimeError(f"the sink's source could not be added to {S.EXPORT_STREAM}")
         self.leases = await js.key_value(S.LEASES_BUCKET)
 
     # ------------------------------------------------------------ leases

@@ -113,13 +113,13 @@ class SinkWorker:
             # (a replica killed mid-batch) comes first, in stream order, and not after ack_wait
             # behind newer events. The work-queue stream holds only unacked messages, so a new
             # consumer from the start is exactly "from the ack floor"; redeliveries are same-id.
-            stream, durable = self.cfg.export_stream, self.cfg.partition_durable(self.partition)
+            stream, durable = S.EXPORT_STREAM, self.cfg.partition_durable(self.partition)
             try:
                 await self.service.js.delete_consumer(stream, durable)
             except nats.js.errors.NotFoundError:
                 pass
             await self.service.js.add_consumer(stream, S.export_partition_consumer_config(
-                durable, self.partition, f"aep-bridge exporter sink {self.cfg.name} partition {self.partition}"))
+                durable, self.cfg.name, self.partition, f"aep-bridge exporter sink {self.cfg.name} partition {self.partition}"))
             self.sub = await self.service.js.pull_subscribe_bind(durable=durable, stream=stream)
             self.bound = True
             return
@@ -134,10 +134,10 @@ class SinkWorker:
 
     def origin(self, msg: Any) -> tuple[int, str]:
         """The message's AEP_EVENTS sequence and subject (a partitioned stream's message is
-        ``export.<n>.<subject>``, its source sequence in the Nats-Stream-Source header)."""
+        ``export.<sink>.<n>.<subject>``, its source sequence in the Nats-Stream-Source header)."""
         if self.partition is None:
             return msg.metadata.sequence.stream, msg.subject
-        subject = msg.subject.split(".", 2)[-1]
+        subject = msg.subject.split(".", 3)[-1]
         source = (msg.headers or {}).get("Nats-Stream-Source", "").split(" ")
         seq = int(source[1]) if len(source) > 1 and source[1].isdigit() else msg.metadata.sequence.stream
         return seq, subject
