@@ -21,7 +21,8 @@ Two ways to say it, both read into `SinkConfig`:
           kafka: {security.protocol: SASL_SSL, sasl.mechanisms: SCRAM-SHA-512, sasl.username: aep}
         - name: otel
           url: otlp+http://otel-collector:4318/v1/logs
-          headers: {authorization: "Bearer ..."}
+          headers: {authorization: "Bearer ..."}   # or, from the environment:
+          headers_from_env: {authorization: OTEL_AUTH_HEADER}
 
 Formats: ``cloudevents`` (Kafka only), ``otlp`` (an OTLP sink always; on Kafka the record is
 an OTLP protobuf ExportLogsServiceRequest, what the Collector's Kafka receiver reads) and
@@ -185,6 +186,15 @@ def sink_from_mapping(spec: dict[str, Any], environ: dict[str, str] | None = Non
         if not isinstance(headers, dict):
             raise SinkConfigError(f"{label}: headers are a mapping")
         out.headers = {str(k): str(v) for k, v in headers.items()}
+        # headers whose values are in the environment (the chart's headersSecret: a Secret's key)
+        from_env = spec.get("headers_from_env") or {}
+        if not isinstance(from_env, dict):
+            raise SinkConfigError(f"{label}: headers_from_env is a mapping of header: environment variable")
+        for header, var in from_env.items():
+            value = (environ or {}).get(str(var), "")
+            if not value:
+                raise SinkConfigError(f"{label}: header {header!r} comes from ${var}, which is not set")
+            out.headers[str(header)] = value
     return out
 
 
