@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bridge.config import Settings  # noqa: E402
 from bridge.stack.server import EmbeddedNats  # noqa: E402
-from tests.support.exporter import load, sim_messages, topic_count  # noqa: E402
+from tests.support.exporter import TopicCounter, load, sim_messages  # noqa: E402
 from tests.support.services import Service  # noqa: E402
 from tests.support.tansu import Tansu  # noqa: E402
 
@@ -156,11 +156,17 @@ async def replicas_run(msgs, fmt: str, replicas: int, tmp: Path) -> float:  # ty
                     if len(owners) == PARTITIONS and len(set(owners)) == replicas:
                         break
                 await asyncio.sleep(0.2)
-            t0 = time.perf_counter()
-            await load(js, msgs)
-            while await asyncio.to_thread(topic_count, broker.bootstrap, "bench", TOPIC_PARTITIONS) < len(msgs):
-                await asyncio.sleep(0.05)
-            elapsed = time.perf_counter() - t0
+            counter = TopicCounter(broker.bootstrap, "bench")
+            try:
+                t0 = time.perf_counter()
+                await load(js, msgs)
+                while counter.count < len(msgs):
+                    await asyncio.sleep(0.05)
+                    if not all(p.alive() for p in procs):
+                        raise RuntimeError(f"an exporter exited: {procs[0].log()}")
+                elapsed = time.perf_counter() - t0
+            finally:
+                counter.close()
             await nc.close()
         finally:
             for p in procs:

@@ -40,12 +40,38 @@ async def load(js: Any, msgs: list[tuple[str, bytes, str]]) -> None:
     await asyncio.gather(*futures)
 
 
-def topic_count(bootstrap: str, topic: str, partitions: int) -> int:
-    """Messages in the topic now (the sum of its partitions' high watermarks)."""
-    from confluent_kafka import Consumer, TopicPartition
+class TopicCounter:
+    """Counts the topic's messages as they arrive (a consumer from the start, in a thread).
+    Not the high watermarks: Tansu's fall short of the messages it serves (the last batch's)."""
 
-    c = Consumer({"bootstrap.servers": bootstrap, "group.id": "aep-count", "enable.auto.commit": False})
-    try:
-        return sum(c.get_watermark_offsets(TopicPartition(topic, p), timeout=5)[1] for p in range(partitions))
-    finally:
-        c.close()
+    def __init__(self, bootstrap: str, topic: str) -> None:
+        import threading
+        import time
+
+        self.bootstrap, self.topic = bootstrap, topic
+        self.count = 0
+        self.first_at: float | None = None
+        self._time = time.perf_counter
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        from confluent_kafka import Consumer
+
+        c = Consumer({"bootstrap.servers": self.bootstrap, "group.id": f"aep-count-{id(self)}",
+                      "auto.offset.reset": "earliest", "enable.auto.commit": False})
+        c.subscribe([self.topic])
+        try:
+            while not self._stop.is_set():
+                for m in c.consume(1000, timeout=0.2):
+                    if not m.error():
+                        if self.first_at is None:
+                            self.first_at = self._time()
+                        self.count += 1
+        finally:
+            c.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
