@@ -253,7 +253,8 @@ EXPORT_ACK_WAIT_S = 60.0  # the exporter reports progress (+WPI) while a sink ho
 EXPORT_MAX_ACK_PENDING = 4096
 
 
-def exporter_consumer_config(durable: str, description: str = "", max_ack_pending: int = EXPORT_MAX_ACK_PENDING) -> Any:
+def exporter_consumer_config(durable: str, description: str = "", max_ack_pending: int = EXPORT_MAX_ACK_PENDING,
+                             filter_subjects: list[str] | None = None) -> Any:
     """An exporter sink's durable pull consumer on AEP_EVENTS (one per sink: a slow sink
     never stalls another). Every event from the start of the stream; acked only once the
     sink confirmed delivery, so ``max_deliver`` is unlimited: an event waits for its sink,
@@ -269,7 +270,7 @@ def exporter_consumer_config(durable: str, description: str = "", max_ack_pendin
         ack_wait=EXPORT_ACK_WAIT_S,
         max_deliver=-1,
         max_ack_pending=max_ack_pending,
-        filter_subjects=[EVENTS_SUBJECTS, INGEST_SUBJECTS],
+        filter_subjects=filter_subjects or [EVENTS_SUBJECTS, INGEST_SUBJECTS],
     )
 
 
@@ -328,15 +329,5 @@ def export_partition_consumer_config(durable: str, sink: str, partition: int, de
                                      max_ack_pending: int = EXPORT_MAX_ACK_PENDING) -> Any:
     """A partitioned sink's durable pull consumer of one partition on AEP_EXPORT: what
     `exporter_consumer_config` is for one replica, for ``export.<sink>.<partition>.>``."""
-    from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-
-    return ConsumerConfig(
-        durable_name=durable,
-        description=description or f"aep-bridge exporter partition {partition}",
-        deliver_policy=DeliverPolicy.ALL,
-        ack_policy=AckPolicy.EXPLICIT,
-        ack_wait=EXPORT_ACK_WAIT_S,
-        max_deliver=-1,
-        max_ack_pending=max_ack_pending,
-        filter_subject=f"{EXPORT_PARTITION_PREFIX}.{sink}.{partition}.>",
-    )
+    return exporter_consumer_config(durable, description or f"aep-bridge exporter partition {partition}",
+                                    max_ack_pending, [f"{EXPORT_PARTITION_PREFIX}.{sink}.{partition}.>"])

@@ -3,12 +3,11 @@ for exporter tests and benchmarks/bench_exporter.py."""
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any, Iterable
 
 from bridge.core.aep import encode_event
 from bridge.nats.subjects import events_subject, token
-from tests.support.services import expected_events, raw_records
+from tests.support.services import expected_events, publish_all, raw_records
 
 
 def aep_messages(envelopes: Iterable[dict[str, Any]], n: int | None = None, instance: str = "bench") -> list[tuple[str, bytes, str]]:
@@ -30,14 +29,8 @@ def sim_messages(n: int, seed: int = 1) -> list[tuple[str, bytes, str]]:
     return aep_messages(realistic_envelopes(int(n * 1.1) + 100, seed=seed), n, instance=f"sim{seed}")
 
 
-async def load(js: Any, msgs: list[tuple[str, bytes, str]]) -> None:
-    futures = []
-    for subject, body, eid in msgs:
-        futures.append(await js.publish_async(subject, body, headers={"Nats-Msg-Id": eid}))
-        if len(futures) >= 2048:
-            await asyncio.gather(*futures)
-            futures = []
-    await asyncio.gather(*futures)
+#: AEP events (subject, body, id) into AEP_EVENTS, as raw records are published: Nats-Msg-Id = the id
+load = publish_all
 
 
 class TopicCounter:

@@ -42,12 +42,13 @@ import structlog
 
 from bridge.core.sinks import PARTITIONS, SinkConfig
 from bridge.nats import streams as S
+from bridge.services.exporter.service import SinkWorker, bind_or_wait
 from bridge.services.exporter.sinks import make_sink
 
 log = structlog.get_logger("aep_bridge.exporter")
 
 RENEW_S = 2.0  # lease renewal and rebalancing round (leases expire after S.LEASE_TTL_S)
-RELEASE_GRACE_S = 10.0  # a partition given back finishes its batch within this, else it is cancelled
+RELEASE_GRACE_S = 5.0  # a partition given back finishes its batch within this, else it is cancelled
 
 
 def replica_name() -> str:
@@ -155,8 +156,8 @@ class PartitionedSink:
                 log.warning("export_lease_lost", sink=self.cfg.name, partition=n, error=f"{type(exc).__name__}: {exc}")
                 own.task.cancel()
                 del self.owned[n]
-        for n in sorted(self.owned, reverse=True)[:max(0, len(self.owned) - target)]:
-            await self.release(n)
+        # at once: one by one, a slow batch could hold the other leases' renewals past their TTL
+        await asyncio.gather(*(self.release(n) for n in sorted(self.owned, reverse=True)[:max(0, len(self.owned) - target)]))
         for n in range(self.partitions):
             if len(self.owned) >= target:
                 break
@@ -166,8 +167,6 @@ class PartitionedSink:
                 revision = int(await self.leases.create(self.lease_key(n), self.replica.encode()))
             except Exception:  # held by another replica (KeyWrongLastSequenceError), or no answer
                 continue
-            from bridge.services.exporter.service import SinkWorker
-
             worker = SinkWorker(self.service, self.cfg, sink=self.sink, partition=n)
             self.owned[n] = Owned(worker, asyncio.create_task(worker.run()), revision)
             log.info("export_partition_acquired", sink=self.cfg.name, partition=n, replica=self.replica)
@@ -194,15 +193,8 @@ class PartitionedSink:
     async def run(self) -> None:
         stopper = self.service.stopper
         while not stopper.stopping:
-            if not self.bound:
-                try:
-                    await self.setup()
-                    self.bound = True
-                except Exception as exc:
-                    self.state = f"bind failed: {exc}"
-                    log.warning("bind_failed", sink=self.cfg.name, error=f"{type(exc).__name__}: {exc}")
-                    await stopper.sleep(2.0)
-                    continue
+            if not self.bound and not await bind_or_wait(self, self.setup):
+                continue
             self.service.health.beat()
             try:
                 await self.maintain()
@@ -210,8 +202,7 @@ class PartitionedSink:
                 log.warning("export_leases_failed", sink=self.cfg.name, error=f"{type(exc).__name__}: {exc}")
             if await stopper.sleep(self.renew_s):
                 break
-        for n in list(self.owned):
-            await self.release(n)
+        await asyncio.gather(*(self.release(n) for n in list(self.owned)))
         try:
             await self.leases.delete(self.member_key)
         except Exception:

@@ -280,14 +280,8 @@ class SinkWorker:
     async def run(self) -> None:
         stopper = self.service.stopper
         while not stopper.stopping and not self.released:
-            if not self.bound:
-                try:
-                    await self.bind()
-                except Exception as exc:
-                    self.state = f"bind failed: {exc}"
-                    log.warning("bind_failed", sink=self.cfg.name, error=f"{type(exc).__name__}: {exc}")
-                    await stopper.sleep(2.0)
-                    continue
+            if not self.bound and not await bind_or_wait(self, self.bind):
+                continue
             self.service.health.beat()
             try:
                 msgs = await self.sub.fetch(self.cfg.batch, timeout=1.0)
@@ -313,6 +307,20 @@ class SinkWorker:
                     pass
             if await self.service.stopper.sleep(5.0):
                 return
+
+
+async def bind_or_wait(owner: Any, bind: Any) -> bool:
+    """``bind()`` and mark ``owner`` (a SinkWorker, a PartitionedSink) bound; or say why not
+    (its state, a log line) and wait 2 s. True when bound."""
+    try:
+        await bind()
+    except Exception as exc:
+        owner.state = f"bind failed: {exc}"
+        log.warning("bind_failed", sink=owner.cfg.name, error=f"{type(exc).__name__}: {exc}")
+        await owner.service.stopper.sleep(2.0)
+        return False
+    owner.bound = True
+    return True
 
 
 class Exporter:
