@@ -13,6 +13,11 @@
    given format, CloudEvents structured by default) over the same N, until its consumer's
    ack floor reaches the last event (timed from the creation of its consumer, as the relay's).
 Prints events/s for both and the ratio (issue 14's target: >= 0.6).
+5. Replicas (``--replicas 3``; 0 skips): a fresh server per run, the exporter as real
+   processes (`aep-bridge exporter`) on one sink: 1 replica (one durable, as by default) and
+   then N replicas of a sink with ``replicas=N`` (lane partitions), started and settled (each
+   owns its share of the leases) before the N events are published into AEP_EVENTS; timed from
+   the first publish until the topic holds N messages. Prints both and the ratio.
 """
 
 from __future__ import annotations
@@ -29,35 +34,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bridge.config import Settings  # noqa: E402
-from bridge.core.aep import encode_event  # noqa: E402
 from bridge.stack.server import EmbeddedNats  # noqa: E402
-from bridge.nats.subjects import events_subject, token  # noqa: E402
-from tests.support.services import expected_events, raw_records  # noqa: E402
+from tests.support.exporter import TopicCounter, load, sim_messages  # noqa: E402
+from tests.support.services import Service  # noqa: E402
 from tests.support.tansu import Tansu  # noqa: E402
 
 BATCH = 256
-
-
-def aep_messages(n: int) -> list[tuple[str, bytes, str]]:
-    from bridge.sim.sessions import realistic_envelopes
-
-    raws = raw_records(realistic_envelopes(int(n * 1.1) + 100, seed=1), instance="bench")
-    events = expected_events([(i + 1, body) for i, (_, body, _) in enumerate(raws)], epoch=0)[:n]
-    out = []
-    for e in events:
-        lane = e.session if isinstance(e.session, str) else "_"
-        out.append((events_subject(token(lane), e.type), encode_event(e), e.id))
-    return out
-
-
-async def load(js, msgs) -> None:  # type: ignore[no-untyped-def]
-    futures = []
-    for subject, body, eid in msgs:
-        futures.append(await js.publish_async(subject, body, headers={"Nats-Msg-Id": eid}))
-        if len(futures) >= 2048:
-            await asyncio.gather(*futures)
-            futures = []
-    await asyncio.gather(*futures)
 
 
 async def relay(js, bootstrap: str, topic: str, n: int) -> float:  # type: ignore[no-untyped-def]
@@ -130,7 +112,70 @@ async def exporter_run(settings: Settings, url: str, n: int) -> float:
     return elapsed
 
 
-async def main(n: int, fmt: str) -> None:
+TOPIC_PARTITIONS = 6
+
+
+async def replicas_run(msgs, fmt: str, replicas: int, tmp: Path) -> float:  # type: ignore[no-untyped-def]
+    """Seconds from the first publish until the topic holds every event, ``replicas`` exporter
+    processes on one sink (1: the one-durable form)."""
+    import nats
+
+    from bridge.core.sinks import PARTITIONS
+    from bridge.nats.bootstrap import bootstrap
+
+    tmp.mkdir()
+    with EmbeddedNats(str(tmp)) as server:
+        broker = Tansu(tmp / "tansu.log").start()
+        procs: list[Service] = []
+        try:
+            broker.create_topics("bench", partitions=TOPIC_PARTITIONS)
+            settings = Settings.from_env({"AEP_BRIDGE_NATS_URL": server.url, "AEP_BRIDGE_CONFIG": os.devnull})
+            nc = await nats.connect(server.url)
+            js = nc.jetstream(publish_async_max_pending=4096)
+            await bootstrap(js, settings)
+            sink = f"kafka://{broker.bootstrap}/bench?name=bench&format={fmt}" + (f"&replicas={replicas}" if replicas > 1 else "")
+            procs = [Service(f"exporter-{i}", server.url, tmp, "--sink", sink).start() for i in range(replicas)]
+            deadline = time.monotonic() + 120
+            while True:  # settled: the durable exists (1), every partition leased, by all replicas (N)
+                if time.monotonic() > deadline or not all(p.alive() for p in procs):
+                    raise RuntimeError(f"the exporters did not settle: {procs[0].log()}")
+                if replicas == 1:
+                    try:
+                        await js.consumer_info("AEP_EVENTS", "export-bench")
+                        break
+                    except Exception:
+                        pass
+                else:
+                    kv = await js.key_value("aep_leases")
+                    owners = []
+                    for p in range(PARTITIONS):
+                        try:
+                            owners.append((await kv.get(f"x.bench.{p}")).value)
+                        except Exception:
+                            pass
+                    if len(owners) == PARTITIONS and len(set(owners)) == replicas:
+                        break
+                await asyncio.sleep(0.2)
+            counter = TopicCounter(broker.bootstrap, "bench")
+            try:
+                t0 = time.perf_counter()
+                await load(js, msgs)
+                while counter.count < len(msgs):
+                    await asyncio.sleep(0.05)
+                    if not all(p.alive() for p in procs):
+                        raise RuntimeError(f"an exporter exited: {procs[0].log()}")
+                elapsed = time.perf_counter() - t0
+            finally:
+                counter.close()
+            await nc.close()
+        finally:
+            for p in procs:
+                p.terminate()
+            broker.stop()
+    return elapsed
+
+
+async def main(n: int, fmt: str, replicas: int = 3) -> None:
     import nats
 
     from bridge.nats.bootstrap import bootstrap
@@ -143,7 +188,7 @@ async def main(n: int, fmt: str) -> None:
             nc = await nats.connect(server.url)
             js = nc.jetstream(publish_async_max_pending=4096)
             await bootstrap(js, settings)
-            msgs = aep_messages(n)
+            msgs = sim_messages(n)
             n = len(msgs)
             await load(js, msgs)
             size = sum(len(b) for _, b, _ in msgs) / n
@@ -157,6 +202,14 @@ async def main(n: int, fmt: str) -> None:
     print(f"relay (fetch {BATCH}, produce, wait for reports, ack): {relay_rate:,.0f} events/s ({relay_s:.2f}s)")
     print(f"exporter, one Kafka sink, {fmt}:            {exporter_rate:,.0f} events/s ({exporter_s:.2f}s)")
     print(f"ratio exporter/relay: {exporter_rate / relay_rate:.2f} (target >= 0.6)")
+    if replicas > 1:
+        with tempfile.TemporaryDirectory() as tmp:
+            one_s = await replicas_run(msgs, fmt, 1, Path(tmp) / "one")
+            many_s = await replicas_run(msgs, fmt, replicas, Path(tmp) / "many")
+        one_rate, many_rate = n / one_s, n / many_s
+        print(f"exporter processes, 1 replica (one durable):      {one_rate:,.0f} events/s ({one_s:.2f}s)")
+        print(f"exporter processes, {replicas} replicas (lane partitions): {many_rate:,.0f} events/s ({many_s:.2f}s)")
+        print(f"ratio {replicas} replicas / 1 replica: {many_rate / one_rate:.2f} (on {os.cpu_count()} cores)")
 
 
 if __name__ == "__main__":
@@ -168,6 +221,7 @@ if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--n", type=int, default=20_000)
     p.add_argument("--format", default="cloudevents", choices=["cloudevents", "otlp", "ocsf"])
+    p.add_argument("--replicas", type=int, default=3, help="also compare 1 and this many exporter processes (0: skip)")
     args = p.parse_args()
-    asyncio.run(main(args.n, args.format))
+    asyncio.run(main(args.n, args.format, args.replicas))
     del structlog, json

@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_exporter import aep_messages  # noqa: E402
+from tests.support.exporter import sim_messages as aep_messages  # noqa: E402
 from bridge.config import Settings  # noqa: E402
 from bridge.stack.server import EmbeddedNats, free_port  # noqa: E402
 from bridge.runtime.profiling import rss_kb  # noqa: E402

@@ -9,7 +9,7 @@ Two ways to say it, both read into `SinkConfig`:
 
   Query parameters: ``name``, ``format``, ``max_capture``, ``mode`` (CloudEvents on Kafka:
   ``structured``, the default, or ``binary``), ``filter`` (an attr-match filter as JSON),
-  ``batch``; any other parameter of a Kafka URL with a dot in its name is a librdkafka
+  ``batch``, ``replicas``; any other parameter of a Kafka URL with a dot in its name is a librdkafka
   setting passed through (``security.protocol=SASL_SSL&sasl.mechanisms=PLAIN``).
 * a document (``AEP_BRIDGE_EXPORT_CONFIG``, YAML or JSON)::
 
@@ -21,11 +21,15 @@ Two ways to say it, both read into `SinkConfig`:
           kafka: {security.protocol: SASL_SSL, sasl.mechanisms: SCRAM-SHA-512, sasl.username: aep}
         - name: otel
           url: otlp+http://otel-collector:4318/v1/logs
-          headers: {authorization: "Bearer ..."}
+          headers: {authorization: "Bearer ..."}   # or, from the environment:
+          headers_from_env: {authorization: OTEL_AUTH_HEADER}
 
 Formats: ``cloudevents`` (Kafka only), ``otlp`` (an OTLP sink always; on Kafka the record is
 an OTLP protobuf ExportLogsServiceRequest, what the Collector's Kafka receiver reads) and
-``ocsf``. ``max_capture`` is the sink's ceiling (default ``metadata``). Secrets do not have
+``ocsf``. ``max_capture`` is the sink's ceiling (default ``metadata``). ``replicas`` (default 1)
+is how many exporter processes share the sink: 1 is one durable ``export-<sink>`` on
+AEP_EVENTS; more is `PARTITIONS` lane-hash partitions, each owned by one replica at a time
+(bridge/services/exporter/partitions.py). Secrets do not have
 to be in the file: ``AEP_BRIDGE_KAFKA_<SETTING>`` (``AEP_BRIDGE_KAFKA_SASL_PASSWORD`` for
 ``sasl.password``) fills a librdkafka setting of every Kafka sink that does not set it.
 """
@@ -47,6 +51,10 @@ CE_MODES = ("structured", "binary")
 #: the projection (bridge.core.bridges.FORMATS) behind each sink format
 PROJECTION = {"cloudevents": "cloudevents", "otlp": "otlp-json", "ocsf": "ocsf"}
 KAFKA_ENV_PREFIX = "AEP_BRIDGE_KAFKA_"
+
+#: lane-hash partitions of a sink with replicas > 1 (fixed: a lane's partition must not move);
+#: at most this many replicas share a sink
+PARTITIONS = 12
 
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
@@ -71,17 +79,27 @@ class SinkConfig:
     endpoint: str = ""
     headers: dict[str, str] = field(default_factory=dict)
     batch: int = 256
+    replicas: int = 1  # exporter processes sharing the sink: > 1 is the partitioned form
 
     @property
     def durable(self) -> str:
-        """The sink's durable consumer on AEP_EVENTS."""
+        """The sink's durable consumer on AEP_EVENTS (replicas 1)."""
         return f"export-{self.name}"
+
+    @property
+    def partitioned(self) -> bool:
+        return self.replicas > 1
+
+    def partition_durable(self, n: int) -> str:
+        """Partition ``n``'s durable consumer on AEP_EXPORT (replicas > 1)."""
+        return f"export-{self.name}-p{n}"
 
     def describe(self) -> dict[str, Any]:
         """For logs and /healthz: everything but the pass-through settings' values (secrets)."""
         where = _without_userinfo(f"{self.bootstrap}/{self.topic}" if self.kind == "kafka" else self.endpoint)
         return {"name": self.name, "kind": self.kind, "format": self.format, "to": where,
                 "max_capture": LEVELS[self.max_capture], "filter": self.filter.source,
+                **({"replicas": self.replicas} if self.partitioned else {}),
                 **({"mode": self.ce_mode, "kafka_settings": sorted(self.kafka)} if self.kind == "kafka" else {})}
 
 
@@ -139,7 +157,14 @@ def sink_from_mapping(spec: dict[str, Any], environ: dict[str, str] | None = Non
         raise SinkConfigError(f"{label}: batch must be an integer") from None
     if not 1 <= batch <= 10_000:
         raise SinkConfigError(f"{label}: batch must be within 1..10000")
-    out = SinkConfig(name=name, kind=kind, format=fmt, max_capture=max_capture, filter=flt, batch=batch)
+    try:
+        replicas = int(spec.get("replicas", 1))
+    except (TypeError, ValueError):
+        raise SinkConfigError(f"{label}: replicas must be an integer") from None
+    if not 1 <= replicas <= PARTITIONS:
+        raise SinkConfigError(f"{label}: replicas must be within 1..{PARTITIONS} (the sink's partitions)")
+    out = SinkConfig(name=name, kind=kind, format=fmt, max_capture=max_capture, filter=flt, batch=batch,
+                     replicas=replicas)
     if kind == "kafka":
         out.bootstrap, out.topic = str(spec.get("bootstrap") or ""), str(spec.get("topic") or "")
         if not out.bootstrap or not out.topic:
@@ -161,6 +186,15 @@ def sink_from_mapping(spec: dict[str, Any], environ: dict[str, str] | None = Non
         if not isinstance(headers, dict):
             raise SinkConfigError(f"{label}: headers are a mapping")
         out.headers = {str(k): str(v) for k, v in headers.items()}
+        # headers whose values are in the environment (the chart's headersSecret: a Secret's key)
+        from_env = spec.get("headers_from_env") or {}
+        if not isinstance(from_env, dict):
+            raise SinkConfigError(f"{label}: headers_from_env is a mapping of header: environment variable")
+        for header, var in from_env.items():
+            value = (environ or {}).get(str(var), "")
+            if not value:
+                raise SinkConfigError(f"{label}: header {header!r} comes from ${var}, which is not set")
+            out.headers[str(header)] = value
     return out
 
 

@@ -271,7 +271,8 @@ EXPORT_ACK_WAIT_S = 60.0  # the exporter reports progress (+WPI) while a sink ho
 EXPORT_MAX_ACK_PENDING = 4096
 
 
-def exporter_consumer_config(durable: str, description: str = "", max_ack_pending: int = EXPORT_MAX_ACK_PENDING) -> Any:
+def exporter_consumer_config(durable: str, description: str = "", max_ack_pending: int = EXPORT_MAX_ACK_PENDING,
+                             filter_subjects: list[str] | None = None) -> Any:
     """An exporter sink's durable pull consumer on AEP_EVENTS (one per sink: a slow sink
     never stalls another). Every event from the start of the stream; acked only once the
     sink confirmed delivery, so ``max_deliver`` is unlimited: an event waits for its sink,
@@ -287,5 +288,64 @@ def exporter_consumer_config(durable: str, description: str = "", max_ack_pendin
         ack_wait=EXPORT_ACK_WAIT_S,
         max_deliver=-1,
         max_ack_pending=max_ack_pending,
-        filter_subjects=[EVENTS_SUBJECTS, INGEST_SUBJECTS],
+        filter_subjects=filter_subjects or [EVENTS_SUBJECTS, INGEST_SUBJECTS],
     )
+
+
+#: the partitioned sinks' work-queue stream (one source of AEP_EVENTS per sink with replicas > 1);
+#: its subjects are export.<sink>.<partition>.<the AEP_EVENTS subject>
+EXPORT_STREAM = "AEP_EXPORT"
+EXPORT_PARTITION_PREFIX = "export"
+#: AEP_EXPORT holds at most this much unconfirmed backlog (all partitioned sinks together); when
+#: full, sourcing waits (discard new) and the events stay in AEP_EVENTS, as a lagging
+#: one-replica durable's do
+EXPORT_STREAM_MAX_BYTES = 2 * GiB
+
+
+def export_source(sink: str, partitions: int, start_seq: int | None = None) -> Any:
+    """A partitioned sink's source of AEP_EVENTS in AEP_EXPORT: aep.hermes.> and aep.ingest.>
+    in order (from ``start_seq``, else the start), each subject prefixed with
+    ``export.<sink>.<partition>.``, the partition being the server's ``partition(n, lane
+    token)`` transform: a lane always lands in the same partition."""
+    from nats.js.api import StreamSource, SubjectTransform
+
+    return StreamSource(name=AEP_EVENTS, opt_start_seq=start_seq, subject_transforms=[
+        SubjectTransform(src=f"{prefix}.*.>", dest=f"{EXPORT_PARTITION_PREFIX}.{sink}.{{{{partition({partitions},1)}}}}"
+                                                    f".{prefix}.{{{{wildcard(1)}}}}.>")
+        for prefix in (EVENTS_PREFIX, INGEST_PREFIX)])
+
+
+def export_source_sink(source: Any) -> str | None:
+    """The sink an AEP_EXPORT source is for (None: not one of `export_source`'s)."""
+    transforms = getattr(source, "subject_transforms", None) or []
+    dest = getattr(transforms[0], "dest", "") if transforms else ""
+    parts = dest.split(".")
+    return parts[1] if len(parts) > 2 and parts[0] == EXPORT_PARTITION_PREFIX else None
+
+
+def export_stream_config(events: Any, sources: list[Any]) -> Any:
+    """AEP_EXPORT: the partitioned sinks' events until their partition's consumer acked them
+    (work queue: the stream holds only what a sink has not confirmed, at most
+    EXPORT_STREAM_MAX_BYTES); storage, replicas and max age are AEP_EVENTS' own (``events``,
+    its StreamConfig)."""
+    from nats.js.api import DiscardPolicy, RetentionPolicy, StreamConfig
+
+    return StreamConfig(
+        name=EXPORT_STREAM,
+        description="aep-bridge exporter: AEP_EVENTS in lane partitions per sink, until the sink confirmed them",
+        retention=RetentionPolicy.WORK_QUEUE,
+        storage=events.storage,
+        num_replicas=events.num_replicas,
+        max_age=events.max_age,
+        max_bytes=min(EXPORT_STREAM_MAX_BYTES, events.max_bytes or EXPORT_STREAM_MAX_BYTES),
+        discard=DiscardPolicy.NEW,
+        sources=sources,
+    )
+
+
+def export_partition_consumer_config(durable: str, sink: str, partition: int, description: str = "",
+                                     max_ack_pending: int = EXPORT_MAX_ACK_PENDING) -> Any:
+    """A partitioned sink's durable pull consumer of one partition on AEP_EXPORT: what
+    `exporter_consumer_config` is for one replica, for ``export.<sink>.<partition>.>``."""
+    return exporter_consumer_config(durable, description or f"aep-bridge exporter partition {partition}",
+                                    max_ack_pending, [f"{EXPORT_PARTITION_PREFIX}.{sink}.{partition}.>"])

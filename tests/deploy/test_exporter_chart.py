@@ -214,3 +214,41 @@ def test_the_image_lock_carries_the_export_extra():
     lock = (ROOT / "deploy" / "requirements.lock").read_text()
     pinned = {n.lower() for n in re.findall(r"^([A-Za-z0-9_.-]+)==\S+ \\$", lock, flags=re.M)}
     assert wanted and wanted <= pinned, wanted - pinned
+
+
+def test_replicas_per_sink_and_otlp_headers_from_a_secret():
+    values = ci_values("exporter")
+    values["exporter"]["sinks"] = [
+        {"name": "siem", "url": "kafka://kafka-0.kafka:9093/aep-ocsf", "format": "ocsf", "replicas": 3},
+        {"name": "audit", "url": "kafka://kafka-0.kafka:9093/aep-audit"},
+        {"name": "otel", "url": "otlp+http://otel-collector.observability:4318/v1/logs",
+         "headersSecret": {"existingSecret": "otel-auth", "headers": [{"header": "authorization", "key": "token"}]}},
+    ]
+    manifests = render_manifests(values)
+    assert [p for m in manifests for p in validate_manifest(m)] == []
+    deployments = {d["metadata"]["name"]: d for d in select(manifests, "Deployment") if component_of(d) == "exporter"}
+    (single,) = [d for n, d in deployments.items() if not n.endswith("-siem")]
+    (shared,) = [d for n, d in deployments.items() if n.endswith("-siem")]
+    assert single["spec"]["replicas"] == 1 and single["spec"]["strategy"] == {"type": "Recreate"}
+    assert shared["spec"]["replicas"] == 3 and shared["spec"]["strategy"]["type"] == "RollingUpdate"
+    (cm,) = [m for m in select(manifests, "ConfigMap") if component_of(m) == "exporter"]
+    assert "token" not in json.dumps(cm["data"]) and "otel-auth" not in json.dumps(cm["data"])
+
+    def sinks_of(deployment: dict) -> list:
+        env = {e["name"]: e for e in pod_spec(deployment)["containers"][0]["env"]}
+        path = Path(os.environ.get("TMPDIR", "/tmp")) / f"sinks-{os.getpid()}.yaml"
+        path.write_text(cm["data"][Path(env["AEP_BRIDGE_EXPORT_CONFIG"]["value"]).name])
+        secrets = {n: "Bearer from-the-secret" for n, e in env.items()
+                   if e.get("valueFrom", {}).get("secretKeyRef", {}).get("name") == "otel-auth"}
+        try:
+            return load_sinks([], str(path), environ={"AEP_BRIDGE_KAFKA_SASL_PASSWORD": "pw", **secrets})
+        finally:
+            path.unlink()
+
+    # Each Deployment runs its own sinks: the shared one its sink (partitioned), the other the rest.
+    assert [(s.name, s.replicas) for s in sinks_of(shared)] == [("siem", 3)]
+    rest = sinks_of(single)
+    assert [(s.name, s.replicas) for s in rest] == [("audit", 1), ("otel", 1)]
+    assert rest[1].headers == {"authorization": "Bearer from-the-secret"}
+    with pytest.raises(Exception, match="needs a name"):
+        render_chart({"exporter": {"enabled": True, "sinks": [{"url": "kafka://k:9092/t", "replicas": 2}]}})

@@ -649,3 +649,66 @@ def test_the_real_relay_does_its_job_as_its_user_and_nothing_else(server: dict, 
             await c.close()
 
     asyncio.run(refused())
+
+
+async def exporter_partitions(url: str) -> None:
+    """A sink with replicas > 1, as the exporter user: AEP_EXPORT and a sink's source in it,
+    the leases and members in aep_leases, a partition consumer (recreated, fetched, acked);
+    not pairing's leases, not another stream."""
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry
+
+    from bridge.core.sinks import sink_from_url
+    from bridge.runtime import Health, Stopper
+    from bridge.services.exporter.partitions import PartitionedSink
+    from bridge.services.exporter.service import ExporterMetrics, SinkWorker
+
+    await bootstrap(url)
+    p = await Client.connect(url, "pairing")
+    try:
+        ack = await p.js.publish("aep.hermes.lanex.session.started", b'{"id":"perm-e1"}', headers={"Nats-Msg-Id": "perm-e1"})
+    finally:
+        await p.close()
+    c = await Client.connect(url, "exporter")
+    try:
+        svc = SimpleNamespace(js=c.js, metrics=ExporterMetrics(CollectorRegistry()), stopper=Stopper(),
+                              health=Health("exporter"))
+        for name in ("perm-a", "perm-b"):  # the first creates AEP_EXPORT, the second adds its source
+            part = PartitionedSink(svc, sink_from_url(f"kafka://127.0.0.1:9/t?name={name}&replicas=2"))
+            await part.setup()
+        await part.leases.put(part.member_key, b"m")
+        assert await part.members() == 1
+        revision = await part.leases.create(part.lease_key(0), b"me")
+        await part.leases.update(part.lease_key(0), b"me", last=revision)
+        subjects: dict[str, int] = {}
+        for _ in range(50):
+            subjects = (await c.js.stream_info("AEP_EXPORT", subjects_filter="export.perm-b.*.aep.hermes.lanex.>")).state.subjects or {}
+            if subjects:
+                break
+            await asyncio.sleep(0.1)
+        (subject,) = subjects
+        worker = SinkWorker(svc, part.cfg, sink=part.sink, partition=int(subject.split(".")[2]))
+        for _ in range(2):  # created, then (a takeover) deleted and created again
+            await worker.bind()
+        msgs = await worker.sub.fetch(100, timeout=5)  # the partition's events (earlier scenarios' too)
+        assert (ack.seq, "aep.hermes.lanex.session.started") in [worker.origin(m) for m in msgs]
+        for m in msgs:
+            await m.ack_sync()
+        await part.leases.delete(part.lease_key(0))
+        assert not [e for e in c.errors if "permissions violation" in e.lower()], c.errors
+        await expect_publish_refused(c, "$KV.aep_leases.p.0")  # pairing's leases are not the exporter's
+        await expect_api_refused(c, c.js.get_msg("KV_aep_leases", subject="$KV.aep_leases.p.0", direct=True),
+                                 "$KV.aep_leases.p.0")
+        await expect_api_refused(c, c.js.delete_stream("AEP_EXPORT"), "$JS.API.STREAM.DELETE.AEP_EXPORT")
+        await expect_api_refused(c, c.js.add_stream(name="STEAL", subjects=["hermes.raw.>"]), "STREAM.CREATE.STEAL")
+    finally:
+        await c.close()
+
+
+def test_exporter_replicas_share_a_sink_within_the_exporters_permissions(server: dict) -> None:
+    try:
+        asyncio.run(asyncio.wait_for(exporter_partitions(server["url"]), 60))
+    except BaseException:
+        print(server["log"].read_text()[-4000:])
+        raise

@@ -126,3 +126,19 @@ def test_no_user_info_of_a_sink_url_reaches_its_name_logs_or_healthz():
     for sink in (otlp, kafka):
         assert "S3CRET" not in json.dumps(sink.describe()) and "S3CRET" not in sink.name, sink.describe()
     assert otlp.describe()["to"] == "https://collector:4318/v1/logs" and kafka.describe()["to"] == "k1:9092/aep"
+
+
+def test_replicas_and_headers_from_the_environment():
+    shared = sink_from_url("kafka://k:9092/t?name=wide&replicas=3")
+    assert shared.replicas == 3 and shared.partitioned and shared.partition_durable(2) == "export-wide-p2"
+    assert not sink_from_url("kafka://k:9092/t").partitioned
+    for bad in ("0", "13", "x"):
+        with pytest.raises(SinkConfigError, match="replicas"):
+            sink_from_url(f"kafka://k:9092/t?replicas={bad}")
+    spec = {"name": "otel", "url": "otlp+http://c:4318/v1/logs", "headers": {"x-tenant": "a"},
+            "headers_from_env": {"authorization": "OTEL_AUTH"}}
+    otel = sink_from_mapping(spec, {"OTEL_AUTH": "Bearer s3cret"})
+    assert otel.headers == {"x-tenant": "a", "authorization": "Bearer s3cret"}
+    assert "s3cret" not in json.dumps(otel.describe())
+    with pytest.raises(SinkConfigError, match=r"authorization.*OTEL_AUTH.*not set"):
+        sink_from_mapping(spec, {})

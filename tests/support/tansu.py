@@ -30,8 +30,10 @@ def free_port() -> int:
 
 
 class Tansu:
-    def __init__(self, log_path: Path, port: int | None = None, storage: str = "memory://tansu/") -> None:
+    def __init__(self, log_path: Path, port: int | None = None, storage: str = "memory://tansu/",
+                 extra_args: tuple[str, ...] = ()) -> None:
         self.port = port or free_port()
+        self.extra_args = extra_args  # more `tansu broker` options (e.g. --authentication)
         self.storage = storage
         self.log_path = log_path
         self.proc: subprocess.Popen[bytes] | None = None
@@ -45,7 +47,7 @@ class Tansu:
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
             [tansu_binary(), "broker", "--listener-url", url, "--advertised-listener-url", url,
-             "--storage-engine", self.storage],
+             "--storage-engine", self.storage, *self.extra_args],
             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "warn")},
         )
         log.close()

@@ -36,6 +36,7 @@ from typing import Any
 
 import msgspec
 import nats.errors
+import nats.js.errors
 import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
@@ -70,8 +71,10 @@ class ExporterMetrics:
         self.dead_letters = Counter(p + "dead_letters", "events dead-lettered", ["sink", "reason"], registry=registry)
         self.last_success = Gauge(p + "last_success_timestamp_seconds", "time of the last confirmed delivery",
                                   ["sink"], registry=registry)
-        self.lag = Gauge(p + "lag", "events of AEP_EVENTS the sink has not confirmed (pending + unacked)",
-                         ["sink"], registry=registry)
+        self.lag = Gauge(p + "lag", "events of AEP_EVENTS the sink has not confirmed (pending + unacked; "
+                         "a sink with replicas > 1: of this replica's partitions)", ["sink"], registry=registry)
+        self.partitions = Gauge(p + "partitions_owned", "partitions of the sink this replica owns (replicas > 1)",
+                                ["sink"], registry=registry)
 
 
 class Item:
@@ -84,10 +87,16 @@ class Item:
 
 
 class SinkWorker:
-    def __init__(self, service: "Exporter", cfg: SinkConfig) -> None:
+    """One sink's consumer, or (``partition`` given: a sink with replicas > 1) one partition's
+    consumer on the sink's partitioned stream, sharing the sink's transport with the others
+    this replica owns (`partitions.PartitionedSink`)."""
+
+    def __init__(self, service: "Exporter", cfg: SinkConfig, sink: Any = None, partition: int | None = None) -> None:
         self.service = service
         self.cfg = cfg
-        self.sink = make_sink(cfg)
+        self.sink = make_sink(cfg) if sink is None else sink
+        self.partition = partition
+        self.released = False  # a partition given back: finish the batch in hand, fetch no more
         self.metrics = service.metrics
         for metric in (self.metrics.delivered, self.metrics.retries, self.metrics.last_success):
             metric.labels(sink=cfg.name)  # every sink's series exists from the start, at 0
@@ -99,6 +108,21 @@ class SinkWorker:
     # ------------------------------------------------------------ setup
 
     async def bind(self) -> None:
+        if self.partition is not None:
+            # Just acquired: recreate the consumer, so that what the previous owner held unacked
+            # (a replica killed mid-batch) comes first, in stream order, and not after ack_wait
+            # behind newer events. The work-queue stream holds only unacked messages, so a new
+            # consumer from the start is exactly "from the ack floor"; redeliveries are same-id.
+            stream, durable = S.EXPORT_STREAM, self.cfg.partition_durable(self.partition)
+            try:
+                await self.service.js.delete_consumer(stream, durable)
+            except nats.js.errors.NotFoundError:
+                pass
+            await self.service.js.add_consumer(stream, S.export_partition_consumer_config(
+                durable, self.cfg.name, self.partition, f"aep-bridge exporter sink {self.cfg.name} partition {self.partition}"))
+            self.sub = await self.service.js.pull_subscribe_bind(durable=durable, stream=stream)
+            self.bound = True
+            return
         # Create the durable, or update one an earlier release made for aep.hermes.> alone
         # (it then takes aep.ingest.> from its position on), then bind to it.
         await self.service.js.add_consumer(
@@ -108,6 +132,16 @@ class SinkWorker:
 
     # ------------------------------------------------------------ one batch
 
+    def origin(self, msg: Any) -> tuple[int, str]:
+        """The message's AEP_EVENTS sequence and subject (a partitioned stream's message is
+        ``export.<sink>.<n>.<subject>``, its source sequence in the Nats-Stream-Source header)."""
+        if self.partition is None:
+            return msg.metadata.sequence.stream, msg.subject
+        subject = msg.subject.split(".", 3)[-1]
+        source = (msg.headers or {}).get("Nats-Stream-Source", "").split(" ")
+        seq = int(source[1]) if len(source) > 1 and source[1].isdigit() else msg.metadata.sequence.stream
+        return seq, subject
+
     def prepare(self, msg: Any) -> tuple[Item | None, str | None]:
         """(item to deliver, None) or (None, why it is acked without delivery / dead-lettered)."""
         event = self._decode(msg.data)
@@ -116,7 +150,8 @@ class SinkWorker:
         if not self.cfg.filter.matches(event):
             return None, "filtered"
         if self.cfg.kind == "kafka":
-            lane = msg.subject.split(".")[2] if msg.subject.count(".") >= 3 else str(event.get("session", "_"))
+            subject = msg.subject if self.partition is None else self.origin(msg)[1]
+            lane = subject.split(".")[2] if subject.count(".") >= 3 else str(event.get("session", "_"))
             record = kafka_record(self.cfg.format, event, lane, self.cfg.max_capture, self.cfg.ce_mode)
         else:
             record = project(PROJECTION[self.cfg.format], event, self.cfg.max_capture)
@@ -180,8 +215,8 @@ class SinkWorker:
                     log.warning("sink_retry", sink=self.cfg.name, events=len(items), attempt=attempt,
                                 reason=reason, detail=retry[0][1].detail[:300], wait_s=round(delay, 2))
                 self.state = "retrying"
-                if await self.service.stopper.sleep(delay):
-                    return  # unacked: redelivered to the next exporter
+                if await self.service.stopper.sleep(delay) or self.released:
+                    return  # unacked: redelivered to the next exporter (or the partition's next owner)
         finally:
             keepalive.cancel()
 
@@ -225,8 +260,8 @@ class SinkWorker:
         level = min(self.cfg.max_capture, bridge.lowest())
         policy = CapturePolicy(default=LEVELS[level], overrides={}, redactor=bridge.redactor)
         for msg in msgs:
-            seq = msg.metadata.sequence.stream
-            original = deadletter.Original(S.AEP_EVENTS, seq, msg.subject, msg.data)
+            seq, subject = self.origin(msg)
+            original = deadletter.Original(S.AEP_EVENTS, seq, subject, msg.data)
             letter = deadletter.build(f"exporter:{self.cfg.name}", reason, reason, error, original, policy)
             # one letter per sink and event (another sink may refuse the same event)
             headers = {**letter.headers, "Nats-Msg-Id": f"dlq:{S.AEP_EVENTS}:{self.cfg.name}:{seq}"}
@@ -244,15 +279,9 @@ class SinkWorker:
 
     async def run(self) -> None:
         stopper = self.service.stopper
-        while not stopper.stopping:
-            if not self.bound:
-                try:
-                    await self.bind()
-                except Exception as exc:
-                    self.state = f"bind failed: {exc}"
-                    log.warning("bind_failed", sink=self.cfg.name, error=f"{type(exc).__name__}: {exc}")
-                    await stopper.sleep(2.0)
-                    continue
+        while not stopper.stopping and not self.released:
+            if not self.bound and not await bind_or_wait(self, self.bind):
+                continue
             self.service.health.beat()
             try:
                 msgs = await self.sub.fetch(self.cfg.batch, timeout=1.0)
@@ -265,16 +294,33 @@ class SinkWorker:
                 continue
             await self.handle(msgs)
 
+    async def lag(self) -> int:
+        info = await self.sub.consumer_info()
+        return int((info.num_pending or 0) + (info.num_ack_pending or 0))
+
     async def watch(self) -> None:
         while not self.service.stopper.stopping:
             if self.sub is not None:
                 try:
-                    info = await self.sub.consumer_info()
-                    self.metrics.lag.labels(sink=self.cfg.name).set((info.num_pending or 0) + (info.num_ack_pending or 0))
+                    self.metrics.lag.labels(sink=self.cfg.name).set(await self.lag())
                 except Exception:
                     pass
             if await self.service.stopper.sleep(5.0):
                 return
+
+
+async def bind_or_wait(owner: Any, bind: Any) -> bool:
+    """``bind()`` and mark ``owner`` (a SinkWorker, a PartitionedSink) bound; or say why not
+    (its state, a log line) and wait 2 s. True when bound."""
+    try:
+        await bind()
+    except Exception as exc:
+        owner.state = f"bind failed: {exc}"
+        log.warning("bind_failed", sink=owner.cfg.name, error=f"{type(exc).__name__}: {exc}")
+        await owner.service.stopper.sleep(2.0)
+        return False
+    owner.bound = True
+    return True
 
 
 class Exporter:
@@ -291,7 +337,10 @@ class Exporter:
         self.stopper = Stopper()
         self.nc: Any = None
         self.js: Any = None
-        self.workers = [SinkWorker(self, cfg) for cfg in sinks]
+        from bridge.services.exporter.partitions import PartitionedSink
+
+        self.workers: list[Any] = [PartitionedSink(self, cfg) if cfg.partitioned else SinkWorker(self, cfg)
+                                   for cfg in sinks]
 
     async def connect(self) -> None:
         self.nc = await connect_service(self.settings, name=f"aep-bridge-exporter-{self.settings.instance}", role="exporter")
