@@ -1,5 +1,5 @@
-"""Fixtures of the relay tests: a relay process on the session's server, and one in front of a
-whole control plane (mapper, pairing, gate) with its own server."""
+"""Fixtures of the service tests: a relay process on the session's server, one in front of a
+whole control plane (mapper, pairing, gate) with its own server, and a Tansu broker."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import pytest
 
 from tests.support.plane import Plane, start_plane, stop_plane
 from tests.support.relay import RelayProcess
+from tests.support.tansu import Tansu
 
 
 @pytest.fixture
@@ -33,3 +34,13 @@ def relay_plane(nats_backend: str, tmp_path_factory: pytest.TempPathFactory) -> 
     finally:
         relay.stop()
         stop_plane(plane, services)
+
+
+@pytest.fixture
+def tansu(tmp_path):  # type: ignore[no-untyped-def]
+    """A Tansu broker (Kafka wire, in-memory storage) for one test."""
+    broker = Tansu(tmp_path / "tansu.log").start()
+    try:
+        yield broker
+    finally:
+        broker.stop()

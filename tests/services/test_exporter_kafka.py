@@ -17,20 +17,11 @@ from tests.corpus import envelopes
 from tests.natsfixture import JetStreamClient
 from tests.support.services import Service, wait_for
 from tests.support.shim import compiled_hook, run_hook, shim_env
-from tests.support.tansu import Tansu
+from tests.support.tansu import Tansu, consume
 from tests.support.aep_fixtures import OCSF_TYPES, ocsf_problems
 from tests.support.streams import quiet
 
 CANARY = "CANARY-7f3a-export-must-not-carry-this"
-
-
-@pytest.fixture
-def tansu(tmp_path):
-    broker = Tansu(tmp_path / "tansu.log").start()
-    try:
-        yield broker
-    finally:
-        broker.stop()
 
 
 def planted(envs: list[dict]) -> list[dict]:
@@ -46,33 +37,6 @@ def planted(envs: list[dict]) -> list[dict]:
                 if isinstance(extra.get(key), str):
                     extra[key] = extra[key] + " " + CANARY
         out.append(env)
-    return out
-
-
-def consume(bootstrap: str, topic: str, expected: int, timeout: float = 90.0) -> list:
-    """Every message of the topic (a fresh consumer group), until `expected` arrived and
-    nothing more came for 2 s."""
-    from confluent_kafka import Consumer
-
-    c = Consumer({"bootstrap.servers": bootstrap, "group.id": f"test-{topic}-{time.time_ns()}",
-                  "auto.offset.reset": "earliest", "enable.auto.commit": False})
-    c.subscribe([topic])
-    out: list = []
-    deadline = time.monotonic() + timeout
-    quiet_since = time.monotonic()
-    try:
-        while time.monotonic() < deadline:
-            msg = c.poll(0.5)
-            if msg is None:
-                if len(out) >= expected and time.monotonic() - quiet_since > 2.0:
-                    break
-                continue
-            if msg.error():
-                continue
-            out.append(msg)
-            quiet_since = time.monotonic()
-    finally:
-        c.close()
     return out
 
 

@@ -13,7 +13,7 @@ import pytest
 from bridge.core.sinks import PARTITIONS
 from tests.corpus import envelopes
 from tests.natsfixture import JetStreamClient
-from tests.services.test_exporter_kafka import consume, tansu  # noqa: F401 - the fixture
+from tests.support.tansu import consume
 from tests.support.exporter import TopicCounter, aep_messages, load, sim_messages
 from tests.support.services import Service
 
@@ -41,7 +41,7 @@ def lease_owners(client: JetStreamClient, sink: str) -> dict[int, str]:
 
 
 @pytest.mark.slow
-def test_three_replicas_scale_up_and_a_kill_deliver_every_event_once_in_lane_order(nats_server_fn, tansu, tmp_path):  # noqa: F811
+def test_three_replicas_scale_up_and_a_kill_deliver_every_event_once_in_lane_order(nats_server_fn, tansu, tmp_path):
     topic = "aep-scale"
     tansu.create_topics(topic, partitions=TOPIC_PARTITIONS)
     client = JetStreamClient(nats_server_fn.url)
@@ -55,7 +55,11 @@ def test_three_replicas_scale_up_and_a_kill_deliver_every_event_once_in_lane_ord
     try:
         for r in replicas[:2]:
             r.start()
-        client.run(load(client.js, msgs))
+        # Published in three parts, so the scale-up and the kill happen while events are still
+        # to come, however fast the replicas are: 40 %, then 30 % once the third replica has its
+        # share, the last 30 % after the kill.
+        first, second = len(msgs) * 4 // 10, len(msgs) * 7 // 10
+        client.run(load(client.js, msgs[:first]))
         # Scale-up mid-run: the third replica takes its share from the other two.
         at_scale_up = wait_count(counter, len(msgs) // 5, 60)
         replicas[2].start()
@@ -63,10 +67,12 @@ def test_three_replicas_scale_up_and_a_kill_deliver_every_event_once_in_lane_ord
         while len(set(lease_owners(client, "scale").values())) < 3 and time.monotonic() < deadline:
             time.sleep(0.2)
         owners_after_scale_up = lease_owners(client, "scale")
+        client.run(load(client.js, msgs[first:second]))
         # Then one replica is killed mid-batch.
         at_kill = wait_count(counter, len(msgs) // 2, 60)
         replicas[0].kill()
-        assert at_scale_up < len(msgs) and at_kill < len(msgs), "the run was over before the scale-up and the kill"
+        client.run(load(client.js, msgs[second:]))
+        assert at_scale_up < first and at_kill < second, "the scale-up and the kill came with events still to deliver"
         assert len(set(owners_after_scale_up.values())) == 3, owners_after_scale_up
 
         got = consume(tansu.bootstrap, topic, len(msgs), timeout=120)

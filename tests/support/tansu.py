@@ -93,3 +93,30 @@ class Tansu:
             return self.log_path.read_text(errors="replace")[-3000:]
         except OSError:
             return ""
+
+
+def consume(bootstrap: str, topic: str, expected: int, timeout: float = 90.0) -> list:
+    """Every message of the topic (a fresh consumer group), until `expected` arrived and
+    nothing more came for 2 s."""
+    from confluent_kafka import Consumer
+
+    c = Consumer({"bootstrap.servers": bootstrap, "group.id": f"test-{topic}-{time.time_ns()}",
+                  "auto.offset.reset": "earliest", "enable.auto.commit": False})
+    c.subscribe([topic])
+    out: list = []
+    deadline = time.monotonic() + timeout
+    quiet_since = time.monotonic()
+    try:
+        while time.monotonic() < deadline:
+            msg = c.poll(0.5)
+            if msg is None:
+                if len(out) >= expected and time.monotonic() - quiet_since > 2.0:
+                    break
+                continue
+            if msg.error():
+                continue
+            out.append(msg)
+            quiet_since = time.monotonic()
+    finally:
+        c.close()
+    return out
