@@ -1,0 +1,36 @@
+"""The cluster fault suite (issue 23): one scenario per test, each on a fresh three-node
+cluster, every client given the full server list. See tests/cluster/harness.py for the run
+and the checks each scenario ends with; each scenario also checks that its fault happened."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.cluster.harness import ClusterRun
+
+
+@pytest.fixture
+def run(nats_cluster, tmp_path):
+    r = ClusterRun(nats_cluster, tmp_path)
+    try:
+        yield r
+    finally:
+        r.close()
+
+
+def kill_leader_and_restart(run: ClusterRun, stream: str) -> None:
+    cluster = run.cluster
+    run.start_traffic()
+    run.at(15.0)
+    leader = cluster.wait_leader(stream)
+    cluster.node(leader).kill()
+    new = cluster.wait_leader(stream, not_on=leader)
+    print(f"{stream}: leader {leader} killed, new leader {new}")
+    run.at(25.0)
+    cluster.node(leader).start()
+    run.finish()
+
+
+@pytest.mark.slow
+def test_kill_9_the_aep_events_leader(run):
+    kill_leader_and_restart(run, "AEP_EVENTS")
