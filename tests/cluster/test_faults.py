@@ -4,6 +4,8 @@ and the checks each scenario ends with; each scenario also checks that its fault
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from tests.cluster.harness import ClusterRun
@@ -34,3 +36,22 @@ def kill_leader_and_restart(run: ClusterRun, stream: str) -> None:
 @pytest.mark.slow
 def test_kill_9_the_aep_events_leader(run):
     kill_leader_and_restart(run, "AEP_EVENTS")
+
+
+@pytest.mark.slow
+def test_kill_9_the_hermes_raw_leader(run):
+    kill_leader_and_restart(run, "HERMES_RAW")
+
+
+@pytest.mark.slow
+def test_rolling_restart_of_all_three_nodes_during_traffic(run):
+    cluster = run.cluster
+    run.start_traffic()
+    run.at(10.0)
+    for node in cluster.nodes:
+        node.stop()  # SIGTERM: what a rolling upgrade does
+        time.sleep(3.0)
+        node.start()
+        cluster.wait_ready(60)  # back in the meta group before the next one goes
+        print(f"{node.name} restarted at {time.monotonic() - run.t0:.1f} s")
+    run.finish()
