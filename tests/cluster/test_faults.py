@@ -44,6 +44,16 @@ def test_kill_9_the_hermes_raw_leader(run):
 
 
 @pytest.mark.slow
+def test_kill_9_the_bridge_mapped_leader(run):
+    kill_leader_and_restart(run, "BRIDGE_MAPPED")
+
+
+@pytest.mark.slow
+def test_kill_9_the_leases_bucket_leader(run):
+    kill_leader_and_restart(run, "KV_aep_leases")
+
+
+@pytest.mark.slow
 def test_rolling_restart_of_all_three_nodes_during_traffic(run):
     cluster = run.cluster
     run.start_traffic()
@@ -55,3 +65,26 @@ def test_rolling_restart_of_all_three_nodes_during_traffic(run):
         cluster.wait_ready(60)  # back in the meta group before the next one goes
         print(f"{node.name} restarted at {time.monotonic() - run.t0:.1f} s")
     run.finish()
+
+
+@pytest.mark.slow
+def test_one_node_store_wiped_catches_up(run):
+    cluster = run.cluster
+    run.start_traffic()
+    run.at(15.0)
+    victim = next(n for n in cluster.nodes if n.name != cluster.meta_leader())
+    victim.wipe()
+    run.at(25.0)
+    victim.start()
+    cluster.wait_ready(60)
+    run.finish()
+    # it caught up: its own copy of AEP_EVENTS holds what the leader holds
+    deadline = time.monotonic() + 60
+    held: dict | None = None
+    want = run.pipe.counts()["AEP_EVENTS"]
+    while time.monotonic() < deadline:
+        held = victim.held_stream("AEP_EVENTS")
+        if held and held["state"]["messages"] == want:
+            break
+        time.sleep(0.5)
+    assert held and held["state"]["messages"] == want, (held, want)
