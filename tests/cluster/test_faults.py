@@ -54,6 +54,20 @@ def test_kill_9_the_leases_bucket_leader(run):
 
 
 @pytest.mark.slow
+def test_sigstop_one_node_for_20_s(run):
+    cluster = run.cluster
+    run.start_traffic()
+    run.at(15.0)
+    victim = cluster.wait_leader("AEP_EVENTS")  # the node that matters most to the pipeline
+    cluster.node(victim).pause()
+    new = cluster.wait_leader("AEP_EVENTS", not_on=victim)
+    print(f"{victim} paused; AEP_EVENTS leader now {new}")
+    run.at(35.0)
+    cluster.node(victim).resume()
+    run.finish()
+
+
+@pytest.mark.slow
 def test_rolling_restart_of_all_three_nodes_during_traffic(run):
     cluster = run.cluster
     run.start_traffic()
