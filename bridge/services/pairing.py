@@ -7,8 +7,19 @@ Theory of operation
   when the key exists) and keeps it with `update(..., last=revision)` every
   `RENEW_S`. The bucket's max age (`LEASE_TTL_S`) removes a lease nobody renews,
   so a standby's next `create` succeeds and it takes over. All of it is
-  JetStream's own compare-and-set and TTL: no home-made consensus. A replica
-  whose renewal fails stops that partition at once.
+  JetStream's own compare-and-set and TTL: no home-made consensus. A renewal
+  that gets no answer (a leader change of the bucket, a node lost) is tried again
+  at the next round while the lease is still surely ours; one refused (another
+  replica holds it) stops that partition at once.
+* Fencing: an owner acts on a partition only while its lease is surely alive: less
+  than `LEASE_TTL_S - FENCE_MARGIN_S` after the last renewal the server confirmed
+  (timed from when that request was sent, by the monotonic clock, which keeps
+  running while a process is stopped). Before each publish batch, tick, progress
+  record and checkpoint the partition checks it; past it the partition is fenced:
+  dropped at once, nothing published (`aep_bridge_pairing_fenced_total`). So an
+  owner paused (SIGSTOP, a VM stall) past its lease, which a standby took over
+  meanwhile, publishes nothing stale when it runs again, and never writes its older
+  checkpoint over the new owner's.
 * State: the pure state machine (`bridge.core.pairing.PairingState`) per
   partition. Every `CHECKPOINT_EVERY` messages or `CHECKPOINT_S` seconds, once
   every publish up to that point is acked, its snapshot (which records the
@@ -98,6 +109,9 @@ CHECKPOINT_READ_TIMEOUT_S = 5.0
 # 2 s it took a tenth of the process and grew with time. A takeover replays at most this much
 # (folding it into the state; what the previous owner published is not published again).
 CHECKPOINT_S = 10.0
+# An owner stops acting on a partition this long before its lease could expire (fencing).
+# Above RENEW_S: a renewal that got no answer is retried once before the partition stops.
+FENCE_MARGIN_S = 3.0
 # A batch of less than a quarter of FETCH_BATCH, once handled, is followed by a short pause:
 # eight partitions polling without one made ~1 pull request per message (CPU for the service
 # and the server); messages arriving meanwhile wait at most this much, none in a catch-up.
@@ -126,6 +140,8 @@ class PairingMetrics:
         self.checkpoint_bytes = Gauge(f"{ns}_checkpoint_bytes", "Size of the last checkpoint written (compressed)", ["partition"], registry=registry)
         self.pending = Gauge("aep_bridge_consumer_pending_messages", "JetStream num_pending of the consumers read", ["stream", "consumer"], registry=registry)
         self.redelivered = Gauge("aep_bridge_consumer_redelivered_messages", "JetStream num_redelivered", ["stream", "consumer"], registry=registry)
+        self.fenced = Counter(f"{ns}_fenced_total", "Partitions dropped because their lease may have lapsed (nothing more published)",
+                              registry=registry)
         self.republish_skipped = Counter(
             f"{ns}_republish_skipped_total", "Replayed outputs already on AEP_EVENTS past its duplicate window (not published again)",
             registry=registry,
@@ -173,6 +189,7 @@ class Partition:
     number: int
     state: PairingState
     revision: int = 0  # lease revision
+    confirmed: float = 0.0  # monotonic time the last confirmed create/renew of the lease was sent
     position: int = 0  # last BRIDGE_MAPPED sequence folded into `state`
     checkpointed: int = 0
     since_checkpoint: int = 0
@@ -232,11 +249,39 @@ class PairingService:
             self.unowned[n] = f"lease: {type(exc).__name__}: {exc}"
             return None
 
+    def lease_deadline(self) -> float:
+        return (self.lease_ttl_s or S.LEASE_TTL_S) - FENCE_MARGIN_S
+
+    def fenced(self, part: Partition) -> bool:
+        """True (and the partition marked lost) once the lease may have lapsed: past it, a
+        standby may own the partition, so this owner must act on it no more."""
+        if part.lost:
+            return True
+        if time.monotonic() - part.confirmed < self.lease_deadline():
+            return False
+        part.lost = True
+        self.metrics.fenced.inc()
+        log.warning("partition_fenced", partition=part.number,
+                    since_confirmed_s=round(time.monotonic() - part.confirmed, 1))
+        return True
+
     async def renew(self, part: Partition) -> bool:
+        """Renew the lease. False when it is lost: refused (someone else's now), or no answer
+        and no more time to try again before it may lapse."""
+        from nats.js.errors import KeyWrongLastSequenceError
+
+        sent = time.monotonic()
         try:
             part.revision = int(await self.leases.update(f"p.{part.number}", self.replica.encode(), last=part.revision))
+            part.confirmed = sent
             return True
-        except Exception as exc:
+        except KeyWrongLastSequenceError as exc:
+            log.warning("lease_lost", partition=part.number, error=f"{type(exc).__name__}: {exc}")
+            return False
+        except Exception as exc:  # no answer (a leader change, a node lost): try again next round
+            if not self.fenced(part) and time.monotonic() + RENEW_S - part.confirmed < self.lease_deadline():
+                log.warning("lease_renew_retry", partition=part.number, error=f"{type(exc).__name__}: {exc}")
+                return True
             log.warning("lease_lost", partition=part.number, error=f"{type(exc).__name__}: {exc}")
             return False
 
@@ -331,6 +376,8 @@ class PairingService:
             part.since_checkpoint = 0
             part.last_checkpoint = time.monotonic()
             return
+        if self.fenced(part):  # never an older state over a new owner's checkpoint
+            return
         name = CHECKPOINT_KEY.format(part.number)
         chunk = min(CHECKPOINT_CHUNK, self.nc.max_payload)
         meta = ObjectMeta(name=name, options=ObjectMetaOptions(max_chunk_size=chunk))
@@ -423,6 +470,8 @@ class PairingService:
         if part.recheck_left > 0:
             part.recheck_left -= 1
             out = await self.not_yet_published(msg, out)
+        if out and self.fenced(part):  # the lease may have lapsed while this batch was handled
+            return [], None
         return await self.publish(out, msg), ts_ns if isinstance(ts_ns, int) else None
 
     async def not_yet_published(self, msg: Any, events: list[Any]) -> list[Any]:
@@ -447,6 +496,8 @@ class PairingService:
         return missing
 
     async def handle_batch(self, part: Partition, msgs: list[Any]) -> None:
+        if self.fenced(part):
+            return
         futures: list[asyncio.Future] = []
         receive_times: list[int] = []
         for msg in msgs:
@@ -463,7 +514,7 @@ class PairingService:
         if last > part.position:
             part.since_checkpoint += sum(1 for m in msgs if m.metadata.sequence.stream > part.position)
             part.position = last
-            if futures:  # every output up to `last` is acked: say so, for a later restore
+            if futures and not self.fenced(part):  # every output up to `last` is acked: say so, for a later restore
                 fut = await self.js.publish_async(subj.kv_subject(S.PAIRING_BUCKET, PROGRESS_KEY.format(part.number)),
                                                   str(last).encode())
                 fut.add_done_callback(lambda f: f.cancelled() or f.exception())
@@ -554,6 +605,13 @@ class PairingService:
         for n in range(self.settings.partitions):
             part = self.partitions.get(n)
             if part is not None:
+                if part.lost:  # fenced: its loop stopped publishing; the lease may be someone else's
+                    if part.task:
+                        part.task.cancel()
+                    await self.release(part)
+                    del self.partitions[n]
+                    self.metrics.owned_by_partition.labels(partition=str(n)).set(0)
+                    continue
                 if part.task is not None and part.task.done():
                     exc = part.task.exception() if not part.task.cancelled() else None
                     log.error("partition_task_ended", partition=n, error=str(exc))
@@ -569,6 +627,7 @@ class PairingService:
                     del self.partitions[n]
                     self.metrics.owned_by_partition.labels(partition=str(n)).set(0)
                 continue
+            sent = time.monotonic()
             revision = await self.try_acquire(n)
             if revision is None:
                 continue
@@ -580,6 +639,7 @@ class PairingService:
                 continue
             self.unowned.pop(n, None)
             part.revision = revision
+            part.confirmed = sent
             part.task = asyncio.create_task(self.run_partition(part))
             self.partitions[n] = part
             self.metrics.owned_by_partition.labels(partition=str(n)).set(1)
@@ -598,7 +658,9 @@ class PairingService:
             if await self.stopper.sleep(self.tick_s):
                 return
             now = time.time_ns()
-            for n in list(self.partitions):
+            for n, part in list(self.partitions.items()):
+                if self.fenced(part):
+                    continue
                 try:
                     slot = now // int(self.tick_s * 1e9)
                     await self.js.publish(

@@ -164,7 +164,8 @@ class Pipeline:
     def run(self, coro_fn: Any, timeout: float = 30.0) -> Any:
         """Run ``coro_fn(js)`` on a fresh connection (synchronous helper)."""
         async def main() -> Any:
-            nc = await nats.connect(self.url, connect_timeout=3, max_reconnect_attempts=2, reconnect_time_wait=0.2)
+            servers = [u.strip() for u in self.url.split(",") if u.strip()]  # one server or a cluster's list
+            nc = await nats.connect(servers, connect_timeout=3, max_reconnect_attempts=2, reconnect_time_wait=0.2)
             try:
                 return await asyncio.wait_for(coro_fn(nc.jetstream()), timeout)
             finally:
@@ -172,8 +173,8 @@ class Pipeline:
 
         return asyncio.run(main())
 
-    def bootstrap(self, duplicate_window_s: float | None = None) -> dict[str, str]:
-        return self.run(lambda js: bootstrap(js, None, replicas=1, duplicate_window_s=duplicate_window_s))
+    def bootstrap(self, duplicate_window_s: float | None = None, replicas: int = 1) -> dict[str, str]:
+        return self.run(lambda js: bootstrap(js, None, replicas=replicas, duplicate_window_s=duplicate_window_s))
 
     def counts(self) -> dict[str, int]:
         async def f(js: Any) -> dict[str, int]:

@@ -16,6 +16,10 @@ Theory of operation
   JetStream the messages are in progress: nothing is acked and nothing fetched meanwhile
   (backpressure), nothing is lost, and delivery resumes where it stopped. A permanent refusal
   (OTLP 400, a Kafka record too large) dead-letters the batch's events with the reason.
+* An ack lost with a NATS node (the consumer's leader killed, a leader change) redelivers
+  an event the sink already has: the worker remembers the AEP_EVENTS sequences it delivered
+  (the last `DELIVERED_MEMORY`) and acks such a redelivery without sending it again (counted
+  ``skipped{reason="redelivered"}``), so node faults put no event twice in the sink.
 * A crash between delivery and ack redelivers: the sink sees the same event again, with the
   same id (Kafka header ``aep-id``, CloudEvents ``id``, OCSF ``metadata.uid``,
   OTLP ``aep.event_id``), so consumers dedupe on it.
@@ -32,6 +36,7 @@ import asyncio
 import os
 import random
 import time
+from collections import OrderedDict
 from typing import Any
 
 import msgspec
@@ -57,6 +62,7 @@ log = structlog.get_logger("aep_bridge.exporter")
 
 BACKOFF_FIRST_S = 1.0
 BACKOFF_MAX_S = 30.0
+DELIVERED_MEMORY = 65536  # AEP_EVENTS sequences a worker remembers having delivered (lost acks)
 PROGRESS_EVERY_S = S.EXPORT_ACK_WAIT_S / 3
 
 
@@ -104,6 +110,7 @@ class SinkWorker:
         self.bound = False
         self.state = "starting"
         self._decode = msgspec.json.Decoder().decode
+        self.delivered: OrderedDict[int, None] = OrderedDict()  # AEP_EVENTS sequences the sink confirmed
 
     # ------------------------------------------------------------ setup
 
@@ -162,6 +169,10 @@ class SinkWorker:
     async def handle(self, msgs: list[Any]) -> None:
         items: list[Item] = []
         for msg in msgs:
+            if (getattr(msg.metadata, "num_delivered", 1) or 1) > 1 and msg.metadata.sequence.stream in self.delivered:
+                self.metrics.skipped.labels(sink=self.cfg.name, reason="redelivered").inc()
+                await self.ack([msg])  # its first ack was lost: the sink has it already
+                continue
             try:
                 item, why = self.prepare(msg)
             except (BridgeError, msgspec.DecodeError, UnicodeDecodeError) as exc:
@@ -192,6 +203,7 @@ class SinkWorker:
                 permanent = [(i, o) for i, o in zip(items, outcomes) if not o.ok and not o.retry]
                 retry = [(i, o) for i, o in zip(items, outcomes) if not o.ok and o.retry]
                 if delivered:
+                    self.remember(delivered)
                     await self.ack([i.msg for i in delivered])
                     self.metrics.delivered.labels(sink=self.cfg.name).inc(len(delivered))
                     self.metrics.last_success.labels(sink=self.cfg.name).set(time.time())
@@ -219,6 +231,12 @@ class SinkWorker:
                     return  # unacked: redelivered to the next exporter (or the partition's next owner)
         finally:
             keepalive.cancel()
+
+    def remember(self, items: list[Item]) -> None:
+        for item in items:
+            self.delivered[item.msg.metadata.sequence.stream] = None
+        while len(self.delivered) > DELIVERED_MEMORY:
+            self.delivered.popitem(last=False)
 
     async def send(self, items: list[Item]) -> list[Outcome]:
         """The sink's outcomes for ``items``. A batch the sink cannot even frame (a record its

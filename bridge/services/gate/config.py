@@ -18,6 +18,7 @@ RAW_HOOKS = ("pre_tool_call", "pre_llm_call", "on_session_start", "on_session_fi
 QUEUE_GROUP = "aep-gate"
 SWEEP_S = 0.1
 MAX_DELIVER = 4  # a raw message or command whose handling keeps failing is given up (logged) on this delivery
+MAX_DELIVER_UNAVAILABLE = 14  # ... when NATS did not answer (timeouts, no responders): ~22 s of naks, past an election
 MAX_HOLD_MS = 300_000  # Hermes clamps a hook timeout to 300 s
 
 

@@ -10,6 +10,7 @@ from typing import Any
 
 import msgspec
 import nats.errors
+import nats.js.errors
 import structlog
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
@@ -41,6 +42,7 @@ from bridge.services.gate.commands import Commands
 from bridge.services.gate.config import (
     COMMAND_DURABLE,
     MAX_DELIVER,
+    MAX_DELIVER_UNAVAILABLE,
     MAX_HOLD_MS,
     QUEUE_GROUP,
     RAW_DURABLE,
@@ -50,6 +52,10 @@ from bridge.services.gate.config import (
 from bridge.runtime import Loop, close_connection, serve
 
 log = structlog.get_logger("aep_bridge.gate")
+
+# NATS did not answer: a leader election, a node lost. Waited out (MAX_DELIVER_UNAVAILABLE).
+UNAVAILABLE = (nats.errors.TimeoutError, nats.errors.NoRespondersError, nats.js.errors.ServiceUnavailableError,
+               asyncio.TimeoutError, nats.errors.ConnectionClosedError)
 
 
 class Gate(Commands):
@@ -114,10 +120,14 @@ class Gate(Commands):
                     delivered = msg.metadata.num_delivered or 1
                     log.error("handle_failed", what=what, subject=msg.subject, delivered=delivered,
                               error=f"{type(exc).__name__}: {exc}")
-                    if delivered < MAX_DELIVER:
+                    # NATS not answering (a bucket's leader changing, a node lost) is waited out
+                    # for longer than an election takes; other failures are given up sooner.
+                    limit = MAX_DELIVER_UNAVAILABLE if isinstance(exc, UNAVAILABLE) else MAX_DELIVER
+                    if delivered < limit:
                         with contextlib.suppress(Exception):
-                            await msg.nak(delay=0.5 * delivered)
+                            await msg.nak(delay=min(2.0, 0.5 * delivered))
                         continue
+                    log.error("handle_given_up", what=what, subject=msg.subject, delivered=delivered)
                 with contextlib.suppress(Exception):
                     await msg.ack()
 

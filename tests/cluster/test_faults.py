@@ -1,0 +1,187 @@
+"""The cluster fault suite (issue 23): one scenario per test, each on a fresh three-node
+cluster, every client given the full server list. See tests/cluster/harness.py for the run
+and the checks each scenario ends with; each scenario also checks that its fault happened."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tests.cluster.harness import ClusterRun
+from tests.clusterfixture import Cluster
+from tests.support.services import http_json, wait_for
+
+
+@pytest.fixture
+def run(nats_cluster, tmp_path):
+    r = ClusterRun(nats_cluster, tmp_path)
+    try:
+        yield r
+    finally:
+        r.close()
+
+
+def kill_leader_and_restart(run: ClusterRun, stream: str) -> None:
+    cluster = run.cluster
+    run.start_traffic()
+    run.at(15.0)
+    leader = cluster.wait_leader(stream)
+    cluster.node(leader).kill()
+    new = cluster.wait_leader(stream, not_on=leader)
+    print(f"{stream}: leader {leader} killed, new leader {new}")
+    run.at(25.0)
+    cluster.node(leader).start()
+    run.finish()
+
+
+@pytest.mark.slow
+def test_kill_9_the_aep_events_leader(run):
+    kill_leader_and_restart(run, "AEP_EVENTS")
+
+
+@pytest.mark.slow
+def test_kill_9_the_hermes_raw_leader(run):
+    kill_leader_and_restart(run, "HERMES_RAW")
+
+
+@pytest.mark.slow
+def test_kill_9_the_bridge_mapped_leader(run):
+    kill_leader_and_restart(run, "BRIDGE_MAPPED")
+
+
+@pytest.mark.slow
+def test_kill_9_the_leases_bucket_leader(run):
+    kill_leader_and_restart(run, "KV_aep_leases")
+
+
+@pytest.mark.slow
+def test_sigstop_one_node_for_20_s(run):
+    cluster = run.cluster
+    run.start_traffic()
+    run.at(15.0)
+    victim = cluster.wait_leader("AEP_EVENTS")  # the node that matters most to the pipeline
+    cluster.node(victim).pause()
+    new = cluster.wait_leader("AEP_EVENTS", not_on=victim)
+    print(f"{victim} paused; AEP_EVENTS leader now {new}")
+    run.at(35.0)
+    cluster.node(victim).resume()
+    run.finish()
+
+
+@pytest.mark.slow
+def test_rolling_restart_of_all_three_nodes_during_traffic(run):
+    cluster = run.cluster
+    run.start_traffic()
+    run.at(10.0)
+    for node in cluster.nodes:
+        node.stop()  # SIGTERM: what a rolling upgrade does
+        time.sleep(3.0)
+        node.start()
+        cluster.wait_ready(60)  # back in the meta group before the next one goes
+        print(f"{node.name} restarted at {time.monotonic() - run.t0:.1f} s")
+    run.finish()
+
+
+@pytest.mark.slow
+def test_one_node_store_wiped_catches_up(run):
+    cluster = run.cluster
+    run.start_traffic()
+    run.at(15.0)
+    victim = next(n for n in cluster.nodes if n.name != cluster.meta_leader())
+    victim.wipe()
+    run.at(25.0)
+    victim.start()
+    cluster.wait_ready(60)
+    run.finish()
+    # it caught up: its own copy of AEP_EVENTS holds what the leader holds
+    deadline = time.monotonic() + 60
+    held: dict | None = None
+    want = run.pipe.counts()["AEP_EVENTS"]
+    while time.monotonic() < deadline:
+        held = victim.held_stream("AEP_EVENTS")
+        if held and held["state"]["messages"] == want:
+            break
+        time.sleep(0.5)
+    assert held and held["state"]["messages"] == want, (held, want)
+
+
+def partitions_of(worker) -> list[int]:
+    status, body = http_json(f"http://127.0.0.1:{worker.port}/healthz")
+    return list(body.get("partitions") or []) if status else []
+
+
+@pytest.mark.slow
+def test_sigstop_a_pairing_owner_past_its_lease(run):
+    """The owner stopped for longer than its lease: the standby takes its partitions; when
+    the old owner runs again it finds its leases may have lapsed and fences itself: it drops
+    them and publishes, ticks and checkpoints nothing more for them."""
+    a, b = run.pipe.of("pairing")
+    run.start_traffic()
+    run.at(15.0)
+    owner, standby = (a, b) if len(partitions_of(a)) >= len(partitions_of(b)) else (b, a)
+    held = partitions_of(owner)
+    assert held, "the owner owns partitions"
+    owner.pause()
+    wait_for(lambda: set(partitions_of(standby)) >= set(held), 40, interval=0.5,
+             what=f"the standby to take over {held}")
+    print(f"{owner.name} paused with {held}; {standby.name} took over at {time.monotonic() - run.t0:.1f} s")
+    time.sleep(2.0)
+    owner.resume()
+    wait_for(lambda: owner.metrics() != {}, 20, what="the resumed owner's metrics")
+    after_resume = owner.metrics()
+    run.finish()
+    end = owner.metrics()
+    log = owner.log(200_000)
+    print(f"{owner.name}: fenced {end.get('aep_bridge_pairing_fenced_total')}, "
+          f"partition_fenced lines {log.count('partition_fenced')}, lease_lost lines {log.count('lease_lost')}")
+    assert end.get("aep_bridge_pairing_fenced_total", 0) >= 1, "the stale owner fenced itself:\n" + owner.log()
+    # Once fenced it owned nothing the standby held, and published nothing more.
+    assert not set(partitions_of(owner)) & set(partitions_of(standby))
+    published = [k for k in end if k.startswith("aep_bridge_pairing_events_total")]
+    assert all(end[k] == after_resume.get(k, 0) for k in published) or partitions_of(owner), (
+        "the old owner published after it resumed, owning nothing")
+
+
+@pytest.fixture(params=["2m", "always"])
+def synced_run(request, tmp_path):
+    cluster = Cluster()
+    for node in cluster.nodes:  # into the node's jetstream block
+        text = node.config_path.read_text()
+        node.config_path.write_text(text.replace("jetstream {\n", f"jetstream {{\n  sync_interval: {request.param}\n", 1))
+    try:
+        cluster.start()
+        r = ClusterRun(cluster, tmp_path)
+        try:
+            yield r
+        finally:
+            r.close()
+    finally:
+        cluster.close()
+
+
+@pytest.mark.slow
+def test_all_three_nodes_killed_at_once_then_restarted(synced_run):
+    """At the chosen sync_interval (the chart's 2m) and at `always`: kill -9 of all three
+    processes at once. What JetStream wrote is in the kernel's page cache, which a process
+    kill does not lose (only the machine's power would); the shims spool meanwhile and the
+    services reconnect."""
+    run = synced_run
+    cluster = run.cluster
+    run.start_traffic()
+    run.at(20.0)
+    before = run.pipe.counts()
+    for node in cluster.nodes:
+        node.proc.kill()  # all at once: no node waits for another
+    for node in cluster.nodes:
+        node.kill()
+    time.sleep(5.0)
+    for node in cluster.nodes:
+        node.spawn()
+    cluster.wait_ready(90)
+    for stream in ("HERMES_RAW", "BRIDGE_MAPPED", "AEP_EVENTS"):  # each elects its leader again
+        cluster.wait_leader(stream, timeout=90)
+    after = run.pipe.counts()
+    assert after["HERMES_RAW"] >= before["HERMES_RAW"], (before, after)
+    run.finish()
+    assert run.fleet.outcomes["spooled"] > 0, "the outage was seen by the shims"

@@ -1,0 +1,83 @@
+"""A pairing owner stopped (SIGSTOP) for longer than its lease, then let run again (issue 23).
+
+The standby takes the partitions over once the leases lapse and writes its own checkpoints.
+When the old owner runs again it must act on those partitions no more: no publish, no tick,
+no checkpoint. Before fencing, its partition loops went on where they stopped for a moment
+(until the next renewal failed) and wrote their older checkpoints over the new owner's: the
+next takeover would then restore a state from the past."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+
+from bridge.nats import streams as S
+from bridge.sim.sessions import realistic_envelopes
+from tests.natsfixture import JetStreamClient
+from tests.support.services import Service, publish_all, raw_records, wait_for
+from tests.support.streams import count, quiet
+
+
+def checkpoints(client: JetStreamClient) -> dict[str, tuple[str, str]]:
+    """Every checkpoint object: name -> (digest, modification time)."""
+    from nats.js.errors import NotFoundError
+
+    async def read() -> dict[str, tuple[str, str]]:
+        store = await client.js.object_store(S.CHECKPOINTS_BUCKET)
+        try:
+            infos = await store.list()
+        except NotFoundError:  # none yet
+            return {}
+        return {i.name: (str(i.digest), str(i.mtime)) for i in infos}
+
+    return client.run(read())
+
+
+def text(service: Service) -> str:
+    return service.log_path.read_text(errors="replace")
+
+
+@pytest.mark.slow
+def test_an_owner_paused_past_its_lease_writes_and_publishes_nothing_when_it_runs_again(nats_server_fn, tmp_path):
+    client = JetStreamClient(nats_server_fn.url)
+    client.bootstrap()
+    client.run(publish_all(client.js, raw_records(realistic_envelopes(8000, seed=23), instance="fence")))
+    mapper = Service("mapper", nats_server_fn.url, tmp_path).start()
+    quiet(client, "BRIDGE_MAPPED")
+    mapper.terminate()
+    dirs = [tmp_path / "a", tmp_path / "b"]
+    for d in dirs:
+        d.mkdir()
+    # Ticks rare: once the standby has caught up, nothing new reaches any partition, so any
+    # checkpoint written after that comes from the old owner.
+    owner = Service("pairing", nats_server_fn.url, dirs[0], "--replica", "owner", "--tick-s", "3600").start()
+    standby = None
+    try:
+        wait_for(lambda: count(client, "AEP_EVENTS") > 0, 30, interval=0.02, what="the owner to start publishing")
+        owner.proc.send_signal(signal.SIGSTOP)  # mid-backlog
+        time.sleep(0.2)
+        held = text(owner).count("partition_acquired")
+        assert held > 0
+        standby = Service("pairing", nats_server_fn.url, dirs[1], "--replica", "standby", "--tick-s", "3600").start()
+        wait_for(lambda: text(standby).count("partition_acquired") >= 8, 40, what="the standby to take all 8 over")
+        quiet(client, "AEP_EVENTS", settle=3.0, timeout=90)
+        # the standby's checkpoints, written CHECKPOINT_S after its last message
+        wait_for(lambda: len(checkpoints(client)) == 8, 30, what="a checkpoint of every partition")
+        time.sleep(12.0)  # > CHECKPOINT_S: every partition of the standby checkpointed its end
+        before = checkpoints(client)
+        events = count(client, "AEP_EVENTS")
+        owner.proc.send_signal(signal.SIGCONT)
+        # the old owner learns it lost them: its renewals are refused (or it fences first)
+        wait_for(lambda: text(owner).count("lease_lost") + text(owner).count("partition_fenced") >= held, 20,
+                 what="the old owner to drop its partitions")
+        time.sleep(1.0)
+        assert checkpoints(client) == before, "the old owner wrote its older checkpoints over the standby's"
+        assert count(client, "AEP_EVENTS") == events
+        assert "partition_fenced" in owner.log(), owner.log()
+    finally:
+        owner.terminate()
+        if standby is not None:
+            standby.terminate()
+        client.close()
