@@ -26,7 +26,7 @@ from bridge.sim.harness import Pipeline, Worker
 from bridge.sim.verify import Report, StreamReader
 from tests.clusterfixture import Cluster
 from tests.natsfixture import free_port
-from tests.sim.test_faults import assert_clean, finish
+from tests.support.faults import assert_clean, finish
 from tests.support.tansu import Tansu
 
 RATE = 200.0

@@ -29,7 +29,7 @@ import pytest
 from bridge.shim import hook
 from bridge.sim.fleet import Fleet, FleetConfig
 from bridge.sim.harness import Pipeline
-from bridge.sim.verify import Report, verify
+from tests.support.faults import assert_clean, finish
 from tests.support.shim import run_hook, shim_env
 
 
@@ -45,43 +45,6 @@ def start(fleet: Fleet) -> threading.Thread:
     t = threading.Thread(target=fleet.run, name="fleet", daemon=True)
     t.start()
     return t
-
-
-def finish(fleet: Fleet, thread: threading.Thread, pipe: Pipeline, wait: float = 90.0) -> Report:
-    """Wind the run down and verify it. `wait` covers a card open at its session's end, which
-    pairing closes hold_ns (45 s) later at a tick (issue 17: its answer may still come)."""
-    t0 = time.monotonic()
-    thread.join(timeout=180)
-    assert not thread.is_alive(), "the simulator did not finish"
-    left = fleet.drain(timeout=30)
-    fleet.close()
-    assert not left, f"spools not drained: {left}"
-    assert fleet.complete, "every simulated session ended (wind-down)"
-    t1 = time.monotonic()
-    pipe.settle(timeout=90)
-    t2 = time.monotonic()
-    report = verify(pipe.url, fleet.manifest_path, wait=wait)
-    print(f"finish: simulator + spools {t1 - t0:.1f} s, settle {t2 - t1:.1f} s, verify {time.monotonic() - t2:.1f} s")
-    return report
-
-
-def assert_clean(report: Report, pipe: Pipeline) -> None:
-    text = report.render()
-    print(text)
-    if not report.ok:  # keep the evidence: every stream, to replay offline (pytest keeps tmp_path)
-        try:
-            text += f"\nstreams dumped to {pipe.dump(pipe.dir.parent / 'dump')}"
-        except Exception as exc:  # the dump is a courtesy; the report is the failure
-            text += f"\n(stream dump failed: {exc!r})"
-    assert report.manifest_events > 0
-    assert report.lost_count == 0, text + "\n" + pipe.logs()
-    assert report.duplicate_count == 0 and report.id_under_two_sources == 0, text
-    assert report.seq_reused == 0, text
-    assert report.invariant_count == 0, text
-    assert report.schema_count == 0, text
-    assert report.canary_count == 0, text
-    assert report.canaries_planted > 0, "the scenario must carry canaries to prove anything"
-    assert report.ok, text
 
 
 def pipeline(server: Any, tmp_path: Path, mappers: int = 1, pairings: int = 1, window: float | None = None,
