@@ -37,6 +37,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -111,7 +112,8 @@ async def pairing_checkpoints(url: str) -> None:
     await service.connect()
     try:
         snapshot = os.urandom(300_000)  # incompressible: three 128 KiB chunks
-        part = Partition(number=3, state=_Snapshot(snapshot))
+        # A lease confirmed just now: an owner whose lease may have lapsed is fenced and writes nothing.
+        part = Partition(number=3, state=_Snapshot(snapshot), confirmed=time.monotonic())
         for position in (1, 2):
             part.position = position
             await service.checkpoint(part)
