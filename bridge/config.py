@@ -186,6 +186,9 @@ FIELDS: tuple[Field, ...] = (
     _f("AEP_BRIDGE_CAPTURE_OVERRIDES", "str", None, {"mapper", "gate"}, "per-category levels CATEGORY=LEVEL,... (default attention=redacted)"),
     _f("AEP_BRIDGE_LANE_WAIT_MS", "int", 2000, {"mapper"}, "how long a session-less event waits for earlier raw messages", range=(0, 3_600_000)),
     _f("AEP_BRIDGE_TICK_S", "float", 15.0, {"pairing"}, "seconds between pairing ticks", range=(0, None), flag="--tick-s"),
+    _f("AEP_BRIDGE_MAPPER_ACK_WAIT_S", "float", 30.0, {"mapper"}, "mapper: seconds before a message a replica took and did not ack is delivered again (set when the mapper creates its durable; keep it below AEP_BRIDGE_PAIRING_HOLD_S)", range=(1, 3600)),
+    _f("AEP_BRIDGE_EXPORT_ACK_WAIT_S", "float", 60.0, {"exporter"}, "exporter: seconds before an event a replica took and did not confirm is delivered again (its durables' ack_wait; progress is reported every third of it while a sink holds a batch)", range=(3, 3600)),
+    _f("AEP_BRIDGE_PAIRING_HOLD_S", "float", 45.0, {"pairing"}, "pairing: seconds a terminal waits for its start and a card outlives its session's end (keep it above AEP_BRIDGE_MAPPER_ACK_WAIT_S)", range=(0, 120)),
     _f("AEP_BRIDGE_STREAM_REPLICAS", "int", None, {"bootstrap", "gate"}, "stream replicas (default 1; 3 on a cluster)", range=(1, 5)),
     _f("AEP_BRIDGE_METRICS_PORT", "int", _metrics_port, SERVICES - {"relay"}, "/metrics, /healthz, /readyz port (mapper 9464, pairing 9465, gate 9466, exporter 9467)", range=(0, 65535), flag="--metrics-port"),
     _f("AEP_BRIDGE_METRICS_HOST", "str", "0.0.0.0", SERVICES - {"relay"}, "where the metrics port listens"),
@@ -383,7 +386,9 @@ _SETTINGS_ATTRS = {
     "capture": "AEP_BRIDGE_CAPTURE", "capture_overrides": "AEP_BRIDGE_CAPTURE_OVERRIDES",
     "redact_names": "AEP_BRIDGE_REDACT_NAMES", "metrics_port": "AEP_BRIDGE_METRICS_PORT",
     "metrics_host": "AEP_BRIDGE_METRICS_HOST", "lane_wait_ms": "AEP_BRIDGE_LANE_WAIT_MS",
-    "tick_s": "AEP_BRIDGE_TICK_S", "log_format": "AEP_BRIDGE_LOG_FORMAT", "log_level": "AEP_BRIDGE_LOG_LEVEL",
+    "tick_s": "AEP_BRIDGE_TICK_S", "mapper_ack_wait_s": "AEP_BRIDGE_MAPPER_ACK_WAIT_S",
+    "pairing_hold_s": "AEP_BRIDGE_PAIRING_HOLD_S", "export_ack_wait_s": "AEP_BRIDGE_EXPORT_ACK_WAIT_S",
+    "log_format": "AEP_BRIDGE_LOG_FORMAT", "log_level": "AEP_BRIDGE_LOG_LEVEL",
     "inbox_prefix": "AEP_BRIDGE_INBOX_PREFIX", "stream_replicas": "AEP_BRIDGE_STREAM_REPLICAS",
     "fallback_dir": "TMPDIR",
 }
@@ -423,6 +428,16 @@ class Settings:
     #: clock of TTL closure and of held follow-ups: one is released at most this long after its
     #: hold expired)
     tick_s: float = 15.0
+    #: mapper: the ack_wait its durable is created with: how long a message a replica took (and
+    #: died holding) waits before it is delivered again; pairing's hold must outlast it
+    mapper_ack_wait_s: float = 30.0
+    #: pairing: how long a terminal waits for a start that has not arrived (replicas reorder, a
+    #: start redelivered after a mapper crash comes one mapper ack_wait late) and how long a
+    #: card stays open after its session ended (bridge.core.pairing.PairingConfig.hold_ns)
+    pairing_hold_s: float = 45.0
+    #: exporter: its durables' ack_wait: how long an event a replica took (and died holding)
+    #: waits before it is delivered again; +WPI every third of it while a sink holds a batch
+    export_ack_wait_s: float = 60.0
     log_format: str = "json"
     log_level: str = "info"
     #: nats-py inbox prefix; None: the role's own (bridge.nats.connection.ROLE_INBOX)

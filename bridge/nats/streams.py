@@ -248,8 +248,9 @@ def all_stream_configs(replicas: int = 1, duplicate_window_s: float | None = Non
             + [o.config(replicas) for o in OBJECT_STORES])
 
 
-def mapper_consumer_config(durable: str = MAPPER_DURABLE) -> Any:
-    """The mapper's shared durable pull consumer on HERMES_RAW.
+def mapper_consumer_config(durable: str = MAPPER_DURABLE, ack_wait: float = MAPPER_ACK_WAIT_S) -> Any:
+    """The mapper's shared durable pull consumer on HERMES_RAW (``ack_wait``:
+    AEP_BRIDGE_MAPPER_ACK_WAIT_S).
 
     ``max_deliver`` is above MAPPER_MAX_DELIVER: the mapper dead-letters on that
     delivery itself; the two spare deliveries cover a crash while it does so.
@@ -259,7 +260,7 @@ def mapper_consumer_config(durable: str = MAPPER_DURABLE) -> Any:
         description="aep-bridge mapper (shared by every replica)",
         deliver_policy=DeliverPolicy.ALL,
         ack_policy=AckPolicy.EXPLICIT,
-        ack_wait=MAPPER_ACK_WAIT_S,
+        ack_wait=ack_wait,
         max_deliver=MAPPER_MAX_DELIVER + 2,
         max_ack_pending=MAPPER_MAX_ACK_PENDING,
         filter_subject=RAW_SUBJECTS,
@@ -272,7 +273,7 @@ EXPORT_MAX_ACK_PENDING = 4096
 
 
 def exporter_consumer_config(durable: str, description: str = "", max_ack_pending: int = EXPORT_MAX_ACK_PENDING,
-                             filter_subjects: list[str] | None = None) -> Any:
+                             filter_subjects: list[str] | None = None, ack_wait: float = EXPORT_ACK_WAIT_S) -> Any:
     """An exporter sink's durable pull consumer on AEP_EVENTS (one per sink: a slow sink
     never stalls another). Every event from the start of the stream; acked only once the
     sink confirmed delivery, so ``max_deliver`` is unlimited: an event waits for its sink,
@@ -285,7 +286,7 @@ def exporter_consumer_config(durable: str, description: str = "", max_ack_pendin
         description=description or f"aep-bridge exporter sink {durable}",
         deliver_policy=DeliverPolicy.ALL,
         ack_policy=AckPolicy.EXPLICIT,
-        ack_wait=EXPORT_ACK_WAIT_S,
+        ack_wait=ack_wait,  # AEP_BRIDGE_EXPORT_ACK_WAIT_S
         max_deliver=-1,
         max_ack_pending=max_ack_pending,
         filter_subjects=filter_subjects or [EVENTS_SUBJECTS, INGEST_SUBJECTS],
@@ -344,8 +345,9 @@ def export_stream_config(events: Any, sources: list[Any]) -> Any:
 
 
 def export_partition_consumer_config(durable: str, sink: str, partition: int, description: str = "",
-                                     max_ack_pending: int = EXPORT_MAX_ACK_PENDING) -> Any:
+                                     max_ack_pending: int = EXPORT_MAX_ACK_PENDING,
+                                     ack_wait: float = EXPORT_ACK_WAIT_S) -> Any:
     """A partitioned sink's durable pull consumer of one partition on AEP_EXPORT: what
     `exporter_consumer_config` is for one replica, for ``export.<sink>.<partition>.>``."""
     return exporter_consumer_config(durable, description or f"aep-bridge exporter partition {partition}",
-                                    max_ack_pending, [f"{EXPORT_PARTITION_PREFIX}.{sink}.{partition}.>"])
+                                    max_ack_pending, [f"{EXPORT_PARTITION_PREFIX}.{sink}.{partition}.>"], ack_wait)

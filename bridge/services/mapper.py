@@ -312,12 +312,22 @@ class Mapper:
             log.warning("lane_facts_unavailable", error=f"{type(exc).__name__}: {exc}")
             facts = None
         self.lanes = KvLanes(kv, facts=facts)
-        sub = await self.js.pull_subscribe(
-            S.RAW_SUBJECTS, durable=self.durable, stream=S.HERMES_RAW, config=S.mapper_consumer_config(self.durable)
-        )
+        config = S.mapper_consumer_config(self.durable, self.settings.mapper_ack_wait_s)
+        sub = await self.js.pull_subscribe(S.RAW_SUBJECTS, durable=self.durable, stream=S.HERMES_RAW, config=config)
+        await self._keep_ack_wait(sub, config)
         self.sub, self._floor, self._floor_at = sub, 0, 0.0
         self._finished = set()
         return sub
+
+    async def _keep_ack_wait(self, sub: Any, config: Any) -> None:
+        """An existing durable keeps the ack_wait it was created with: set AEP_BRIDGE_MAPPER_ACK_WAIT_S's."""
+        try:
+            have = (await sub.consumer_info()).config.ack_wait
+            if have is not None and abs(float(have) - config.ack_wait) > 1e-3:
+                await self.js.add_consumer(S.HERMES_RAW, config=config)
+                log.info("mapper_ack_wait_updated", durable=self.durable, before_s=have, after_s=config.ack_wait)
+        except Exception as exc:  # not allowed to, or racing a replica: the durable keeps its own
+            log.warning("mapper_ack_wait_unchanged", durable=self.durable, error=f"{type(exc).__name__}: {exc}")
 
     # ------------------------------------------------------------ one message
 
@@ -523,7 +533,7 @@ class Mapper:
             self._advance_floor(int(getattr(info.ack_floor, "stream_seq", 0) or 0))
             if self._earlier_settled(raw_seq):
                 return self._floor_at
-            # Messages delivered to a replica that died stay unacked for ack_wait (30 s): wait for
+            # Messages delivered to a replica that died stay unacked for ack_wait (30 s default): wait for
             # a given floor once, not once per event behind it.
             if self._floor_at >= deadline or self._floor == self._stuck_floor:
                 self.metrics.lane_wait_timeouts.inc()

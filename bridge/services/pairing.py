@@ -81,7 +81,7 @@ from bridge.core.aep import PAYLOAD_TYPES, decode_event, encode_event
 from bridge.core.ceiling import CapturePolicy, configure
 from bridge.core.redaction import Redactor
 from bridge.core.deadletter import KNOWN_REASONS as DLQ_REASONS
-from bridge.core.pairing import PairingInputError, PairingState
+from bridge.core.pairing import SECOND, PairingConfig, PairingInputError, PairingState
 from bridge.nats import streams as S
 from bridge.nats import subjects as subj
 from bridge.nats.connection import connect_service
@@ -216,6 +216,7 @@ class PairingService:
         self.partitions: dict[int, Partition] = {}
         self.lease_ttl_s = lease_ttl_s
         self.tick_s = tick_s or settings.tick_s
+        self.pairing_config = PairingConfig(hold_ns=int(settings.pairing_hold_s * SECOND))
         self.nc: Any = None
         self.js: Any = None
         self.leases: Any = None
@@ -335,10 +336,10 @@ class PairingService:
             if blob:
                 log.info("checkpoint_from_kv", partition=n, bytes=len(blob))
         if not blob:
-            state = PairingState(partition=n)
+            state = PairingState(self.pairing_config, partition=n)
         else:
             try:
-                state = PairingState.restore(zlib.decompress(blob), partition=n)
+                state = PairingState.restore(zlib.decompress(blob), self.pairing_config, partition=n)
             except Exception:
                 self.metrics.checkpoint_errors.labels(what="read").inc()
                 raise

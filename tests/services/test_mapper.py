@@ -125,13 +125,19 @@ def test_kill_9_replicas_repeatedly_loses_and_duplicates_nothing(nats_server_fn,
     for i in range(2):
         d = tmp_path / f"m{i}"
         d.mkdir()
-        mappers.append(Service("mapper", nats_server_fn.url, d, "--batch", "64").start())
+        # A killed replica's messages come back after 5 s, not 30 (the suite's time; the same
+        # redelivery either way): AEP_BRIDGE_MAPPER_ACK_WAIT_S.
+        mappers.append(Service("mapper", nats_server_fn.url, d, "--batch", "64",
+                               env={"AEP_BRIDGE_MAPPER_ACK_WAIT_S": "5"}).start())
     rng = random.Random(3)
     kills = 0
     try:
-        deadline = time.monotonic() + 120
+        # A kill every 0.8-2 s: a replica lives long enough to start, take a batch and map part
+        # of it (a kill every 0.2-0.6 s mostly killed replicas still importing: 120 s for no
+        # more evidence), for at most 40 s or until every event is out.
+        deadline = time.monotonic() + 40
         while mapped_count(client) < len(want) and time.monotonic() < deadline:
-            time.sleep(rng.uniform(0.2, 0.6))
+            time.sleep(rng.uniform(0.8, 2.0))
             victim = rng.choice(mappers)
             victim.kill()
             kills += 1
@@ -148,6 +154,30 @@ def test_kill_9_replicas_repeatedly_loses_and_duplicates_nothing(nats_server_fn,
     finally:
         for m in mappers:
             m.terminate()
+        client.close()
+
+
+def test_the_ack_wait_is_a_setting_and_reaches_an_existing_durable(nats_server_fn, tmp_path):
+    """AEP_BRIDGE_MAPPER_ACK_WAIT_S is the ack_wait the mapper creates its durable with; a
+    mapper started with another value on an existing durable sets its own (and says so)."""
+    client = JetStreamClient(nats_server_fn.url)
+    client.bootstrap()
+
+    def ack_wait() -> float:
+        try:
+            return float(client.run(client.js.consumer_info("HERMES_RAW", MAPPER_DURABLE)).config.ack_wait)
+        except Exception:  # not created yet
+            return 0.0
+
+    try:
+        for want in ("7", "12.5"):
+            mapper = Service("mapper", nats_server_fn.url, tmp_path, env={"AEP_BRIDGE_MAPPER_ACK_WAIT_S": want}).start()
+            try:
+                wait_for(lambda: ack_wait() == float(want), 20, what=f"the durable's ack_wait at {want} s")
+            finally:
+                assert mapper.terminate() == 0, mapper.log()
+        assert "mapper_ack_wait_updated" in mapper.log()
+    finally:
         client.close()
 
 

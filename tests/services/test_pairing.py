@@ -165,6 +165,41 @@ def test_the_tick_interval_is_a_setting(nats_server_fn, tmp_path):
             Settings.from_env({"AEP_BRIDGE_CONFIG": "/dev/null", "AEP_BRIDGE_TICK_S": bad})
 
 
+def test_the_hold_is_a_setting(nats_server_fn, tmp_path):
+    """AEP_BRIDGE_PAIRING_HOLD_S is how long a terminal waits for its start: a lone
+    `post_tool_call` (its `pre_tool_call` never sent) is released when its hold expires, at
+    the next tick. At the default 45 s it would still be held at the bound below; at 1 s it
+    is out. Bad values are refused."""
+    from bridge.config import Settings
+
+    client = JetStreamClient(nats_server_fn.url)
+    client.bootstrap()
+    lone = next(e for e in envelopes() if e["hook_event_name"] == "post_tool_call")
+    mapper = Service("mapper", nats_server_fn.url, tmp_path).start()
+    pairing = Service("pairing", nats_server_fn.url, tmp_path, "--replica", "hold", "--tick-s", "0.5",
+                      env={"AEP_BRIDGE_PAIRING_HOLD_S": "1"}).start()
+    try:
+        client.run(publish_all(client.js, raw_records([lone], instance="hold")))
+        wait_for(lambda: count(client, "BRIDGE_MAPPED") - ticks_in(client) >= 1, 20, what="the mapped terminal")
+        wait_for(lambda: count(client, "AEP_EVENTS") >= 1, 15, interval=0.2,
+                 what="the lone terminal released after a 1 s hold")
+        (event,) = [json.loads(m.data) for m in client.fetch("aep.>", stream="AEP_EVENTS")]
+        assert event["type"] == "tool.completed" and "cause" not in event, event
+    finally:
+        pairing.terminate()
+        mapper.terminate()
+        client.close()
+    assert Settings.from_env({"AEP_BRIDGE_CONFIG": "/dev/null"}).pairing_hold_s == 45.0
+    for bad in ("-1", "121", "soon"):
+        with pytest.raises(ValueError, match="AEP_BRIDGE_PAIRING_HOLD_S"):
+            Settings.from_env({"AEP_BRIDGE_CONFIG": "/dev/null", "AEP_BRIDGE_PAIRING_HOLD_S": bad})
+
+
+def ticks_in(client: JetStreamClient) -> int:
+    info = client.run(client.js.stream_info("BRIDGE_MAPPED", subjects_filter="bridge.mapped.*.__tick__"))
+    return sum((info.state.subjects or {}).values())
+
+
 @pytest.mark.slow
 def test_a_pairing_owner_back_after_the_duplicate_window_publishes_nothing_twice(nats_server_fn, tmp_path):
     """The owner dies before its first checkpoint; the next one restores later than AEP_EVENTS'

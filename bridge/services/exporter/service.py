@@ -63,7 +63,7 @@ log = structlog.get_logger("aep_bridge.exporter")
 BACKOFF_FIRST_S = 1.0
 BACKOFF_MAX_S = 30.0
 DELIVERED_MEMORY = 65536  # AEP_EVENTS sequences a worker remembers having delivered (lost acks)
-PROGRESS_EVERY_S = S.EXPORT_ACK_WAIT_S / 3
+PROGRESS_EVERY = 1 / 3  # of the ack wait (AEP_BRIDGE_EXPORT_ACK_WAIT_S): +WPI this often while a sink holds a batch
 
 
 class ExporterMetrics:
@@ -126,14 +126,16 @@ class SinkWorker:
             except nats.js.errors.NotFoundError:
                 pass
             await self.service.js.add_consumer(stream, S.export_partition_consumer_config(
-                durable, self.cfg.name, self.partition, f"aep-bridge exporter sink {self.cfg.name} partition {self.partition}"))
+                durable, self.cfg.name, self.partition, f"aep-bridge exporter sink {self.cfg.name} partition {self.partition}",
+                ack_wait=self.service.settings.export_ack_wait_s))
             self.sub = await self.service.js.pull_subscribe_bind(durable=durable, stream=stream)
             self.bound = True
             return
         # Create the durable, or update one an earlier release made for aep.hermes.> alone
         # (it then takes aep.ingest.> from its position on), then bind to it.
         await self.service.js.add_consumer(
-            S.AEP_EVENTS, S.exporter_consumer_config(self.cfg.durable, f"aep-bridge exporter sink {self.cfg.name}"))
+            S.AEP_EVENTS, S.exporter_consumer_config(self.cfg.durable, f"aep-bridge exporter sink {self.cfg.name}",
+                                                     ack_wait=self.service.settings.export_ack_wait_s))
         self.sub = await self.service.js.pull_subscribe_bind(durable=self.cfg.durable, stream=S.AEP_EVENTS)
         self.bound = True
 
@@ -256,7 +258,7 @@ class SinkWorker:
     async def _keep_in_progress(self, items: list[Item]) -> None:
         """While a batch waits for its sink: +WPI, so JetStream does not redeliver it meanwhile."""
         while True:
-            await asyncio.sleep(PROGRESS_EVERY_S)
+            await asyncio.sleep(self.service.settings.export_ack_wait_s * PROGRESS_EVERY)
             self.service.health.beat()
             for item in items:
                 try:
