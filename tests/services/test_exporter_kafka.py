@@ -245,8 +245,10 @@ def test_exporter_kill_9_mid_run_loses_nothing_and_duplicates_only_by_id(nats_se
     (tmp_path / "e").mkdir()
     mapper = Service("mapper", nats_server_fn.url, tmp_path).start()
     pairing = Service("pairing", nats_server_fn.url, tmp_path / "p", "--replica", "solo").start()
+    # What the killed replica held comes back after 5 s, not 60 (AEP_BRIDGE_EXPORT_ACK_WAIT_S:
+    # the suite's time; the same redelivery either way).
     exporter = Service("exporter", nats_server_fn.url, tmp_path / "e", "--sink",
-                       f"kafka://{tansu.bootstrap}/aep-ce?name=ce")
+                       f"kafka://{tansu.bootstrap}/aep-ce?name=ce", env={"AEP_BRIDGE_EXPORT_ACK_WAIT_S": "5"})
     try:
         total = quiet(client, "AEP_EVENTS")
         exporter.start()

@@ -25,6 +25,7 @@ from bridge.sim.harness import Pipeline
 from bridge.sim.instances import HOSTILE_MIX
 from bridge.sim.verify import read_manifest, verify
 from tests.natsfixture import JetStreamClient
+from tests.support.faults import SHORT_WINDOWS
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -37,7 +38,7 @@ def cli(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
 
 def test_simulate_with_the_hostile_mix_and_verify(nats_server_fn, tmp_path):
     url = nats_server_fn.url
-    pipe = Pipeline(url, tmp_path / "logs")
+    pipe = Pipeline(url, tmp_path / "logs", env=dict(SHORT_WINDOWS))
     pipe.bootstrap()
     pipe.add("mapper")
     pipe.add("pairing", name="pairing-0", env={"AEP_BRIDGE_TICK_S": "2"})

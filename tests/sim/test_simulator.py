@@ -34,6 +34,7 @@ from bridge.sim.instances import Canaries, envelopes
 from bridge.sim.harness import Pipeline
 from bridge.sim.verify import verify
 from tests.natsfixture import JetStreamClient
+from tests.support.faults import SHORT_WINDOWS
 from tests.support.services import publish_all, raw_records
 from tests.support.shim import run_hook, shim_env
 
@@ -204,11 +205,11 @@ def cli(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
 @pytest.mark.slow
 def test_simulate_and_verify_from_the_command_line_and_a_verifier_that_fails(nats_server_fn, tmp_path):
     url = nats_server_fn.url
-    pipe = Pipeline(url, tmp_path / "logs")
+    pipe = Pipeline(url, tmp_path / "logs", env=dict(SHORT_WINDOWS))
     pipe.bootstrap()
     pipe.add("mapper")
-    # A card open at its session's end (a `smart` request before the user's) is dismissed hold_ns
-    # (45 s) after the end, at a tick: tick every 2 s and let the verifier wait for it.
+    # A card open at its session's end (a `smart` request before the user's) is dismissed its
+    # hold (SHORT_WINDOWS: 8 s) after the end, at a tick: tick every 2 s and let the verifier wait.
     pipe.add("pairing", name="pairing-0", env={"AEP_BRIDGE_TICK_S": "2"})
     pipe.wait_ready()
     manifest = tmp_path / "manifest.jsonl"
