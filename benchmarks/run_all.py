@@ -19,6 +19,7 @@ BENCHES = [
     ("pairing vs the relay ceiling, memory per idle session", ["bench_pairing.py", "--n", "50000"]),
     ("relay SSE fan-out to 100 subscribers vs a bare nats-py consumer each", ["bench_relay.py"]),
     ("pairing state over an hour of stream time (pure core)", ["pairing_growth.py", "--minutes", "60", "--rate", "250"]),
+    ("the pipeline at R1, R3 and R3 with sync_interval always", ["bench_cluster.py", "--n", "20000", "--seconds", "40"]),
 ]
 
 

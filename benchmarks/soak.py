@@ -94,7 +94,8 @@ def observe(url: str, out_path: str, interval: float, stop: "mp.synchronize.Even
     import nats
 
     async def main() -> None:
-        nc = await nats.connect(url, max_reconnect_attempts=-1)
+        servers = [u.strip() for u in url.split(",") if u.strip()]  # one server or a cluster's list
+        nc = await nats.connect(servers, max_reconnect_attempts=-1)
         js = nc.jetstream()
         window: list[int] = []
         counts = {"n": 0}

@@ -125,8 +125,8 @@ def check(chart: Path) -> list[str]:
     conf = only(nats_objects(manifests, "ConfigMap"), "NATS ConfigMap")["data"]["nats.conf"]
     for p in pods:
         require(f"nats://{p}:6222" in conf, f"no route to {p} in nats.conf")
-    require(re.search(r'"jetstream": \{[^}]*"sync_interval": "2m"', conf), "our sync_interval is not in the jetstream block")
-    held.append("routes between the same three pods; sync_interval 2m in the jetstream block")
+    require(re.search(r'"jetstream": \{[^}]*"sync_interval": "always"', conf), "our sync_interval is not in the jetstream block")
+    held.append("routes between the same three pods; sync_interval always in the jetstream block")
 
     single = render_with_nats(chart, {})
     replicas = [s["spec"]["replicas"] for s in nats_objects(single, "StatefulSet")]

@@ -816,8 +816,9 @@ def test_single_server_default_keeps_the_service_url() -> None:
 
 def test_jetstream_sync_interval_is_a_documented_value() -> None:
     """The JetStream fsync interval is a value (nats.config.jetstream.merge.sync_interval, into
-    the server's jetstream block), never hard-coded in a template. It must stay a quoted
-    duration: nats-server reads an unquoted `2m` as the number 2,000,000 (seconds)."""
+    the server's jetstream block), never hard-coded in a template: `always` (chosen by measurement,
+    tests/deploy/test_nats_fsync.py) or a quoted duration: nats-server reads an unquoted `2m` as
+    the number 2,000,000 (seconds)."""
     defaults = load_values(CHART_DIR / "values.yaml")
     value = defaults["nats"]["config"]["jetstream"]["merge"]["sync_interval"]
     assert isinstance(value, str) and re.fullmatch(r"always|(\d+(ms|s|m|h))+", value), value

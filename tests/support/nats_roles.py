@@ -83,9 +83,11 @@ def values_merge() -> dict:
 
 def values_nats_conf(store_dir: Path) -> str:
     """A nats.conf holding values.yaml's `nats.config.merge` (JSON is valid nats.conf),
-    with JetStream on in ``store_dir``. ``<< $VAR >>`` (a value the NATS chart leaves
+    with JetStream on in ``store_dir`` and `nats.config.jetstream.merge` (sync_interval) in
+    its jetstream block, where the NATS chart puts it. ``<< $VAR >>`` (a value the NATS chart leaves
     unquoted) becomes ``$VAR``, which nats-server reads from its environment."""
-    conf = {"server_name": "aep-test-values", "jetstream": {"store_dir": str(store_dir)}, **values_merge()}
+    jetstream = load_values(CHART_DIR / "values.yaml")["nats"]["config"]["jetstream"].get("merge", {})
+    conf = {"server_name": "aep-test-values", "jetstream": {"store_dir": str(store_dir), **jetstream}, **values_merge()}
     text, n = re.subn(r'"<< (\$[A-Z0-9_]+) >>"', r"\1", json.dumps(conf, indent=2))
     assert n == len(USERS) - 1, "one password variable per user of the merge block"
     assert "<<" not in text
@@ -100,14 +102,15 @@ def sample_nats_conf(store_dir: Path) -> str:
 
 
 @contextlib.contextmanager
-def configured_server(tmp: Path, conf_text: str) -> Iterator[str]:
+def configured_server(tmp: Path, conf_text: str, monitor_port: int | None = None) -> Iterator[str]:
     """A real nats-server started with ``conf_text`` (the role passwords in its environment)
-    on free loopback ports; yields its URL, its log at ``tmp/server.log``."""
+    on free loopback ports (monitoring on ``monitor_port`` when given); yields its URL, its
+    log at ``tmp/server.log``."""
     conf = tmp / "nats.conf"
     conf.write_text(conf_text)
     port = free_port()
     # Command-line flags override the file's listen address and ports.
-    cmd = [nats_server_binary(), "-c", str(conf), "-a", "127.0.0.1", "-p", str(port), "-m", str(free_port())]
+    cmd = [nats_server_binary(), "-c", str(conf), "-a", "127.0.0.1", "-p", str(port), "-m", str(monitor_port or free_port())]
     log = open(tmp / "server.log", "wb")
     proc = subprocess.Popen(cmd, env={**os.environ, **PASSWORDS}, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 10
