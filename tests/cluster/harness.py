@@ -126,9 +126,10 @@ class ClusterRun:
         assert_clean(report, self.pipe)
         assert report.approvals_checked > 0, "the run carried approvals:\n" + report.render()
         assert report.approval_count == 0, report.render()
+        t0 = time.monotonic()
         self.assert_kafka_exactly_once()
         print(f"approvals checked {report.approvals_checked}; backfills {report.backfills}; "
-              f"spooled {self.fleet.outcomes['spooled']}")
+              f"spooled {self.fleet.outcomes['spooled']}; kafka check {time.monotonic() - t0:.1f} s")
         return report
 
     def aep_ids(self) -> list[str]:

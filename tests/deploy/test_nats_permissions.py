@@ -661,6 +661,7 @@ async def exporter_partitions(url: str) -> None:
 
     from prometheus_client import CollectorRegistry
 
+    from bridge.config import Settings
     from bridge.core.sinks import sink_from_url
     from bridge.runtime import Health, Stopper
     from bridge.services.exporter.partitions import PartitionedSink
@@ -675,7 +676,7 @@ async def exporter_partitions(url: str) -> None:
     c = await Client.connect(url, "exporter")
     try:
         svc = SimpleNamespace(js=c.js, metrics=ExporterMetrics(CollectorRegistry()), stopper=Stopper(),
-                              health=Health("exporter"))
+                              health=Health("exporter"), settings=Settings())
         for name in ("perm-a", "perm-b"):  # the first creates AEP_EXPORT, the second adds its source
             part = PartitionedSink(svc, sink_from_url(f"kafka://127.0.0.1:9/t?name={name}&replicas=2"))
             await part.setup()

@@ -114,6 +114,7 @@ def test_a_sink_going_to_replicas_starts_after_its_one_replica_durable(nats_serv
 
     from prometheus_client import CollectorRegistry
 
+    from bridge.config import Settings
     from bridge.core.sinks import sink_from_url
     from bridge.nats import streams as S
     from bridge.runtime import Health, Stopper
@@ -133,7 +134,7 @@ def test_a_sink_going_to_replicas_starts_after_its_one_replica_durable(nats_serv
             for m in await sub.fetch(100, timeout=5):  # the one-replica exporter delivered 100
                 await m.ack_sync()
             svc = SimpleNamespace(js=js, metrics=ExporterMetrics(CollectorRegistry()), stopper=Stopper(),
-                                  health=Health("exporter"))
+                                  health=Health("exporter"), settings=Settings())
             for name in ("old", "new"):
                 await PartitionedSink(svc, sink_from_url(f"kafka://k:9092/t?name={name}&replicas=2")).setup()
             await PartitionedSink(svc, sink_from_url("kafka://k:9092/t?name=old&replicas=2")).setup()  # again: no-op
