@@ -385,7 +385,8 @@ class JetStreamClient:
 
         self.loop = asyncio.new_event_loop()
         self.nc = self.run(nats.connect(url, connect_timeout=5, max_reconnect_attempts=3, reconnect_time_wait=0.2, **options))
-        self.js = self.nc.jetstream()
+        # A cluster's stream create/update can outlast nats-py's 5 s API default on a loaded machine.
+        self.js = self.nc.jetstream(timeout=20)
 
     def run(self, coro: Any) -> Any:
         return self.loop.run_until_complete(coro)

@@ -6,6 +6,9 @@ import argparse
 import sys
 
 
+API_TIMEOUT_S = 30.0  # each JetStream API request of bootstrap (stream and bucket create/update)
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "bootstrap",
@@ -56,7 +59,9 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
     async def run() -> int:
         nc = await quick_connect(settings, name="aep-bridge-bootstrap", timeout=args.timeout, role="bootstrap")
         try:
-            await bootstrap(nc.jetstream(), settings, replicas=args.replicas, report=report)
+            # Creating or scaling an R3 stream is a raft group's round trips on every node: on a
+            # loaded cluster it can take longer than nats-py's 5 s API default.
+            await bootstrap(nc.jetstream(timeout=API_TIMEOUT_S), settings, replicas=args.replicas, report=report)
         finally:
             await nc.close()
         return 0

@@ -167,7 +167,7 @@ class Pipeline:
             servers = [u.strip() for u in self.url.split(",") if u.strip()]  # one server or a cluster's list
             nc = await nats.connect(servers, connect_timeout=3, max_reconnect_attempts=2, reconnect_time_wait=0.2)
             try:
-                return await asyncio.wait_for(coro_fn(nc.jetstream()), timeout)
+                return await asyncio.wait_for(coro_fn(nc.jetstream(timeout=min(20.0, timeout))), timeout)
             finally:
                 await nc.close()
 
