@@ -27,7 +27,7 @@ from bridge.sim.verify import Report, StreamReader
 from tests.clusterfixture import Cluster
 from tests.natsfixture import free_port
 from tests.support.faults import assert_clean, finish
-from tests.support.tansu import Tansu
+from tests.support.tansu import Tansu, consume
 
 RATE = 200.0
 DURATION = 60.0
@@ -165,7 +165,7 @@ class ClusterRun:
         self.export_settled()
         ids = self.aep_ids()
         assert len(ids) == len(set(ids)), "AEP_EVENTS holds each id once"
-        got = kafka_ids(self.tansu.bootstrap, TOPIC, len(ids))
+        got = [dict(m.headers() or [])["aep-id"].decode() for m in consume(self.tansu.bootstrap, TOPIC, len(ids), 120)]
         counts = Counter(got)
         missing = set(ids) - set(counts)
         extra = set(counts) - set(ids)
@@ -186,31 +186,3 @@ class ClusterRun:
         finally:
             self.pipe.stop()
             self.tansu.stop()
-
-
-def kafka_ids(bootstrap: str, topic: str, expected: int, timeout: float = 120.0) -> list[str]:
-    """The ``aep-id`` header of every record of the topic (a fresh group), until ``expected``
-    arrived and nothing more came for 3 s."""
-    from confluent_kafka import Consumer
-
-    c = Consumer({"bootstrap.servers": bootstrap, "group.id": f"verify-{time.time_ns()}",
-                  "auto.offset.reset": "earliest", "enable.auto.commit": False})
-    c.subscribe([topic])
-    out: list[str] = []
-    deadline = time.monotonic() + timeout
-    quiet_since = time.monotonic()
-    try:
-        while time.monotonic() < deadline:
-            batch = c.consume(1000, 0.5)
-            if not batch:
-                if len(out) >= expected and time.monotonic() - quiet_since > 3.0:
-                    break
-                continue
-            for m in batch:
-                if m.error():
-                    continue
-                out.append(dict(m.headers() or [])["aep-id"].decode())
-            quiet_since = time.monotonic()
-    finally:
-        c.close()
-    return out

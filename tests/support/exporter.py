@@ -50,11 +50,9 @@ class TopicCounter:
         self._thread.start()
 
     def _run(self) -> None:
-        from confluent_kafka import Consumer
+        from tests.support.tansu import from_the_start
 
-        c = Consumer({"bootstrap.servers": self.bootstrap, "group.id": f"aep-count-{id(self)}",
-                      "auto.offset.reset": "earliest", "enable.auto.commit": False})
-        c.subscribe([self.topic])
+        c = from_the_start(self.bootstrap, self.topic)
         try:
             while not self._stop.is_set():
                 for m in c.consume(1000, timeout=0.2):
