@@ -18,7 +18,7 @@ RAW_HOOKS = ("pre_tool_call", "pre_llm_call", "on_session_start", "on_session_fi
 QUEUE_GROUP = "aep-gate"
 SWEEP_S = 0.1
 MAX_DELIVER = 4  # a raw message or command whose handling keeps failing is given up (logged) on this delivery
-MAX_DELIVER_UNAVAILABLE = 14  # ... when NATS did not answer (timeouts, no responders): ~22 s of naks, past an election
+MAX_DELIVER_UNAVAILABLE = 34  # ... when NATS did not answer (timeouts, no responders): ~65 s of naks, past an election (one took 20-30 s on the loaded 2-core machine while a restarted peer caught up: 14, ~22 s, gave messages up)
 MAX_HOLD_MS = 300_000  # Hermes clamps a hook timeout to 300 s
 
 
