@@ -87,13 +87,14 @@ async def relay_batch(js, msgs, to) -> None:  # type: ignore[no-untyped-def]
 
 
 async def mapper_run(settings: Settings, n: int) -> tuple[float, int]:
+    from bridge.nats.pull import Puller
     from bridge.services.mapper import Mapper
 
     import nats.errors
 
     mapper = Mapper(settings, CapturePolicy(), batch=BATCH)
     await mapper.connect()
-    sub = await mapper.bind()
+    sub = Puller(await mapper.bind())  # the fetch of Mapper.consume
     done = 0
     started = time.perf_counter()
     while done < n:

@@ -35,6 +35,7 @@ import asyncio
 import collections
 import multiprocessing as mp
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -58,6 +59,7 @@ from bridge.sim.harness import Pipeline, free_port  # noqa: E402
 from bridge.stack.server import EmbeddedNats  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
+_LINE = re.compile(r"\(([^()]*?):\d+\)$")
 
 
 # ---------------------------------------------------------------- the SSE subscribers (their own process)
@@ -216,7 +218,7 @@ def top_frames(path: Path, n: int) -> str:
             continue
         k = int(count)
         total += k
-        frames = stack.split(";")
+        frames = [_LINE.sub(r"(\1)", f) for f in stack.split(";")]  # per function, not per line
         self_c[frames[-1]] += k
         for f in set(frames):
             cum_c[f] += k
@@ -224,8 +226,9 @@ def top_frames(path: Path, n: int) -> str:
         return f"  (empty profile {path})"
     rows = [f"  {total} samples; self:"]
     rows += [f"    {100 * c / total:5.1f} %  {f}" for f, c in self_c.most_common(n)]
-    rows.append("  cumulative:")
-    rows += [f"    {100 * c / total:5.1f} %  {f}" for f, c in cum_c.most_common(n)]
+    outer = max(cum_c.values())
+    rows.append("  cumulative (the entry chain, every frame in as many samples as the outermost, left out):")
+    rows += [f"    {100 * c / total:5.1f} %  {f}" for f, c in [fc for fc in cum_c.most_common() if fc[1] < outer][:n]]
     return "\n".join(rows)
 
 

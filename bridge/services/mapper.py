@@ -94,6 +94,7 @@ from bridge.nats import subjects as subj
 from bridge.nats.connection import connect_service, server_list
 from bridge.nats.lanes import WRONG_LAST_SEQUENCE, KvLanes, PinnedLane, epoch_of, lane_fact_key
 from bridge.nats.lookup import DEFAULT_MARGIN_NS, SERVER_MARGIN_NS, find_msg_id, msg_ids_on, stored_ns
+from bridge.nats.pull import Puller
 from bridge.runtime import OTHER, BoundedLabel, Health, Loop, Stopper, close_connection, serve
 
 log = structlog.get_logger("aep_bridge.mapper")
@@ -734,10 +735,11 @@ class Mapper:
         return [self.consume(sub), self.watch_consumer(sub)]
 
     async def consume(self, sub: Any) -> None:
+        puller = Puller(sub)
         while not self.stopper.stopping:
             self.health.beat()
             try:
-                msgs = await sub.fetch(self.batch_size, timeout=1.0)
+                msgs = await puller.fetch(self.batch_size, timeout=1.0)
             except (nats.errors.TimeoutError, asyncio.TimeoutError):
                 continue
             except Exception as exc:  # connection trouble: stay alive, report not ready
@@ -748,6 +750,7 @@ class Mapper:
                 # lost its store): bind again, which also re-reads the epoch.
                 try:
                     sub = await self.bind()
+                    puller = Puller(sub)
                     log.info("mapper_rebound", epoch=self.epoch)
                 except Exception as bind_exc:
                     log.warning("rebind_failed", error=f"{type(bind_exc).__name__}: {bind_exc}")
