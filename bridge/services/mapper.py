@@ -111,6 +111,10 @@ FINISHED_MAX = 16384  # finished raw seqs remembered above the known ack floor
 # (one request each: ~0.4-0.5 ms on a local server, 4-5 s in all). Past it a late copy goes
 # through: a duplicate at worst.
 LATE_SCAN_BUDGET = 10_000
+# A batch of less than a quarter of the fetch size, once acked, is followed by a short pause (as
+# pairing's FETCH_PACE_S): a quiet fleet otherwise costs a batch, its socket writes and its acks
+# per message (issue 24: docs/BENCHMARKS.md "Cost"); what arrives meanwhile waits at most this.
+FETCH_PACE_S = 0.02
 
 
 class MapperMetrics:
@@ -757,6 +761,8 @@ class Mapper:
                 continue
             self.health.set_ready(True)
             await self.process_batch(msgs)
+            if len(msgs) < self.batch_size // 4:  # acked already: only the next ones wait a little
+                await self.stopper.sleep(FETCH_PACE_S)
 
     async def close(self) -> None:
         await close_connection(self.nc)
