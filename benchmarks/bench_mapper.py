@@ -71,22 +71,30 @@ async def relay(js, n: int, stream: str = "HERMES_RAW", subjects: str = "hermes.
             msgs = await sub.fetch(BATCH, timeout=1.0)
         except nats.errors.TimeoutError:
             continue
-        futures = [await js.publish_async("relay." + m.subject, m.data, headers={"Nats-Msg-Id": m.headers.get("Nats-Msg-Id", "")}) for m in msgs]
-        await asyncio.gather(*futures)
-        for m in msgs:
-            await m.ack()
+        await relay_batch(js, msgs, lambda subject: "relay." + subject)
         done += len(msgs)
     return time.perf_counter() - started
 
 
+async def relay_batch(js, msgs, to) -> None:  # type: ignore[no-untyped-def]
+    """The bare relay's step (also benchmarks/bare_relay.py's): publish each message's bytes
+    to ``to(subject)`` with publish_async, then ack them all once every publish is acked."""
+    futures = [await js.publish_async(to(m.subject), m.data, headers={"Nats-Msg-Id": m.headers.get("Nats-Msg-Id", "")})
+               for m in msgs]
+    await asyncio.gather(*futures)
+    for m in msgs:
+        await m.ack()
+
+
 async def mapper_run(settings: Settings, n: int) -> tuple[float, int]:
+    from bridge.nats.pull import Puller
     from bridge.services.mapper import Mapper
 
     import nats.errors
 
     mapper = Mapper(settings, CapturePolicy(), batch=BATCH)
     await mapper.connect()
-    sub = await mapper.bind()
+    sub = Puller(await mapper.bind())  # the fetch of Mapper.consume
     done = 0
     started = time.perf_counter()
     while done < n:
@@ -105,31 +113,51 @@ async def mapper_run(settings: Settings, n: int) -> tuple[float, int]:
     return elapsed, events
 
 
-async def main(n: int) -> None:
+def service_loop(name: str):  # type: ignore[no-untyped-def]
+    """The event loop the service side of a benchmark runs on: ``service`` = what `aep-bridge
+    mapper` / `pairing` run on (uvloop when installed), ``asyncio`` = asyncio's. The bare relay
+    always runs on asyncio's: the baseline is nats-py as it comes."""
+    from bridge.runtime.lifecycle import event_loop_factory
+
+    return event_loop_factory() if name == "service" else None
+
+
+async def prepare(url: str, settings: Settings, n: int) -> float:
+    """Bootstrap, load N raw messages, run the relay over them: its seconds."""
     import nats
 
     from bridge.nats.bootstrap import bootstrap
 
+    nc = await nats.connect(url)
+    js = nc.jetstream(publish_async_max_pending=4096)
+    await bootstrap(js, settings)
+    msgs = raw_messages(n)
+    size = sum(len(b) for _, b, _ in msgs) / len(msgs)
+    t0 = time.perf_counter()
+    await load(js, msgs)
+    print(f"loaded {n} raw messages (mean {size:.0f} B) into HERMES_RAW in {time.perf_counter() - t0:.1f}s")
+    relay_s = await relay(js, n)
+    await nc.close()
+    return relay_s
+
+
+def main(n: int, loop: str) -> None:
     with tempfile.TemporaryDirectory() as tmp, EmbeddedNats(tmp) as server:
         settings = Settings.from_env({"AEP_BRIDGE_NATS_URL": server.url, "AEP_BRIDGE_CONFIG": os.devnull})
-        nc = await nats.connect(server.url)
-        js = nc.jetstream(publish_async_max_pending=4096)
-        await bootstrap(js, settings)
-        msgs = raw_messages(n)
-        size = sum(len(b) for _, b, _ in msgs) / len(msgs)
-        t0 = time.perf_counter()
-        await load(js, msgs)
-        print(f"loaded {n} raw messages (mean {size:.0f} B) into HERMES_RAW in {time.perf_counter() - t0:.1f}s")
-        relay_s = await relay(js, n)
-        await nc.close()
-        mapper_s, events = await mapper_run(settings, n)
+        relay_s = asyncio.run(prepare(server.url, settings, n))
+        factory = service_loop(loop)
+        with asyncio.Runner(loop_factory=factory) as runner:
+            mapper_s, events = runner.run(mapper_run(settings, n))
     relay_rate, mapper_rate = n / relay_s, n / mapper_s
-    print(f"relay ceiling (fetch {BATCH}, publish_async, ack): {relay_rate:,.0f} msg/s ({relay_s:.2f}s)")
-    print(f"mapper, 1 replica:                        {mapper_rate:,.0f} msg/s ({mapper_s:.2f}s), {events / mapper_s:,.0f} events/s out ({events} events)")
+    print(f"relay ceiling (fetch {BATCH}, publish_async, ack; asyncio): {relay_rate:,.0f} msg/s ({relay_s:.2f}s)")
+    print(f"mapper, 1 replica ({'uvloop' if factory else 'asyncio'}):            {mapper_rate:,.0f} msg/s ({mapper_s:.2f}s), {events / mapper_s:,.0f} events/s out ({events} events)")
     print(f"ratio mapper/ceiling: {mapper_rate / relay_rate:.2f} (target >= 0.6)")
 
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--n", type=int, default=50_000)
-    asyncio.run(main(p.parse_args().n))
+    p.add_argument("--loop", choices=["service", "asyncio"], default="service",
+                   help="the mapper's event loop: the service's (uvloop when installed, default) or asyncio's")
+    a = p.parse_args()
+    main(a.n, a.loop)

@@ -28,7 +28,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from bench_mapper import BATCH, load, raw_messages, relay  # noqa: E402
+from bench_mapper import BATCH, load, raw_messages, relay, service_loop  # noqa: E402
 
 from bridge.config import Settings  # noqa: E402
 from bridge.core.ceiling import CapturePolicy  # noqa: E402
@@ -102,25 +102,43 @@ def rss_bytes() -> int:
         return int(fh.read().split()[1]) * resource.getpagesize()
 
 
-async def main(n: int) -> None:
+async def prepare(url: str, settings: Settings, n: int) -> tuple[int, float]:
+    """Bootstrap, N raw messages mapped into BRIDGE_MAPPED, the relay over them: (events, its seconds)."""
     import nats
 
     from bridge.nats.bootstrap import bootstrap
 
+    nc = await nats.connect(url)
+    js = nc.jetstream(publish_async_max_pending=4096)
+    await bootstrap(js, settings)
+    await load(js, raw_messages(n))
+    mapped = await fill_mapped(settings, n)
+    print(f"BRIDGE_MAPPED holds {mapped} events from {n} raw messages")
+    relay_s = await relay(js, mapped, stream="BRIDGE_MAPPED", subjects="bridge.mapped.>")
+    await nc.close()
+    return mapped, relay_s
+
+
+async def timed_pairing(url: str, settings: Settings) -> tuple[float, int, int]:
+    import nats
+
+    nc = await nats.connect(url)
+    try:
+        return await pairing_run(settings, nc.jetstream())
+    finally:
+        await nc.close()
+
+
+def main(n: int, loop: str) -> None:
     with tempfile.TemporaryDirectory() as tmp, EmbeddedNats(tmp) as server:
         settings = Settings.from_env({"AEP_BRIDGE_NATS_URL": server.url, "AEP_BRIDGE_CONFIG": os.devnull})
-        nc = await nats.connect(server.url)
-        js = nc.jetstream(publish_async_max_pending=4096)
-        await bootstrap(js, settings)
-        await load(js, raw_messages(n))
-        mapped = await fill_mapped(settings, n)
-        print(f"BRIDGE_MAPPED holds {mapped} events from {n} raw messages")
-        relay_s = await relay(js, mapped, stream="BRIDGE_MAPPED", subjects="bridge.mapped.>")
-        pairing_s, out, consumed = await pairing_run(settings, js)
-        await nc.close()
+        mapped, relay_s = asyncio.run(prepare(server.url, settings, n))
+        factory = service_loop(loop)
+        with asyncio.Runner(loop_factory=factory) as runner:
+            pairing_s, out, consumed = runner.run(timed_pairing(server.url, settings))
     relay_rate, pairing_rate = mapped / relay_s, consumed / pairing_s
-    print(f"relay ceiling (fetch {BATCH}, publish_async, ack): {relay_rate:,.0f} msg/s ({relay_s:.2f}s)")
-    print(f"pairing, 1 replica, all partitions:       {pairing_rate:,.0f} msg/s in ({pairing_s:.2f}s), {out / pairing_s:,.0f} events/s out ({out} events)")
+    print(f"relay ceiling (fetch {BATCH}, publish_async, ack; asyncio): {relay_rate:,.0f} msg/s ({relay_s:.2f}s)")
+    print(f"pairing, 1 replica, all partitions ({'uvloop' if factory else 'asyncio'}): {pairing_rate:,.0f} msg/s in ({pairing_s:.2f}s), {out / pairing_s:,.0f} events/s out ({out} events)")
     print(f"ratio pairing/ceiling: {pairing_rate / relay_rate:.2f} (target >= 0.6)")
     memory()
 
@@ -128,4 +146,7 @@ async def main(n: int) -> None:
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--n", type=int, default=50_000)
-    asyncio.run(main(p.parse_args().n))
+    p.add_argument("--loop", choices=["service", "asyncio"], default="service",
+                   help="pairing's event loop: the service's (uvloop when installed, default) or asyncio's")
+    a = p.parse_args()
+    main(a.n, a.loop)

@@ -19,6 +19,16 @@ from bridge.runtime.profiling import start_allocation_profiler, stop_allocation_
 Loop = Coroutine[Any, Any, None]
 
 
+def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's loop when it is installed (a dependency where it builds), else None (asyncio's):
+    what the mapper and pairing run on (issue 24: docs/BENCHMARKS.md "Cost")."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop  # type: ignore[no-any-return]
+
+
 class Stopper:
     """SIGTERM / SIGINT -> an asyncio.Event the service's loop watches."""
 

@@ -94,6 +94,7 @@ from bridge.nats import subjects as subj
 from bridge.nats.connection import connect_service, server_list
 from bridge.nats.lanes import WRONG_LAST_SEQUENCE, KvLanes, PinnedLane, epoch_of, lane_fact_key
 from bridge.nats.lookup import DEFAULT_MARGIN_NS, SERVER_MARGIN_NS, find_msg_id, msg_ids_on, stored_ns
+from bridge.nats.pull import Puller
 from bridge.runtime import OTHER, BoundedLabel, Health, Loop, Stopper, close_connection, serve
 
 log = structlog.get_logger("aep_bridge.mapper")
@@ -110,6 +111,10 @@ FINISHED_MAX = 16384  # finished raw seqs remembered above the known ack floor
 # (one request each: ~0.4-0.5 ms on a local server, 4-5 s in all). Past it a late copy goes
 # through: a duplicate at worst.
 LATE_SCAN_BUDGET = 10_000
+# A batch of less than a quarter of the fetch size, once acked, is followed by a short pause (as
+# pairing's FETCH_PACE_S): a quiet fleet otherwise costs a batch, its socket writes and its acks
+# per message (issue 24: docs/BENCHMARKS.md "Cost"); what arrives meanwhile waits at most this.
+FETCH_PACE_S = 0.02
 
 
 class MapperMetrics:
@@ -744,10 +749,11 @@ class Mapper:
         return [self.consume(sub), self.watch_consumer(sub)]
 
     async def consume(self, sub: Any) -> None:
+        puller = Puller(sub)
         while not self.stopper.stopping:
             self.health.beat()
             try:
-                msgs = await sub.fetch(self.batch_size, timeout=1.0)
+                msgs = await puller.fetch(self.batch_size, timeout=1.0)
             except (nats.errors.TimeoutError, asyncio.TimeoutError):
                 continue
             except Exception as exc:  # connection trouble: stay alive, report not ready
@@ -758,12 +764,15 @@ class Mapper:
                 # lost its store): bind again, which also re-reads the epoch.
                 try:
                     sub = await self.bind()
+                    puller = Puller(sub)
                     log.info("mapper_rebound", epoch=self.epoch)
                 except Exception as bind_exc:
                     log.warning("rebind_failed", error=f"{type(bind_exc).__name__}: {bind_exc}")
                 continue
             self.health.set_ready(True)
             await self.process_batch(msgs)
+            if len(msgs) < self.batch_size // 4:  # acked already: only the next ones wait a little
+                await self.stopper.sleep(FETCH_PACE_S)
 
     async def close(self) -> None:
         await close_connection(self.nc)

@@ -86,6 +86,7 @@ from bridge.nats import streams as S
 from bridge.nats import subjects as subj
 from bridge.nats.connection import connect_service
 from bridge.nats.lookup import SCAN_BUDGET, SERVER_MARGIN_NS, find_msg_id, stored_ns
+from bridge.nats.pull import Puller
 from bridge.runtime import BoundedLabel, Health, Loop, Stopper, close_connection, serve
 
 log = structlog.get_logger("aep_bridge.pairing")
@@ -544,10 +545,11 @@ class PairingService:
         )
         sub = await self.js.pull_subscribe(subj.mapped_filter(n), stream=S.BRIDGE_MAPPED, config=config)
         log.info("partition_started", partition=n, from_position=part.position)
+        puller = Puller(sub)
         try:
             while not self.stopper.stopping and not part.lost:
                 try:
-                    msgs = await sub.fetch(FETCH_BATCH, timeout=0.5)
+                    msgs = await puller.fetch(FETCH_BATCH, timeout=0.5)
                 except (nats.errors.TimeoutError, asyncio.TimeoutError):
                     msgs = []
                 if msgs:

@@ -96,29 +96,50 @@ def test_real_sessions_through_the_whole_pipeline(nats_server_fn, tmp_path):
         client.close()
 
 
+def acquired(service: Service) -> set[int]:
+    """The partitions a pairing worker's log says it acquired."""
+    out = set()
+    try:
+        text = service.log_path.read_text(errors="replace")
+    except OSError:
+        return out
+    for line in text.splitlines():
+        if '"partition_acquired"' in line:
+            try:
+                out.add(int(json.loads(line)["partition"]))
+            except (ValueError, KeyError):
+                pass
+    return out
+
+
 @pytest.mark.slow
 def test_kill_9_the_owner_and_a_standby_takes_over(nats_server_fn, tmp_path):
     from bridge.sim.sessions import realistic_envelopes
 
     client = JetStreamClient(nats_server_fn.url)
     client.bootstrap()
-    client.run(publish_all(client.js, raw_records(realistic_envelopes(6000, seed=11), instance="takeover")))
+    records = raw_records(realistic_envelopes(6000, seed=11), instance="takeover")
+    # Half now, half after the kill: the owner dies with work left whatever its speed.
+    client.run(publish_all(client.js, records[:3000]))
     mapper = Service("mapper", nats_server_fn.url, tmp_path).start()
     quiet(client, "BRIDGE_MAPPED")
-    mapper.terminate()
 
     dirs = [tmp_path / "a", tmp_path / "b"]
     for d in dirs:
         d.mkdir()
     owner = Service("pairing", nats_server_fn.url, dirs[0], "--replica", "owner").start()
     wait_for(lambda: count(client, "AEP_EVENTS") > 0, 30, what="the owner to start publishing")
+    # Publishing starts with the first partition, not the last: the owner holds all 8 first.
+    wait_for(lambda: acquired(owner) == set(range(8)), 30, what="the owner to hold every partition")
     standby = Service("pairing", nats_server_fn.url, dirs[1], "--replica", "standby").start()
     try:
         time.sleep(0.3)
         owner.kill()  # kill -9 mid-run: no final checkpoint, no lease release
         before = count(client, "AEP_EVENTS")
-        # The dead owner's leases expire (LEASE_TTL_S) and the standby takes them.
-        wait_for(lambda: "partition_acquired" in standby.log(), 40, what="the standby to take over")
+        client.run(publish_all(client.js, records[3000:]))
+        quiet(client, "BRIDGE_MAPPED")
+        # The dead owner's leases expire (LEASE_TTL_S) and the standby takes them, every one.
+        wait_for(lambda: acquired(standby) == set(range(8)), 40, what="the standby to take over")
         quiet(client, "AEP_EVENTS", settle=3.0, timeout=90)
         assert count(client, "AEP_EVENTS") > before, "the standby took over and went on"
 
@@ -137,6 +158,7 @@ def test_kill_9_the_owner_and_a_standby_takes_over(nats_server_fn, tmp_path):
     finally:
         standby.terminate()
         owner.terminate()
+        mapper.terminate()
         client.close()
 
 

@@ -1,0 +1,116 @@
+"""A lean fetch for a nats-py pull subscription: one long-poll request at a time.
+
+nats-py's ``PullSubscription.fetch(batch, timeout)`` costs per message and per call what a
+busy service pays on every event (issue 24, the profile in docs/BENCHMARKS.md "Cost"): each
+message is taken with ``next_msg``, which makes a ``uuid4`` name, a task and a ``wait_for``
+(another task and a timer); and each call sends a ``no_wait`` pull request first, then a
+long-poll one when nothing was there, two publishes and a status reply per call, so a quiet
+stream (one message per call) costs several times more per event than a busy one.
+
+`Puller.fetch` keeps one pull request open on the server (``batch`` messages, ``expires`` =
+the timeout) and sends the next only when that one is used up, expired or ended by a status
+(404, 408, 409); the messages the server pushes for it wait in the subscription's queue and
+are taken without a task each. Waiting for the first one is one ``wait_for`` per call (none
+while messages are queued). The result is the same as ``fetch``'s: up to ``batch`` messages
+in delivery order, ``nats.errors.TimeoutError`` when none came within ``timeout``, an
+``APIError`` for a status that is not temporary (503: no consumer).
+
+Messages the server pushed but no call took yet are delivered messages: on a consumer with
+explicit acks they are redelivered after its ack wait when the subscriber goes away (as after
+a fetch that timed out with a message in flight); pairing's consumers have no acks and resume
+from their checkpoint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+import nats.errors
+import nats.js.errors
+
+_STATUS = "Status"
+_HEARTBEAT = "100"
+_OVER = ("404", "408", "409")  # no messages, request expired, conflict (leadership change, max waiting, ...)
+_MARGIN_S = 0.05  # a request this close to its expiry is treated as expired (the server's clock runs too)
+
+
+class Puller:
+    """`fetch` over ``psub`` (a nats-py ``PullSubscription``) with one open pull request."""
+
+    def __init__(self, psub: Any) -> None:
+        self.psub = psub
+        self._sub = psub._sub  # nats-py's own fetch reads these too
+        self._queue: asyncio.Queue[Any] = self._sub._pending_queue
+        self._nc = psub._nc
+        self._next = psub._nms
+        self._inbox = psub._deliver
+        self._open_until = 0.0  # monotonic expiry of the open request
+        self._open_left = 0  # messages it may still deliver
+        self.requests = 0  # pull requests sent (tests, benchmarks)
+        self._error: Exception | None = None  # a status met behind messages: raised by the next call
+
+    async def fetch(self, batch: int, timeout: float) -> list[Any]:
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+        if not self._queue.empty():
+            await asyncio.sleep(0)  # one turn for the other tasks per batch (nats-py's fetch gives one per message)
+            msgs = self._take(batch)
+            if msgs:
+                return msgs
+        deadline = time.monotonic() + timeout
+        while True:
+            now = time.monotonic()
+            left = deadline - now
+            if left <= 0:
+                raise nats.errors.TimeoutError
+            if self._open_left <= 0 or now >= self._open_until - _MARGIN_S:
+                await self._request(batch, left)
+                left = deadline - time.monotonic()
+            try:
+                first = await asyncio.wait_for(self._queue.get(), min(left, max(0.0, self._open_until - time.monotonic())))
+            except asyncio.TimeoutError:
+                if self._nc.is_closed:
+                    raise nats.errors.ConnectionClosedError from None
+                self._open_left = 0  # expired (its 408 may still come: dropped by `_take`)
+                continue
+            msgs = self._take(batch, first)
+            if msgs:
+                return msgs
+
+    async def _request(self, batch: int, seconds: float) -> None:
+        expires_ns = max(1_000_000, int(seconds * 1e9) - 100_000)
+        await self._nc.publish(self._next, json.dumps({"batch": batch, "expires": expires_ns}).encode(), self._inbox)
+        self._open_until = time.monotonic() + expires_ns / 1e9
+        self._open_left = batch
+        self.requests += 1
+
+    def _take(self, batch: int, first: Any = None) -> list[Any]:
+        """The queued messages, up to ``batch`` (status messages counted and dropped)."""
+        msgs: list[Any] = []
+        queue, sub = self._queue, self._sub
+        msg = first
+        while True:
+            if msg is None:
+                if queue.empty() or len(msgs) >= batch:
+                    return msgs
+                msg = queue.get_nowait()
+            sub._pending_size -= len(msg.data)
+            headers = msg.headers
+            status = headers.get(_STATUS) if headers else None
+            if status is None:
+                msgs.append(msg)
+                self._open_left -= 1
+            elif status in _OVER:
+                self._open_left = 0
+            elif status != _HEARTBEAT:
+                self._open_left = 0
+                error = nats.js.errors.APIError.from_msg(msg)
+                if not msgs:
+                    raise error
+                self._error = error  # the messages before it are returned first
+                return msgs
+            msg = None

@@ -1,0 +1,99 @@
+"""`bridge.nats.pull.Puller`: nats-py's fetch with one open pull request (issue 24).
+
+What the mapper and pairing rely on: every message once, in order, at most ``batch`` per
+call, as soon as it is published (a long poll, not a poll per call); ``TimeoutError`` when
+nothing came; a missing consumer an error, not an empty wait for ever; and the
+subscription's pending-bytes count kept (nats-py drops messages as a slow consumer past it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from bridge.nats.pull import Puller
+
+
+def run(url: str, body) -> None:  # type: ignore[no-untyped-def]
+    import nats
+    from nats.js.api import AckPolicy, ConsumerConfig
+
+    async def main() -> None:
+        nc = await nats.connect(url)
+        js = nc.jetstream()
+        stream = f"PULL_{time.time_ns()}"
+        await js.add_stream(name=stream, subjects=[f"{stream.lower()}.>"])
+        try:
+            sub = await js.pull_subscribe("", durable="p", stream=stream,
+                                          config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT))
+            await body(js, nc, stream, stream.lower(), sub)
+        finally:
+            try:
+                await js.delete_stream(stream)
+            except Exception:
+                pass
+            await nc.close()
+
+    asyncio.run(main())
+
+
+def test_every_message_once_in_order_and_batches_bounded(nats_server) -> None:  # type: ignore[no-untyped-def]
+    async def body(js, nc, stream, prefix, sub) -> None:  # type: ignore[no-untyped-def]
+        for i in range(300):
+            await js.publish(f"{prefix}.a", str(i).encode())
+        puller = Puller(sub)
+        got: list[int] = []
+        while len(got) < 300:
+            msgs = await puller.fetch(64, timeout=2.0)
+            assert 0 < len(msgs) <= 64
+            got.extend(int(m.data) for m in msgs)
+            for m in msgs:
+                await m.ack()
+        assert got == list(range(300))
+        assert sub.pending_bytes == 0, "the subscription's byte count follows what was taken"
+        with pytest.raises(Exception) as err:
+            await puller.fetch(64, timeout=0.3)
+        assert type(err.value).__name__ == "TimeoutError"
+
+    run(nats_server.url, body)
+
+
+def test_a_long_poll_one_request_for_many_messages(nats_server) -> None:  # type: ignore[no-untyped-def]
+    """Messages published one by one while it waits: each returned as it comes, and the open
+    request serves them all (nats-py's fetch sends two requests per call)."""
+    async def body(js, nc, stream, prefix, sub) -> None:  # type: ignore[no-untyped-def]
+        puller = Puller(sub)
+
+        async def trickle() -> None:
+            for i in range(20):
+                await asyncio.sleep(0.02)
+                await js.publish(f"{prefix}.a", str(i).encode())
+
+        task = asyncio.create_task(trickle())
+        got: list[int] = []
+        started = time.monotonic()
+        while len(got) < 20 and time.monotonic() - started < 10:
+            msgs = await puller.fetch(256, timeout=5.0)
+            got.extend(int(m.data) for m in msgs)
+            for m in msgs:
+                await m.ack()
+        await task
+        assert got == list(range(20))
+        assert puller.requests == 1, puller.requests
+
+    run(nats_server.url, body)
+
+
+def test_a_consumer_that_is_gone_is_an_error(nats_server) -> None:  # type: ignore[no-untyped-def]
+    async def body(js, nc, stream, prefix, sub) -> None:  # type: ignore[no-untyped-def]
+        puller = Puller(sub)
+        await js.delete_consumer(stream, "p")
+        started = time.monotonic()
+        with pytest.raises(Exception) as err:
+            await puller.fetch(16, timeout=2.0)
+        assert type(err.value).__name__ != "TimeoutError", err.value
+        assert time.monotonic() - started < 2.0
+
+    run(nats_server.url, body)
