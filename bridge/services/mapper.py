@@ -765,6 +765,7 @@ class Mapper:
                 try:
                     sub = await self.bind()
                     puller = Puller(sub)
+                    self.health.set_ready(True)  # bound: the server answers (not only once a message comes)
                     log.info("mapper_rebound", epoch=self.epoch)
                 except Exception as bind_exc:
                     log.warning("rebind_failed", error=f"{type(bind_exc).__name__}: {bind_exc}")

@@ -24,7 +24,9 @@ import time
 from pathlib import Path
 
 
+from bridge.nats.streams import MAPPER_DURABLE
 from bridge.stack.server import free_port, terminate
+from tests.natsfixture import JetStreamClient
 from tests.support.auth_server import USER, AuthServer
 from tests.support.services import Service, http_json, wait_for
 from tests.support.shim import dumps, envelope, run_hook, shim_env
@@ -185,3 +187,24 @@ def test_no_credential_of_the_nats_url_reaches_a_log(nats_server, tmp_path):
     finally:
         mapper.terminate()
     assert "S3CRET-IN-URL" not in mapper.log() and "mapper_starting" in mapper.log()
+
+
+def test_a_mapper_whose_consumer_was_deleted_binds_again_and_is_ready_with_nothing_to_map(nats_server_fn, tmp_path: Path) -> None:
+    """The durable deleted under a running mapper: its fetch fails, it binds again (recreating
+    the durable) and is ready again, although no message came since. Before the fix /readyz
+    stayed 503 until the next raw message (in a cluster a fresh durable's first fetch can fail
+    the same way, and the mapper never became ready)."""
+    client = JetStreamClient(nats_server_fn.url)
+    client.bootstrap()
+    svc = Service("mapper", nats_server_fn.url, tmp_path).start()
+    try:
+        wait_for(lambda: "metrics_port" in svc.log(), 30, what="mapper started")
+        line = next(l for l in svc.log().splitlines() if "metrics_port" in l)
+        url = f"http://127.0.0.1:{json.loads(line[line.index('{'):])['metrics_port']}/readyz"
+        wait_for(lambda: http_json(url)[0] == 200, 30, what="mapper ready")
+        client.run(client.js.delete_consumer("HERMES_RAW", MAPPER_DURABLE))
+        wait_for(lambda: "mapper_rebound" in svc.log(), 30, what="the mapper to bind again")
+        wait_for(lambda: http_json(url)[0] == 200, 10, what="the mapper ready again with nothing to map")
+    finally:
+        svc.terminate()
+        client.close()
