@@ -16,6 +16,9 @@ Baseline: a second nats-server, bootstrapped alike, and two `benchmarks/bare_rel
 processes (HERMES_RAW -> BRIDGE_MAPPED -> AEP_EVENTS: fetch, publish_async, ack after the
 publish acks), fed by the same simulator at the same rate right after the pipeline's phase.
 
+First, ``--idle`` seconds with no traffic: each process's % of a core, the cost that tracks
+wall time rather than events (and what it adds per event at each rate).
+
 Per rate, over the ``--seconds`` after the warm-up: each process's CPU (utime + stime from
 /proc/<pid>/stat) in ms per raw event (the raw messages the mapper, or the first bare relay,
 acked in that window) and in % of a core, its RSS at the end, e2e p50/p99; then
@@ -188,6 +191,25 @@ def phase(url: str, rate: float, a: argparse.Namespace, work: Path, tag: str, pi
             "pct": {k: 100 * (cpu1[k] - cpu0[k]) / dt for k in pids}, "rss": rss}
 
 
+def idle_phase(pids: dict[str, int], seconds: float, services: dict[str, int], profile: str | None,
+               a: argparse.Namespace) -> dict[str, float]:
+    """% of a core each process uses with no traffic at all: the cost that tracks wall time."""
+    spies = []
+    if profile:
+        for name, pid in services.items():
+            spies.append(subprocess.Popen(["py-spy" if shutil.which("py-spy") else str(Path(sys.executable).with_name("py-spy")),
+                                           "record", "--pid", str(pid), "--rate", str(a.profile_rate), "--format", "raw",
+                                           "--duration", str(int(seconds)), "--nonblocking", "--idle",
+                                           "-o", str(Path(profile) / f"{name}-idle.txt")],
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    t0, cpu0 = time.monotonic(), {k: cpu_s(v) for k, v in pids.items()}
+    time.sleep(seconds)
+    dt, cpu1 = time.monotonic() - t0, {k: cpu_s(v) for k, v in pids.items()}
+    for spy in spies:
+        spy.wait(30)
+    return {k: 100 * (cpu1[k] - cpu0[k]) / dt for k in pids if k != "sim"}
+
+
 def latencies(path: Path, window: tuple[float, float], interval: float) -> list[float]:
     out: list[float] = []
     try:
@@ -243,6 +265,7 @@ def main() -> int:
     ap.add_argument("--instances", type=int, default=1000)
     ap.add_argument("--subscribers", type=int, default=10, help="SSE subscribers of the relay (default 10)")
     ap.add_argument("--no-baseline", action="store_true", help="skip the bare relay chain")
+    ap.add_argument("--idle", type=float, default=20.0, help="seconds measured with no traffic first (0: none; default 20)")
     ap.add_argument("--profile", default=None, metavar="DIR", help="py-spy the mapper and pairing into DIR (per rate)")
     ap.add_argument("--profile-rate", type=int, default=100, help="py-spy samples per second (default 100)")
     ap.add_argument("--top", type=int, default=15, help="frames printed per profile (default 15)")
@@ -313,6 +336,9 @@ def main() -> int:
                 except Exception:
                     time.sleep(0.2)
         profile = {"mapper": mapper.pid, "pairing": pairing.pid} if a.profile else None
+        if a.idle:
+            results["idle"] = idle_phase(pids, a.idle, {"mapper": mapper.pid, "pairing": pairing.pid}, a.profile, a)
+            print("  idle: " + ", ".join(f"{k} {v:.1f} %" for k, v in results["idle"].items()) + " of a core", flush=True)
         for rate in rates:
             r = phase(server.url, rate, a, work, "c", pids, (S.HERMES_RAW, S.MAPPER_DURABLE), profile)
             lat = latencies(lat_path, r["window"], 2.0)
@@ -372,6 +398,11 @@ def report(results: dict[str, list[dict]], a: argparse.Namespace, rates: list[fl
               + "   (mapper+pairing / relay 1+relay 2; target <= 1.5)")
         if len(bcost) > 1:
             print(f"flatness, baseline: {bcost[0] / bcost[-1]:.2f} ({rates[0]:.0f}/s cost / {rates[-1]:.0f}/s cost)")
+    if results.get("idle"):
+        idle = results["idle"]
+        print(f"idle, no traffic for {a.idle:.0f} s, % of a core: " + ", ".join(f"{k} {v:.1f}" for k, v in idle.items())
+              + f"; mapper + pairing {idle['mapper'] + idle['pairing']:.1f} % (= "
+              + ", ".join(f"{10 * (idle['mapper'] + idle['pairing']) / r:.3f} ms per event at {r:.0f}/s" for r in rates) + ")")
     if len(cost) > 1:
         print(f"flatness, pipeline (mapper+pairing): {cost[0] / cost[-1]:.2f} "
               f"({rates[0]:.0f}/s cost per event / {rates[-1]:.0f}/s cost per event; target <= 1.3)")

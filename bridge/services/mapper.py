@@ -95,7 +95,7 @@ from bridge.nats.connection import connect_service, server_list
 from bridge.nats.lanes import WRONG_LAST_SEQUENCE, KvLanes, PinnedLane, epoch_of, lane_fact_key
 from bridge.nats.lookup import DEFAULT_MARGIN_NS, SERVER_MARGIN_NS, find_msg_id, msg_ids_on, stored_ns
 from bridge.nats.pull import Puller
-from bridge.runtime import OTHER, BoundedLabel, Health, Loop, Stopper, close_connection, serve
+from bridge.runtime import OTHER, BoundedLabel, Health, Loop, Stopper, close_connection, linger, serve
 
 log = structlog.get_logger("aep_bridge.mapper")
 
@@ -111,10 +111,9 @@ FINISHED_MAX = 16384  # finished raw seqs remembered above the known ack floor
 # (one request each: ~0.4-0.5 ms on a local server, 4-5 s in all). Past it a late copy goes
 # through: a duplicate at worst.
 LATE_SCAN_BUDGET = 10_000
-# A batch of less than a quarter of the fetch size, once acked, is followed by a short pause (as
-# pairing's FETCH_PACE_S): a quiet fleet otherwise costs a batch, its socket writes and its acks
-# per message (issue 24: docs/BENCHMARKS.md "Cost"); what arrives meanwhile waits at most this.
-FETCH_PACE_S = 0.02
+# A batch of less than a quarter of the fetch size, once acked, is followed by a pause of
+# AEP_BRIDGE_LINGER_MS (`bridge.runtime.lifecycle.linger`): a quiet fleet otherwise costs a
+# batch, its socket writes and its acks per message (issue 24: docs/BENCHMARKS.md "Cost").
 
 
 class MapperMetrics:
@@ -248,6 +247,7 @@ class Mapper:
                  batch: int = 256, durable: str = S.MAPPER_DURABLE,
                  before_map: Callable[[bytes], None] | None = None) -> None:
         self.settings = settings
+        self.linger_s = settings.linger_ms / 1000
         self.policy = policy
         self.registry = registry or CollectorRegistry()
         self.metrics = MapperMetrics(self.registry)
@@ -773,7 +773,7 @@ class Mapper:
             self.health.set_ready(True)
             await self.process_batch(msgs)
             if len(msgs) < self.batch_size // 4:  # acked already: only the next ones wait a little
-                await self.stopper.sleep(FETCH_PACE_S)
+                await linger(self.linger_s)
 
     async def close(self) -> None:
         await close_connection(self.nc)

@@ -87,7 +87,7 @@ from bridge.nats import subjects as subj
 from bridge.nats.connection import connect_service
 from bridge.nats.lookup import SCAN_BUDGET, SERVER_MARGIN_NS, find_msg_id, stored_ns
 from bridge.nats.pull import Puller
-from bridge.runtime import BoundedLabel, Health, Loop, Stopper, close_connection, serve
+from bridge.runtime import BoundedLabel, Health, Loop, Stopper, close_connection, linger, serve
 
 log = structlog.get_logger("aep_bridge.pairing")
 
@@ -113,10 +113,10 @@ CHECKPOINT_S = 10.0
 # An owner stops acting on a partition this long before its lease could expire (fencing).
 # Above RENEW_S: a renewal that got no answer is retried once before the partition stops.
 FENCE_MARGIN_S = 3.0
-# A batch of less than a quarter of FETCH_BATCH, once handled, is followed by a short pause:
+# A batch of less than a quarter of FETCH_BATCH, once handled, is followed by a pause of
+# AEP_BRIDGE_LINGER_MS on a clock the partitions share (`bridge.runtime.lifecycle.linger`):
 # eight partitions polling without one made ~1 pull request per message (CPU for the service
 # and the server); messages arriving meanwhile wait at most this much, none in a catch-up.
-FETCH_PACE_S = 0.02
 TICK_TOKEN = subj.TICK_TOKEN
 
 
@@ -147,6 +147,8 @@ class PairingMetrics:
             f"{ns}_republish_skipped_total", "Replayed outputs already on AEP_EVENTS past its duplicate window (not published again)",
             registry=registry,
         )
+        self.batch = Histogram(f"{ns}_batch_size", "Mapped events per fetched batch (any partition)",
+                               buckets=(1, 4, 16, 64, 128, 256, 512), registry=registry)
         self.latency = Histogram(
             f"{ns}_end_to_end_latency_seconds", "Shim receive time to AEP_EVENTS publish ack",
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60), registry=registry,
@@ -206,6 +208,7 @@ class PairingService:
     def __init__(self, settings: Settings, replica: str | None = None, registry: CollectorRegistry | None = None,
                  lease_ttl_s: float | None = None, tick_s: float | None = None, policy: CapturePolicy | None = None) -> None:
         self.settings = settings
+        self.linger_s = settings.linger_ms / 1000
         # Only for dead letters (the mapped events are capture-gated by the mapper already).
         self.policy = policy or configure(settings.capture, settings.capture_overrides, (), Redactor(
             secret_values=settings.secret_values(), home=os.path.expanduser("~")))[0]
@@ -500,6 +503,7 @@ class PairingService:
     async def handle_batch(self, part: Partition, msgs: list[Any]) -> None:
         if self.fenced(part):
             return
+        self.metrics.batch.observe(len(msgs))
         futures: list[asyncio.Future] = []
         receive_times: list[int] = []
         for msg in msgs:
@@ -564,7 +568,7 @@ class PairingService:
                     except Exception:
                         pass
                 if 0 < len(msgs) < FETCH_BATCH // 4:  # published already: only the next ones wait a little
-                    await self.stopper.sleep(FETCH_PACE_S)
+                    await linger(self.linger_s)
             if not part.lost:  # a clean stop: everything handled was published
                 await self.checkpoint(part)
         finally:

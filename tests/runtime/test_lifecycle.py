@@ -26,7 +26,7 @@ import pytest
 import structlog
 
 from bridge.config import Settings
-from bridge.runtime import Health, Loop, Stopper, configure_logging, profiling, serve
+from bridge.runtime import Health, Loop, Stopper, configure_logging, lifecycle, profiling, serve
 from bridge.stack.server import free_port
 from tests.natsfixture import JetStreamClient
 from tests.support.auth_server import accepts_connections
@@ -232,3 +232,21 @@ def test_a_service_process_logs_its_component_and_replica_on_every_line(
     lines = [json.loads(line) for line in svc.log_path.read_text().splitlines() if line.startswith("{")]
     assert any(l["event"] == f"{name}_stopping" for l in lines), lines
     assert {(l["component"], l["replica"]) for l in lines} == {(name, replica)}, lines
+
+
+@pytest.mark.parametrize("now, period, want", [(100.013, 0.02, 0.007), (5.001, 0.05, 0.049), (7.2501, 0.1, 0.0499)])
+def test_linger_sleeps_to_the_next_multiple_of_its_period(monkeypatch: pytest.MonkeyPatch, now: float, period: float,
+                                                          want: float) -> None:
+    """Every loop of a process that lingers wakes at the same instant (pairing's partitions in
+    one turn of the event loop): the sleep ends on the period's shared clock, not `period`
+    after each caller's own call."""
+    slept: list[float] = []
+
+    async def sleep(seconds: float) -> None:
+        slept.append(seconds)
+
+    monkeypatch.setattr(lifecycle.time, "monotonic", lambda: now)
+    monkeypatch.setattr(lifecycle.asyncio, "sleep", sleep)
+    asyncio.run(lifecycle.linger(period))
+    asyncio.run(lifecycle.linger(0))
+    assert slept == [pytest.approx(want, abs=1e-9)], "one sleep, to the period's next multiple; none for 0"

@@ -132,7 +132,7 @@ def test_real_sessions_reach_kafka_once_in_order_within_the_ceiling(nats_server_
 
         # Metrics: skipped events are counted, not lost.
         exporter = services[2]
-        text = metrics_text(exporter)
+        text = exporter.metrics_text()
         assert 'aep_bridge_export_skipped_total{reason="no_record",sink="siem"}' in text
         assert 'aep_bridge_export_skipped_total{reason="filtered",sink="bin"}' in text
         assert f'aep_bridge_export_delivered_total{{sink="ce"}} {float(len(ce))}' in text
@@ -141,20 +141,6 @@ def test_real_sessions_reach_kafka_once_in_order_within_the_ceiling(nats_server_
         for s in reversed(services):
             s.terminate()
         client.close()
-
-
-def metrics_port(service: Service) -> int:
-    for line in service.log_path.read_text().splitlines():
-        if "exporter_starting" in line:
-            return int(json.loads(line[line.index("{"):])["metrics_port"])
-    raise AssertionError(f"no exporter_starting line: {service.log()}")
-
-
-def metrics_text(service: Service) -> str:
-    import urllib.request
-
-    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port(service)}/metrics", timeout=5) as r:
-        return r.read().decode()
 
 
 def consumer_state(client: JetStreamClient, durable: str):
@@ -194,7 +180,7 @@ def test_kafka_down_backpressure_then_resume_into_a_fresh_broker(nats_server_fn,
         assert n_total > n_before
         # Down: retries counted, nothing of the new events acked, all of them still there.
         def retries() -> float:
-            text = metrics_text(exporter)
+            text = exporter.metrics_text()
             name = 'aep_bridge_export_retries_total{sink="ce"}'
             return float(metric(text, name)) if name in text else 0.0
 

@@ -61,6 +61,20 @@ class Service:
         except OSError:
             return ""
 
+    def metrics_port(self) -> int:
+        """The port of its /metrics, from its ``<role>_starting`` log line (it was started with port 0)."""
+        starting = f"{self.name.split('-')[0]}_starting"
+        for line in self.log_path.read_text(errors="replace").splitlines():
+            if starting in line and "{" in line:
+                return int(json.loads(line[line.index("{"):])["metrics_port"])
+        raise AssertionError(f"no {starting} line: {self.log()}")
+
+    def metrics_text(self) -> str:
+        import urllib.request
+
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port()}/metrics", timeout=5) as r:
+            return r.read().decode()
+
 
 def raw_records(envelopes: Iterable[dict[str, Any]], instance: str = "test", base_ts: int | None = None) -> list[tuple[str, bytes, str]]:
     """Raw messages exactly as the shim wraps them: (subject, body, Nats-Msg-Id)."""

@@ -1,0 +1,69 @@
+"""AEP_BRIDGE_LINGER_MS reaches the mapper and pairing: a slow trickle of raw messages is
+gathered into a few batches when they linger, and taken one by one when they do not."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+
+from bridge.config import Settings
+from tests.corpus import envelopes
+from tests.natsfixture import JetStreamClient
+from tests.support.services import Service, publish_all, raw_records, wait_for
+from tests.support.streams import count
+
+TRICKLE = 30  # raw messages, one every GAP_S
+GAP_S = 0.04
+
+
+def batches(service: Service, role: str) -> int:
+    """How many batches the service fetched (its ``aep_bridge_<role>_batch_size`` histogram)."""
+    m = re.search(rf"^aep_bridge_{role}_batch_size_count (\S+)$", service.metrics_text(), re.M)
+    assert m, f"no batch histogram on {role}'s /metrics"
+    return int(float(m.group(1)))
+
+
+def trickle(client: JetStreamClient, url: str, tmp_path, linger_ms: str, instance: str) -> tuple[int, int]:
+    """Batches (mapper, pairing) for TRICKLE raw messages sent GAP_S apart."""
+    env = {"AEP_BRIDGE_LINGER_MS": linger_ms}
+    log_dir = tmp_path / f"linger-{linger_ms}"
+    log_dir.mkdir()
+    mapper = Service("mapper", url, log_dir, env=env).start()
+    pairing = Service("pairing", url, log_dir, "--replica", f"l{linger_ms}", env=env).start()
+    try:
+        wait_for(lambda: "mapper_ready" in mapper.log() and "partition_started" in pairing.log(), 30, what="services up")
+        before = count(client, "AEP_EVENTS")
+        mapped_before = count(client, "BRIDGE_MAPPED")
+        records = raw_records(envelopes()[:TRICKLE], instance=instance)
+        for record in records:
+            client.run(publish_all(client.js, [record]))
+            time.sleep(GAP_S)
+        wait_for(lambda: count(client, "BRIDGE_MAPPED") - mapped_before >= TRICKLE, 30, what="the trickle mapped")
+        wait_for(lambda: count(client, "AEP_EVENTS") > before, 30, what="the trickle paired")
+        time.sleep(1.5)  # pairing's last batches
+        return batches(mapper, "mapper"), batches(pairing, "pairing")
+    finally:
+        pairing.terminate()
+        mapper.terminate()
+
+
+@pytest.mark.slow
+def test_the_linger_is_a_setting_of_the_mapper_and_pairing(nats_server_fn, tmp_path):
+    client = JetStreamClient(nats_server_fn.url)
+    client.bootstrap()
+    try:
+        long_m, long_p = trickle(client, nats_server_fn.url, tmp_path, "500", "slow")
+        none_m, none_p = trickle(client, nats_server_fn.url, tmp_path, "0", "fast")
+    finally:
+        client.close()
+    # 30 messages over ~1.2 s: at 500 ms the mapper takes them in a handful of gatherings, at 0
+    # one by one (the machine may be slow: the bounds leave a wide margin either way).
+    assert long_m <= 12, f"mapper at 500 ms took {long_m} batches for {TRICKLE} messages"
+    assert none_m >= 20, f"mapper at 0 ms took only {none_m} batches for {TRICKLE} messages"
+    assert long_p < none_p, f"pairing: {long_p} batches at 500 ms, {none_p} at 0 ms"
+    assert Settings.from_env({"AEP_BRIDGE_CONFIG": "/dev/null"}).linger_ms == 20.0
+    for bad in ("-1", "1001", "soon"):
+        with pytest.raises(ValueError, match="AEP_BRIDGE_LINGER_MS"):
+            Settings.from_env({"AEP_BRIDGE_CONFIG": "/dev/null", "AEP_BRIDGE_LINGER_MS": bad})
