@@ -144,7 +144,8 @@ class EmbeddedCluster:
     ``client_config`` (the client authorization block) and route to each other. The route
     port accepts only the cluster's own routes: a credential generated here, in the nodes'
     0600 config files, never on a command line (a route sees every message of the account).
-    ``start()`` returns once every node accepts clients; JetStream is ready a moment later,
+    JetStream fsyncs every write (``sync_interval``, ``always`` as in production; ``None``:
+    nats-server's default, 2m). ``start()`` returns once every node accepts clients; JetStream is ready a moment later,
     once the nodes have elected a meta leader (the caller retries its first JetStream call).
     """
 
@@ -152,7 +153,7 @@ class EmbeddedCluster:
     ROUTE_USER = "aep-route"
 
     def __init__(self, root: str | Path, size: int = 3, first_port: int | None = None, host: str = "127.0.0.1",
-                 client_config: str = "", log_dir: str | Path | None = None) -> None:
+                 client_config: str = "", log_dir: str | Path | None = None, sync_interval: str | None = "always") -> None:
         import secrets
 
         self.root = Path(root)
@@ -179,8 +180,11 @@ class EmbeddedCluster:
             conf = self.root / f"{name}.conf"
             self.nodes.append(EmbeddedNats(self.root / name, port=port, host=host, config_file=conf,
                                            log_file=log_dir / f"nats-server-{name}.log"))
+        # JetStream fsyncs every write, as deploy/nats/nats.conf and the chart do (what an ack
+        # promises on a cluster: docs/ARCHITECTURE.md "High availability"); None: nats-server's 2m.
+        jetstream = f"jetstream {{\n  sync_interval: {sync_interval}\n}}\n" if sync_interval else ""
         self._configs = {
-            name: (f"server_name: {name}\n{client_config}\n"
+            name: (f"server_name: {name}\n{client_config}\n{jetstream}"
                    f"cluster {{\n  name: {self.NAME}\n  listen: {json.dumps(f'{host}:{route_port}')}\n"
                    f"  authorization {{ user: {self.ROUTE_USER}, password: {json.dumps(self.route_password)} }}\n"
                    f"  routes: [{routes}]\n}}\n")

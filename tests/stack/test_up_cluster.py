@@ -196,3 +196,24 @@ def test_cluster_routes_accept_only_their_own_credential(tmp_path):
                 rogue.stop()
     finally:
         cluster.stop()
+
+
+@pytest.mark.parametrize("sync, want", [("always", True), (None, False)])
+def test_cluster_nodes_fsync_every_write_as_production_does(tmp_path, sync, want):
+    """`up --cluster` runs what deploy/nats/nats.conf and the chart promise: JetStream fsyncs
+    every write (`sync_interval: always`), read back from a real node's /varz; ``None`` leaves
+    nats-server's default (2m), the contrast that shows the check can fail."""
+    import urllib.request
+
+    kwargs = {} if sync == "always" else {"sync_interval": sync}  # the default is what `up` runs
+    cluster = EmbeddedCluster(tmp_path / "cluster", **kwargs)
+    monitor = free_port()
+    cluster.nodes[0].extra_args += ["-m", str(monitor)]
+    cluster.start()
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{monitor}/varz", timeout=5) as r:
+            config = json.loads(r.read())["jetstream"]["config"]
+        assert bool(config.get("sync_always")) is want, config
+        assert config["store_dir"].startswith(str(tmp_path / "cluster")), config  # -sd still wins over the block
+    finally:
+        cluster.stop()
