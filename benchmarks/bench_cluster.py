@@ -19,6 +19,7 @@ average (`os.getloadavg`) around each engine: the machine is shared.
 
     .venv/bin/python benchmarks/bench_cluster.py --n 20000 --rate 300 --seconds 40
     .venv/bin/python benchmarks/bench_cluster.py --n 3000 --seconds 15       # a smoke run
+    .venv/bin/python benchmarks/bench_cluster.py --rounds 3                  # interleaved, medians
 """
 
 from __future__ import annotations
@@ -177,6 +178,9 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=40.0, help="seconds of steady load (default 40; 0: backlog only)")
     ap.add_argument("--warmup", type=float, default=5.0, help="seconds of steady load left out of the latency (default 5)")
     ap.add_argument("--instances", type=int, default=100, help="simulated instances in the steady load (default 100)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="rounds of every engine, interleaved (R1, R3, R3 always, R1, ...): each round's "
+                         "ratios, then each engine's median (default 1)")
     ap.add_argument("--engines", default=",".join(e[0] for e in ENGINES),
                     help=f"comma-separated subset of {', '.join(e[0] for e in ENGINES)} (R1 first: the ratios' base)")
     args = ap.parse_args()
@@ -186,14 +190,33 @@ def main() -> None:
         ap.error(f"unknown engine(s) {sorted(unknown)}")
     print(f"bench_cluster: backlog {args.n}, steady {args.rate:.0f} events/s for {args.seconds:.0f} s "
           f"(warm-up {args.warmup:.0f} s), {args.instances} instances; {os.cpu_count()} CPUs", flush=True)
-    results = [run(label, replicas, sync, args) for label, replicas, sync in ENGINES if label in wanted]
-    base = results[0]
-    print(f"\nratios against {base['label']} (same run): publish, mapper + pairing, e2e p50, e2e p99")
-    for r in results[1:]:
-        print(f"  {r['label']:<10} {ratio(r['publish_per_s'], base['publish_per_s'])}, "
-              f"{ratio(r['through_per_s'], base['through_per_s'])}, "
-              f"{ratio(r.get('e2e_p50', float('nan')), base.get('e2e_p50', float('nan')))}, "
-              f"{ratio(r.get('e2e_p99', float('nan')), base.get('e2e_p99', float('nan')))}")
+    rounds: list[list[dict[str, Any]]] = []
+    for k in range(args.rounds):
+        if args.rounds > 1:
+            print(f"\nround {k + 1} of {args.rounds}", flush=True)
+        rounds.append([run(label, replicas, sync, args) for label, replicas, sync in ENGINES if label in wanted])
+    for k, results in enumerate(rounds):
+        base = results[0]
+        print(f"\n{f'round {k + 1}: ' if args.rounds > 1 else ''}ratios against {base['label']} (same run): "
+              f"publish, mapper + pairing, e2e p50, e2e p99")
+        for r in results[1:]:
+            print(f"  {r['label']:<10} {ratio(r['publish_per_s'], base['publish_per_s'])}, "
+                  f"{ratio(r['through_per_s'], base['through_per_s'])}, "
+                  f"{ratio(r.get('e2e_p50', float('nan')), base.get('e2e_p50', float('nan')))}, "
+                  f"{ratio(r.get('e2e_p99', float('nan')), base.get('e2e_p99', float('nan')))}")
+    if args.rounds > 1:
+        print(f"\nmedians over {args.rounds} interleaved rounds: publish msgs/s, mapper + pairing events/s, "
+              f"e2e p50 ms, e2e p99 ms")
+        for i, label in enumerate(r["label"] for r in rounds[0]):
+            runs = [results[i] for results in rounds]
+            cols = [median([r.get(key, float("nan")) for r in runs])
+                    for key in ("publish_per_s", "through_per_s", "e2e_p50", "e2e_p99")]
+            print(f"  {label:<10} {cols[0]:,.0f}, {cols[1]:,.0f}, {cols[2]:.0f}, {cols[3]:.0f}")
+
+
+def median(xs: list[float]) -> float:
+    xs = sorted(x for x in xs if x == x)  # NaN left out
+    return xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2 if xs else float("nan")
 
 
 if __name__ == "__main__":

@@ -168,7 +168,8 @@ def phase(url: str, rate: float, a: argparse.Namespace, work: Path, tag: str, pi
             out = Path(a.profile) / f"{name}-{int(rate)}.txt"
             spies.append(subprocess.Popen(["py-spy" if shutil.which("py-spy") else str(Path(sys.executable).with_name("py-spy")),
                                            "record", "--pid", str(pid), "--rate", str(a.profile_rate), "--format", "raw",
-                                           "--duration", str(int(a.seconds)), "--nonblocking", "-o", str(out)],
+                                           "--duration", str(int(a.seconds)), "--nonblocking", "-o", str(out),
+                                           *(["--idle"] if a.profile_idle else [])],
                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
     t0, floor0 = time.monotonic(), acked(url, *counter)[0]
     cpu0 = {k: cpu_s(v) for k, v in pids.items()}
@@ -267,6 +268,8 @@ def main() -> int:
     ap.add_argument("--no-baseline", action="store_true", help="skip the bare relay chain")
     ap.add_argument("--idle", type=float, default=20.0, help="seconds measured with no traffic first (0: none; default 20)")
     ap.add_argument("--profile", default=None, metavar="DIR", help="py-spy the mapper and pairing into DIR (per rate)")
+    ap.add_argument("--profile-idle", action="store_true",
+                    help="with --profile: sample waiting threads too (where a loop waits: wall time, not CPU)")
     ap.add_argument("--profile-rate", type=int, default=100, help="py-spy samples per second (default 100)")
     ap.add_argument("--top", type=int, default=15, help="frames printed per profile (default 15)")
     ap.add_argument("--service-env", action="append", default=[], metavar="KEY=VALUE",
