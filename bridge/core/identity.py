@@ -17,7 +17,6 @@ event id so the stream's duplicate window absorbs the second copy.
 
 from __future__ import annotations
 
-import base64
 import hashlib
 from dataclasses import dataclass
 from functools import lru_cache
@@ -33,8 +32,10 @@ MAX_MAPPED = AFTER_SLOT - MAPPED_SLOT
 _CROCKFORD = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
 
 
-# RFC 4648 base32 -> Crockford's alphabet: 10 bytes of entropy are exactly 16 characters.
-_B32_TO_CROCKFORD = str.maketrans("ABCDEFGHIJKLMNOPQRSTUVWXYZ234567", _CROCKFORD)
+# Every 10-bit value as its two Crockford characters: 80 bits of entropy are 8 look-ups. The
+# same string as RFC 4648 base32 translated to Crockford's alphabet (tests/core/test_identity.py
+# holds them equal), 2.6 us per id against 9.4 us for base64.b32encode + translate (issue 24).
+_PAIRS = tuple(a + b for a in _CROCKFORD for b in _CROCKFORD)
 
 
 @lru_cache(maxsize=4096)
@@ -51,7 +52,9 @@ def ulid_from(time_ms: int, entropy: bytes) -> str:
     """Encode a ULID from a 48-bit millisecond time and 10 bytes of entropy."""
     if len(entropy) < 10:
         raise ValueError("a ULID needs 10 bytes of entropy")
-    return _ulid_time(time_ms) + base64.b32encode(entropy[:10]).decode("ascii").translate(_B32_TO_CROCKFORD)
+    v, p = int.from_bytes(entropy[:10], "big"), _PAIRS
+    return "".join((_ulid_time(time_ms), p[v >> 70], p[v >> 60 & 1023], p[v >> 50 & 1023], p[v >> 40 & 1023],
+                    p[v >> 30 & 1023], p[v >> 20 & 1023], p[v >> 10 & 1023], p[v & 1023]))
 
 
 def ulid_time_ms(ulid: str) -> int:

@@ -50,7 +50,11 @@ def parse_rfc3339_ns(text: str) -> int:
 
 def stored_ns(msg: Any) -> int | None:
     """When JetStream stored a delivered message (ns), from its metadata."""
-    ts = getattr(getattr(msg, "metadata", None), "timestamp", None)
+    meta = getattr(msg, "metadata", None)
+    ts_ns = getattr(meta, "ts_ns", None)  # bridge.nats.pull.Metadata: exact, no datetime
+    if ts_ns is not None:
+        return ts_ns
+    ts = getattr(meta, "timestamp", None)
     return int(ts.timestamp() * 1e9) if ts is not None else None
 
 

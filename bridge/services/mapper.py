@@ -94,6 +94,7 @@ from bridge.nats import subjects as subj
 from bridge.nats.connection import connect_service, server_list
 from bridge.nats.lanes import WRONG_LAST_SEQUENCE, KvLanes, PinnedLane, epoch_of, lane_fact_key
 from bridge.nats.lookup import DEFAULT_MARGIN_NS, SERVER_MARGIN_NS, find_msg_id, msg_ids_on, stored_ns
+from bridge.nats.publish import AckPublisher
 from bridge.nats.pull import Puller
 from bridge.runtime import OTHER, BoundedLabel, Health, Loop, Stopper, close_connection, linger, serve
 
@@ -295,6 +296,7 @@ class Mapper:
     async def connect(self) -> None:
         self.nc = await connect_service(self.settings, name=f"aep-bridge-mapper-{self.settings.instance}", role="mapper")
         self.js = self.nc.jetstream(publish_async_max_pending=4096)
+        self.publisher = await AckPublisher(self.nc).start()  # the events' publishes (bridge.nats.publish)
 
     async def bind(self) -> Any:
         info = await self.js.stream_info(S.HERMES_RAW)
@@ -415,7 +417,7 @@ class Mapper:
                              hints: str, stored: set[str] | frozenset[str] = frozenset()) -> None:
         """Publish a mapped raw message's events (but those in ``stored``), pipelined: their
         futures are added to ``futures``."""
-        publish = self.js.publish_async
+        publish = self.publisher.publish
         for event, body in zip(result.events, bodies):
             if event.id in stored:
                 continue
@@ -640,7 +642,7 @@ class Mapper:
         letter = deadletter.build("mapper", reason, error_type, detail, original, self.policy)
         self.metrics.dead_letter(reason).inc()
         log.warning("dead_letter", reason=reason, raw_seq=meta.sequence.stream, error=letter.headers["Bridge-Dlq-Error"][:200])
-        return await self.js.publish_async(subj.dlq_subject(reason), letter.body, headers=letter.headers)
+        return await self.publisher.publish(subj.dlq_subject(reason), letter.body, headers=letter.headers)
 
     # ------------------------------------------------------------ the loop
 
@@ -681,8 +683,8 @@ class Mapper:
         futures = [f for _, fs, _ in pending for f in fs]
         if futures:
             await asyncio.wait(futures, timeout=10)
-            # nats-py never times these out: an ack lost with a dying server would keep its slot of
-            # publish_async_max_pending forever (after enough outages every publish would block).
+            # Nothing times these out by itself: an ack lost with a dying server would leave its
+            # future (and its raw message) waiting for ever; cancelled ones are swept (AckPublisher).
             for f in futures:
                 if not f.done():
                     f.cancel()

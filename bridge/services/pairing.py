@@ -86,6 +86,7 @@ from bridge.nats import streams as S
 from bridge.nats import subjects as subj
 from bridge.nats.connection import connect_service
 from bridge.nats.lookup import SCAN_BUDGET, SERVER_MARGIN_NS, find_msg_id, stored_ns
+from bridge.nats.publish import AckPublisher
 from bridge.nats.pull import Puller
 from bridge.runtime import BoundedLabel, Health, Loop, Stopper, close_connection, linger, serve
 
@@ -370,7 +371,7 @@ class PairingService:
         """
         if part.position == part.checkpointed:
             return
-        await self.js.publish_async_completed()
+        await self.publisher.completed(timeout=15)
         try:
             blob = zlib.compress(part.state.snapshot(), 1)
         except Exception as exc:  # a state no checkpoint can hold: never let it stop the partition
@@ -415,7 +416,7 @@ class PairingService:
             except subj.SubjectError as exc:  # never onto the wire: nats-server would close the connection
                 futures.append(await self.dead_letter_event(event, body, exc.reason, str(exc), msg))
                 continue
-            futures.append(await self.js.publish_async(subject, body, headers={"Nats-Msg-Id": event.id}))
+            futures.append(await self.publisher.publish(subject, body, headers={"Nats-Msg-Id": event.id}))
             self.metrics.event_out(event.type).inc()
         return futures
 
@@ -434,7 +435,7 @@ class PairingService:
         limit = getattr(self.nc, "max_payload", 0) or 0
         if limit and len(body) + 1024 > limit:  # content at `full` can be as large as the event
             body = deadletter.build("pairing", reason, reason, error, original, CapturePolicy(default="metadata", overrides={})).body
-        return await self.js.publish_async(subj.dlq_subject(reason), body, headers=headers)
+        return await self.publisher.publish(subj.dlq_subject(reason), body, headers=headers)
 
     async def handle(self, part: Partition, msg: Any) -> tuple[list[asyncio.Future], int | None]:
         """Fold one message into the state and start publishing what it yields.
@@ -521,12 +522,10 @@ class PairingService:
             part.since_checkpoint += sum(1 for m in msgs if m.metadata.sequence.stream > part.position)
             part.position = last
             if futures and not self.fenced(part):  # every output up to `last` is acked: say so, for a later restore
-                fut = await self.js.publish_async(subj.kv_subject(S.PAIRING_BUCKET, PROGRESS_KEY.format(part.number)),
-                                                  str(last).encode())
-                fut.add_done_callback(lambda f: f.cancelled() or f.exception())
-                # nats-py never times a publish_async future out, and checkpoint() waits for all of
-                # them: one whose ack was lost with a dying server must not hang the partition.
-                asyncio.get_running_loop().call_later(10.0, lambda: fut.done() or fut.cancel())
+                # Fire and forget (no reply subject: JetStream stores it and answers nothing): a
+                # lost write only means more checking after a late restore, so it costs one
+                # socket write per batch, not an ack to wait for and a timer (issue 24).
+                await self.nc.publish(subj.kv_subject(S.PAIRING_BUCKET, PROGRESS_KEY.format(part.number)), str(last).encode())
 
     async def dead_letter(self, msg: Any, reason: str, error: BaseException | str) -> None:
         """Publish the dead letter of a mapped message (`bridge.core.deadletter`: no more than
@@ -681,6 +680,7 @@ class PairingService:
     async def connect(self) -> None:
         self.nc = await connect_service(self.settings, name=f"aep-bridge-pairing-{self.replica}", role="pairing")
         self.js = self.nc.jetstream(publish_async_max_pending=4096)
+        self.publisher = await AckPublisher(self.nc).start()  # the events' publishes (bridge.nats.publish)
         self.leases = await self.js.key_value(S.LEASES_BUCKET)
         self.pairing_kv = await self.js.key_value(S.PAIRING_BUCKET)
         self.checkpoints = await self.js.object_store(S.CHECKPOINTS_BUCKET)

@@ -149,6 +149,19 @@ def test_event_ids_are_ulids_of_the_receive_time():
     assert ulid_from(0, bytes(10)) == "0" * 26
 
 
+@given(time_ms=st.integers(0, 2**48 - 1), entropy=st.binary(min_size=10, max_size=32))
+def test_ulids_are_base32_of_the_entropy_in_crockfords_alphabet(time_ms, entropy):
+    """The fast encoding (8 look-ups of 10 bits) gives exactly the ids the first one did:
+    RFC 4648 base32 of the first 10 bytes, in Crockford's alphabet (ids are stable across
+    versions: a replay by a newer bridge must produce the same ids)."""
+    import base64
+
+    reference = base64.b32encode(entropy[:10]).decode().translate(
+        str.maketrans("ABCDEFGHIJKLMNOPQRSTUVWXYZ234567", "0123456789ABCDEFGHJKMNPQRSTVWXYZ"))
+    ulid = ulid_from(time_ms, entropy)
+    assert ulid[10:] == reference and ulid_time_ms(ulid) == time_ms
+
+
 def test_seq_leaves_room_before_and_after():
     o = Origin(raw_id="r", raw_seq=3, ts_ns=0, instance="i")
     assert o.seq_for(0) < o.seq_for(512) < o.seq_for(768) < Origin("r", 4, 0, "i").seq_for(0)

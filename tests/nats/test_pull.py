@@ -97,3 +97,46 @@ def test_a_consumer_that_is_gone_is_an_error(nats_server) -> None:  # type: igno
         assert time.monotonic() - started < 2.0
 
     run(nats_server.url, body)
+
+
+@pytest.mark.parametrize("reply", [
+    "$JS.ACK.HERMES_RAW.bridge-mapper.3.1234.77.1764543353123456789.42",
+    "$JS.ACK._.ACCHASH.HERMES_RAW.bridge-mapper.1.5.6.1764543353000000001.0.tok",
+    "$JS.ACK.hub.ACCHASH.BRIDGE_MAPPED.p3.2.99.98.1764543353999999999.7",
+])
+def test_metadata_of_reads_what_nats_py_reads(reply: str) -> None:
+    from nats.aio.msg import Msg
+
+    from bridge.nats.pull import metadata_of
+
+    ours, theirs = metadata_of(reply), Msg.Metadata._from_reply(reply)
+    assert ours is not None
+    assert (ours.sequence.stream, ours.sequence.consumer) == (theirs.sequence.stream, theirs.sequence.consumer)
+    assert (ours.num_delivered, ours.num_pending, ours.stream, ours.consumer, ours.domain) == (
+        theirs.num_delivered, theirs.num_pending, theirs.stream, theirs.consumer, theirs.domain)
+    assert abs((ours.timestamp - theirs.timestamp).total_seconds()) < 1e-6
+    tokens = reply.split(".")
+    assert ours.ts_ns == int(tokens[7] if len(tokens) == 9 else tokens[9]), "the store time exact, in ns"
+
+
+@pytest.mark.parametrize("reply", [None, "", "_INBOX.x.y", "$JS.ACK.S.C.1.2", "$JS.ACK.S.C.x.2.3.4.5"])
+def test_metadata_of_is_none_for_what_is_not_an_ack_subject(reply) -> None:  # type: ignore[no-untyped-def]
+    from bridge.nats.pull import metadata_of
+
+    assert metadata_of(reply) is None
+
+
+def test_fetched_messages_carry_their_metadata(nats_server) -> None:  # type: ignore[no-untyped-def]
+    async def body(js, nc, stream, prefix, sub) -> None:  # type: ignore[no-untyped-def]
+        from bridge.nats.lookup import stored_ns
+
+        for i in range(5):
+            await js.publish(f"{prefix}.a", str(i).encode())
+        msgs = await Puller(sub).fetch(10, timeout=2.0)
+        assert [m.metadata.sequence.stream for m in msgs] == [1, 2, 3, 4, 5]
+        assert all(m.metadata.num_delivered == 1 and m.metadata.stream == stream for m in msgs)
+        assert [m.metadata.num_pending for m in msgs] == [4, 3, 2, 1, 0]
+        now = time.time_ns()
+        assert all(0 <= now - stored_ns(m) < 60e9 for m in msgs)
+
+    run(nats_server.url, body)

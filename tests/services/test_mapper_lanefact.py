@@ -295,7 +295,7 @@ def test_a_held_event_whose_publish_fails_is_retried_not_a_crash(nats_server_fn)
         await bootstrap(js, None, replicas=1, duplicate_window_s=WINDOW_S)
         await publish_all(js, raw_records([start_of(S1), INNER], instance="lanefact"))
         m, _, msgs = await bound_with(nats_server_fn.url, "m-raise", 2)
-        publish = m.js.publish_async
+        publish = m.publisher.publish
 
         async def refuse_inner(subject: str, *args: Any, **kwargs: Any) -> Any:
             if (kwargs.get("headers") or {}).get("Nats-Msg-Id") in inner_ids:
@@ -312,7 +312,7 @@ def test_a_held_event_whose_publish_fails_is_retried_not_a_crash(nats_server_fn)
             return out
 
         m.map_one = remember  # type: ignore[method-assign]
-        m.js.publish_async = refuse_inner
+        m.publisher.publish = refuse_inner  # type: ignore[method-assign]
         await m.process_batch(msgs)
         retries = m.metrics.retries._value.get()
         await m.close()

@@ -1,0 +1,129 @@
+"""A lean JetStream ``publish_async`` for the services' hot path: one future per publish.
+
+nats-py's ``JetStreamContext.publish_async`` costs, per publish, what the mapper and pairing
+pay on every event (issue 24, docs/BENCHMARKS.md "Cost"): a ``wait_for`` on a semaphore, a
+NUID and ``secrets.token_hex(2)`` (an ``os.urandom`` system call) for the reply subject, a
+done-callback closure, and, per ack, ``json.loads`` and a ``PubAck`` dataclass. In
+``bench_mapper.py``'s profile its wrapper around the core publish was ~9 % of the mapper's
+batch and the ack handling more. And an error reply (``{"error": ...}``) never completes its
+future there (``APIError.from_error`` raises inside the reply callback), so a refused publish
+looked like a lost ack until the caller's timeout.
+
+`AckPublisher.publish` sends through nats-py's core ``Client.publish`` with a reply subject
+under one inbox wildcard subscription of its own (the same shape nats-py uses), named by a
+counter, and returns a future that resolves to the ack's ``(stream, seq, duplicate)`` or
+fails with nats-py's own exceptions (``NoStreamResponseError`` for a 503 no-responders reply,
+``APIError`` and its subclasses for an error reply, with their ``code`` and ``err_code``).
+The protocol is still nats-py's; only the bookkeeping is ours. Futures the caller cancels (an
+ack lost with a dying server) are swept out every `SWEEP_EVERY` publishes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from typing import Any, NamedTuple
+
+import msgspec
+import nats.js.errors
+
+_STATUS = "Status"
+_NO_RESPONDERS = "503"
+SWEEP_EVERY = 4096  # publishes between two sweeps of the futures a caller gave up on
+
+
+class Ack(NamedTuple):
+    stream: str
+    seq: int
+    duplicate: bool
+
+
+class _Reply(msgspec.Struct):
+    stream: str = ""
+    seq: int = 0
+    duplicate: bool = False
+    error: dict | None = None
+
+
+_decode = msgspec.json.Decoder(_Reply).decode
+
+
+def error_of(err: dict[str, Any]) -> Exception:
+    """nats-py's exception for a JetStream error reply (``APIError.from_error`` raises it)."""
+    known = {k: err.get(k) for k in ("code", "description", "err_code") if k in err}  # a server may add keys
+    try:
+        nats.js.errors.APIError.from_error({"code": None, **known})
+    except nats.js.errors.APIError as exc:
+        return exc
+    return nats.js.errors.APIError(**known)  # from_error raises; never reached
+
+
+class AckPublisher:
+    """Acked JetStream publishes over ``nc`` (a connected nats-py ``Client``)."""
+
+    def __init__(self, nc: Any) -> None:
+        self.nc = nc
+        self._prefix = ""
+        self._cut = 0
+        self._futures: dict[str, asyncio.Future] = {}
+        self._count = 0
+        self._sub: Any = None
+
+    async def start(self) -> "AckPublisher":
+        if self._sub is None:
+            inbox = self.nc._inbox_prefix  # the role's own prefix (bridge.nats.connection.ROLE_INBOX)
+            prefix = (inbox.decode() if isinstance(inbox, (bytes, bytearray)) else str(inbox))
+            self._prefix = f"{prefix}.{secrets.token_hex(8)}."
+            self._cut = len(self._prefix)
+            self._sub = await self.nc.subscribe(self._prefix + "*", cb=self._reply)
+        return self
+
+    @property
+    def pending(self) -> int:
+        """Publishes whose ack has not come (nor been given up on)."""
+        return sum(1 for f in self._futures.values() if not f.done())
+
+    async def publish(self, subject: str, payload: bytes, headers: dict[str, str] | None = None) -> asyncio.Future:
+        """Send one message; the returned future completes with its `Ack` or fails."""
+        if self._sub is None:
+            await self.start()
+        self._count += 1
+        token = str(self._count)
+        future = asyncio.get_running_loop().create_future()
+        self._futures[token] = future
+        if self._count % SWEEP_EVERY == 0:
+            self._sweep()
+        try:
+            await self.nc.publish(subject, payload, reply=self._prefix + token, headers=headers)
+        except BaseException:
+            self._futures.pop(token, None)
+            raise
+        return future
+
+    async def completed(self, timeout: float | None = None) -> None:
+        """Wait until every publish made so far is acked, failed or given up on."""
+        waiting = [f for f in self._futures.values() if not f.done()]
+        if waiting:
+            await asyncio.wait(waiting, timeout=timeout)
+
+    def _sweep(self) -> None:
+        for token in [t for t, f in self._futures.items() if f.done()]:
+            del self._futures[token]
+
+    async def _reply(self, msg: Any) -> None:
+        future = self._futures.pop(msg.subject[self._cut:], None)
+        if future is None or future.done():
+            return
+        headers = msg.headers
+        if headers and headers.get(_STATUS) == _NO_RESPONDERS:
+            future.set_exception(nats.js.errors.NoStreamResponseError())
+            return
+        try:
+            reply = _decode(msg.data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            future.set_exception(nats.js.errors.APIError(description=f"unreadable publish ack: {exc}"))
+            return
+        if reply.error is not None:
+            future.set_exception(error_of(reply.error))
+        else:
+            future.set_result(Ack(reply.stream, reply.seq, reply.duplicate))

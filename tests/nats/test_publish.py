@@ -1,0 +1,110 @@
+"""`bridge.nats.publish.AckPublisher`: nats-py's publish_async with one future per publish
+(issue 24), on a real nats-server.
+
+What the mapper and pairing rely on: a future per publish that completes with the stream's
+ack (sequence, duplicate flag) once JetStream stored it; fails with nats-py's own exceptions
+when nothing stores the subject (503) or the server refuses the write (an error reply, with
+its ``err_code``: the KV create of a lane fact that exists already); ``completed`` waits for
+what is in flight; futures given up on do not pile up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import nats.js.errors
+import pytest
+
+from bridge.nats import publish as publish_mod
+from bridge.nats.publish import Ack, AckPublisher
+
+WRONG_LAST_SEQUENCE = 10071
+
+
+def run(url: str, body) -> None:  # type: ignore[no-untyped-def]
+    import nats
+
+    async def main() -> None:
+        nc = await nats.connect(url)
+        js = nc.jetstream()
+        stream = f"PUB_{time.time_ns()}"
+        await js.add_stream(name=stream, subjects=[f"{stream.lower()}.>"], duplicate_window=60.0)
+        try:
+            await body(js, nc, stream, stream.lower(), await AckPublisher(nc).start())
+        finally:
+            try:
+                await js.delete_stream(stream)
+            except Exception:
+                pass
+            await nc.close()
+
+    asyncio.run(main())
+
+
+def test_each_publish_is_acked_with_its_sequence_and_duplicates_are_flagged(nats_server) -> None:  # type: ignore[no-untyped-def]
+    async def body(js, nc, stream, prefix, pub) -> None:  # type: ignore[no-untyped-def]
+        futures = [await pub.publish(f"{prefix}.a", str(i).encode(), headers={"Nats-Msg-Id": f"id-{i}"})
+                   for i in range(500)]
+        acks = await asyncio.gather(*futures)
+        assert [a.seq for a in acks] == list(range(1, 501)), "one ack per publish, each its own"
+        assert {a.stream for a in acks} == {stream} and not any(a.duplicate for a in acks)
+        again = await (await pub.publish(f"{prefix}.a", b"0", headers={"Nats-Msg-Id": "id-0"}))
+        assert again == Ack(stream, 1, True), "the duplicate window's answer"
+        assert (await js.stream_info(stream)).state.messages == 500
+        assert pub.pending == 0
+
+    run(nats_server.url, body)
+
+
+def test_a_subject_no_stream_stores_fails_with_no_responders(nats_server) -> None:  # type: ignore[no-untyped-def]
+    async def body(js, nc, stream, prefix, pub) -> None:  # type: ignore[no-untyped-def]
+        future = await pub.publish("nowhere.at.all", b"x")
+        with pytest.raises(nats.js.errors.NoStreamResponseError):
+            await asyncio.wait_for(future, 5)
+
+    run(nats_server.url, body)
+
+
+def test_an_error_reply_fails_the_future_with_its_err_code(nats_server) -> None:  # type: ignore[no-untyped-def]
+    """A KV-style create (expected last subject sequence 0) of a subject that exists: the
+    server answers with an error; the future fails at once with that error, not a timeout."""
+    async def body(js, nc, stream, prefix, pub) -> None:  # type: ignore[no-untyped-def]
+        create = {"Nats-Expected-Last-Subject-Sequence": "0"}
+        first = await asyncio.wait_for(await pub.publish(f"{prefix}.fact", b"a", headers=create), 5)
+        assert first.seq == 1
+        started = time.monotonic()
+        with pytest.raises(nats.js.errors.APIError) as err:
+            await asyncio.wait_for(await pub.publish(f"{prefix}.fact", b"b", headers=create), 5)
+        assert err.value.err_code == WRONG_LAST_SEQUENCE, err.value
+        assert time.monotonic() - started < 4, "answered, not timed out"
+
+    run(nats_server.url, body)
+
+
+def test_completed_waits_for_what_is_in_flight_and_given_up_futures_are_swept(nats_server, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setattr(publish_mod, "SWEEP_EVERY", 50)
+
+    async def body(js, nc, stream, prefix, pub) -> None:  # type: ignore[no-untyped-def]
+        futures = [await pub.publish(f"{prefix}.b", b"x") for _ in range(200)]
+        await pub.completed(timeout=10)
+        assert all(f.done() for f in futures)
+        # A caller that gives up on a future (an ack lost with a dying server): its entry goes
+        # at the next sweep, it does not hold `completed` up.
+        lost = asyncio.get_running_loop().create_future()
+        pub._futures["lost"] = lost
+        lost.cancel()
+        await pub.completed(timeout=1)
+        for _ in range(60):
+            await pub.publish(f"{prefix}.b", b"y")
+        await pub.completed(timeout=10)
+        assert "lost" not in pub._futures
+        assert len(pub._futures) < 60
+
+    run(nats_server.url, body)
+
+
+def test_error_of_keeps_nats_py_exception_classes() -> None:
+    assert isinstance(publish_mod.error_of({"code": 503, "description": "x"}), nats.js.errors.ServiceUnavailableError)
+    err = publish_mod.error_of({"code": 400, "err_code": 10071, "description": "wrong last sequence", "extra": 1})
+    assert isinstance(err, nats.js.errors.BadRequestError) and err.err_code == 10071
