@@ -20,6 +20,7 @@ from typing import Any
 
 import nats
 import nats.errors
+import nats.js.errors
 
 from bridge.config import Settings
 from bridge.shim.hook import parse_server_url, shim_inbox_prefix
@@ -184,6 +185,31 @@ async def quick_connect(settings: Settings | None = None, *, name: str | None = 
         reconnect_time_wait=0.2,
         allow_reconnect=False,
     )
+
+
+#: What a JetStream API request meets while a cluster elects a leader or has lost its quorum
+#: (no answer in time, no responders, 503): waited out by `until_answered`.
+UNANSWERED = (nats.errors.TimeoutError, nats.errors.NoRespondersError, nats.js.errors.ServiceUnavailableError,
+              asyncio.TimeoutError)
+
+
+async def until_answered(call: Any, *, what: str, log: Any, within_s: float = 60.0) -> Any:
+    """``await call()``, again with backoff while JetStream does not answer (`UNANSWERED`), for
+    at most ``within_s``; then the last error propagates (a service exits 1 and is started
+    again). A service starting while its cluster elects (or a node comes back after a kill of
+    all three) waits for it instead of exiting on nats-py's 5 s API timeout; any other error
+    (a stream that does not exist, refused permissions) propagates at once."""
+    deadline = time.monotonic() + within_s
+    delay = 0.5
+    while True:
+        try:
+            return await call()
+        except UNANSWERED as exc:
+            if time.monotonic() + delay > deadline:
+                raise
+            log.warning("jetstream_unanswered", what=what, error=f"{type(exc).__name__}: {exc}", retry_in_s=delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 5.0)
 
 
 def is_auth_failure(exc: BaseException) -> bool:

@@ -91,7 +91,7 @@ from bridge.core.mapping import HOOKS
 from bridge.core.pipeline import map_record, record_from_raw
 from bridge.nats import streams as S
 from bridge.nats import subjects as subj
-from bridge.nats.connection import connect_service, server_list
+from bridge.nats.connection import connect_service, server_list, until_answered
 from bridge.nats.lanes import WRONG_LAST_SEQUENCE, KvLanes, PinnedLane, epoch_of, lane_fact_key
 from bridge.nats.lookup import DEFAULT_MARGIN_NS, SERVER_MARGIN_NS, find_msg_id, msg_ids_on, stored_ns
 from bridge.nats.publish import AckPublisher
@@ -227,6 +227,17 @@ class MapperMetrics:
     def event_out(self, event_type: str) -> Any:
         return self.type_label.child(self.events_out, event_type)
 
+    def count(self, hooks: dict[str, int], types: dict[str, int]) -> None:
+        """Add a batch's tallies (hook -> raw messages, type -> events) to their counters and
+        clear them: one locked increment per label and batch, not per message and event (the
+        label look-up and the lock were ~5 % of the mapper's batch, issue 24)."""
+        for hook, n in hooks.items():
+            self.hook_in(hook).inc(n)
+        for event_type, n in types.items():
+            self.event_out(event_type).inc(n)
+        hooks.clear()
+        types.clear()
+
 
 class Held(NamedTuple):
     """A first attempt waiting for its lane fact's ack before its events are published."""
@@ -290,6 +301,9 @@ class Mapper:
         # for those acks (`release_held`), and the subjects they will publish on.
         self._held: list[Held] = []
         self._held_subjects: set[str] = set()
+        # This batch's tallies for the hook and type counters, added once per batch (`count`).
+        self._hooks_in: dict[str, int] = {}
+        self._types_out: dict[str, int] = {}
 
     # ------------------------------------------------------------ setup
 
@@ -356,7 +370,8 @@ class Mapper:
                 self.metrics.resends.inc()
                 log.info("resend_dropped", raw_seq=raw_seq, raw_id=raw.id)
                 return [], 0
-            self.metrics.hook_in(raw.hook or "unknown").inc()
+            hook = raw.hook or "unknown"
+            self._hooks_in[hook] = self._hooks_in.get(hook, 0) + 1
             if raw.edge:
                 self.metrics.edge_seen(raw)
             record = record_from_raw(raw, checked=True)
@@ -417,12 +432,12 @@ class Mapper:
                              hints: str, stored: set[str] | frozenset[str] = frozenset()) -> None:
         """Publish a mapped raw message's events (but those in ``stored``), pipelined: their
         futures are added to ``futures``."""
-        publish = self.publisher.publish
+        publish, types = self.publisher.publish, self._types_out
         for event, body in zip(result.events, bodies):
             if event.id in stored:
                 continue
             futures.append(await publish(subject, body, headers={"Nats-Msg-Id": event.id, HINTS_HEADER: hints}))
-            self.metrics.event_out(event.type).inc()
+            types[event.type] = types.get(event.type, 0) + 1
         if result.unknown:
             self.metrics.unknown_lane.inc(len(result.events))
 
@@ -664,8 +679,11 @@ class Mapper:
                 await self.retry_or_dead_letter(msg, exc)
             # Handled (or given up on for now: a failed message teaches nothing until redelivered).
             self._batch_done.add(msg.metadata.sequence.stream)
-        await self.flush_pending()
-        self._batch_done = set()
+        try:
+            await self.flush_pending()
+        finally:
+            self._batch_done = set()
+            self.metrics.count(self._hooks_in, self._types_out)
 
     async def flush_pending(self) -> None:
         """Wait for the publish acks of the messages mapped so far, then ack them."""
@@ -744,7 +762,7 @@ class Mapper:
 
     async def start(self) -> list[Loop]:
         await self.connect()
-        sub = await self.bind()
+        sub = await until_answered(self.bind, what="bind", log=log)
         self.health.set_ready(True)
         self.health.info.update(epoch=self.epoch, durable=self.durable)
         log.info("mapper_ready", epoch=self.epoch, durable=self.durable)

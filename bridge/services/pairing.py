@@ -84,7 +84,7 @@ from bridge.core.deadletter import KNOWN_REASONS as DLQ_REASONS
 from bridge.core.pairing import SECOND, PairingConfig, PairingInputError, PairingState
 from bridge.nats import streams as S
 from bridge.nats import subjects as subj
-from bridge.nats.connection import connect_service
+from bridge.nats.connection import connect_service, until_answered
 from bridge.nats.lookup import SCAN_BUDGET, SERVER_MARGIN_NS, find_msg_id, stored_ns
 from bridge.nats.publish import AckPublisher
 from bridge.nats.pull import Puller
@@ -161,6 +161,13 @@ class PairingMetrics:
     def event_out(self, event_type: str) -> Any:
         return self.type_label.child(self.events_out, event_type)
 
+    def count(self, types: dict[str, int]) -> None:
+        """Add a batch's tally (type -> events published) to the counter and clear it: one
+        locked increment per type and batch, not per event (issue 24)."""
+        for event_type, n in types.items():
+            self.event_out(event_type).inc(n)
+        types.clear()
+
     def dead_letter(self, reason: str) -> Any:
         return self.dead_letters.labels(reason=self.reason_label(reason))
 
@@ -210,6 +217,7 @@ class PairingService:
                  lease_ttl_s: float | None = None, tick_s: float | None = None, policy: CapturePolicy | None = None) -> None:
         self.settings = settings
         self.linger_s = settings.linger_ms / 1000
+        self._types_out: dict[str, int] = {}  # events published by type, not yet on the counter (any partition)
         # Only for dead letters (the mapped events are capture-gated by the mapper already).
         self.policy = policy or configure(settings.capture, settings.capture_overrides, (), Redactor(
             secret_values=settings.secret_values(), home=os.path.expanduser("~")))[0]
@@ -417,7 +425,8 @@ class PairingService:
                 futures.append(await self.dead_letter_event(event, body, exc.reason, str(exc), msg))
                 continue
             futures.append(await self.publisher.publish(subject, body, headers={"Nats-Msg-Id": event.id}))
-            self.metrics.event_out(event.type).inc()
+            types = self._types_out  # added to the counter once per batch (handle_batch)
+            types[event.type] = types.get(event.type, 0) + 1
         return futures
 
     async def dead_letter_event(self, event: Any, body: bytes, reason: str, error: str, msg: Any = None) -> asyncio.Future:
@@ -507,11 +516,14 @@ class PairingService:
         self.metrics.batch.observe(len(msgs))
         futures: list[asyncio.Future] = []
         receive_times: list[int] = []
-        for msg in msgs:
-            fs, ts_ns = await self.handle(part, msg)
-            futures.extend(fs)
-            if ts_ns:
-                receive_times.append(ts_ns)
+        try:
+            for msg in msgs:
+                fs, ts_ns = await self.handle(part, msg)
+                futures.extend(fs)
+                if ts_ns:
+                    receive_times.append(ts_ns)
+        finally:
+            self.metrics.count(self._types_out)
         if futures:
             await asyncio.wait_for(asyncio.gather(*futures), timeout=15)
         now = time.time_ns()
@@ -681,6 +693,10 @@ class PairingService:
         self.nc = await connect_service(self.settings, name=f"aep-bridge-pairing-{self.replica}", role="pairing")
         self.js = self.nc.jetstream(publish_async_max_pending=4096)
         self.publisher = await AckPublisher(self.nc).start()  # the events' publishes (bridge.nats.publish)
+        await until_answered(self.bind, what="bind", log=log)
+
+    async def bind(self) -> None:
+        """The buckets and the object store it uses, and AEP_EVENTS' duplicate window."""
         self.leases = await self.js.key_value(S.LEASES_BUCKET)
         self.pairing_kv = await self.js.key_value(S.PAIRING_BUCKET)
         self.checkpoints = await self.js.object_store(S.CHECKPOINTS_BUCKET)
