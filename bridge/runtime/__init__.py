@@ -7,8 +7,9 @@ nothing else of the package; a contract in pyproject.toml checks it).
   reconnecting: `/healthz` 503, exit 1, so a supervisor, Kubernetes or `aep-bridge up`,
   starts it again on a new connection instead of leaving a process that consumes nothing and
   looks healthy), the stop (the batch in hand finished, then cancelled after a grace),
-  `close_connection`, the exit code. `Stopper` is what the loops watch and sleep on; `linger`
-  is the pause after a small batch, on a clock a process's loops share.
+  `close_connection`, the exit code. `Stopper` is what the loops watch and sleep on; `Linger`
+  is the pause after a small batch (longer when the stream is quiet), on a clock a process's
+  loops share.
 * `Health`, the HTTP port (health): `/metrics` (Prometheus text), `/healthz` (the loop beats,
   its NATS connection is not closed for good and nothing failed; `nats` says the connection's
   state), `/readyz` (connected and consuming), served by the standard library's WSGI server in
@@ -22,9 +23,9 @@ nothing else of the package; a contract in pyproject.toml checks it).
 
 from bridge.runtime.health import Health
 from bridge.runtime.labels import OTHER, BoundedLabel
-from bridge.runtime.lifecycle import Loop, Stopper, close_connection, linger, metrics_port, serve
+from bridge.runtime.lifecycle import Linger, Loop, Stopper, close_connection, metrics_port, serve
 from bridge.runtime.logs import configure_logging
 from bridge.runtime.profiling import rss_kb
 
-__all__ = ["OTHER", "BoundedLabel", "Health", "Loop", "Stopper", "close_connection", "configure_logging",
-           "linger", "metrics_port", "rss_kb", "serve"]
+__all__ = ["OTHER", "BoundedLabel", "Health", "Linger", "Loop", "Stopper", "close_connection", "configure_logging",
+           "metrics_port", "rss_kb", "serve"]

@@ -75,17 +75,41 @@ class Stopper:
         return True
 
 
-async def linger(seconds: float) -> None:
-    """Sleep until the next multiple of ``seconds`` on the monotonic clock (no-op for 0).
+class Linger:
+    """The pause after each batch of one loop (the mapper's, each pairing partition's).
 
-    The pause after a small batch (AEP_BRIDGE_LINGER_MS). On a shared clock every loop of a
-    process that lingers wakes in the same turn of the event loop: pairing's partitions then
-    pay one epoll wake-up and one socket write for all their publishes, not one each (issue
-    24). A plain ``asyncio.sleep``, not `Stopper.sleep`: that costs a task and a ``wait_for``
-    per call, and a stop waits at most this much longer.
+    A batch of less than a quarter of the fetch size is followed by a pause of ``base_s``
+    (AEP_BRIDGE_LINGER_MS), longer when the loop's stream is quiet: long enough for about
+    ``target`` messages at the rate the loop has seen (messages of this batch / time since
+    the previous one), at most ``max_s`` (AEP_BRIDGE_LINGER_MAX_MS). A batch costs its
+    wake-ups, socket writes and acks whatever its size, so a quiet fleet handled one message
+    per batch costs several times more per event than a busy one (issue 24); what arrives
+    meanwhile waits at most ``max_s``, a catch-up (a full batch) never. Every pause ends on a
+    multiple of ``base_s`` on the monotonic clock (`linger`), so the loops of a process wake
+    in one turn of the event loop.
     """
-    if seconds > 0:
-        await asyncio.sleep(seconds - time.monotonic() % seconds)
+
+    def __init__(self, base_s: float, max_s: float | None = None, target: int = 32) -> None:
+        self.base_s = base_s
+        self.max_s = max(base_s, max_s if max_s is not None else base_s)
+        self.target = target
+        self._last = time.monotonic()
+
+    def seconds(self, n: int, small: bool, now: float | None = None, target: int | None = None) -> float:
+        """How long to pause after a batch of ``n`` (``small``: under a quarter of the fetch size);
+        ``target``: this call's instead of the loop's."""
+        now = time.monotonic() if now is None else now
+        elapsed, self._last = now - self._last, now
+        if not small or self.base_s <= 0:
+            return 0.0
+        if self.max_s <= self.base_s or n <= 0:
+            return self.base_s
+        return min(self.max_s, max(self.base_s, (target or self.target) * elapsed / n))
+
+    async def after(self, n: int, small: bool, target: int | None = None) -> None:
+        seconds = self.seconds(n, small, target=target)  # (the pause counts as the next batch's gathering time)
+        if seconds > 0:
+            await asyncio.sleep(seconds + (-(time.monotonic() + seconds)) % self.base_s)
 
 
 async def watch_connection(nc: Any, stopper: Stopper, health: Health, log: Any, every_s: float = 0.5) -> None:

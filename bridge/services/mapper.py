@@ -96,7 +96,7 @@ from bridge.nats.lanes import WRONG_LAST_SEQUENCE, KvLanes, PinnedLane, epoch_of
 from bridge.nats.lookup import DEFAULT_MARGIN_NS, SERVER_MARGIN_NS, find_msg_id, msg_ids_on, stored_ns
 from bridge.nats.publish import AckPublisher
 from bridge.nats.pull import Puller
-from bridge.runtime import OTHER, BoundedLabel, Health, Loop, Stopper, close_connection, linger, serve
+from bridge.runtime import OTHER, BoundedLabel, Health, Linger, Loop, Stopper, close_connection, serve
 
 log = structlog.get_logger("aep_bridge.mapper")
 
@@ -113,8 +113,9 @@ FINISHED_MAX = 16384  # finished raw seqs remembered above the known ack floor
 # through: a duplicate at worst.
 LATE_SCAN_BUDGET = 10_000
 # A batch of less than a quarter of the fetch size, once acked, is followed by a pause of
-# AEP_BRIDGE_LINGER_MS (`bridge.runtime.lifecycle.linger`): a quiet fleet otherwise costs a
-# batch, its socket writes and its acks per message (issue 24: docs/BENCHMARKS.md "Cost").
+# AEP_BRIDGE_LINGER_MS, up to AEP_BRIDGE_LINGER_MAX_MS when quiet (`bridge.runtime.lifecycle.Linger`):
+# a quiet fleet otherwise costs a batch, its socket writes and its acks per message (issue 24:
+# docs/BENCHMARKS.md "Cost").
 
 
 class MapperMetrics:
@@ -259,7 +260,7 @@ class Mapper:
                  batch: int = 256, durable: str = S.MAPPER_DURABLE,
                  before_map: Callable[[bytes], None] | None = None) -> None:
         self.settings = settings
-        self.linger_s = settings.linger_ms / 1000
+        self.linger = Linger(settings.linger_ms / 1000, settings.linger_max_ms / 1000)
         self.policy = policy
         self.registry = registry or CollectorRegistry()
         self.metrics = MapperMetrics(self.registry)
@@ -792,8 +793,8 @@ class Mapper:
                 continue
             self.health.set_ready(True)
             await self.process_batch(msgs)
-            if len(msgs) < self.batch_size // 4:  # acked already: only the next ones wait a little
-                await linger(self.linger_s)
+            # acked already: only the next ones wait (AEP_BRIDGE_LINGER_MS, longer when quiet)
+            await self.linger.after(len(msgs), len(msgs) < self.batch_size // 4)
 
     async def close(self) -> None:
         await close_connection(self.nc)

@@ -88,7 +88,7 @@ from bridge.nats.connection import connect_service, until_answered
 from bridge.nats.lookup import SCAN_BUDGET, SERVER_MARGIN_NS, find_msg_id, stored_ns
 from bridge.nats.publish import AckPublisher
 from bridge.nats.pull import Puller
-from bridge.runtime import BoundedLabel, Health, Loop, Stopper, close_connection, linger, serve
+from bridge.runtime import BoundedLabel, Health, Linger, Loop, Stopper, close_connection, serve
 
 log = structlog.get_logger("aep_bridge.pairing")
 
@@ -115,7 +115,7 @@ CHECKPOINT_S = 10.0
 # Above RENEW_S: a renewal that got no answer is retried once before the partition stops.
 FENCE_MARGIN_S = 3.0
 # A batch of less than a quarter of FETCH_BATCH, once handled, is followed by a pause of
-# AEP_BRIDGE_LINGER_MS on a clock the partitions share (`bridge.runtime.lifecycle.linger`):
+# AEP_BRIDGE_LINGER_MS (up to AEP_BRIDGE_LINGER_MAX_MS when quiet) on a clock the partitions share (`bridge.runtime.lifecycle.Linger`):
 # eight partitions polling without one made ~1 pull request per message (CPU for the service
 # and the server); messages arriving meanwhile wait at most this much, none in a catch-up.
 TICK_TOKEN = subj.TICK_TOKEN
@@ -216,7 +216,6 @@ class PairingService:
     def __init__(self, settings: Settings, replica: str | None = None, registry: CollectorRegistry | None = None,
                  lease_ttl_s: float | None = None, tick_s: float | None = None, policy: CapturePolicy | None = None) -> None:
         self.settings = settings
-        self.linger_s = settings.linger_ms / 1000
         self._types_out: dict[str, int] = {}  # events published by type, not yet on the counter (any partition)
         # Only for dead letters (the mapped events are capture-gated by the mapper already).
         self.policy = policy or configure(settings.capture, settings.capture_overrides, (), Redactor(
@@ -561,6 +560,7 @@ class PairingService:
         sub = await self.js.pull_subscribe(subj.mapped_filter(n), stream=S.BRIDGE_MAPPED, config=config)
         log.info("partition_started", partition=n, from_position=part.position)
         puller = Puller(sub)
+        pause = Linger(self.settings.linger_ms / 1000, self.settings.linger_max_ms / 1000)
         try:
             while not self.stopper.stopping and not part.lost:
                 try:
@@ -578,8 +578,9 @@ class PairingService:
                         self.metrics.pending.labels(stream=S.BRIDGE_MAPPED, consumer=f"pairing-p{n}").set(msgs[-1].metadata.num_pending)
                     except Exception:
                         pass
-                if 0 < len(msgs) < FETCH_BATCH // 4:  # published already: only the next ones wait a little
-                    await linger(self.linger_s)
+                # published already: only the next ones wait (AEP_BRIDGE_LINGER_MS, longer when quiet)
+                # The partitions of a process wake together: ~32 messages a wake-up in all.
+                await pause.after(len(msgs), 0 < len(msgs) < FETCH_BATCH // 4, target=max(4, 32 // max(1, len(self.partitions))))
             if not part.lost:  # a clean stop: everything handled was published
                 await self.checkpoint(part)
         finally:

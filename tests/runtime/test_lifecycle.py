@@ -234,19 +234,37 @@ def test_a_service_process_logs_its_component_and_replica_on_every_line(
     assert {(l["component"], l["replica"]) for l in lines} == {(name, replica)}, lines
 
 
-@pytest.mark.parametrize("now, period, want", [(100.013, 0.02, 0.007), (5.001, 0.05, 0.049), (7.2501, 0.1, 0.0499)])
-def test_linger_sleeps_to_the_next_multiple_of_its_period(monkeypatch: pytest.MonkeyPatch, now: float, period: float,
-                                                          want: float) -> None:
-    """Every loop of a process that lingers wakes at the same instant (pairing's partitions in
-    one turn of the event loop): the sleep ends on the period's shared clock, not `period`
-    after each caller's own call."""
+def test_linger_pauses_after_small_batches_longer_when_quiet_and_on_a_shared_clock(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`Linger`: no pause after a batch of a quarter of the fetch size or more; after a small
+    one at least the base, more when the stream is quiet (enough for `target` messages at the
+    rate seen: batch / time since the previous batch), never more than the maximum; and every
+    pause ends on a multiple of the base on the monotonic clock, so the loops of a process
+    wake in one turn (pairing's partitions)."""
+    clock = [100.0]
     slept: list[float] = []
 
     async def sleep(seconds: float) -> None:
         slept.append(seconds)
+        clock[0] += seconds
 
-    monkeypatch.setattr(lifecycle.time, "monotonic", lambda: now)
+    monkeypatch.setattr(lifecycle.time, "monotonic", lambda: clock[0])
     monkeypatch.setattr(lifecycle.asyncio, "sleep", sleep)
-    asyncio.run(lifecycle.linger(period))
-    asyncio.run(lifecycle.linger(0))
-    assert slept == [pytest.approx(want, abs=1e-9)], "one sleep, to the period's next multiple; none for 0"
+    pause = lifecycle.Linger(0.02, 0.1, target=32)
+    clock[0] += 0.5
+    assert pause.seconds(200, small=False) == 0.0, "a catch-up never waits"
+    clock[0] += 0.01
+    assert pause.seconds(40, small=True) == pytest.approx(0.02), "busy (4,000/s): the base"
+    clock[0] += 0.02
+    assert pause.seconds(8, small=True) == pytest.approx(0.08), "400/s: 32 messages take 80 ms"
+    clock[0] += 0.2
+    assert pause.seconds(2, small=True) == pytest.approx(0.1), "10/s: the maximum, not 3.2 s"
+    clock[0] = 200.013
+    asyncio.run(pause.after(1, small=True))
+    assert slept and abs(clock[0] / 0.02 - round(clock[0] / 0.02)) < 1e-6, f"ends on the base's clock: {clock[0]}"
+    assert clock[0] - 200.013 >= 0.1 - 1e-9
+    fixed = lifecycle.Linger(0.02, 0.02)
+    clock[0] += 5.0
+    assert fixed.seconds(1, small=True) == pytest.approx(0.02), "max <= base: a fixed pause"
+    slept.clear()
+    asyncio.run(lifecycle.Linger(0.0, 0.1).after(1, small=True))
+    assert slept == [], "0: no pause at all"

@@ -1,5 +1,6 @@
-"""AEP_BRIDGE_LINGER_MS reaches the mapper and pairing: a slow trickle of raw messages is
-gathered into a few batches when they linger, and taken one by one when they do not."""
+"""AEP_BRIDGE_LINGER_MS and AEP_BRIDGE_LINGER_MAX_MS reach the mapper and pairing: a slow trickle
+of raw messages is gathered into a few batches when they linger (a fixed pause, or a short one
+that grows on a quiet stream), and taken one by one when they do not."""
 
 from __future__ import annotations
 
@@ -25,13 +26,14 @@ def batches(service: Service, role: str) -> int:
     return int(float(m.group(1)))
 
 
-def trickle(client: JetStreamClient, url: str, tmp_path, linger_ms: str, instance: str) -> tuple[int, int]:
+def trickle(client: JetStreamClient, url: str, tmp_path, linger_ms: str, instance: str,
+            max_ms: str | None = None) -> tuple[int, int]:
     """Batches (mapper, pairing) for TRICKLE raw messages sent GAP_S apart."""
-    env = {"AEP_BRIDGE_LINGER_MS": linger_ms}
-    log_dir = tmp_path / f"linger-{linger_ms}"
+    env = {"AEP_BRIDGE_LINGER_MS": linger_ms, "AEP_BRIDGE_LINGER_MAX_MS": max_ms or linger_ms}
+    log_dir = tmp_path / f"linger-{linger_ms}-{max_ms}"
     log_dir.mkdir()
     mapper = Service("mapper", url, log_dir, env=env).start()
-    pairing = Service("pairing", url, log_dir, "--replica", f"l{linger_ms}", env=env).start()
+    pairing = Service("pairing", url, log_dir, "--replica", f"l{instance}", env=env).start()
     try:
         wait_for(lambda: "mapper_ready" in mapper.log() and "partition_started" in pairing.log(), 30, what="services up")
         before = count(client, "AEP_EVENTS")
@@ -56,6 +58,8 @@ def test_the_linger_is_a_setting_of_the_mapper_and_pairing(nats_server_fn, tmp_p
     try:
         long_m, long_p = trickle(client, nats_server_fn.url, tmp_path, "500", "slow")
         none_m, none_p = trickle(client, nats_server_fn.url, tmp_path, "0", "fast")
+        # a 1 ms floor that grows, when the stream is as quiet as this one, up to 500 ms
+        grow_m, grow_p = trickle(client, nats_server_fn.url, tmp_path, "1", "grow", max_ms="500")
     finally:
         client.close()
     # 30 messages over ~1.2 s: at 500 ms the mapper takes them in a handful of gatherings, at 0
@@ -63,7 +67,10 @@ def test_the_linger_is_a_setting_of_the_mapper_and_pairing(nats_server_fn, tmp_p
     assert long_m <= 12, f"mapper at 500 ms took {long_m} batches for {TRICKLE} messages"
     assert none_m >= 20, f"mapper at 0 ms took only {none_m} batches for {TRICKLE} messages"
     assert long_p < none_p, f"pairing: {long_p} batches at 500 ms, {none_p} at 0 ms"
+    assert grow_m <= 15 and grow_p < none_p, f"1 ms growing to 500 ms: mapper {grow_m}, pairing {grow_p} batches"
     assert Settings.from_env({"AEP_BRIDGE_CONFIG": "/dev/null"}).linger_ms == 20.0
-    for bad in ("-1", "1001", "soon"):
-        with pytest.raises(ValueError, match="AEP_BRIDGE_LINGER_MS"):
-            Settings.from_env({"AEP_BRIDGE_CONFIG": "/dev/null", "AEP_BRIDGE_LINGER_MS": bad})
+    assert Settings.from_env({"AEP_BRIDGE_CONFIG": "/dev/null"}).linger_max_ms == 50.0
+    for name, bad in (("AEP_BRIDGE_LINGER_MS", "-1"), ("AEP_BRIDGE_LINGER_MS", "1001"), ("AEP_BRIDGE_LINGER_MS", "soon"),
+                      ("AEP_BRIDGE_LINGER_MAX_MS", "-1"), ("AEP_BRIDGE_LINGER_MAX_MS", "5001")):
+        with pytest.raises(ValueError, match=name):
+            Settings.from_env({"AEP_BRIDGE_CONFIG": "/dev/null", name: bad})
