@@ -18,28 +18,17 @@ import pytest
 
 from bridge.nats import publish as publish_mod
 from bridge.nats.publish import Ack, AckPublisher
+from tests.support.streams import on_scratch_stream
 
 WRONG_LAST_SEQUENCE = 10071
 
 
 def run(url: str, body) -> None:  # type: ignore[no-untyped-def]
-    import nats
+    """``await body(js, nc, stream, prefix, publisher)`` on a stream of its own (60 s duplicate window)."""
+    async def with_publisher(js, nc, stream, prefix) -> None:  # type: ignore[no-untyped-def]
+        await body(js, nc, stream, prefix, await AckPublisher(nc).start())
 
-    async def main() -> None:
-        nc = await nats.connect(url)
-        js = nc.jetstream()
-        stream = f"PUB_{time.time_ns()}"
-        await js.add_stream(name=stream, subjects=[f"{stream.lower()}.>"], duplicate_window=60.0)
-        try:
-            await body(js, nc, stream, stream.lower(), await AckPublisher(nc).start())
-        finally:
-            try:
-                await js.delete_stream(stream)
-            except Exception:
-                pass
-            await nc.close()
-
-    asyncio.run(main())
+    on_scratch_stream(url, "PUB", with_publisher, duplicate_window=60.0)
 
 
 def test_each_publish_is_acked_with_its_sequence_and_duplicates_are_flagged(nats_server) -> None:  # type: ignore[no-untyped-def]

@@ -14,29 +14,18 @@ import time
 import pytest
 
 from bridge.nats.pull import Puller
+from tests.support.streams import on_scratch_stream
 
 
 def run(url: str, body) -> None:  # type: ignore[no-untyped-def]
-    import nats
+    """``await body(js, nc, stream, prefix, sub)`` with ``sub`` an explicit-ack pull consumer."""
     from nats.js.api import AckPolicy, ConsumerConfig
 
-    async def main() -> None:
-        nc = await nats.connect(url)
-        js = nc.jetstream()
-        stream = f"PULL_{time.time_ns()}"
-        await js.add_stream(name=stream, subjects=[f"{stream.lower()}.>"])
-        try:
-            sub = await js.pull_subscribe("", durable="p", stream=stream,
-                                          config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT))
-            await body(js, nc, stream, stream.lower(), sub)
-        finally:
-            try:
-                await js.delete_stream(stream)
-            except Exception:
-                pass
-            await nc.close()
+    async def with_consumer(js, nc, stream, prefix) -> None:  # type: ignore[no-untyped-def]
+        sub = await js.pull_subscribe("", durable="p", stream=stream, config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT))
+        await body(js, nc, stream, prefix, sub)
 
-    asyncio.run(main())
+    on_scratch_stream(url, "PULL", with_consumer)
 
 
 def test_every_message_once_in_order_and_batches_bounded(nats_server) -> None:  # type: ignore[no-untyped-def]

@@ -61,3 +61,23 @@ async def stored_ids(js, stream: str = S.BRIDGE_MAPPED, subjects: str = "bridge.
                 await m.ack()
     finally:
         await sub.unsubscribe()
+
+
+def on_scratch_stream(url: str, name: str, body, **stream_config) -> None:  # type: ignore[no-untyped-def]
+    """Run ``await body(js, nc, stream, subject_prefix)`` on a fresh connection and a stream of
+    its own (``<name>_<ns>`` on ``<name>_<ns>.>``, lower case), deleted afterwards."""
+    async def main() -> None:
+        nc = await nats.connect(url)
+        js = nc.jetstream()
+        stream = f"{name}_{time.time_ns()}"
+        await js.add_stream(name=stream, subjects=[f"{stream.lower()}.>"], **stream_config)
+        try:
+            await body(js, nc, stream, stream.lower())
+        finally:
+            try:
+                await js.delete_stream(stream)
+            except Exception:
+                pass
+            await nc.close()
+
+    asyncio.run(main())
