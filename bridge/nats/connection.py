@@ -193,19 +193,34 @@ UNANSWERED = (nats.errors.TimeoutError, nats.errors.NoRespondersError, nats.js.e
               asyncio.TimeoutError)
 
 
-async def until_answered(call: Any, *, what: str, log: Any, within_s: float = 60.0) -> Any:
+JETSTREAM_NOT_ENABLED = 10039  # a 503 that no wait cures
+
+
+def transient(exc: BaseException, nc: Any = None) -> bool:
+    """Is an `UNANSWERED` error worth waiting out? Not when JetStream is off for the account
+    (503, err_code 10039), nor when the server refused the request's publish (nats-py only
+    reports a permissions violation to its error callback and ``last_error``; the request then
+    times out, which would hide the cause behind a minute of retries)."""
+    if getattr(exc, "err_code", None) == JETSTREAM_NOT_ENABLED:
+        return False
+    last = getattr(nc, "last_error", None) if nc is not None else None
+    return "permissions violation" not in str(last or "").lower()
+
+
+async def until_answered(call: Any, *, what: str, log: Any, within_s: float = 60.0, nc: Any = None) -> Any:
     """``await call()``, again with backoff while JetStream does not answer (`UNANSWERED`), for
     at most ``within_s``; then the last error propagates (a service exits 1 and is started
     again). A service starting while its cluster elects (or a node comes back after a kill of
     all three) waits for it instead of exiting on nats-py's 5 s API timeout; any other error
-    (a stream that does not exist, refused permissions) propagates at once."""
+    (a stream that does not exist, refused permissions seen on ``nc``, JetStream not enabled:
+    `transient`) propagates at once."""
     deadline = time.monotonic() + within_s
     delay = 0.5
     while True:
         try:
             return await call()
         except UNANSWERED as exc:
-            if time.monotonic() + delay > deadline:
+            if time.monotonic() + delay > deadline or not transient(exc, nc):
                 raise
             log.warning("jetstream_unanswered", what=what, error=f"{type(exc).__name__}: {exc}", retry_in_s=delay)
             await asyncio.sleep(delay)

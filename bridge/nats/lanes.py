@@ -193,19 +193,21 @@ class KvLanes:
             return True
         return bool(learned.task_id) and self.cache.tasks.get(learned.task_id) != learned.session
 
-    async def learn(self, result: MapResult, js: Any) -> list[asyncio.Future]:
+    async def learn(self, result: MapResult, publish: Any) -> list[asyncio.Future]:
         """Record what this envelope taught us, pipelined: a KV put is a JetStream publish to
-        `$KV.<bucket>.<key>`, so it is sent with publish_async and its ack awaited with the batch."""
+        `$KV.<bucket>.<key>`, so it is sent with ``publish`` (`bridge.nats.publish.AckPublisher.
+        publish`: a future per put, failed at once on an error reply) and its ack awaited with
+        the batch."""
         learned = result.learned
         futures: list[asyncio.Future] = []
         if learned.session and not self.cache.is_known_session(learned.session):
             key = "s." + lane_token(learned.session)
-            futures.append(await js.publish_async(subj.kv_subject(S.LANES_BUCKET, key), b"1"))
+            futures.append(await publish(subj.kv_subject(S.LANES_BUCKET, key), b"1"))
             self.cache.add_session(learned.session)
             self._missing.pop(key, None)
         if learned.session and learned.task_id and self.cache.task_session(learned.task_id) != learned.session:
             key = "t." + lane_token(learned.task_id)
-            futures.append(await js.publish_async(subj.kv_subject(S.LANES_BUCKET, key), learned.session.encode()))
+            futures.append(await publish(subj.kv_subject(S.LANES_BUCKET, key), learned.session.encode()))
             self.cache.add_task(learned.task_id, learned.session)
             self._missing.pop(key, None)
         return futures

@@ -15,7 +15,8 @@ counter, and returns a future that resolves to the ack's ``(stream, seq, duplica
 fails with nats-py's own exceptions (``NoStreamResponseError`` for a 503 no-responders reply,
 ``APIError`` and its subclasses for an error reply, with their ``code`` and ``err_code``).
 The protocol is still nats-py's; only the bookkeeping is ours. Futures the caller cancels (an
-ack lost with a dying server) are swept out every `SWEEP_EVERY` publishes.
+ack lost with a dying server, the siblings of a failed publish) are swept out every
+`SWEEP_EVERY` publishes.
 """
 
 from __future__ import annotations
@@ -99,12 +100,6 @@ class AckPublisher:
             self._futures.pop(token, None)
             raise
         return future
-
-    async def completed(self, timeout: float | None = None) -> None:
-        """Wait until every publish made so far is acked, failed or given up on."""
-        waiting = [f for f in self._futures.values() if not f.done()]
-        if waiting:
-            await asyncio.wait(waiting, timeout=timeout)
 
     def _sweep(self) -> None:
         for token in [t for t, f in self._futures.items() if f.done()]:

@@ -91,7 +91,7 @@ from bridge.core.mapping import HOOKS
 from bridge.core.pipeline import map_record, record_from_raw
 from bridge.nats import streams as S
 from bridge.nats import subjects as subj
-from bridge.nats.connection import connect_service, server_list, until_answered
+from bridge.nats.connection import UNANSWERED, connect_service, server_list, until_answered
 from bridge.nats.lanes import WRONG_LAST_SEQUENCE, KvLanes, PinnedLane, epoch_of, lane_fact_key
 from bridge.nats.lookup import DEFAULT_MARGIN_NS, SERVER_MARGIN_NS, find_msg_id, msg_ids_on, stored_ns
 from bridge.nats.publish import AckPublisher
@@ -322,6 +322,8 @@ class Mapper:
             self.late_after_ns = int(float(window) * 1e9) // 2
         try:
             window = getattr((await self.js.stream_info(S.BRIDGE_MAPPED)).config, "duplicate_window", None)
+        except UNANSWERED:  # an election: asked again (`until_answered`), not assumed
+            raise
         except Exception:  # not allowed to ask: assume the default window
             window = None
         if window:
@@ -330,6 +332,8 @@ class Mapper:
         kv = await self.js.key_value(S.LANES_BUCKET)
         try:
             facts = await self.js.key_value(S.LANE_FACTS_BUCKET)
+        except UNANSWERED:  # an election: asked again, not a mapper without lane facts for its life
+            raise
         except Exception as exc:  # a release before lane facts bootstrapped this server: map without them
             log.warning("lane_facts_unavailable", error=f"{type(exc).__name__}: {exc}")
             facts = None
@@ -406,7 +410,7 @@ class Mapper:
                     self.metrics.lane_facts.labels(outcome="recorded").inc()
         except (EnvelopeError, subj.SubjectError) as exc:
             return [await self.dead_letter(msg, exc.reason, exc)], 0
-        futures = await self.lanes.learn(result, self.js) if self.lanes.needs_learning(result) else []
+        futures = await self.lanes.learn(result, self.publisher.publish) if self.lanes.needs_learning(result) else []
         if result.drift:
             self.metrics.drift_seen(result.drift).inc()
         if result.problems:
@@ -763,7 +767,7 @@ class Mapper:
 
     async def start(self) -> list[Loop]:
         await self.connect()
-        sub = await until_answered(self.bind, what="bind", log=log)
+        sub = await until_answered(self.bind, what="bind", log=log, nc=self.nc)
         self.health.set_ready(True)
         self.health.info.update(epoch=self.epoch, durable=self.durable)
         log.info("mapper_ready", epoch=self.epoch, durable=self.durable)

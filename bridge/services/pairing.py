@@ -84,7 +84,7 @@ from bridge.core.deadletter import KNOWN_REASONS as DLQ_REASONS
 from bridge.core.pairing import SECOND, PairingConfig, PairingInputError, PairingState
 from bridge.nats import streams as S
 from bridge.nats import subjects as subj
-from bridge.nats.connection import connect_service, until_answered
+from bridge.nats.connection import UNANSWERED, connect_service, until_answered
 from bridge.nats.lookup import SCAN_BUDGET, SERVER_MARGIN_NS, find_msg_id, stored_ns
 from bridge.nats.publish import AckPublisher
 from bridge.nats.pull import Puller
@@ -378,7 +378,8 @@ class PairingService:
         """
         if part.position == part.checkpointed:
             return
-        await self.publisher.completed(timeout=15)
+        # Every output up to part.position was acked (handle_batch moves it only then), and this
+        # partition has no publish in flight between its batches: nothing to wait for.
         try:
             blob = zlib.compress(part.state.snapshot(), 1)
         except Exception as exc:  # a state no checkpoint can hold: never let it stop the partition
@@ -524,7 +525,13 @@ class PairingService:
         finally:
             self.metrics.count(self._types_out)
         if futures:
-            await asyncio.wait_for(asyncio.gather(*futures), timeout=15)
+            try:
+                await asyncio.wait_for(asyncio.gather(*futures), timeout=15)
+            except BaseException:  # the partition is dropped: its other publishes are not waited for
+                for f in futures:
+                    if not f.done():
+                        f.cancel()  # (then swept by the publisher; a late ack finds nothing)
+                raise
         now = time.time_ns()
         for ts_ns in receive_times:
             self.metrics.latency.observe(max(0, now - ts_ns) / 1e9)
@@ -694,7 +701,7 @@ class PairingService:
         self.nc = await connect_service(self.settings, name=f"aep-bridge-pairing-{self.replica}", role="pairing")
         self.js = self.nc.jetstream(publish_async_max_pending=4096)
         self.publisher = await AckPublisher(self.nc).start()  # the events' publishes (bridge.nats.publish)
-        await until_answered(self.bind, what="bind", log=log)
+        await until_answered(self.bind, what="bind", log=log, nc=self.nc)
 
     async def bind(self) -> None:
         """The buckets and the object store it uses, and AEP_EVENTS' duplicate window."""
@@ -703,6 +710,8 @@ class PairingService:
         self.checkpoints = await self.js.object_store(S.CHECKPOINTS_BUCKET)
         try:
             window = getattr((await self.js.stream_info(S.AEP_EVENTS)).config, "duplicate_window", None)
+        except UNANSWERED:  # an election: asked again (`until_answered`), not assumed
+            raise
         except Exception:  # not allowed to ask: assume the default window
             window = None
         self.late_after_ns = int(float(window or S.DUPLICATE_WINDOW_S) * 1e9) // 2

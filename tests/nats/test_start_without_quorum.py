@@ -34,3 +34,71 @@ def test_a_service_started_without_a_quorum_waits_for_one(nats_cluster: Cluster,
         for node in others:
             node.resume()
         service.terminate()
+
+
+class _Log:
+    def __init__(self) -> None:
+        self.lines: list[tuple[str, dict]] = []
+
+    def warning(self, event: str, **kw) -> None:  # type: ignore[no-untyped-def]
+        self.lines.append((event, kw))
+
+
+def _calls(*outcomes):  # type: ignore[no-untyped-def]
+    """An async callable that raises or returns each outcome in turn; counts its calls."""
+    left = list(outcomes)
+    made = []
+
+    async def call():  # type: ignore[no-untyped-def]
+        made.append(1)
+        outcome = left.pop(0)
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+    return call, made
+
+
+def test_until_answered_waits_out_what_an_election_answers_and_nothing_else(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Unit: timeouts, no responders and a 503 are retried (with a log line each); anything else,
+    a 503 'JetStream not enabled', or a request the server refused for permissions (nats-py
+    only says so in ``last_error``) fails at once; past the deadline the last error stands."""
+    import asyncio
+
+    import nats.errors
+    import nats.js.errors
+
+    from bridge.nats import connection
+
+    async def no_sleep(seconds: float) -> None:
+        return None
+
+    monkeypatch.setattr(connection.asyncio, "sleep", no_sleep)
+    log = _Log()
+    call, made = _calls(nats.errors.TimeoutError(), nats.errors.NoRespondersError(),
+                        nats.js.errors.ServiceUnavailableError(), "bound")
+    assert asyncio.run(connection.until_answered(call, what="bind", log=log)) == "bound"
+    assert len(made) == 4 and [e for e, _ in log.lines] == ["jetstream_unanswered"] * 3
+
+    call, made = _calls(nats.js.errors.NotFoundError(), "never")
+    with pytest.raises(nats.js.errors.NotFoundError):
+        asyncio.run(connection.until_answered(call, what="bind", log=_Log()))
+    assert len(made) == 1, "a stream that does not exist is not waited for"
+
+    call, made = _calls(nats.js.errors.ServiceUnavailableError(code=503, err_code=10039), "never")
+    with pytest.raises(nats.js.errors.ServiceUnavailableError):
+        asyncio.run(connection.until_answered(call, what="bind", log=_Log()))
+    assert len(made) == 1, "JetStream not enabled is not waited for"
+
+    class Refused:
+        last_error = Exception("nats: permissions violation for publish to \"$JS.API.STREAM.INFO.HERMES_RAW\"")
+
+    call, made = _calls(nats.errors.TimeoutError(), "never")
+    with pytest.raises(nats.errors.TimeoutError):
+        asyncio.run(connection.until_answered(call, what="bind", log=_Log(), nc=Refused()))
+    assert len(made) == 1, "a refused request is not waited for"
+
+    call, made = _calls(*[nats.errors.TimeoutError()] * 50)
+    with pytest.raises(nats.errors.TimeoutError):
+        asyncio.run(connection.until_answered(call, what="bind", log=_Log(), within_s=0.0))
+    assert len(made) == 1, "past the deadline: the last error"

@@ -71,6 +71,6 @@ def test_the_linger_is_a_setting_of_the_mapper_and_pairing(nats_server_fn, tmp_p
     assert Settings.from_env({"AEP_BRIDGE_CONFIG": "/dev/null"}).linger_ms == 20.0
     assert Settings.from_env({"AEP_BRIDGE_CONFIG": "/dev/null"}).linger_max_ms == 50.0
     for name, bad in (("AEP_BRIDGE_LINGER_MS", "-1"), ("AEP_BRIDGE_LINGER_MS", "1001"), ("AEP_BRIDGE_LINGER_MS", "soon"),
-                      ("AEP_BRIDGE_LINGER_MAX_MS", "-1"), ("AEP_BRIDGE_LINGER_MAX_MS", "5001")):
+                      ("AEP_BRIDGE_LINGER_MAX_MS", "-1"), ("AEP_BRIDGE_LINGER_MAX_MS", "1001")):
         with pytest.raises(ValueError, match=name):
             Settings.from_env({"AEP_BRIDGE_CONFIG": "/dev/null", name: bad})

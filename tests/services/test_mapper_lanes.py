@@ -121,16 +121,18 @@ def test_the_lane_caches_are_bounded_to_a_working_set(nats_server_fn):
     from bridge.core.lanes import Learned
     from bridge.core.mapping import MapResult
     from bridge.nats import lanes as L
+    from bridge.nats.publish import AckPublisher
 
     async def run() -> tuple[int, int, int, int]:
         nc = await nats.connect(nats_server_fn.url)
         js = nc.jetstream()
         await bootstrap(js, None, replicas=1)
         lanes = L.KvLanes(await js.key_value(S.LANES_BUCKET))
+        publisher = await AckPublisher(nc).start()
         n = L.LANE_CACHE_ENTRIES + 2000
         for i in range(n):
             result = MapResult(events=[], lane=f"s{i}", learned=Learned(session=f"s{i}", task_id=f"t{i}"))
-            futures = await lanes.learn(result, js)
+            futures = await lanes.learn(result, publisher.publish)
             if i % 1000 == 999:
                 await asyncio.gather(*futures)
         for i in range(L.NEGATIVE_MAX + 500):
