@@ -569,7 +569,10 @@ class PairingService:
         puller = Puller(sub)
         pause = Linger(self.settings.linger_ms / 1000, self.settings.linger_max_ms / 1000)
         try:
-            while not self.stopper.stopping and not part.lost:
+            # The lease is checked before every read too (a monotonic clock read): a loop that
+            # wakes from a pause past its lease with nothing to publish would otherwise send its
+            # next pull to a consumer the server removed meanwhile and end on the 503.
+            while not self.stopper.stopping and not self.fenced(part):
                 try:
                     msgs = await puller.fetch(FETCH_BATCH, timeout=0.5)
                 except (nats.errors.TimeoutError, asyncio.TimeoutError):
@@ -631,7 +634,10 @@ class PairingService:
         for n in range(self.settings.partitions):
             part = self.partitions.get(n)
             if part is not None:
-                if part.lost:  # fenced: its loop stopped publishing; the lease may be someone else's
+                # Fenced first, however its loop ended: after a pause past the lease a loop may
+                # also have failed on a request sent before it (a consumer create that timed
+                # out); the partition is then another replica's, not one to report unowned.
+                if self.fenced(part):  # its loop stopped publishing; the lease may be someone else's
                     if part.task:
                         part.task.cancel()
                     await self.release(part)

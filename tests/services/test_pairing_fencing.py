@@ -8,6 +8,7 @@ next takeover would then restore a state from the past."""
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import time
 
@@ -81,3 +82,47 @@ def test_an_owner_paused_past_its_lease_writes_and_publishes_nothing_when_it_run
         if standby is not None:
             standby.terminate()
         client.close()
+
+
+def test_a_partition_loop_that_wakes_past_its_lease_stops_before_it_reads_again(nats_server_fn):
+    """The loop itself checks the lease before each fetch, not only before a publish or a
+    checkpoint: an owner that wakes from a pause with nothing to publish and nothing to
+    checkpoint sent its next pull request to a consumer the server had removed meanwhile
+    (inactive for 30 s), and the 503 ended the loop as an error ("partition_task_ended"),
+    not as a lapsed lease (the CI failure of the test above, 2026-12-03)."""
+    from prometheus_client import CollectorRegistry
+
+    from bridge.config import Settings
+    from bridge.services.pairing import PairingService
+
+    client = JetStreamClient(nats_server_fn.url)
+    client.bootstrap()
+
+    async def run() -> tuple[list[bool], list[object], float]:
+        pairing = PairingService(Settings(nats_url=nats_server_fn.url, instance="p"), replica="paused",
+                                 registry=CollectorRegistry(), tick_s=3600)
+        await pairing.connect()
+        try:
+            await pairing.maintain()
+            parts = list(pairing.partitions.values())
+            assert len(parts) == 8
+            await asyncio.sleep(0.5)  # every loop is waiting for messages (there are none)
+            for part in parts:
+                part.confirmed -= 60.0  # as if the process had been stopped for a minute
+            done, _ = await asyncio.wait([p.task for p in parts], timeout=5)
+            for part in parts:
+                if part.task not in done:
+                    part.task.cancel()
+            return [p.lost for p in parts], [p.task.exception() if p.task in done else "running" for p in parts], \
+                pairing.metrics.fenced._value.get()
+        finally:
+            pairing.stopper.trigger()
+            await pairing.nc.close()
+
+    try:
+        lost, ended, fenced = client.run(run())
+    finally:
+        client.close()
+    assert ended == [None] * 8, "each loop returns on its own, without an error"
+    assert lost == [True] * 8
+    assert fenced == 8
