@@ -14,8 +14,8 @@ Theory of operation
 * Fencing: an owner acts on a partition only while its lease is surely alive: less
   than `LEASE_TTL_S - FENCE_MARGIN_S` after the last renewal the server confirmed
   (timed from when that request was sent, by the monotonic clock, which keeps
-  running while a process is stopped). Before each publish batch, tick, progress
-  record and checkpoint the partition checks it; past it the partition is fenced:
+  running while a process is stopped). Before each read, publish batch, tick,
+  progress record and checkpoint the partition checks it; past it the partition is fenced:
   dropped at once, nothing published (`aep_bridge_pairing_fenced_total`). So an
   owner paused (SIGSTOP, a VM stall) past its lease, which a standby took over
   meanwhile, publishes nothing stale when it runs again, and never writes its older

@@ -28,19 +28,19 @@ LEADERS = ("AEP_EVENTS", "HERMES_RAW", "BRIDGE_MAPPED", "KV_aep_leases")
 
 @pytest.mark.slow
 def test_kill_9_the_leaders_in_turn(run):
-    """One run, four rounds 14 s apart: kill -9 the node leading AEP_EVENTS, then HERMES_RAW's,
-    BRIDGE_MAPPED's and the leases bucket's, each node restarted 10 s after its kill and back
+    """One run, four rounds 12 s apart: kill -9 the node leading AEP_EVENTS, then HERMES_RAW's,
+    BRIDGE_MAPPED's and the leases bucket's, each node restarted 8 s after its kill and back
     in the meta group before the next round (two nodes down at once is a majority lost, not
     this scenario)."""
     cluster = run.cluster
-    run.start_traffic(duration=DURATION + 10)  # the last restart still comes during traffic
+    run.start_traffic(duration=DURATION + 16)  # the last restart (50 s) still comes during traffic
     for i, stream in enumerate(LEADERS):
-        run.at(8.0 + 14.0 * i)
+        run.at(6.0 + 12.0 * i)
         leader = cluster.wait_leader(stream)
         cluster.node(leader).kill()
         new = cluster.wait_leader(stream, not_on=leader)
         print(f"{time.monotonic() - run.t0:.1f} s: {stream} leader {leader} killed, new leader {new}")
-        run.at(18.0 + 14.0 * i)
+        run.at(14.0 + 12.0 * i)
         cluster.node(leader).start()
         cluster.wait_ready(60)
     run.finish()
@@ -50,12 +50,12 @@ def test_kill_9_the_leaders_in_turn(run):
 def test_sigstop_one_node_for_20_s(run):
     cluster = run.cluster
     run.start_traffic()
-    run.at(15.0)
+    run.at(10.0)
     victim = cluster.wait_leader("AEP_EVENTS")  # the node that matters most to the pipeline
     cluster.node(victim).pause()
     new = cluster.wait_leader("AEP_EVENTS", not_on=victim)
     print(f"{victim} paused; AEP_EVENTS leader now {new}")
-    run.at(35.0)
+    run.at(30.0)
     cluster.node(victim).resume()
     run.finish()
 
@@ -64,7 +64,7 @@ def test_sigstop_one_node_for_20_s(run):
 def test_rolling_restart_of_all_three_nodes_during_traffic(run):
     cluster = run.cluster
     run.start_traffic()
-    run.at(10.0)
+    run.at(8.0)
     for node in cluster.nodes:
         node.stop()  # SIGTERM: what a rolling upgrade does
         time.sleep(3.0)
@@ -78,10 +78,10 @@ def test_rolling_restart_of_all_three_nodes_during_traffic(run):
 def test_one_node_store_wiped_catches_up(run):
     cluster = run.cluster
     run.start_traffic()
-    run.at(15.0)
+    run.at(10.0)
     victim = next(n for n in cluster.nodes if n.name != cluster.meta_leader())
     victim.wipe()
-    run.at(25.0)
+    run.at(20.0)
     victim.start()
     cluster.wait_ready(60)
     run.finish()
@@ -109,7 +109,7 @@ def test_sigstop_a_pairing_owner_past_its_lease(run):
     them and publishes, ticks and checkpoints nothing more for them."""
     a, b = run.pipe.of("pairing")
     run.start_traffic()
-    run.at(15.0)
+    run.at(10.0)
     owner, standby = (a, b) if len(partitions_of(a)) >= len(partitions_of(b)) else (b, a)
     held = partitions_of(owner)
     assert held, "the owner owns partitions"
@@ -163,7 +163,7 @@ def test_all_three_nodes_killed_at_once_then_restarted(synced_run):
     run = synced_run
     cluster = run.cluster
     run.start_traffic()
-    run.at(20.0)
+    run.at(12.0)
     before = run.pipe.counts()
     for node in cluster.nodes:
         node.proc.kill()  # all at once: no node waits for another

@@ -152,6 +152,11 @@ def test_a_session_named_unknown_is_not_the_unknown_lane(pipeline, nats_server_f
     through_shim(session(NORMAL), nats_server_fn.url, tmp_path / "spool")
     client = pipeline.client
     wait_whole(client, NORMAL, pipeline.services)
+    # and the session called "unknown" whole too: another partition, not done when NORMAL is
+    # (this test read AEP_EVENTS too early once, 2026-12-04)
+    wait_for(lambda: len([m for m in client.fetch("aep.hermes.>", stream="AEP_EVENTS")
+                          if m.json().get("session") == "unknown" and "lane" not in m.json()]) >= len(expected_types()),
+             45, what="the session called unknown whole on AEP_EVENTS")
     stored = client.fetch("aep.hermes.>", stream="AEP_EVENTS")
     lane = [m for m in stored if m.json().get("lane") == "unknown"]
     real = [m for m in stored if m.json().get("session") == "unknown" and "lane" not in m.json()]
