@@ -78,7 +78,8 @@ class Stopper:
 class Linger:
     """The pause after each batch of one loop (the mapper's, each pairing partition's).
 
-    A batch of less than a quarter of the fetch size is followed by a pause of ``base_s``
+    A batch of less than a quarter of the fetch size and of fewer than ``target`` messages is
+    followed by a pause of ``base_s``
     (AEP_BRIDGE_LINGER_MS), longer when the loop's stream is quiet: long enough for about
     ``target`` messages at the rate the loop has seen (messages of this batch / time since
     the previous one), at most ``max_s`` (AEP_BRIDGE_LINGER_MAX_MS). A batch costs its
@@ -100,11 +101,16 @@ class Linger:
         ``target``: this call's instead of the loop's."""
         now = time.monotonic() if now is None else now
         elapsed, self._last = now - self._last, now
-        if not small or self.base_s <= 0:
+        target = target or self.target
+        # A batch that already holds the target needs no pause: the pause is there to gather
+        # about that many. Before, any batch under a quarter of the fetch size paused, so the
+        # mapper (40-60 messages a batch) and every pairing partition paused at 2,000 events/s
+        # too: soak.py p50 125 ms against 30 ms without a pause, for 16 % less CPU (2026-12-04).
+        if not small or self.base_s <= 0 or n >= target:
             return 0.0
         if self.max_s <= self.base_s or n <= 0:
             return self.base_s
-        return min(self.max_s, max(self.base_s, (target or self.target) * elapsed / n))
+        return min(self.max_s, max(self.base_s, target * elapsed / n))
 
     async def after(self, n: int, small: bool, target: int | None = None) -> None:
         seconds = self.seconds(n, small, target=target)  # (the pause counts as the next batch's gathering time)

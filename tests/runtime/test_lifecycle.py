@@ -235,8 +235,8 @@ def test_a_service_process_logs_its_component_and_replica_on_every_line(
 
 
 def test_linger_pauses_after_small_batches_longer_when_quiet_and_on_a_shared_clock(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`Linger`: no pause after a batch of a quarter of the fetch size or more; after a small
-    one at least the base, more when the stream is quiet (enough for `target` messages at the
+    """`Linger`: no pause after a batch of a quarter of the fetch size or more, nor after one that
+    holds the target; after a small one at least the base, more when the stream is quiet (enough for `target` messages at the
     rate seen: batch / time since the previous batch), never more than the maximum; and every
     pause ends on a multiple of the base on the monotonic clock, so the loops of a process
     wake in one turn (pairing's partitions)."""
@@ -253,7 +253,9 @@ def test_linger_pauses_after_small_batches_longer_when_quiet_and_on_a_shared_clo
     clock[0] += 0.5
     assert pause.seconds(200, small=False) == 0.0, "a catch-up never waits"
     clock[0] += 0.01
-    assert pause.seconds(40, small=True) == pytest.approx(0.02), "busy (4,000/s): the base"
+    assert pause.seconds(40, small=True) == 0.0, "40 messages hold the target (32): no pause"
+    clock[0] += 0.005
+    assert pause.seconds(20, small=True) == pytest.approx(0.02), "busy (4,000/s), under the target: the base"
     clock[0] += 0.02
     assert pause.seconds(8, small=True) == pytest.approx(0.08), "400/s: 32 messages take 80 ms"
     clock[0] += 0.2
