@@ -440,7 +440,7 @@ class Settings:
     #: exporter: its durables' ack_wait: how long an event a replica took (and died holding)
     #: waits before it is delivered again; +WPI every third of it while a sink holds a batch
     export_ack_wait_s: float = 60.0
-    #: mapper and pairing: after a small batch (less than a quarter of the fetch size) the next
+    #: mapper and pairing: after a small batch (under a quarter of the fetch size and ~32 messages) the next
     #: fetch waits this long, on a clock shared by a process's loops (pairing's partitions wake
     #: together): what arrives meanwhile waits at most this, a catch-up never (issue 24)
     linger_ms: float = 20.0

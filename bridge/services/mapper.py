@@ -112,7 +112,7 @@ FINISHED_MAX = 16384  # finished raw seqs remembered above the known ack floor
 # (one request each: ~0.4-0.5 ms on a local server, 4-5 s in all). Past it a late copy goes
 # through: a duplicate at worst.
 LATE_SCAN_BUDGET = 10_000
-# A batch of less than a quarter of the fetch size, once acked, is followed by a pause of
+# A batch of less than a quarter of the fetch size and of fewer than ~32 messages, once acked, is followed by a pause of
 # AEP_BRIDGE_LINGER_MS, up to AEP_BRIDGE_LINGER_MAX_MS when quiet (`bridge.runtime.lifecycle.Linger`):
 # a quiet fleet otherwise costs a batch, its socket writes and its acks per message (issue 24:
 # docs/BENCHMARKS.md "Cost").

@@ -114,7 +114,7 @@ CHECKPOINT_S = 10.0
 # An owner stops acting on a partition this long before its lease could expire (fencing).
 # Above RENEW_S: a renewal that got no answer is retried once before the partition stops.
 FENCE_MARGIN_S = 3.0
-# A batch of less than a quarter of FETCH_BATCH, once handled, is followed by a pause of
+# A batch of less than a quarter of FETCH_BATCH and of fewer than its share of ~32 messages, once handled, is followed by a pause of
 # AEP_BRIDGE_LINGER_MS (up to AEP_BRIDGE_LINGER_MAX_MS when quiet) on a clock the partitions share (`bridge.runtime.lifecycle.Linger`):
 # eight partitions polling without one made ~1 pull request per message (CPU for the service
 # and the server); messages arriving meanwhile wait at most this much, none in a catch-up.
@@ -630,34 +630,46 @@ class PairingService:
         self.health.info["state"] = sizes
 
     async def maintain(self) -> None:
-        """Renew held leases, try to take free ones, publish ticks. Runs every RENEW_S."""
+        """Renew held leases, then try to take free ones. Runs every RENEW_S.
+
+        Renewals come first, all of them: a takeover's restore can take seconds (a checkpoint
+        read, KV reads), and a partition renewed after it could pass its fencing deadline
+        (LEASE_TTL_S - FENCE_MARGIN_S since its last renewal) although its lease was fine."""
+        dropped = set()
+        for n in sorted(self.partitions):
+            part = self.partitions[n]
+            # Fenced first, however its loop ended: after a pause past the lease a loop may
+            # also have failed on a request sent before it (a consumer create that timed
+            # out); the partition is then another replica's, not one to report unowned.
+            if self.fenced(part):  # its loop stopped publishing; the lease may be someone else's
+                if part.task:
+                    if part.task.done() and not part.task.cancelled() and part.task.exception() is not None:
+                        exc = part.task.exception()
+                        log.warning("partition_task_ended_fenced", partition=n, error=f"{type(exc).__name__}: {exc}")
+                    part.task.cancel()
+                await self.release(part)
+                del self.partitions[n]
+                self.metrics.owned_by_partition.labels(partition=str(n)).set(0)
+                dropped.add(n)
+                continue
+            if part.task is not None and part.task.done():
+                exc = part.task.exception() if not part.task.cancelled() else None
+                log.error("partition_task_ended", partition=n, error=str(exc))
+                self.unowned[n] = f"its loop ended: {type(exc).__name__}: {exc}"
+                await self.release(part)
+                del self.partitions[n]
+                self.metrics.owned_by_partition.labels(partition=str(n)).set(0)
+                dropped.add(n)
+                continue
+            if not await self.renew(part):
+                part.lost = True
+                if part.task:
+                    part.task.cancel()
+                del self.partitions[n]
+                self.metrics.owned_by_partition.labels(partition=str(n)).set(0)
+                dropped.add(n)
         for n in range(self.settings.partitions):
-            part = self.partitions.get(n)
-            if part is not None:
-                # Fenced first, however its loop ended: after a pause past the lease a loop may
-                # also have failed on a request sent before it (a consumer create that timed
-                # out); the partition is then another replica's, not one to report unowned.
-                if self.fenced(part):  # its loop stopped publishing; the lease may be someone else's
-                    if part.task:
-                        part.task.cancel()
-                    await self.release(part)
-                    del self.partitions[n]
-                    self.metrics.owned_by_partition.labels(partition=str(n)).set(0)
-                    continue
-                if part.task is not None and part.task.done():
-                    exc = part.task.exception() if not part.task.cancelled() else None
-                    log.error("partition_task_ended", partition=n, error=str(exc))
-                    self.unowned[n] = f"its loop ended: {type(exc).__name__}: {exc}"
-                    await self.release(part)
-                    del self.partitions[n]
-                    self.metrics.owned_by_partition.labels(partition=str(n)).set(0)
-                    continue
-                if not await self.renew(part):
-                    part.lost = True
-                    if part.task:
-                        part.task.cancel()
-                    del self.partitions[n]
-                    self.metrics.owned_by_partition.labels(partition=str(n)).set(0)
+            if n in self.partitions or n in dropped:  # a dropped one is tried again next round
                 continue
             sent = time.monotonic()
             revision = await self.try_acquire(n)
@@ -669,9 +681,14 @@ class PairingService:
                 self.unowned[n] = f"restore: {type(exc).__name__}: {exc}"
                 log.error("partition_restore_failed", partition=n, error=self.unowned[n])
                 continue
-            self.unowned.pop(n, None)
             part.revision = revision
             part.confirmed = sent
+            # The restore may have taken seconds: renewed before the loop starts, so its fencing
+            # deadline counts from now, not from before the restore (refused: taken meanwhile).
+            if not await self.renew(part):
+                await self.release(part)
+                continue
+            self.unowned.pop(n, None)
             part.task = asyncio.create_task(self.run_partition(part))
             self.partitions[n] = part
             self.metrics.owned_by_partition.labels(partition=str(n)).set(1)

@@ -30,7 +30,7 @@ from tests.support.faults import assert_clean, finish
 from tests.support.tansu import Tansu, consume
 
 RATE = 200.0
-# 40 s: each fault comes at 8-12 s and every scenario has >= 10 s of traffic after its fault
+# 40 s: each fault comes at 6-12 s and every scenario has >= 10 s of traffic after its fault
 # has healed (60 s before: the suite's time, 2026-12-04, and no scenario found more with it).
 DURATION = 40.0
 TOPIC = "aep-ce"

@@ -33,7 +33,7 @@ def test_kill_9_the_leaders_in_turn(run):
     in the meta group before the next round (two nodes down at once is a majority lost, not
     this scenario)."""
     cluster = run.cluster
-    run.start_traffic(duration=DURATION + 16)  # the last restart (50 s) still comes during traffic
+    run.start_traffic(duration=DURATION + 20)  # the last restart (50 s) comes with 10 s of traffic after it
     for i, stream in enumerate(LEADERS):
         run.at(6.0 + 12.0 * i)
         leader = cluster.wait_leader(stream)

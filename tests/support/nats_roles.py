@@ -185,7 +185,7 @@ async def _refused_while(client: Client, coro, what: str) -> None:
     finally:
         if not task.done():
             task.cancel()
-            with contextlib.suppress(BaseException):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
     assert task.cancelled() or task.exception() is not None, f"{what}: the request succeeded"
     assert refused, (what, client.errors)
