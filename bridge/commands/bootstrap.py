@@ -7,6 +7,10 @@ import sys
 
 
 API_TIMEOUT_S = 30.0  # each JetStream API request of bootstrap (stream and bucket create/update)
+# A three-node cluster just started calls a peer offline until it has heard from it (seconds on
+# a loaded machine; CI saw it right after every node answered /healthz), a rolling restart for
+# as long as a pod restarts.
+OFFLINE_WAIT_S = 60.0
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -29,6 +33,11 @@ def register(sub: argparse._SubParsersAction) -> None:
              "replicas than servers is an error (exit 2)",
     )
     p.add_argument("--timeout", type=float, default=5.0, help="connect timeout in seconds (default 5)")
+    p.add_argument(
+        "--wait", type=float, default=OFFLINE_WAIT_S, metavar="SECONDS",
+        help=f"while the cluster calls a server offline (one restarting, or a cluster still starting), keep "
+             f"trying this long before exiting 2 (default {OFFLINE_WAIT_S:g}; 0: fail at once)",
+    )
     p.set_defaults(func=cmd_bootstrap)
 
 
@@ -56,12 +65,16 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
                            for k, (a, b) in diff.items())
         print(f"{name:<16} {outcome}" + (f" ({detail})" if detail else ""))
 
+    def waiting(exc: ReplicasError) -> None:
+        print(f"aep-bridge bootstrap: {exc}; waiting up to {args.wait:g} s for it", file=sys.stderr, flush=True)
+
     async def run() -> int:
         nc = await quick_connect(settings, name="aep-bridge-bootstrap", timeout=args.timeout, role="bootstrap")
         try:
             # Creating or scaling an R3 stream is a raft group's round trips on every node: on a
             # loaded cluster it can take longer than nats-py's 5 s API default.
-            await bootstrap(nc.jetstream(timeout=API_TIMEOUT_S), settings, replicas=args.replicas, report=report)
+            await bootstrap(nc.jetstream(timeout=API_TIMEOUT_S), settings, replicas=args.replicas, report=report,
+                            offline_wait_s=max(0.0, args.wait), waiting=waiting)
         finally:
             await nc.close()
         return 0

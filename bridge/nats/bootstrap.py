@@ -18,8 +18,10 @@ supported in non-clustered mode"), before any other stream is touched.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import os
+import time
 from typing import Any, Callable
 
 from nats.js.errors import APIError, NotFoundError
@@ -40,8 +42,17 @@ class BootstrapError(RuntimeError):
 
 
 class ReplicasError(BootstrapError):
-    """More replicas asked for than the servers can place (``aep-bridge bootstrap`` exits 2)."""
+    """More replicas asked for than the servers can place (``aep-bridge bootstrap`` exits 2).
+    ``offline``: the cluster called a server offline (one down, or one it has not heard from
+    yet right after a start): worth waiting for, unlike a cluster too small."""
 
+    def __init__(self, message: str, offline: bool = False) -> None:
+        super().__init__(message)
+        self.offline = offline
+
+
+#: How often bootstrap asks again while the cluster calls a server offline (``offline_wait_s``).
+OFFLINE_RETRY_S = 0.5
 
 # JetStream API error codes that mean "these replicas cannot be placed".
 PLACEMENT_ERRORS = {
@@ -70,13 +81,15 @@ def replicas_error(js: Any, config: Any, exc: Exception) -> ReplicasError:
     count, what = servers_seen(getattr(js, "_nc", None))
     desc = getattr(exc, "description", None) or str(exc)
     n = config.num_replicas
-    if "offline" in desc or (count is not None and count >= n):
+    offline = "offline" in desc
+    if offline or (count is not None and count >= n):
         hint = ("a server of the cluster is offline or unreachable: run bootstrap again once every server is up "
                 "(or ask for fewer replicas)")
     else:
         hint = ("use --replicas (or AEP_BRIDGE_STREAM_REPLICAS) at most the number of servers: 1 for a single "
                 "server, 3 on a three-node cluster")
-    return ReplicasError(f"{n} replicas asked for, but {what}: the server refused stream {config.name} ({desc}); {hint}")
+    return ReplicasError(f"{n} replicas asked for, but {what}: the server refused stream {config.name} ({desc}); {hint}",
+                         offline=offline)
 
 
 def configured_replicas(settings: Settings | None = None, environ: dict[str, str] | None = None) -> int | None:
@@ -171,6 +184,8 @@ async def bootstrap(
     replicas: int | None = None,
     report: Callable[[str, str, dict[str, tuple[Any, Any]]], None] | None = None,
     duplicate_window_s: float | None = None,
+    offline_wait_s: float = 0.0,
+    waiting: Callable[[ReplicasError], None] | None = None,
 ) -> dict[str, str]:
     """Create or update HERMES_RAW, BRIDGE_MAPPED, BRIDGE_DLQ, AEP_EVENTS, the KV buckets
     (aep_lanes, aep_pairing, aep_leases) and the object store aep_checkpoints (stream
@@ -178,13 +193,30 @@ async def bootstrap(
 
     ``duplicate_window_s`` replaces the streams' duplicate window (default 120 s; see
     ``bridge.nats.streams.all_stream_configs``); running bootstrap again without it
-    restores the default."""
+    restores the default.
+
+    ``offline_wait_s``: while the cluster refuses a placement because it calls a server offline
+    (a server down, or a cluster that just started and has not heard from every peer yet), try
+    again every ``OFFLINE_RETRY_S`` for up to this long (``waiting`` is told once), then raise
+    the ``ReplicasError``. A cluster too small for the replicas fails at once."""
     if replicas is None:
         replicas = configured_replicas(settings)
     keep = replicas is None  # neither --replicas nor AEP_BRIDGE_STREAM_REPLICAS: never scale down
     results: dict[str, str] = {}
     for config in S.all_stream_configs(replicas or 1, duplicate_window_s):
-        outcome, diff = await ensure_stream(js, config, keep_more_replicas=keep)
+        deadline = time.monotonic() + offline_wait_s
+        told = False
+        while True:
+            try:
+                outcome, diff = await ensure_stream(js, config, keep_more_replicas=keep)
+                break
+            except ReplicasError as exc:
+                if not exc.offline or time.monotonic() + OFFLINE_RETRY_S > deadline:
+                    raise
+                if waiting is not None and not told:
+                    waiting(exc)
+                    told = True
+                await asyncio.sleep(OFFLINE_RETRY_S)
         results[config.name] = outcome
         if report is not None:
             report(config.name, outcome, diff)

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -173,3 +174,48 @@ def test_connect_with_settings(nats_factory) -> None:  # type: ignore[no-untyped
     assert asyncio.run(go(settings(NATS_URL=server.url, NATS_TOKEN="abc")))
     with pytest.raises(NatsConnectError, match="refused the credentials"):
         asyncio.run(go(settings(NATS_URL=server.url, NATS_TOKEN="nope")))
+
+
+class _Refusing:
+    """A JetStream context whose stream creates are refused ``refusals`` times with what a
+    cluster that just started answered in CI (error 10005, "peer offline"), then succeed."""
+
+    def __init__(self, refusals: int, description: str = "no suitable peers for placement, peer offline") -> None:
+        from nats.js.errors import APIError
+
+        self.refusals, self.created, self.description, self.api_error = refusals, [], description, APIError
+
+    async def stream_info(self, name: str) -> Any:
+        from nats.js.errors import NotFoundError
+
+        raise NotFoundError(code=404, err_code=10059, description="stream not found")
+
+    async def add_stream(self, config: Any) -> None:
+        if self.refusals > 0:
+            self.refusals -= 1
+            raise self.api_error(code=500, err_code=10005, description=self.description)
+        self.created.append(config.name)
+
+
+def test_bootstrap_waits_while_the_cluster_calls_a_server_offline(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """CI: bootstrap on a cluster that had just started (every node answered /healthz) was refused
+    "no suitable peers for placement, peer offline" and exited 2. A cluster coming up, or a pod of
+    a rolling restart, is that state for seconds: bootstrap tries again for up to offline_wait_s,
+    tells once that it waits, and gives up after it with the same error."""
+    import asyncio
+
+    from bridge.nats import bootstrap as B
+
+    monkeypatch.setattr(B, "OFFLINE_RETRY_S", 0.01)
+    told: list[str] = []
+    js = _Refusing(3)
+    out = asyncio.run(B.bootstrap(js, None, replicas=3, offline_wait_s=5.0, waiting=lambda e: told.append(str(e))))
+    assert js.created == [c.name for c in S.all_stream_configs(3)] and set(out.values()) == {"created"}
+    assert len(told) == 1 and "offline" in told[0] and "HERMES_RAW" in told[0]
+    with pytest.raises(B.ReplicasError, match="offline") as info:  # never comes back: the error, after the wait
+        asyncio.run(B.bootstrap(_Refusing(10**6), None, replicas=3, offline_wait_s=0.2))
+    assert info.value.offline
+    too_small = _Refusing(10**6, "no suitable peers for placement")  # a cluster too small: at once, no wait
+    with pytest.raises(B.ReplicasError) as info:
+        asyncio.run(B.bootstrap(too_small, None, replicas=5, offline_wait_s=60.0))
+    assert not info.value.offline and too_small.refusals == 10**6 - 1
