@@ -44,7 +44,9 @@ subagent    child_session_id (``subject``)               oldest     link        
    if the bridge closed the card (swept or TTL): an answered card's key being
    reused means the follow-up's own request is still on its way. Not across a
    session end either: such a terminal is held (3) first.
-3. Otherwise the terminal is *held* for ``hold_ns`` of stream time: the mapper runs
+3. Otherwise the terminal is *held* for ``hold_ns`` of stream time from its arrival (the
+   stream clock then, not its own ts: the fault that delays a start often delays its
+   terminal too, which would otherwise arrive with its hold spent): the mapper runs
    as replicas, so a start can reach us after its terminal (one ``ack_wait`` late
    after a mapper crash). When a start of its key arrives, the held terminals are
    tried in seq order; those it does not take go back, keeping their deadline.
@@ -59,7 +61,7 @@ subagent    child_session_id (``subject``)               oldest     link        
    dismissed) after it.
 4. ``session.ended`` first sweeps (slots BEFORE it) the session's open runs and tools
    (``x.hermes.pairing.orphaned {reason: session_end}``) whose seq is below its own.
-   Its open cards get ``hold_ns`` more (``due``): their answer may be behind the
+   Its open cards get ``hold_ns`` more from the end's arrival (``due``): their answer may be behind the
    finalize (a mapper replica killed holding it redelivers it one ``ack_wait`` later),
    and a request is never dismissed when its answer exists in the stream; a card still
    open then is closed ``attention.resolved {dismissed}`` at a tick, with its seq right
@@ -922,7 +924,10 @@ class PairingState:
             oldest = s.held.pop(0)
             out += self._release(lane, s, oldest.kind, oldest.key, oldest.event, oldest.hints.get("ts") or 0, oldest.hints)
         self._count("held")
-        s.held.append(_Held(deadline=ts + self.config.hold_ns, kind=kind, key=key, event=ev, hints=dict(h)))
+        # From its arrival (the stream clock, already >= ts), not its own ts: a terminal held up by
+        # the fault that also delays its start would otherwise arrive with its hold spent.
+        s.held.append(_Held(deadline=max(ts, self.clock) + self.config.hold_ns, kind=kind, key=key, event=ev,
+                            hints=dict(h)))
         return out
 
     def _release(self, lane: str, s: _Session, kind: int, key: str, ev: Event, ts: int,
@@ -1026,8 +1031,8 @@ class PairingState:
                 continue
             if p.kind == SUBAGENT:
                 p.due, p.why = ts + self.config.subagent_grace_ns, "session_end"
-            elif p.kind == CARD and hold:
-                p.due, p.why = ts + hold, "session_end"
+            elif p.kind == CARD and hold:  # from the end's arrival, like a held terminal
+                p.due, p.why = max(ts, self.clock) + hold, "session_end"
             elif RULES[p.kind].swept:
                 victims.append(p)
         victims.sort(key=lambda p: p.seq)

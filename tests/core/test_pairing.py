@@ -321,6 +321,51 @@ def test_an_answer_whose_request_never_reaches_its_lane_becomes_a_vendor_event(m
     assert check_invariants(r.out, complete=False) == []
 
 
+def test_an_answer_that_reached_pairing_late_is_held_hold_ns_from_its_arrival(m: Mk, r: Run) -> None:
+    """CI, kill -9 of BRIDGE_MAPPED's leader: the answer reached pairing ~15 s after Hermes wrote
+    it (stream time had moved on with other sessions), its request a few seconds later still (a
+    retried publish). Counted from the answer's own ts, the hold had all but run out on arrival,
+    and the answer went out `x.hermes.attention.unmatched`. The hold counts from when pairing
+    got the terminal (the stream clock then), so a request one retry behind still links."""
+    cfg = r.state.config
+    req, ans = m.appr_req(), m.appr_ans()
+    late = cfg.hold_ns - SECOND  # what the outage cost the answer before pairing saw it
+    assert r.tick(BASE_NS + late) == []
+    assert r.feed(ans) == []  # held
+    assert r.tick(BASE_NS + late + 5 * SECOND) == []  # past ans.ts + hold_ns, not past its arrival + hold_ns
+    out = r.feed(req)
+    assert types(out) == ["attention.requested", "attention.answered", "attention.resolved"]
+    assert out[1].subject == req[0].id
+    assert check_invariants(r.out, complete=False) == []
+    # without its request, the answer is released hold_ns after its arrival, not before
+    r2, m2 = Run(cfg), Mk()
+    ans2 = m2.appr_ans()
+    r2.tick(BASE_NS + late)
+    assert r2.feed(ans2) == []
+    assert r2.tick(BASE_NS + late + cfg.hold_ns - 1) == []
+    assert types(r2.tick(BASE_NS + late + cfg.hold_ns)) == ["x.hermes.attention.unmatched"]
+
+
+def test_a_card_whose_session_end_reached_pairing_late_still_waits_hold_ns(m: Mk, r: Run) -> None:
+    """The same for a card open at its session's end: its answer gets hold_ns from when the end
+    reached pairing, not from the end's own ts (the end may have been held up by the same fault)."""
+    cfg = r.state.config
+    card = m.appr_req()
+    r.feed(m.started(), m.run_start(), card)
+    end = m.ended()
+    late = cfg.hold_ns - SECOND
+    r.tick(BASE_NS + late)
+    r.feed(end)
+    assert r.tick(BASE_NS + late + 5 * SECOND) == []  # the card is still open
+    ans = m.appr_ans()
+    ans = (msgspec.structs.replace(ans[0], seq=card[0].seq + 1), ans[1])
+    out = r.feed(ans)
+    assert types(out) == ["attention.answered", "attention.resolved"]
+    assert out[1].data["resolution"] == "answered"
+
+
+
+
 def test_request_arriving_after_its_answer_was_released_still_ends(m: Mk, r: Run) -> None:
     cfg = r.state.config
     req = m.appr_req()
