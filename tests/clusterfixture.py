@@ -46,6 +46,7 @@ from typing import Any
 from tests.natsfixture import JetStreamClient, NatsBackendError, free_port, nats_server_binary
 
 CLUSTER_NAME = "aep_test_cluster"
+LEADER_ASK_S = 2.0  # how long one leader lookup waits for the stream (or consumer) to answer
 
 
 class ClusterNode:
@@ -297,11 +298,14 @@ class Cluster:
     def leader(self, stream: str, consumer: str | None = None) -> str | None:
         """The server_name of the stream's (or its consumer's) leader, None while it has none."""
         c = self.client()
+        # A short timeout: a stream without a leader does not answer, and `wait_leader` asks
+        # again (at the client's 20 s a leader kill's round took ~20 s longer than planned in CI).
+        js = c.nc.jetstream(timeout=LEADER_ASK_S)
         try:
             if consumer is None:
-                info = c.stream_info(stream)
+                info = c.run(js.stream_info(stream))
             else:
-                info = c.run(c.js.consumer_info(stream, consumer))
+                info = c.run(js.consumer_info(stream, consumer))
         finally:
             c.close()
         cl = info.cluster

@@ -153,8 +153,9 @@ def test_a_paused_cluster_node_does_not_spool(nats_cluster: Cluster, tmp_path: P
         assert spooled(tmp_path) == 0
     finally:
         paused.resume()
+    nats_cluster.wait_ready(60)  # the resumed node back in the meta group before anything asks it
     c = nats_cluster.client()
     try:
-        assert len(c.fetch(f"hermes.raw.{hook.token(instance)}.>", expected=4)) == 4
+        assert len(c.fetch(f"hermes.raw.{hook.token(instance)}.>", expected=4, timeout=20)) == 4
     finally:
         c.close()
