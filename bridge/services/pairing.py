@@ -142,6 +142,10 @@ class PairingMetrics:
         self.checkpoint_bytes = Gauge(f"{ns}_checkpoint_bytes", "Size of the last checkpoint written (compressed)", ["partition"], registry=registry)
         self.pending = Gauge("aep_bridge_consumer_pending_messages", "JetStream num_pending of the consumers read", ["stream", "consumer"], registry=registry)
         self.redelivered = Gauge("aep_bridge_consumer_redelivered_messages", "JetStream num_redelivered", ["stream", "consumer"], registry=registry)
+        self.consumer_gaps = Counter(
+            f"{ns}_consumer_gaps_total",
+            "Deliveries a partition's consumer sent that never arrived (a jump in its consumer sequence); the "
+            "partition read again from its position", registry=registry)
         self.fenced = Counter(f"{ns}_fenced_total", "Partitions dropped because their lease may have lapsed (nothing more published)",
                               registry=registry)
         self.republish_skipped = Counter(
@@ -554,19 +558,30 @@ class PairingService:
         self.metrics.dead_letter(reason).inc()
         await self.js.publish(subj.dlq_subject(reason), letter.body, headers=letter.headers)
 
-    async def run_partition(self, part: Partition) -> None:
-        n = part.number
+    async def partition_consumer(self, part: Partition) -> Any:
+        """An ephemeral consumer of the partition from the message after ``part.position``."""
         config = ConsumerConfig(
             deliver_policy=DeliverPolicy.BY_START_SEQUENCE if part.position else DeliverPolicy.ALL,
             opt_start_seq=part.position + 1 if part.position else None,
             ack_policy=AckPolicy.NONE,
             inactive_threshold=30.0,
-            filter_subject=subj.mapped_filter(n),
+            filter_subject=subj.mapped_filter(part.number),
             max_ack_pending=-1,
         )
-        sub = await self.js.pull_subscribe(subj.mapped_filter(n), stream=S.BRIDGE_MAPPED, config=config)
+        return await self.js.pull_subscribe(subj.mapped_filter(part.number), stream=S.BRIDGE_MAPPED, config=config)
+
+    async def run_partition(self, part: Partition) -> None:
+        n = part.number
+        sub = await self.partition_consumer(part)
         log.info("partition_started", partition=n, from_position=part.position)
         puller = Puller(sub)
+        # The consumer takes no acks: the server moves on once it has sent a message, so a
+        # delivery lost on the way (a connection or route torn down by a node's restart) is
+        # never sent again. Its consumer sequence numbers each delivery 1, 2, 3, ... (never a
+        # redelivery): a jump is a lost delivery, and the partition reads again from the last
+        # message it folded (the rolling-restart scenario lost BRIDGE_MAPPED 1679 and folded
+        # 1688, 2026-12-04). `delivered`: the consumer sequence of the last message taken.
+        delivered = 0
         pause = Linger(self.settings.linger_ms / 1000, self.settings.linger_max_ms / 1000)
         try:
             # The lease is checked before every read too (a monotonic clock read): a loop that
@@ -577,8 +592,22 @@ class PairingService:
                     msgs = await puller.fetch(FETCH_BATCH, timeout=0.5)
                 except (nats.errors.TimeoutError, asyncio.TimeoutError):
                     msgs = []
+                gap = next((i for i, m in enumerate(msgs) if m.metadata.sequence.consumer != delivered + 1 + i), None)
+                if gap is not None:
+                    msgs, got = msgs[:gap], msgs[gap].metadata.sequence.consumer
+                delivered += len(msgs)
                 if msgs:
                     await self.handle_batch(part, msgs)
+                if gap is not None:
+                    self.metrics.consumer_gaps.inc()
+                    log.warning("consumer_gap", partition=n, position=part.position, expected=delivered + 1, got=got,
+                                action="read again from the position")
+                    with contextlib.suppress(Exception):
+                        await sub.unsubscribe()
+                    if self.stopper.stopping or self.fenced(part):
+                        break
+                    sub = await self.partition_consumer(part)
+                    puller, delivered = Puller(sub), 0
                 if part.since_checkpoint >= CHECKPOINT_EVERY or (
                     part.since_checkpoint and time.monotonic() - part.last_checkpoint > CHECKPOINT_S
                 ):
