@@ -45,7 +45,7 @@ subagent    child_session_id (``subject``)               oldest     link        
    reused means the follow-up's own request is still on its way. Not across a
    session end either: such a terminal is held (3) first.
 3. Otherwise the terminal is *held* for ``hold_ns`` of stream time from its arrival (the
-   stream clock then, not its own ts: the fault that delays a start often delays its
+   stream clock then, at most ``hold_ns`` after its own ts; not from its own ts: the fault that delays a start often delays its
    terminal too, which would otherwise arrive with its hold spent): the mapper runs
    as replicas, so a start can reach us after its terminal (one ``ack_wait`` late
    after a mapper crash). When a start of its key arrives, the held terminals are
@@ -924,11 +924,17 @@ class PairingState:
             oldest = s.held.pop(0)
             out += self._release(lane, s, oldest.kind, oldest.key, oldest.event, oldest.hints.get("ts") or 0, oldest.hints)
         self._count("held")
-        # From its arrival (the stream clock, already >= ts), not its own ts: a terminal held up by
-        # the fault that also delays its start would otherwise arrive with its hold spent.
-        s.held.append(_Held(deadline=max(ts, self.clock) + self.config.hold_ns, kind=kind, key=key, event=ev,
+        s.held.append(_Held(deadline=self._arrival(ts) + self.config.hold_ns, kind=kind, key=key, event=ev,
                             hints=dict(h)))
         return out
+
+    def _arrival(self, ts: int) -> int:
+        """When an event of time ``ts`` reached pairing, in stream time: the clock (already >= ts),
+        at most ``hold_ns`` after ts. A hold counts from here, not from ts: a terminal held up by
+        the fault that also delays its start would otherwise arrive with its hold spent (CI,
+        kill -9 of BRIDGE_MAPPED's leader). The bound: one event from a clock hours ahead must
+        not hold every later follow-up of the partition until wall time catches up."""
+        return min(max(ts, self.clock), ts + self.config.hold_ns)
 
     def _release(self, lane: str, s: _Session, kind: int, key: str, ev: Event, ts: int,
                  h: dict[str, Any] | None = None) -> list[Event]:
@@ -1032,7 +1038,7 @@ class PairingState:
             if p.kind == SUBAGENT:
                 p.due, p.why = ts + self.config.subagent_grace_ns, "session_end"
             elif p.kind == CARD and hold:  # from the end's arrival, like a held terminal
-                p.due, p.why = max(ts, self.clock) + hold, "session_end"
+                p.due, p.why = self._arrival(ts) + hold, "session_end"
             elif RULES[p.kind].swept:
                 victims.append(p)
         victims.sort(key=lambda p: p.seq)

@@ -578,8 +578,8 @@ class PairingService:
         # The consumer takes no acks: the server moves on once it has sent a message, so a
         # delivery lost on the way (a connection or route torn down by a node's restart) is
         # never sent again. Its consumer sequence numbers each delivery 1, 2, 3, ... (never a
-        # redelivery): a jump is a lost delivery, and the partition reads again from the last
-        # message it folded (the rolling-restart scenario lost BRIDGE_MAPPED 1679 and folded
+        # redelivery): a jump is a lost delivery, and the partition reads again from the message
+        # after the last one it folded (the rolling-restart scenario lost BRIDGE_MAPPED 1679 and folded
         # 1688, 2026-12-04). `delivered`: the consumer sequence of the last message taken.
         delivered = 0
         pause = Linger(self.settings.linger_ms / 1000, self.settings.linger_max_ms / 1000)

@@ -346,6 +346,20 @@ def test_an_answer_that_reached_pairing_late_is_held_hold_ns_from_its_arrival(m:
     assert types(r2.tick(BASE_NS + late + cfg.hold_ns)) == ["x.hermes.attention.unmatched"]
 
 
+def test_a_clock_far_ahead_does_not_hold_follow_ups_until_wall_time_catches_up(m: Mk, r: Run) -> None:
+    """Review: with the hold counted from arrival, one event from a host whose clock runs hours
+    ahead moved the stream clock there, and every answer held after it waited until wall time
+    caught up. Arrival counts at most hold_ns after the answer's own time."""
+    cfg = r.state.config
+    assert 2 * cfg.hold_ns < 10 * HOUR
+    skewed = m.appr_req(s="other", sk="other", ts=BASE_NS + 10 * HOUR)
+    r.feed(skewed)
+    ans = m.appr_ans()  # its request never comes
+    assert r.feed(ans) == []
+    # the clock is hours ahead: the next tick finds the answer's bounded deadline (ts + 2 holds) past
+    assert types(r.tick(BASE_NS + cfg.hold_ns)) == ["x.hermes.attention.unmatched"]
+
+
 def test_a_card_whose_session_end_reached_pairing_late_still_waits_hold_ns(m: Mk, r: Run) -> None:
     """The same for a card open at its session's end: its answer gets hold_ns from when the end
     reached pairing, not from the end's own ts (the end may have been held up by the same fault)."""
