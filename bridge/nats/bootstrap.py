@@ -197,15 +197,15 @@ async def bootstrap(
 
     ``offline_wait_s``: while the cluster refuses a placement because it calls a server offline
     (a server down, or a cluster that just started and has not heard from every peer yet), try
-    again every ``OFFLINE_RETRY_S`` for up to this long (``waiting`` is told once), then raise
+    again every ``OFFLINE_RETRY_S`` for up to this long in all (``waiting`` is told once), then raise
     the ``ReplicasError``. A cluster too small for the replicas fails at once."""
     if replicas is None:
         replicas = configured_replicas(settings)
     keep = replicas is None  # neither --replicas nor AEP_BRIDGE_STREAM_REPLICAS: never scale down
     results: dict[str, str] = {}
+    deadline = time.monotonic() + offline_wait_s  # the whole run's, not each stream's
+    told = False
     for config in S.all_stream_configs(replicas or 1, duplicate_window_s):
-        deadline = time.monotonic() + offline_wait_s
-        told = False
         while True:
             try:
                 outcome, diff = await ensure_stream(js, config, keep_more_replicas=keep)
