@@ -227,6 +227,20 @@ async def until_answered(call: Any, *, what: str, log: Any, within_s: float = 60
             delay = min(delay * 2, 5.0)
 
 
+#: What a publish or request meets while its stream has no leader (a 503 "no response from
+#: stream" during an election), its server is gone or the connection is between servers: the
+#: message it carried is not at fault, and retrying it later will do (`outage`).
+OUTAGE = UNANSWERED + (nats.js.errors.NoStreamResponseError, nats.errors.ConnectionClosedError,
+                       nats.errors.ConnectionReconnectingError, nats.errors.StaleConnectionError,
+                       nats.errors.OutboundBufferLimitError, nats.errors.ConnectionDrainingError)
+
+
+def outage(exc: BaseException, nc: Any = None) -> bool:
+    """Did ``exc`` come from the cluster being unavailable rather than from what was sent? (A
+    refused publish, e.g. one too large, is an ``APIError`` with its own code: not an outage.)"""
+    return isinstance(exc, OUTAGE) and transient(exc, nc)
+
+
 def is_auth_failure(exc: BaseException) -> bool:
     text = str(exc).lower()
     return "authorization" in text or "authentication" in text or "refused the credentials" in text

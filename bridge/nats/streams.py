@@ -252,8 +252,10 @@ def mapper_consumer_config(durable: str = MAPPER_DURABLE, ack_wait: float = MAPP
     """The mapper's shared durable pull consumer on HERMES_RAW (``ack_wait``:
     AEP_BRIDGE_MAPPER_ACK_WAIT_S).
 
-    ``max_deliver`` is above MAPPER_MAX_DELIVER: the mapper dead-letters on that
-    delivery itself; the two spare deliveries cover a crash while it does so.
+    ``max_deliver`` is unlimited: the mapper dead-letters a message that fails by itself on
+    its MAPPER_MAX_DELIVER-th delivery, and retries one that met an outage (a leader
+    election, a lost server) for as long as the outage lasts. A server-side limit would drop
+    such a message silently once the outage outlasted it.
     """
     return ConsumerConfig(
         durable_name=durable,
@@ -261,7 +263,7 @@ def mapper_consumer_config(durable: str = MAPPER_DURABLE, ack_wait: float = MAPP
         deliver_policy=DeliverPolicy.ALL,
         ack_policy=AckPolicy.EXPLICIT,
         ack_wait=ack_wait,
-        max_deliver=MAPPER_MAX_DELIVER + 2,
+        max_deliver=-1,
         max_ack_pending=MAPPER_MAX_ACK_PENDING,
         filter_subject=RAW_SUBJECTS,
     )

@@ -91,7 +91,7 @@ from bridge.core.mapping import HOOKS
 from bridge.core.pipeline import map_record, record_from_raw
 from bridge.nats import streams as S
 from bridge.nats import subjects as subj
-from bridge.nats.connection import UNANSWERED, connect_service, server_list, until_answered
+from bridge.nats.connection import UNANSWERED, connect_service, outage, server_list, until_answered
 from bridge.nats.lanes import WRONG_LAST_SEQUENCE, KvLanes, PinnedLane, epoch_of, lane_fact_key
 from bridge.nats.lookup import DEFAULT_MARGIN_NS, SERVER_MARGIN_NS, find_msg_id, msg_ids_on, stored_ns
 from bridge.nats.publish import AckPublisher
@@ -107,6 +107,7 @@ RAW_SEQ_HEADER = "Bridge-Raw-Seq"
 INSTANCE_FORGET_S = 24 * 3600.0
 # Hermes instances with their own last-seen series; more share the series `other`.
 MAX_INSTANCE_SERIES = 4096
+OUTAGE_RETRY_MAX_S = 5.0  # the longest nak delay of a message that met an outage (an election takes seconds)
 FINISHED_MAX = 16384  # finished raw seqs remembered above the known ack floor
 # BRIDGE_MAPPED messages one batch may read to find the events of its late redeliveries
 # (one request each: ~0.4-0.5 ms on a local server, 4-5 s in all). Past it a late copy goes
@@ -340,20 +341,24 @@ class Mapper:
         self.lanes = KvLanes(kv, facts=facts)
         config = S.mapper_consumer_config(self.durable, self.settings.mapper_ack_wait_s)
         sub = await self.js.pull_subscribe(S.RAW_SUBJECTS, durable=self.durable, stream=S.HERMES_RAW, config=config)
-        await self._keep_ack_wait(sub, config)
+        await self._keep_consumer(sub, config)
         self.sub, self._floor, self._floor_at = sub, 0, 0.0
         self._finished = set()
         return sub
 
-    async def _keep_ack_wait(self, sub: Any, config: Any) -> None:
-        """An existing durable keeps the ack_wait it was created with: set AEP_BRIDGE_MAPPER_ACK_WAIT_S's."""
+    async def _keep_consumer(self, sub: Any, config: Any) -> None:
+        """An existing durable keeps the ack_wait and max_deliver it was created with: set
+        AEP_BRIDGE_MAPPER_ACK_WAIT_S's, and the unlimited max_deliver (a durable made before
+        it was: 7)."""
         try:
-            have = (await sub.consumer_info()).config.ack_wait
-            if have is not None and abs(float(have) - config.ack_wait) > 1e-3:
+            have = (await sub.consumer_info()).config
+            wait_differs = have.ack_wait is not None and abs(float(have.ack_wait) - config.ack_wait) > 1e-3
+            if wait_differs or have.max_deliver != config.max_deliver:
                 await self.js.add_consumer(S.HERMES_RAW, config=config)
-                log.info("mapper_ack_wait_updated", durable=self.durable, before_s=have, after_s=config.ack_wait)
+                log.info("mapper_consumer_updated", durable=self.durable, before_s=have.ack_wait, after_s=config.ack_wait,
+                         max_deliver_before=have.max_deliver, max_deliver=config.max_deliver)
         except Exception as exc:  # not allowed to, or racing a replica: the durable keeps its own
-            log.warning("mapper_ack_wait_unchanged", durable=self.durable, error=f"{type(exc).__name__}: {exc}")
+            log.warning("mapper_consumer_unchanged", durable=self.durable, error=f"{type(exc).__name__}: {exc}")
 
     # ------------------------------------------------------------ one message
 
@@ -730,7 +735,21 @@ class Mapper:
             self._advance_floor()
 
     async def retry_or_dead_letter(self, msg: Any, exc: BaseException) -> None:
+        """Nak ``msg`` with backoff; dead-letter it (`max_deliver`) on its MAPPER_MAX_DELIVER-th
+        failed delivery, unless what failed was the cluster (`outage`: no leader, no
+        responders, a timeout, a lost connection). That is not the message's fault: it is
+        retried every OUTAGE_RETRY_MAX_S at most for as long as the outage lasts, whatever
+        its delivery count (the consumer's max_deliver is unlimited)."""
         delivered = msg.metadata.num_delivered
+        if outage(exc, self.nc):
+            self.metrics.retries.inc()
+            log.warning("retry_outage", raw_seq=msg.metadata.sequence.stream, delivered=delivered,
+                        error=f"{type(exc).__name__}: {exc}")
+            try:
+                await msg.nak(delay=min(OUTAGE_RETRY_MAX_S, 0.5 * 2 ** min(delivered, 8)))
+            except Exception:
+                pass
+            return
         if delivered >= S.MAPPER_MAX_DELIVER:
             try:
                 fut = await self.dead_letter(msg, "max_deliver", exc)

@@ -176,7 +176,7 @@ def test_the_ack_wait_is_a_setting_and_reaches_an_existing_durable(nats_server_f
                 wait_for(lambda: ack_wait() == float(want), 20, what=f"the durable's ack_wait at {want} s")
             finally:
                 assert mapper.terminate() == 0, mapper.log()
-        assert "mapper_ack_wait_updated" in mapper.log()
+        assert "mapper_consumer_updated" in mapper.log()
     finally:
         client.close()
 

@@ -35,7 +35,10 @@ def finish(fleet: Fleet, thread: threading.Thread, pipe: Pipeline, wait: float =
     return report
 
 
-def assert_clean(report: Report, pipe: Pipeline) -> None:
+def assert_clean(report: Report, pipe: Pipeline, max_deliver_letters: int = 0) -> None:
+    """The run lost, duplicated and leaked nothing. A `max_deliver` dead letter is a well-formed
+    event given up on (the verifier counts it as accounted for in the DLQ): a fault run
+    allows none unless the test poisoned that many messages itself."""
     text = report.render()
     print(text)
     if not report.ok:  # keep the evidence: every stream, to replay offline (pytest keeps tmp_path)
@@ -51,4 +54,5 @@ def assert_clean(report: Report, pipe: Pipeline) -> None:
     assert report.schema_count == 0, text
     assert report.canary_count == 0, text
     assert report.canaries_planted > 0, "the scenario must carry canaries to prove anything"
+    assert report.dlq_reasons.get("max_deliver", 0) == max_deliver_letters, text
     assert report.ok, text
