@@ -43,6 +43,11 @@ _decode = msgspec.json.Decoder().decode
 _encode = msgspec.json.Encoder().encode
 LOW_SEVERITY = frozenset(("debug", "info"))
 STREAM_FILTER = "aep.>"
+READ_AGAIN = 3  # a history read that lost a delivery reads again from where it stopped, this many times
+
+
+class ReadIncomplete(RuntimeError):
+    """A history read that could not get every event its consumer counted."""
 NEWEST_MAX = 65_536  # sessions whose newest live position the hub remembers (replay-exhausted; ~16 MiB + names)
 
 
@@ -413,8 +418,13 @@ class Hub:
                     since_ns: int | None = None, last_per_subject: bool = False) -> None:
         """``take`` each stored event on ``subject`` from ``begin`` (or stored since
         ``since_ns``; or only the last one of each subject, ``last_per_subject``) to
-        ``last``, until it answers True. The ephemeral consumer is deleted after
-        (unsubscribing leaves it on the server until its inactivity threshold)."""
+        ``last``, in order and once each, until it answers True.
+
+        The consumer takes no acks, so a delivery lost on the way (a connection or route torn
+        down by a node's restart) is never sent again: a jump of the consumer sequence, or a
+        fetch that times out before the consumer's count, reads again from the message after
+        the last one taken, at most READ_AGAIN times; then `ReadIncomplete` (a replay fails and
+        its subscription ends, resumable; never a short history that looks whole)."""
         if last < begin:
             return
         start: dict[str, Any] = {"deliver_policy": DeliverPolicy.BY_START_SEQUENCE, "opt_start_seq": begin}
@@ -423,9 +433,29 @@ class Hub:
                      "opt_start_time": datetime.datetime.fromtimestamp(since_ns / 1e9, tz=datetime.timezone.utc)}
         if last_per_subject:
             start = {"deliver_policy": DeliverPolicy.LAST_PER_SUBJECT}
+        for attempt in range(READ_AGAIN + 1):
+            stopped = await self._read_once(subject, start, last, take)
+            if stopped is None:
+                return
+            if self.metrics is not None:
+                self.metrics.read_gaps.inc()
+            log.warning("history_read_gap", subject=subject, after_seq=stopped, attempt=attempt + 1)
+            if last_per_subject:
+                break  # the newest of each subject: no sequence to go on from
+            if stopped:  # go on after the last message taken (nothing taken: the same start again)
+                start = {"deliver_policy": DeliverPolicy.BY_START_SEQUENCE, "opt_start_seq": stopped + 1}
+        raise ReadIncomplete(f"history of {subject} up to {last}: a delivery lost {READ_AGAIN + 1} times")
+
+    async def _read_once(self, subject: str, start: dict[str, Any], last: int,
+                         take: Callable[[Item], bool | None]) -> int | None:
+        """One consumer's read for `_read`: None when complete (or ``take`` had enough), else
+        the stream sequence of the last message taken (0: none) where a delivery went
+        missing. The ephemeral consumer is deleted after (unsubscribing leaves it on the
+        server until its inactivity threshold)."""
         cfg = ConsumerConfig(ack_policy=AckPolicy.NONE, inactive_threshold=30.0, max_ack_pending=-1, **start)
         psub = await self.js.pull_subscribe(subject, durable=None, stream=S.AEP_EVENTS, config=cfg)
         name = ""
+        taken = delivered = 0
         try:
             info = await psub.consumer_info()
             name = info.name
@@ -434,15 +464,20 @@ class Hub:
                 try:
                     msgs = await psub.fetch(min(remaining, 512), timeout=5.0)
                 except asyncio.TimeoutError:
-                    return
+                    return taken  # counted, not delivered: lost, or removed by the limits meanwhile
                 for msg in msgs:
+                    if msg.metadata.sequence.consumer != delivered + 1:
+                        return taken
+                    delivered += 1
                     remaining -= 1
                     item = make_item(msg)
+                    taken = msg.metadata.sequence.stream
                     if item is None:
                         continue
                     if item.seq > last or take(item):
-                        return
+                        return None
                 await asyncio.sleep(0)
+            return None
         finally:
             try:
                 await psub.unsubscribe()
