@@ -36,7 +36,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--wait", type=float, default=OFFLINE_WAIT_S, metavar="SECONDS",
         help=f"while the cluster calls a server offline (one restarting, or a cluster still starting), keep "
-             f"trying this long before exiting 2 (default {OFFLINE_WAIT_S:g}; 0: fail at once)",
+             f"trying this long before exiting 2; while JetStream does not answer yet (no meta leader), this "
+             f"long before exiting 1 (default {OFFLINE_WAIT_S:g}; 0: fail at once)",
     )
     p.set_defaults(func=cmd_bootstrap)
 
@@ -56,7 +57,8 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
 
     from bridge.config import Settings
     from bridge.nats.bootstrap import BootstrapError, ReplicasError, bootstrap
-    from bridge.nats.connection import NatsConnectError, quick_connect
+    from bridge.nats import connection
+    from bridge.nats.connection import UNANSWERED, NatsConnectError
 
     settings = Settings.from_env()
 
@@ -65,11 +67,12 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
                            for k, (a, b) in diff.items())
         print(f"{name:<16} {outcome}" + (f" ({detail})" if detail else ""))
 
-    def waiting(exc: ReplicasError) -> None:
-        print(f"aep-bridge bootstrap: {exc}; waiting up to {args.wait:g} s for it", file=sys.stderr, flush=True)
+    def waiting(exc: Exception) -> None:
+        what = exc if isinstance(exc, ReplicasError) else f"JetStream did not answer ({unanswered(exc)})"
+        print(f"aep-bridge bootstrap: {what}; waiting up to {args.wait:g} s for it", file=sys.stderr, flush=True)
 
     async def run() -> int:
-        nc = await quick_connect(settings, name="aep-bridge-bootstrap", timeout=args.timeout, role="bootstrap")
+        nc = await connection.quick_connect(settings, name="aep-bridge-bootstrap", timeout=args.timeout, role="bootstrap")
         try:
             # Creating or scaling an R3 stream is a raft group's round trips on every node: on a
             # loaded cluster it can take longer than nats-py's 5 s API default.
@@ -87,3 +90,11 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
     except (NatsConnectError, BootstrapError) as exc:
         print(f"aep-bridge bootstrap: {exc}", file=sys.stderr)
         return 1
+    except UNANSWERED as exc:
+        print(f"aep-bridge bootstrap: JetStream did not answer ({unanswered(exc)}) within --wait {args.wait:g} s: "
+              "is JetStream enabled, and has the cluster a meta leader (a majority of its servers up)?", file=sys.stderr)
+        return 1
+
+
+def unanswered(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__

@@ -28,6 +28,7 @@ from nats.js.errors import APIError, NotFoundError
 
 from bridge.config import Settings, load_environ
 from bridge.nats import streams as S
+from bridge.nats.connection import UNANSWERED, transient
 
 # The StreamConfig fields bootstrap owns; anything else on the server is left as it is.
 MANAGED_FIELDS = (
@@ -185,7 +186,7 @@ async def bootstrap(
     report: Callable[[str, str, dict[str, tuple[Any, Any]]], None] | None = None,
     duplicate_window_s: float | None = None,
     offline_wait_s: float = 0.0,
-    waiting: Callable[[ReplicasError], None] | None = None,
+    waiting: Callable[[Exception], None] | None = None,
 ) -> dict[str, str]:
     """Create or update HERMES_RAW, BRIDGE_MAPPED, BRIDGE_DLQ, AEP_EVENTS, the KV buckets
     (aep_lanes, aep_pairing, aep_leases) and the object store aep_checkpoints (stream
@@ -198,7 +199,9 @@ async def bootstrap(
     ``offline_wait_s``: while the cluster refuses a placement because it calls a server offline
     (a server down, or a cluster that just started and has not heard from every peer yet), try
     again every ``OFFLINE_RETRY_S`` for up to this long in all (``waiting`` is told once), then raise
-    the ``ReplicasError``. A cluster too small for the replicas fails at once."""
+    the ``ReplicasError``; likewise while JetStream does not answer at all (`UNANSWERED`: a
+    cluster with no meta leader yet), then its error. A cluster too small for the replicas fails
+    at once."""
     if replicas is None:
         replicas = configured_replicas(settings)
     keep = replicas is None  # neither --replicas nor AEP_BRIDGE_STREAM_REPLICAS: never scale down
@@ -210,8 +213,10 @@ async def bootstrap(
             try:
                 outcome, diff = await ensure_stream(js, config, keep_more_replicas=keep)
                 break
-            except ReplicasError as exc:
-                if not exc.offline or time.monotonic() + OFFLINE_RETRY_S > deadline:
+            except (ReplicasError, *UNANSWERED) as exc:
+                # a cluster just started answers 503 or nothing until it has a meta leader
+                retry = exc.offline if isinstance(exc, ReplicasError) else transient(exc)
+                if not retry or time.monotonic() + OFFLINE_RETRY_S > deadline:
                     raise
                 if waiting is not None and not told:
                     waiting(exc)

@@ -219,3 +219,71 @@ def test_bootstrap_waits_while_the_cluster_calls_a_server_offline(monkeypatch) -
     with pytest.raises(B.ReplicasError) as info:
         asyncio.run(B.bootstrap(too_small, None, replicas=5, offline_wait_s=60.0))
     assert not info.value.offline and too_small.refusals == 10**6 - 1
+
+
+class _Unanswered(_Refusing):
+    """A JetStream context of a cluster still electing its meta leader: stream lookups answer
+    503 (or time out) ``refusals`` times, then the stream creates go through."""
+
+    def __init__(self, refusals: int, error: Exception) -> None:
+        super().__init__(0)
+        self.unanswered, self.error = refusals, error
+
+    async def stream_info(self, name: str) -> Any:
+        if self.unanswered > 0:
+            self.unanswered -= 1
+            raise self.error
+        return await super().stream_info(name)
+
+
+@pytest.mark.parametrize("error", ["unavailable", "timeout"])
+def test_bootstrap_waits_while_jetstream_does_not_answer(monkeypatch, error: str) -> None:  # type: ignore[no-untyped-def]
+    """A cluster just started answers its first API requests with 503 or not at all until it has a
+    meta leader: bootstrap waits that out like an offline peer (it was a traceback, exit 1)."""
+    import asyncio
+
+    import nats.errors
+    from nats.js.errors import ServiceUnavailableError
+
+    from bridge.nats import bootstrap as B
+
+    def make() -> Exception:
+        if error == "unavailable":
+            return ServiceUnavailableError(code=503, description="JetStream system temporarily unavailable")
+        return nats.errors.TimeoutError()
+
+    monkeypatch.setattr(B, "OFFLINE_RETRY_S", 0.01)
+    told: list[str] = []
+    js = _Unanswered(3, make())
+    out = asyncio.run(B.bootstrap(js, None, replicas=3, offline_wait_s=5.0, waiting=lambda e: told.append(str(e))))
+    assert set(out.values()) == {"created"} and len(told) == 1
+    with pytest.raises(type(make())):
+        asyncio.run(B.bootstrap(_Unanswered(10**6, make()), None, replicas=3, offline_wait_s=0.2))
+
+
+def test_bootstrap_command_says_jetstream_did_not_answer(monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
+    """`aep-bridge bootstrap` past its --wait on a cluster that never answers: one clear line, exit 1."""
+    from nats.js.errors import ServiceUnavailableError
+
+    from bridge.commands import bootstrap as C
+    from bridge.nats import bootstrap as B
+    from bridge.nats import connection
+
+    class Conn:
+        def jetstream(self, timeout: float = 5.0) -> Any:
+            return _Unanswered(10**6, ServiceUnavailableError(code=503, description="JetStream system temporarily unavailable"))
+
+        async def close(self) -> None:
+            pass
+
+    async def quick_connect(*args: Any, **kwargs: Any) -> Conn:
+        return Conn()
+
+    monkeypatch.setattr(connection, "quick_connect", quick_connect)
+    monkeypatch.setattr(B, "OFFLINE_RETRY_S", 0.01)
+    parser = __import__("argparse").ArgumentParser()
+    C.register(parser.add_subparsers())
+    args = parser.parse_args(["bootstrap", "--wait", "0.1"])
+    assert C.cmd_bootstrap(args) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("aep-bridge bootstrap: JetStream did not answer") and "Traceback" not in err
