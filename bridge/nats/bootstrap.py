@@ -24,7 +24,7 @@ import os
 import time
 from typing import Any, Callable
 
-from nats.js.errors import APIError, NotFoundError
+from nats.js.errors import APIError, NotFoundError, ServiceUnavailableError
 
 from bridge.config import Settings, load_environ
 from bridge.nats import streams as S
@@ -153,6 +153,8 @@ async def ensure_stream(js: Any, config: Any, keep_more_replicas: bool = False) 
     except NotFoundError:
         try:
             await js.add_stream(config)
+        except ServiceUnavailableError:
+            raise  # no meta leader yet, or JetStream off: `bootstrap` tells them apart (`transient`)
         except APIError as exc:
             if exc.err_code in PLACEMENT_ERRORS:
                 raise replicas_error(js, config, exc) from None
@@ -166,6 +168,8 @@ async def ensure_stream(js: Any, config: Any, keep_more_replicas: bool = False) 
         return "unchanged", {}
     try:
         await js.update_stream(config)
+    except ServiceUnavailableError:
+        raise
     except APIError as exc:
         if "num_replicas" in diff and exc.err_code in PLACEMENT_ERRORS:
             raise replicas_error(js, config, exc) from None
@@ -187,6 +191,7 @@ async def bootstrap(
     duplicate_window_s: float | None = None,
     offline_wait_s: float = 0.0,
     waiting: Callable[[Exception], None] | None = None,
+    nc: Any = None,
 ) -> dict[str, str]:
     """Create or update HERMES_RAW, BRIDGE_MAPPED, BRIDGE_DLQ, AEP_EVENTS, the KV buckets
     (aep_lanes, aep_pairing, aep_leases) and the object store aep_checkpoints (stream
@@ -200,8 +205,9 @@ async def bootstrap(
     (a server down, or a cluster that just started and has not heard from every peer yet), try
     again every ``OFFLINE_RETRY_S`` for up to this long in all (``waiting`` is told once), then raise
     the ``ReplicasError``; likewise while JetStream does not answer at all (`UNANSWERED`: a
-    cluster with no meta leader yet), then its error. A cluster too small for the replicas fails
-    at once."""
+    cluster with no meta leader yet), then its error; not when ``nc`` (the connection) saw a
+    permissions violation, nor for JetStream not enabled (`transient`). A cluster too small for
+    the replicas fails at once."""
     if replicas is None:
         replicas = configured_replicas(settings)
     keep = replicas is None  # neither --replicas nor AEP_BRIDGE_STREAM_REPLICAS: never scale down
@@ -215,7 +221,7 @@ async def bootstrap(
                 break
             except (ReplicasError, *UNANSWERED) as exc:
                 # a cluster just started answers 503 or nothing until it has a meta leader
-                retry = exc.offline if isinstance(exc, ReplicasError) else transient(exc)
+                retry = exc.offline if isinstance(exc, ReplicasError) else transient(exc, nc)
                 if not retry or time.monotonic() + OFFLINE_RETRY_S > deadline:
                     raise
                 if waiting is not None and not told:

@@ -235,10 +235,20 @@ OUTAGE = UNANSWERED + (nats.js.errors.NoStreamResponseError, nats.errors.Connect
                        nats.errors.OutboundBufferLimitError, nats.errors.ConnectionDrainingError)
 
 
-def outage(exc: BaseException, nc: Any = None) -> bool:
-    """Did ``exc`` come from the cluster being unavailable rather than from what was sent? (A
-    refused publish, e.g. one too large, is an ``APIError`` with its own code: not an outage.)"""
-    return isinstance(exc, OUTAGE) and transient(exc, nc)
+#: 503s that are about what was sent, not the cluster's state: a bucket or stream full with
+#: discard-new (10077 "maximum bytes exceeded"), insufficient resources (10023).
+NOT_AN_OUTAGE_503 = frozenset({10077, 10023})
+
+
+def outage(exc: BaseException) -> bool:
+    """Did ``exc`` come from the cluster being unavailable rather than from what was sent? A
+    refused publish (one too large, a full stream, a KV create that lost a race) is an
+    ``APIError`` with its own code: not an outage; nor is JetStream not enabled (10039). (No
+    ``nc.last_error`` look: a permissions violation seen once would stay there and turn every
+    later outage into a message's fault.)"""
+    if not isinstance(exc, OUTAGE) or not transient(exc):
+        return False
+    return getattr(exc, "err_code", None) not in NOT_AN_OUTAGE_503
 
 
 def is_auth_failure(exc: BaseException) -> bool:

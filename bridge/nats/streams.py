@@ -65,6 +65,7 @@ LEASE_TTL_S = 10.0  # a lease nobody renews for this long is gone (pairing renew
 
 MAPPER_DURABLE = "mapper"
 MAPPER_MAX_DELIVER = 5  # the mapper dead-letters a message on its 5th failed delivery
+MAPPER_MAX_DELIVER_BACKSTOP = 1000  # the mapper durable's own max_deliver (`mapper_consumer_config`)
 MAPPER_ACK_WAIT_S = 30.0
 MAPPER_MAX_ACK_PENDING = 8192
 
@@ -73,7 +74,7 @@ DUPLICATE_WINDOW_S = 120.0
 __all__ = [
     "AEP_EVENTS", "BRIDGE_DLQ", "BRIDGE_MAPPED", "BUCKETS", "BucketSpec", "CHECKPOINTS_BUCKET", "CONTROL_BUCKET",
     "CONTROL_BUCKETS", "HERMES_RAW", "INSTRUCT_BUCKET",
-    "LANES_BUCKET", "LANE_FACTS_BUCKET", "LEASES_BUCKET", "LEASE_TTL_S", "MAPPER_DURABLE", "MAPPER_MAX_DELIVER", "OBJECT_STORES",
+    "LANES_BUCKET", "LANE_FACTS_BUCKET", "LEASES_BUCKET", "LEASE_TTL_S", "MAPPER_DURABLE", "MAPPER_MAX_DELIVER", "MAPPER_MAX_DELIVER_BACKSTOP", "OBJECT_STORES",
     "ObjectStoreSpec", "PAIRING_BUCKET", "RELAY", "RELAY_BUCKET", "STREAMS", "StreamSpec", "all_stream_configs",
     "mapper_consumer_config",
 ]
@@ -252,10 +253,11 @@ def mapper_consumer_config(durable: str = MAPPER_DURABLE, ack_wait: float = MAPP
     """The mapper's shared durable pull consumer on HERMES_RAW (``ack_wait``:
     AEP_BRIDGE_MAPPER_ACK_WAIT_S).
 
-    ``max_deliver`` is unlimited: the mapper dead-letters a message that fails by itself on
-    its MAPPER_MAX_DELIVER-th delivery, and retries one that met an outage (a leader
-    election, a lost server) for as long as the outage lasts. A server-side limit would drop
-    such a message silently once the outage outlasted it.
+    The mapper dead-letters a message that fails by itself on its MAPPER_MAX_DELIVER-th
+    delivery, and retries one that met an outage (a leader election, a lost server) every 5 s
+    at most for as long as it lasts; the consumer's own ``max_deliver`` is only a backstop
+    (MAPPER_MAX_DELIVER_BACKSTOP, over an hour of retries) for a message that can be neither
+    published nor dead-lettered: the server gives it up then with a MAX_DELIVERIES advisory.
     """
     return ConsumerConfig(
         durable_name=durable,
@@ -263,7 +265,7 @@ def mapper_consumer_config(durable: str = MAPPER_DURABLE, ack_wait: float = MAPP
         deliver_policy=DeliverPolicy.ALL,
         ack_policy=AckPolicy.EXPLICIT,
         ack_wait=ack_wait,
-        max_deliver=-1,
+        max_deliver=MAPPER_MAX_DELIVER_BACKSTOP,
         max_ack_pending=MAPPER_MAX_ACK_PENDING,
         filter_subject=RAW_SUBJECTS,
     )

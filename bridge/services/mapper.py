@@ -145,6 +145,9 @@ class MapperMetrics:
         self.ack_pending = Gauge("aep_bridge_consumer_ack_pending_messages", "Delivered but not yet acked", ["stream", "consumer"], registry=registry)
         self.redelivered = Gauge("aep_bridge_consumer_redelivered_messages", "JetStream num_redelivered", ["stream", "consumer"], registry=registry)
         self.retries = Counter(f"{ns}_retries_total", "Messages negatively acknowledged for retry", registry=registry)
+        self.outage_retries = Counter(f"{ns}_outage_retries_total",
+                                      "Retries after an outage (no leader, no responders, a timeout, a lost connection): "
+                                      "never dead-lettered, so a lasting one shows here", registry=registry)
         self.resends = Counter(f"{ns}_resends_dropped_total", "Copies recognised as resends past the duplicate window (shim resends on HERMES_RAW, events of a late redelivery)", registry=registry)
         self.resend_checks = Counter(f"{ns}_resend_checks_total", "Late raw messages looked up in HERMES_RAW for an earlier copy", registry=registry)
         self.lane_waits = Counter(f"{ns}_lane_waits_total", "Session-less events whose session was not known yet: checked against the ack floor", registry=registry)
@@ -739,10 +742,11 @@ class Mapper:
         failed delivery, unless what failed was the cluster (`outage`: no leader, no
         responders, a timeout, a lost connection). That is not the message's fault: it is
         retried every OUTAGE_RETRY_MAX_S at most for as long as the outage lasts, whatever
-        its delivery count (the consumer's max_deliver is unlimited)."""
+        its delivery count, up to the consumer's own backstop (MAPPER_MAX_DELIVER_BACKSTOP)."""
         delivered = msg.metadata.num_delivered
-        if outage(exc, self.nc):
+        if outage(exc):
             self.metrics.retries.inc()
+            self.metrics.outage_retries.inc()
             log.warning("retry_outage", raw_seq=msg.metadata.sequence.stream, delivered=delivered,
                         error=f"{type(exc).__name__}: {exc}")
             try:

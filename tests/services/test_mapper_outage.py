@@ -6,7 +6,7 @@ stream had no leader yet) on 5 deliveries in about 30 s, and the mapper dead-let
 `max_deliver`. The verifier counted them as accounted for in the DLQ; only an approval whose
 request was one of them showed it (`x.hermes.attention.unmatched`). An outage is not the
 message's fault: the mapper naks it with a short delay for as long as the outage lasts, and
-the consumer's own `max_deliver` is unlimited so the server never drops it either.
+the consumer's own `max_deliver` is a backstop of over an hour of such retries.
 """
 
 from __future__ import annotations
@@ -44,8 +44,8 @@ class Msg:
         self.acks += 1
 
 
-def mapper() -> Mapper:
-    m = Mapper(Settings(nats_url="nats://127.0.0.1:1", instance="t"), CapturePolicy(), registry=CollectorRegistry())
+def mapper(registry: CollectorRegistry | None = None) -> Mapper:
+    m = Mapper(Settings(nats_url="nats://127.0.0.1:1", instance="t"), CapturePolicy(), registry=registry or CollectorRegistry())
     m.letters = []  # type: ignore[attr-defined]
 
     async def dead_letter(msg: Any, reason: str, error: Any) -> asyncio.Future:
@@ -65,14 +65,17 @@ OUTAGES = [nats.js.errors.NoStreamResponseError(), nats.errors.NoRespondersError
 
 @pytest.mark.parametrize("error", OUTAGES, ids=lambda e: type(e).__name__)
 def test_an_outage_past_max_deliver_is_retried_not_dead_lettered(error: BaseException) -> None:
+    registry = CollectorRegistry()
+
     async def run() -> tuple[list[str], Msg]:
-        m = mapper()
+        m = mapper(registry)
         msg = Msg(delivered=S.MAPPER_MAX_DELIVER + 3)
         await m.retry_or_dead_letter(msg, error)
         return m.letters, msg  # type: ignore[attr-defined]
 
     letters, msg = asyncio.run(run())
     assert letters == [] and msg.acks == 0
+    assert registry.get_sample_value("aep_bridge_mapper_outage_retries_total") == 1.0
     assert len(msg.naks) == 1 and 0 < msg.naks[0] <= OUTAGE_RETRY_MAX_S
 
 
@@ -92,11 +95,15 @@ def test_outage_tells_an_election_from_a_refusal() -> None:
     assert not outage(RuntimeError("boom"))
     assert not outage(nats.js.errors.APIError(code=400, err_code=10054, description="message size exceeds maximum"))
     assert not outage(nats.js.errors.ServiceUnavailableError(code=503, err_code=10039, description="jetstream not enabled"))
+    # a full bucket or stream with discard-new, and insufficient resources: 503s about what was sent
+    assert not outage(nats.js.errors.ServiceUnavailableError(code=503, err_code=10077, description="maximum bytes exceeded"))
+    assert not outage(nats.js.errors.ServiceUnavailableError(code=503, err_code=10023, description="insufficient resources"))
+    assert outage(nats.js.errors.ServiceUnavailableError(code=503, err_code=10008, description="JetStream system temporarily unavailable"))
 
 
-def test_the_mapper_durable_never_drops_a_message_itself(nats_server_fn) -> None:  # type: ignore[no-untyped-def]
-    """The consumer's max_deliver is unlimited, and a durable made by an older release (7) is
-    brought to it when a mapper binds."""
+def test_the_mapper_durable_drops_a_message_itself_only_as_a_backstop(nats_server_fn) -> None:  # type: ignore[no-untyped-def]
+    """The consumer's max_deliver is the backstop (over an hour of outage retries), and a
+    durable made by an older release (7) is brought to it when a mapper binds."""
     async def run() -> tuple[int, int]:
         nc = await nats.connect(nats_server_fn.url)
         js = nc.jetstream()
@@ -115,4 +122,4 @@ def test_the_mapper_durable_never_drops_a_message_itself(nats_server_fn) -> None
 
     before, after = asyncio.run(run())
     assert before == S.MAPPER_MAX_DELIVER + 2
-    assert after == -1
+    assert after == S.MAPPER_MAX_DELIVER_BACKSTOP >= 720  # 5 s apart: an hour

@@ -111,3 +111,44 @@ def test_a_replay_that_cannot_complete_ends_the_subscription(nats_server) -> Non
             await nc.close()
 
     asyncio.run(run())
+
+
+def test_the_newest_of_each_subject_is_read_again_from_the_start(nats_server) -> None:  # type: ignore[no-untyped-def]
+    """`_newest_before`'s read (the last event of each subject) has no sequence to go on from:
+    a lost delivery reads it all again (its `take` keeps the highest position)."""
+    async def run() -> tuple[list[int], list[int], list[int]]:
+        nc, seqs = await stored(nats_server.url, "gap-newest")
+        lossy = LossyJs(nc.jetstream(), {seqs[-1]}, times=1)  # one subject: its last event is all it reads
+        got: list[int] = []
+        try:
+            await H.Hub(js=lossy, replay_buffer=1000)._read("aep.hermes.gap-newest.>", seqs[0], seqs[-1],
+                                                            lambda it: got.append(it.seq), last_per_subject=True)
+        finally:
+            await nc.close()
+        return seqs, got, lossy.lost
+
+    seqs, got, lost = asyncio.run(run())
+    assert lost == [seqs[-1]] and got == [seqs[-1]]
+
+
+def test_a_failed_replay_ends_the_subscription_as_such_not_as_backpressure() -> None:
+    """The relay's `_replay`: the subscription ends with reason "replay-failed" (the WebSocket's
+    closing frame says it; the slow-consumer counter does not count it)."""
+    from bridge.services.relay.config import RelayConfig
+    from bridge.services.relay.service import Relay
+
+    async def run() -> tuple[Any, Any]:
+        relay = Relay(RelayConfig(), js=None, nc=None)
+
+        async def failing(sub: Any, start: Any, exhausted: Any) -> None:
+            raise H.ReadIncomplete("lost")
+
+        relay.hub.replay = failing  # type: ignore[method-assign]
+        sub = H.Subscription(H.intern_filter({}))
+        await relay._replay(sub, "all", lambda e: None)
+        return sub, relay.metrics
+
+    sub, metrics = asyncio.run(run())
+    assert sub.overflowed and sub.end_reason == "replay-failed"
+    assert metrics.registry.get_sample_value("aep_bridge_relay_replay_failures_total") == 1.0
+    assert metrics.registry.get_sample_value("aep_bridge_relay_backpressure_disconnects_total") == 0.0

@@ -199,7 +199,8 @@ class HttpEndpoints:
             sub.direct = direct
             while not self.stopping.is_set():
                 if sub.overflowed:
-                    self.metrics.disconnects.inc()
+                    if sub.end_reason == "backpressure":
+                        self.metrics.disconnects.inc()
                     break
                 items = sub.take()
                 if items:

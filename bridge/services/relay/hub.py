@@ -120,7 +120,8 @@ class Subscription:
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     replaying: bool = False
     pending: list[Item] = field(default_factory=list)
-    overflowed: bool = False
+    overflowed: bool = False  # ended by the relay: its binding closes it, resumable (``end_reason``)
+    end_reason: str = "backpressure"  # or "replay-failed" (a history read that could not complete)
     closed: bool = False
     drops: int = 0
     delivered: dict[str, tuple[int, int]] = field(default_factory=dict)  # session -> last position handed out
@@ -441,7 +442,7 @@ class Hub:
                 self.metrics.read_gaps.inc()
             log.warning("history_read_gap", subject=subject, after_seq=stopped, attempt=attempt + 1)
             if last_per_subject:
-                break  # the newest of each subject: no sequence to go on from
+                continue  # the newest of each subject again, from the start: its `take` keeps the highest
             if stopped:  # go on after the last message taken (nothing taken: the same start again)
                 start = {"deliver_policy": DeliverPolicy.BY_START_SEQUENCE, "opt_start_seq": stopped + 1}
         raise ReadIncomplete(f"history of {subject} up to {last}: a delivery lost {READ_AGAIN + 1} times")

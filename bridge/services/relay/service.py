@@ -95,8 +95,9 @@ class Relay(HttpEndpoints, WebSocketSessions):
         try:
             await self.hub.replay(sub, start, exhausted)
         except Exception as exc:  # noqa: BLE001 - a replay that failed ends the subscription, resumable
-            log.warning("replay failed", error=str(exc))
-            sub.overflowed = True
+            log.warning("replay failed", error=f"{type(exc).__name__}: {exc}")
+            self.metrics.replay_failures.inc()
+            sub.end_reason, sub.overflowed = "replay-failed", True
         finally:
             sub.wake.set()
 

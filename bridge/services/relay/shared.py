@@ -38,6 +38,8 @@ class Metrics:
         self.claims = Gauge("aep_bridge_relay_claims", "live claims of this replica's WebSocket emitters (sessions x connections)",
                             registry=r)
         self.resumes = Counter("aep_bridge_relay_resumes_total", "subscriptions that resumed (from, Last-Event-ID)", ["kind"], registry=r)
+        self.replay_failures = Counter("aep_bridge_relay_replay_failures_total",
+                                       "replays that could not complete: the subscription ended, resumable", registry=r)
         self.read_gaps = Counter("aep_bridge_relay_history_read_gaps_total",
                                  "history reads (replay, recorded acks) that lost a delivery and read again", registry=r)
 

@@ -199,8 +199,9 @@ class WebSocketSessions:
         try:
             while not ws.closed:
                 if sub.overflowed:
-                    self.metrics.disconnects.inc()
-                    await self._close_socket(ws, "backpressure")
+                    if sub.end_reason == "backpressure":
+                        self.metrics.disconnects.inc()
+                    await self._close_socket(ws, sub.end_reason)
                     return
                 items = sub.take()
                 if not items:
