@@ -489,8 +489,9 @@ def test_monitoring_is_off_by_default_and_complete_when_on() -> None:
     alerts = {r["alert"]: r for g in rule["spec"]["groups"] for r in g["rules"]}
     assert {
         "AepBridgeConsumerLagGrowing", "AepBridgeDeadLetters", "AepBridgeDriftSentinel",
-        "AepBridgeHermesInstanceSilent", "AepBridgePairingPartitionsUnowned",
+        "AepBridgeHermesInstanceSilent", "AepBridgePairingPartitionsUnowned", "AepBridgeMapperOutageRetries",
     } <= alerts.keys()
+    assert "aep_bridge_mapper_outage_retries_total" in alerts["AepBridgeMapperOutageRetries"]["expr"]
     service_names = {s["metadata"]["name"] for s in services}
     for alert in alerts.values():
         assert alert["labels"]["severity"] in ("warning", "critical")
