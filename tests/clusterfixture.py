@@ -279,21 +279,19 @@ class Cluster:
         return JetStreamClient([n.url for n in self.nodes if n.running])  # type: ignore[arg-type]  # nats.connect takes a list
 
     def bootstrap(self, replicas: int = 3, timeout: float = 30.0) -> dict[str, str]:
-        """The bridge's bootstrap at ``replicas``, again while the cluster calls a peer offline
-        (a peer that missed its heartbeats on the loaded machine, right after start)."""
-        from bridge.nats.bootstrap import ReplicasError
+        """The bridge's bootstrap at ``replicas``, waiting (within ``timeout``) as
+        `aep-bridge bootstrap --wait` does while the cluster calls a peer offline or its JetStream
+        does not answer yet: a cluster just started on the loaded machine did both (a cluster
+        run's setup failed on a nats-py error, 2026-12-04)."""
+        from bridge.nats.bootstrap import bootstrap
 
-        deadline = time.monotonic() + timeout
-        while True:
-            c = self.client()
-            try:
-                return c.bootstrap(replicas=replicas)
-            except ReplicasError as exc:
-                if "offline" not in str(exc) or time.monotonic() >= deadline:
-                    raise
-            finally:
-                c.close()
-            time.sleep(0.2)
+        c = self.client()
+        try:
+            # an R3 create is a raft round on every node: 20 s per request, as the fixture client had
+            return c.run(bootstrap(c.nc.jetstream(timeout=20.0), None, replicas=replicas, offline_wait_s=timeout,
+                                   nc=c.nc))
+        finally:
+            c.close()
 
     def leader(self, stream: str, consumer: str | None = None) -> str | None:
         """The server_name of the stream's (or its consumer's) leader, None while it has none."""
