@@ -61,7 +61,6 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
     from bridge.nats.connection import JETSTREAM_NOT_ENABLED, UNANSWERED, NatsConnectError
 
     settings = Settings.from_env()
-    seen: dict[str, object] = {}  # the connection's last error, for the message of a JetStream that did not answer
 
     def report(name: str, outcome: str, diff: dict) -> None:
         detail = ", ".join(f"scaled from {a} to {b} replicas" if k == "num_replicas" else f"{k} {a!r} -> {b!r}"
@@ -72,17 +71,26 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
         what = exc if isinstance(exc, ReplicasError) else f"JetStream did not answer ({unanswered(exc)})"
         print(f"aep-bridge bootstrap: {what}; waiting up to {args.wait:g} s for it", file=sys.stderr, flush=True)
 
+    def not_answered(exc: BaseException, last: object) -> int:
+        if getattr(exc, "err_code", None) == JETSTREAM_NOT_ENABLED:
+            print(f"aep-bridge bootstrap: JetStream is not enabled for this account or server ({unanswered(exc)})",
+                  file=sys.stderr)
+        elif last is not None and "permissions violation" in str(last).lower():
+            print(f"aep-bridge bootstrap: the server refused a JetStream request: {last}", file=sys.stderr)
+        else:
+            print(f"aep-bridge bootstrap: JetStream did not answer ({unanswered(exc)}) within --wait {args.wait:g} s: "
+                  "has the cluster a meta leader (a majority of its servers up)?", file=sys.stderr)
+        return 1
+
     async def run() -> int:
         nc = await connection.quick_connect(settings, name="aep-bridge-bootstrap", timeout=args.timeout, role="bootstrap")
         try:
             # Creating or scaling an R3 stream is a raft group's round trips on every node: on a
             # loaded cluster it can take longer than nats-py's 5 s API default.
-            try:
-                await bootstrap(nc.jetstream(timeout=API_TIMEOUT_S), settings, replicas=args.replicas, report=report,
-                                offline_wait_s=max(0.0, args.wait), waiting=waiting, nc=nc)
-            except UNANSWERED as exc:
-                seen["last_error"] = getattr(nc, "last_error", None)
-                raise exc
+            await bootstrap(nc.jetstream(timeout=API_TIMEOUT_S), settings, replicas=args.replicas, report=report,
+                            offline_wait_s=max(0.0, args.wait), waiting=waiting, nc=nc)
+        except UNANSWERED as exc:
+            return not_answered(exc, getattr(nc, "last_error", None))
         finally:
             await nc.close()
         return 0
@@ -94,17 +102,6 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
         return 2
     except (NatsConnectError, BootstrapError) as exc:
         print(f"aep-bridge bootstrap: {exc}", file=sys.stderr)
-        return 1
-    except UNANSWERED as exc:
-        last = seen.get("last_error")
-        if getattr(exc, "err_code", None) == JETSTREAM_NOT_ENABLED:
-            print(f"aep-bridge bootstrap: JetStream is not enabled for this account or server ({unanswered(exc)})",
-                  file=sys.stderr)
-        elif last is not None and "permissions violation" in str(last).lower():
-            print(f"aep-bridge bootstrap: the server refused a JetStream request: {last}", file=sys.stderr)
-        else:
-            print(f"aep-bridge bootstrap: JetStream did not answer ({unanswered(exc)}) within --wait {args.wait:g} s: "
-                  "has the cluster a meta leader (a majority of its servers up)?", file=sys.stderr)
         return 1
 
 

@@ -351,7 +351,7 @@ class Mapper:
 
     async def _keep_consumer(self, sub: Any, config: Any) -> None:
         """An existing durable keeps the ack_wait and max_deliver it was created with: set
-        AEP_BRIDGE_MAPPER_ACK_WAIT_S's, and the unlimited max_deliver (a durable made before
+        AEP_BRIDGE_MAPPER_ACK_WAIT_S's, and the backstop max_deliver (a durable made before
         it was: 7)."""
         try:
             have = (await sub.consumer_info()).config
