@@ -12,7 +12,8 @@ once, so a node restarts on the same addresses.
 leader and all 3 peers current; no fixed sleeps):
 
 * ``urls`` / ``url`` (comma-separated, what ``AEP_BRIDGE_NATS_URL`` takes), ``nodes``,
-  ``node(name)``, ``client()`` (a ``JetStreamClient`` on the running nodes), ``bootstrap(replicas)``;
+  ``node(name)``, ``client()`` (a ``JetStreamClient`` on the running nodes), ``bootstrap(replicas)``,
+  ``admin(make)`` (an idempotent create, asked again while the cluster does not answer);
 * ``wait_ready()``, ``meta_leader()``; per node ``jsz()`` and ``held_stream(name)`` (its own copy);
 * ``leader(stream, consumer=None)`` and ``kv_leader(bucket)`` (the stream ``KV_<bucket>``):
   the ``server_name`` of the current leader, from stream/consumer info ``cluster.leader``;
@@ -40,10 +41,13 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from tests.natsfixture import JetStreamClient, NatsBackendError, free_port, nats_server_binary
+
+T = TypeVar("T")
 
 CLUSTER_NAME = "aep_test_cluster"
 LEADER_ASK_S = 2.0  # how long one leader lookup waits for the stream (or consumer) to answer
@@ -292,6 +296,26 @@ class Cluster:
                                    nc=c.nc))
         finally:
             c.close()
+
+    def admin(self, make: Callable[[Any], Awaitable[T]], timeout: float = 60.0) -> T:
+        """An idempotent JetStream admin request (a create with a fixed config) made with
+        ``make(js)``, asked again while the cluster does not answer (a timeout, no responders,
+        a 503) within ``timeout``. A fresh cluster on the loaded CI machine let a first R3
+        stream create go unanswered for 20 s (2026-12-04); the bridge's bootstrap waits such
+        a cluster out the same way."""
+        from bridge.nats.connection import outage
+
+        deadline = time.monotonic() + timeout
+        while True:
+            c = self.client()
+            try:
+                return c.run(make(c.js))
+            except Exception as exc:
+                if not outage(exc) or time.monotonic() >= deadline:
+                    raise
+            finally:
+                c.close()
+            time.sleep(0.2)
 
     def leader(self, stream: str, consumer: str | None = None) -> str | None:
         """The server_name of the stream's (or its consumer's) leader, None while it has none."""

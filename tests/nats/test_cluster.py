@@ -21,9 +21,9 @@ def test_cluster_has_three_peers_and_a_meta_leader(nats_cluster: Cluster) -> Non
     assert nats_cluster.url.count(",") == 2
 
 
-def _r3_stream(cluster: Cluster, c, name: str) -> None:  # type: ignore[no-untyped-def]
+def _r3_stream(cluster: Cluster, name: str) -> None:
     """An R3 stream, returned once it has a leader (until then a publish finds no responders)."""
-    c.run(c.js.add_stream(StreamConfig(name=name, subjects=[f"{name.lower()}.>"], num_replicas=3)))
+    cluster.admin(lambda js: js.add_stream(StreamConfig(name=name, subjects=[f"{name.lower()}.>"], num_replicas=3)))
     cluster.wait_leader(name)
 
 
@@ -31,7 +31,7 @@ def _r3_stream(cluster: Cluster, c, name: str) -> None:  # type: ignore[no-untyp
 def test_r3_stream_survives_killing_its_leader(nats_cluster: Cluster) -> None:
     c = nats_cluster.client()
     try:
-        _r3_stream(nats_cluster, c, "SURVIVE")
+        _r3_stream(nats_cluster, "SURVIVE")
         for i in range(10):
             c.run(c.js.publish("survive.x", b"%d" % i))
         info = c.stream_info("SURVIVE")
@@ -58,7 +58,7 @@ def test_r3_stream_survives_killing_its_leader(nats_cluster: Cluster) -> None:
 def test_wiped_node_catches_up(nats_cluster: Cluster) -> None:
     c = nats_cluster.client()
     try:
-        _r3_stream(nats_cluster, c, "CATCHUP")
+        _r3_stream(nats_cluster, "CATCHUP")
         for i in range(20):
             c.run(c.js.publish("catchup.x", b"%d" % i))
     finally:
@@ -99,15 +99,36 @@ def test_paused_node_accepts_but_never_answers(nats_cluster: Cluster) -> None:
 def test_leaders_of_a_stream_a_consumer_and_a_kv_bucket(nats_cluster: Cluster) -> None:
     from nats.js.api import ConsumerConfig, KeyValueConfig
 
-    c = nats_cluster.client()
-    try:
-        _r3_stream(nats_cluster, c, "LEADS")
-        c.run(c.js.add_consumer("LEADS", ConsumerConfig(durable_name="d1")))
-        c.run(c.js.create_key_value(KeyValueConfig(bucket="leads_kv", replicas=3)))
-    finally:
-        c.close()
+    _r3_stream(nats_cluster, "LEADS")
+    nats_cluster.admin(lambda js: js.add_consumer("LEADS", ConsumerConfig(durable_name="d1")))
+    nats_cluster.admin(lambda js: js.create_key_value(KeyValueConfig(bucket="leads_kv", replicas=3)))
     names = {"n1", "n2", "n3"}
     assert nats_cluster.wait_leader("LEADS") in names
     assert nats_cluster.wait_leader("LEADS", "d1") in names
     kv = nats_cluster.wait_leader("KV_leads_kv")  # the bucket's stream
     assert kv in names and nats_cluster.kv_leader("leads_kv") == kv
+
+
+def test_admin_asks_again_while_the_cluster_does_not_answer_and_not_otherwise(nats_cluster: Cluster) -> None:
+    import nats.errors
+    from nats.js.errors import BadRequestError
+
+    calls: list[int] = []
+
+    async def flaky(js):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        if len(calls) < 3:
+            raise nats.errors.TimeoutError
+        return await js.account_info()
+
+    assert nats_cluster.admin(flaky).streams == 0
+    assert len(calls) == 3
+
+    async def refused(js):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        raise BadRequestError(code=400, err_code=10058, description="stream name already in use")
+
+    calls.clear()
+    with pytest.raises(BadRequestError):
+        nats_cluster.admin(refused)
+    assert len(calls) == 1
