@@ -88,11 +88,8 @@ def metadata_of(reply: str | None) -> Metadata | None:
 class Puller:
     """`fetch` over ``psub`` (a nats-py ``PullSubscription``) with one open pull request."""
 
-    def __init__(self, psub: Any, burst: bool = True) -> None:
+    def __init__(self, psub: Any) -> None:
         self.psub = psub
-        import os; self.burst = os.environ.get('X_BURST', '1') == '1'  # EXPERIMENT
-        self._flowing = False  # the last request delivered messages: the next asks without waiting
-        self._no_wait = False  # the open request is a no_wait one (it ends with a status or a full batch)
         self._sub = psub._sub  # nats-py's own fetch reads these too
         self._queue: asyncio.Queue[Any] = self._sub._pending_queue
         self._nc = psub._nc
@@ -119,12 +116,7 @@ class Puller:
             if left <= 0:
                 raise nats.errors.TimeoutError
             if self._open_left <= 0 or now >= self._open_until - _MARGIN_S:
-                if not self.burst:
-                    await self._request(batch, left)
-                elif self._flowing:  # what gathered since the last call, in one burst
-                    await self._request(batch, left, no_wait=True)
-                else:  # quiet: wait for the first message only, so nothing trickles in during a pause
-                    await self._request(1, left)
+                await self._request(batch, left)
                 left = deadline - time.monotonic()
             try:
                 first = await asyncio.wait_for(self._queue.get(), min(left, max(0.0, self._open_until - time.monotonic())))
@@ -132,35 +124,16 @@ class Puller:
                 if self._nc.is_closed:
                     raise nats.errors.ConnectionClosedError from None
                 self._open_left = 0  # expired (its 408 may still come: dropped by `_take`)
-                self._flowing = False
                 continue
             msgs = self._take(batch, first)
-            if self._no_wait:
-                # A no_wait request ends with a full batch or a status (404/408): the burst is
-                # taken whole, not one read of the socket at a time.
-                while self._open_left > 0 and len(msgs) < batch and time.monotonic() < deadline:
-                    try:
-                        more = await asyncio.wait_for(self._queue.get(), max(0.0, deadline - time.monotonic()))
-                    except asyncio.TimeoutError:
-                        break
-                    msgs += self._take(batch - len(msgs), more)
-                    if self._error is not None:
-                        break
-                self._flowing = bool(msgs)
-                if self._open_left <= 0:
-                    self._no_wait = False
-            else:
-                self._flowing = self.burst and bool(msgs)
             if msgs:
                 return msgs
 
-    async def _request(self, batch: int, seconds: float, no_wait: bool = False) -> None:
+    async def _request(self, batch: int, seconds: float) -> None:
         expires_ns = max(1_000_000, int(seconds * 1e9) - 100_000)
-        body = {"batch": batch, "expires": expires_ns, "no_wait": True} if no_wait else {"batch": batch, "expires": expires_ns}
-        await self._nc.publish(self._next, json.dumps(body).encode(), self._inbox)
+        await self._nc.publish(self._next, json.dumps({"batch": batch, "expires": expires_ns}).encode(), self._inbox)
         self._open_until = time.monotonic() + expires_ns / 1e9
         self._open_left = batch
-        self._no_wait = no_wait
         self.requests += 1
 
     def _take(self, batch: int, first: Any = None) -> list[Any]:

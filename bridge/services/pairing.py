@@ -111,6 +111,8 @@ CHECKPOINT_READ_TIMEOUT_S = 5.0
 # 2 s it took a tenth of the process and grew with time. A takeover replays at most this much
 # (folding it into the state; what the previous owner published is not published again).
 CHECKPOINT_S = 10.0
+# Timed checkpoints of one process start at least this far apart (`PairingService.checkpoint_due`).
+CHECKPOINT_SPACING_S = 0.25
 # An owner stops acting on a partition this long before its lease could expire (fencing).
 # Above RENEW_S: a renewal that got no answer is retried once before the partition stops.
 FENCE_MARGIN_S = 3.0
@@ -374,21 +376,21 @@ class PairingService:
         return part
 
     def checkpoint_due(self, part: Partition) -> bool:
-        """Is it ``part``'s turn to checkpoint: CHECKPOINT_EVERY messages or CHECKPOINT_S since its
-        last one, and this process's next checkpoint slot reached? A checkpoint's snapshot holds the
-        loop for its whole state, and a process's partitions are taken together and wake together
-        (one `Linger` clock): they fell due in one turn, and eight snapshots back to back stalled
-        every partition for ~200 ms every CHECKPOINT_S (soak.py p99 240 ms at 2,000 events/s,
-        2026-12-04). So a process starts at most one per CHECKPOINT_S / (2 x its partitions); a
-        due one waits for the next slot, and the partitions' checkpoints stay spread."""
+        """Is it ``part``'s turn to checkpoint? CHECKPOINT_EVERY messages since its last one: yes
+        (the bound a takeover's replay and `restore`'s recheck count on). CHECKPOINT_S since its
+        last one: yes once this process's next slot is reached. A checkpoint's snapshot holds
+        the loop for the partition's whole state, and a process's partitions are taken together
+        and wake together (one `Linger` clock): they fell due in one turn, and eight snapshots
+        back to back stalled every partition ~200 ms every CHECKPOINT_S (soak.py p99 240 ms at
+        2,000 events/s, 2026-12-04). So timed checkpoints start at most one per
+        CHECKPOINT_SPACING_S in a process: due ones wait their turn (7 x 0.25 s at most with 8
+        partitions) and stay spread afterwards."""
+        if part.since_checkpoint >= CHECKPOINT_EVERY:
+            return True
         now = time.monotonic()
-        if part.since_checkpoint < CHECKPOINT_EVERY and not (
-            part.since_checkpoint and now - part.last_checkpoint > CHECKPOINT_S
-        ):
+        if not part.since_checkpoint or now - part.last_checkpoint <= CHECKPOINT_S or now < self._checkpoint_slot:
             return False
-        if now < self._checkpoint_slot:
-            return False
-        self._checkpoint_slot = now + CHECKPOINT_S / (2 * max(1, len(self.partitions)))
+        self._checkpoint_slot = now + CHECKPOINT_SPACING_S
         return True
 
     async def checkpoint(self, part: Partition) -> None:

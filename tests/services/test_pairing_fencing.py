@@ -15,6 +15,7 @@ import time
 import pytest
 
 from bridge.nats import streams as S
+from bridge.services.pairing import CHECKPOINT_S, CHECKPOINT_SPACING_S
 from bridge.sim.sessions import realistic_envelopes
 from tests.natsfixture import JetStreamClient
 from tests.support.services import Service, publish_all, raw_records, wait_for
@@ -66,7 +67,9 @@ def test_an_owner_paused_past_its_lease_writes_and_publishes_nothing_when_it_run
         quiet(client, "AEP_EVENTS", settle=3.0, timeout=90)
         # the standby's checkpoints, written CHECKPOINT_S after its last message
         wait_for(lambda: len(checkpoints(client)) == 8, 30, what="a checkpoint of every partition")
-        time.sleep(12.0)  # > CHECKPOINT_S: every partition of the standby checkpointed its end
+        # > CHECKPOINT_S, plus the turns of the 8 partitions' timed checkpoints and a loop's 0.5 s
+        # fetch: every partition of the standby checkpointed its end
+        time.sleep(CHECKPOINT_S + 8 * CHECKPOINT_SPACING_S + 1.5)
         before = checkpoints(client)
         events = count(client, "AEP_EVENTS")
         owner.proc.send_signal(signal.SIGCONT)
