@@ -16,16 +16,17 @@ nothing else of the package; a contract in pyproject.toml checks it).
   a daemon thread, so a busy event loop cannot make a liveness probe time out.
 * `configure_logging` (logs): structlog, JSON lines on stderr (`AEP_BRIDGE_LOG_FORMAT=console`
   for people), every line with its `component` and `replica`.
-* `BoundedLabel` (labels): metric labels from the wire, bounded.
+* `BoundedLabel` (labels): metric labels from the wire, bounded; `observe_many`: a batch's
+  values into a histogram at once.
 * Allocation profiling (profiling, opt-in, `AEP_BRIDGE_TRACEMALLOC=<dir>`), started and
   stopped by `serve`; `rss_kb`.
 """
 
 from bridge.runtime.health import Health
-from bridge.runtime.labels import OTHER, BoundedLabel
+from bridge.runtime.labels import OTHER, BoundedLabel, observe_many
 from bridge.runtime.lifecycle import Linger, Loop, Stopper, close_connection, metrics_port, serve
 from bridge.runtime.logs import configure_logging
 from bridge.runtime.profiling import rss_kb
 
-__all__ = ["OTHER", "BoundedLabel", "Health", "Linger", "Loop", "Stopper", "close_connection", "configure_logging",
+__all__ = ["OTHER", "BoundedLabel", "Health", "Linger", "Loop", "Stopper", "close_connection", "configure_logging", "observe_many",
            "metrics_port", "rss_kb", "serve"]

@@ -1,8 +1,10 @@
-"""Metric labels bounded against what comes from the wire (`BoundedLabel`)."""
+"""Metric labels bounded against what comes from the wire (`BoundedLabel`), and a batch's
+observations into a histogram at once (`observe_many`)."""
 
 from __future__ import annotations
 
 import re
+from bisect import bisect_left
 from typing import Any
 
 
@@ -42,3 +44,26 @@ class BoundedLabel:
 
     def forget(self, value: str) -> None:
         self.admitted.discard(value)
+
+
+def observe_many(histogram: Any, amounts: list[float]) -> None:
+    """Observe each of ``amounts`` on an unlabelled prometheus-client ``Histogram``, as that many
+    `observe` calls would: one lock taken per bucket touched and one for the sum, not two per
+    value (`observe` costs ~0.9 us; the mapper made two a message, ~2 % of its time, issue 24).
+    Falls back to `observe` if the histogram is not laid out as prometheus-client's is."""
+    if not amounts:
+        return
+    bounds = getattr(histogram, "_upper_bounds", None)
+    buckets = getattr(histogram, "_buckets", None)
+    total = getattr(histogram, "_sum", None)
+    if bounds is None or buckets is None or total is None or len(bounds) != len(buckets) or bounds[-1] != float("inf"):
+        for amount in amounts:
+            histogram.observe(amount)
+        return
+    counts = [0] * len(bounds)
+    for amount in amounts:
+        counts[bisect_left(bounds, amount)] += 1  # the first bound >= amount: `observe`'s bucket
+    total.inc(sum(amounts))
+    for i, n in enumerate(counts):
+        if n:
+            buckets[i].inc(n)

@@ -88,7 +88,7 @@ from bridge.nats.connection import UNANSWERED, connect_service, until_answered
 from bridge.nats.lookup import SCAN_BUDGET, SERVER_MARGIN_NS, find_msg_id, stored_ns
 from bridge.nats.publish import AckPublisher
 from bridge.nats.pull import Puller
-from bridge.runtime import BoundedLabel, Health, Linger, Loop, Stopper, close_connection, serve
+from bridge.runtime import BoundedLabel, Health, Linger, Loop, Stopper, close_connection, observe_many, serve
 
 log = structlog.get_logger("aep_bridge.pairing")
 
@@ -562,8 +562,7 @@ class PairingService:
                         f.cancel()  # (then swept by the publisher; a late ack finds nothing)
                 raise
         now = time.time_ns()
-        for ts_ns in receive_times:
-            self.metrics.latency.observe(max(0, now - ts_ns) / 1e9)
+        observe_many(self.metrics.latency, [max(0, now - ts_ns) / 1e9 for ts_ns in receive_times])
         last = msgs[-1].metadata.sequence.stream
         if last > part.position:
             part.since_checkpoint += sum(1 for m in msgs if m.metadata.sequence.stream > part.position)
