@@ -99,7 +99,7 @@ async def mapper_run(settings: Settings, n: int) -> tuple[float, int]:
 
     mapper = Mapper(settings, CapturePolicy(), batch=BATCH)
     await mapper.connect()
-    sub = Puller(await mapper.bind())  # the fetch of Mapper.consume
+    sub = Puller(await mapper.bind(), burst=True)  # the fetch of Mapper.consume
     done = 0
     started, cpu0 = time.perf_counter(), time.process_time()
     while done < n:

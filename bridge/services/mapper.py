@@ -809,7 +809,7 @@ class Mapper:
         return [self.consume(sub), self.watch_consumer(sub)]
 
     async def consume(self, sub: Any) -> None:
-        puller = Puller(sub)
+        puller = Puller(sub, burst=True)  # nothing pushed during the pause (bridge.nats.pull)
         while not self.stopper.stopping:
             self.health.beat()
             try:
@@ -824,7 +824,7 @@ class Mapper:
                 # lost its store): bind again, which also re-reads the epoch.
                 try:
                     sub = await self.bind()
-                    puller = Puller(sub)
+                    puller = Puller(sub, burst=True)
                     self.health.set_ready(True)  # bound: the server answers (not only once a message comes)
                     log.info("mapper_rebound", epoch=self.epoch)
                 except Exception as bind_exc:

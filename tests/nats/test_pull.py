@@ -132,3 +132,45 @@ def test_fetched_messages_carry_their_metadata(nats_server) -> None:  # type: ig
         assert all(0 <= now - stored_ns(m) < 60e9 for m in msgs)
 
     run(nats_server.url, body)
+
+
+@pytest.mark.parametrize("burst", [False, True])
+def test_a_burst_puller_leaves_what_comes_during_a_pause_on_the_server(nats_server, burst) -> None:  # type: ignore[no-untyped-def]
+    """``burst``: once a call got messages, the next asks with ``no_wait`` for what gathered
+    meanwhile, so nothing is pushed (one socket read per message) while the caller pauses;
+    a quiet stream is waited for one message at a time. Every message still comes once, in
+    order. Without it the open request takes each message as it is published."""
+    async def body(js, nc, stream, prefix, sub) -> None:  # type: ignore[no-untyped-def]
+        puller = Puller(sub, burst=burst)
+        got: list[int] = []
+
+        async def publish(first: int, n: int) -> None:
+            for i in range(first, first + n):
+                await js.publish(f"{prefix}.a", str(i).encode())
+
+        async def take(n: int) -> None:
+            while len(got) < n:
+                msgs = await puller.fetch(64, timeout=2.0)
+                got.extend(int(m.data) for m in msgs)
+                for m in msgs:
+                    await m.ack()
+
+        await publish(0, 3)
+        await take(3)
+        await publish(3, 5)  # the caller's pause: where do these wait?
+        await asyncio.sleep(0.3)
+        pending = (await sub.consumer_info()).num_pending
+        assert pending == (5 if burst else 0), pending
+        requests = puller.requests
+        before = len(got)
+        await take(8)
+        if burst:
+            assert len(got) - before == 5 and puller.requests == requests + 1, "the five in one no_wait call"
+        await publish(8, 4)
+        await take(12)
+        assert got == list(range(12))
+        with pytest.raises(Exception) as err:
+            await puller.fetch(64, timeout=0.3)
+        assert type(err.value).__name__ == "TimeoutError"
+
+    run(nats_server.url, body)
