@@ -81,8 +81,9 @@ class Linger:
     A batch of less than a quarter of the fetch size and of fewer than ``target`` messages is
     followed by a pause of ``base_s``
     (AEP_BRIDGE_LINGER_MS), longer when the loop's stream is quiet: long enough for about
-    ``target`` messages at the rate the loop has seen (messages of this batch / time since
-    the previous one), at most ``max_s`` (AEP_BRIDGE_LINGER_MAX_MS). A batch costs its
+    ``target`` messages at the rate the loop has seen (over its recent batches: messages and
+    seconds since the batch before, each decayed by ``DECAY`` per batch), at most ``max_s``
+    (AEP_BRIDGE_LINGER_MAX_MS). A batch costs its
     wake-ups, socket writes and acks whatever its size, so a quiet fleet handled one message
     per batch costs several times more per event than a busy one (issue 24); what arrives
     meanwhile waits at most ``max_s``, a catch-up (a full batch) never. Every pause ends on a
@@ -90,11 +91,19 @@ class Linger:
     in one turn of the event loop.
     """
 
+    #: the weight a batch's messages and seconds keep per later batch (~4 batches' memory)
+    DECAY = 0.75
+
     def __init__(self, base_s: float, max_s: float | None = None, target: int = 32) -> None:
         self.base_s = base_s
         self.max_s = max(base_s, max_s if max_s is not None else base_s)
         self.target = target
         self._last = time.monotonic()
+        # Messages and seconds of the recent batches, each decayed by DECAY per batch: the rate a
+        # pause is sized by. One batch's own rate is noise (lanes come in bursts): at 2,000/s a
+        # partition's batch of one after a 40 ms gap sized a pause of the maximum.
+        self._n = 0.0
+        self._t = 0.0
 
     def seconds(self, n: int, small: bool, now: float | None = None, target: int | None = None) -> float:
         """How long to pause after a batch of ``n`` (``small``: under a quarter of the fetch size);
@@ -106,11 +115,13 @@ class Linger:
         # about that many. Before, any batch under a quarter of the fetch size paused, so the
         # mapper (40-60 messages a batch) and every pairing partition paused at 2,000 events/s
         # too: soak.py p50 125 ms against 30 ms without a pause, for 16 % less CPU (2026-12-04).
+        if n > 0:
+            self._n, self._t = self.DECAY * self._n + n, self.DECAY * self._t + elapsed
         if not small or self.base_s <= 0 or n >= target:
             return 0.0
         if self.max_s <= self.base_s or n <= 0:
             return self.base_s
-        return min(self.max_s, max(self.base_s, target * elapsed / n))
+        return min(self.max_s, max(self.base_s, target * self._t / self._n))
 
     async def after(self, n: int, small: bool, target: int | None = None) -> None:
         seconds = self.seconds(n, small, target=target)  # (the pause counts as the next batch's gathering time)

@@ -249,17 +249,20 @@ def test_linger_pauses_after_small_batches_longer_when_quiet_and_on_a_shared_clo
 
     monkeypatch.setattr(lifecycle.time, "monotonic", lambda: clock[0])
     monkeypatch.setattr(lifecycle.asyncio, "sleep", sleep)
+    def first(n: int, small: bool, gap: float) -> float:
+        """The pause after a loop's first batch (its rate: this batch's alone)."""
+        pause = lifecycle.Linger(0.02, 0.1, target=32)
+        clock[0] += gap
+        return pause.seconds(n, small=small)
+
+    assert first(200, False, 0.5) == 0.0, "a catch-up never waits"
+    assert first(40, True, 0.01) == 0.0, "40 messages hold the target (32): no pause"
+    assert first(20, True, 0.005) == pytest.approx(0.02), "busy (4,000/s), under the target: the base"
+    assert first(8, True, 0.02) == pytest.approx(0.08), "400/s: 32 messages take 80 ms"
+    assert first(2, True, 0.2) == pytest.approx(0.1), "10/s: the maximum, not 3.2 s"
     pause = lifecycle.Linger(0.02, 0.1, target=32)
-    clock[0] += 0.5
-    assert pause.seconds(200, small=False) == 0.0, "a catch-up never waits"
-    clock[0] += 0.01
-    assert pause.seconds(40, small=True) == 0.0, "40 messages hold the target (32): no pause"
-    clock[0] += 0.005
-    assert pause.seconds(20, small=True) == pytest.approx(0.02), "busy (4,000/s), under the target: the base"
-    clock[0] += 0.02
-    assert pause.seconds(8, small=True) == pytest.approx(0.08), "400/s: 32 messages take 80 ms"
     clock[0] += 0.2
-    assert pause.seconds(2, small=True) == pytest.approx(0.1), "10/s: the maximum, not 3.2 s"
+    pause.seconds(2, small=True)
     clock[0] = 200.013
     asyncio.run(pause.after(1, small=True))
     assert slept and abs(clock[0] / 0.02 - round(clock[0] / 0.02)) < 1e-6, f"ends on the base's clock: {clock[0]}"
@@ -270,3 +273,25 @@ def test_linger_pauses_after_small_batches_longer_when_quiet_and_on_a_shared_clo
     slept.clear()
     asyncio.run(lifecycle.Linger(0.0, 0.1).after(1, small=True))
     assert slept == [], "0: no pause at all"
+
+
+def test_linger_reads_the_rate_over_recent_batches_not_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rate a pause is sized by is the recent batches' (messages and seconds decayed per
+    batch), not the last batch's alone: at 2,000 events/s a partition's batch of one after a
+    short gap (lanes come in bursts) sized a pause of the maximum, and cost.py's e2e p99 at
+    2,000/s with a 150 ms maximum was 185 ms (76 ms with the rate smoothed, 2026-12-04). A
+    stream that stays quiet still gets its pause grown to the maximum within a few batches."""
+    clock = [100.0]
+    monkeypatch.setattr(lifecycle.time, "monotonic", lambda: clock[0])
+    pause = lifecycle.Linger(0.01, 0.15, target=4)
+    for _ in range(20):  # a partition at ~250/s: 3 messages every ~12 ms
+        clock[0] += 0.012
+        busy = pause.seconds(3, small=True)
+    assert busy == pytest.approx(4 * 0.012 / 3), "the steady rate's pause"
+    clock[0] += 0.04  # one gap in the bursts, then a batch of one
+    blip = pause.seconds(1, small=True)
+    assert blip < 0.05, f"one blip does not pause the partition for {blip:.3f} s (alone: 4 x 40 ms = 0.16 -> the maximum)"
+    for _ in range(12):  # then the stream goes quiet: 1 message a second
+        clock[0] += 1.0
+        quiet = pause.seconds(1, small=True)
+    assert quiet == pytest.approx(0.15), "quiet for a while: the maximum"

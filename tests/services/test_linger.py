@@ -69,7 +69,7 @@ def test_the_linger_is_a_setting_of_the_mapper_and_pairing(nats_server_fn, tmp_p
     assert long_p < none_p, f"pairing: {long_p} batches at 500 ms, {none_p} at 0 ms"
     assert grow_m <= 15 and grow_p < none_p, f"1 ms growing to 500 ms: mapper {grow_m}, pairing {grow_p} batches"
     assert Settings.from_env({"AEP_BRIDGE_CONFIG": "/dev/null"}).linger_ms == 10.0
-    assert Settings.from_env({"AEP_BRIDGE_CONFIG": "/dev/null"}).linger_max_ms == 30.0
+    assert Settings.from_env({"AEP_BRIDGE_CONFIG": "/dev/null"}).linger_max_ms == 150.0
     for name, bad in (("AEP_BRIDGE_LINGER_MS", "-1"), ("AEP_BRIDGE_LINGER_MS", "1001"), ("AEP_BRIDGE_LINGER_MS", "soon"),
                       ("AEP_BRIDGE_LINGER_MAX_MS", "-1"), ("AEP_BRIDGE_LINGER_MAX_MS", "1001")):
         with pytest.raises(ValueError, match=name):
