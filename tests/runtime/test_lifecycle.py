@@ -291,7 +291,21 @@ def test_linger_reads_the_rate_over_recent_batches_not_one(monkeypatch: pytest.M
     clock[0] += 0.04  # one gap in the bursts, then a batch of one
     blip = pause.seconds(1, small=True)
     assert blip < 0.05, f"one blip does not pause the partition for {blip:.3f} s (alone: 4 x 40 ms = 0.16 -> the maximum)"
-    for _ in range(12):  # then the stream goes quiet: 1 message a second
+    for _ in range(30):  # then the stream goes quiet: 1 message a second
         clock[0] += 1.0
         quiet = pause.seconds(1, small=True)
-    assert quiet == pytest.approx(0.15), "quiet for a while: the maximum"
+    assert quiet == pytest.approx(0.15, rel=1e-3), "quiet for a while: the maximum"
+
+
+def test_linger_carries_no_idle_hour_into_a_busy_stream(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first batch after an hour of nothing counts no more than a gap that alone gives the
+    maximum: two batches into a busy stream the pause is the busy stream's again."""
+    clock = [100.0]
+    monkeypatch.setattr(lifecycle.time, "monotonic", lambda: clock[0])
+    pause = lifecycle.Linger(0.01, 0.15, target=32)
+    clock[0] += 3600.0
+    assert pause.seconds(1, small=True) == pytest.approx(0.15)
+    for _ in range(3):  # then 16 messages every 20 ms (800/s)
+        clock[0] += 0.02
+        busy = pause.seconds(16, small=True)
+    assert busy < 0.06, f"{busy:.3f} s: the idle hour still counted"
