@@ -118,9 +118,9 @@ class Linger:
         if n > 0:
             # A batch's seconds count up to 4x what alone gives the maximum pause: a gap of an
             # hour is no more evidence of a quiet stream than that, and is not carried for
-            # dozens of batches once the stream is busy again. (At 1x the cap cut ordinary
-            # gaps near the maximum and shortened the pauses: cost.py at 250/s, flatness
-            # 1.47-1.49 against 1.34-1.36 without a cap, 2026-12-04.)
+            # dozens of batches once the stream is busy again. (4x, not 1x: at 1x it would also
+            # cut ordinary gaps of a stream near the maximum. cost.py, alternated, could not
+            # tell 4x, no cap and the code before apart: flatness 1.36-1.55, 2026-12-04.)
             elapsed = min(elapsed, 4 * self.max_s * n / target)
             self._n, self._t = self.DECAY * self._n + n, self.DECAY * self._t + elapsed
         if not small or self.base_s <= 0 or n >= target:
