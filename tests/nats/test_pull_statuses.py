@@ -65,6 +65,18 @@ class Stand:
             self.on_request(self.requests[-1])
 
 
+async def flowing() -> tuple[Stand, Puller, asyncio.AbstractEventLoop]:
+    """A burst `Puller` past its first call: a quiet stream's one message (1) taken, so its
+    next call asks with ``no_wait``."""
+    stand = Stand()
+    puller = Puller(stand, burst=True)
+    loop = asyncio.get_running_loop()
+    stand.on_request = lambda body: loop.call_later(0.01, stand.put, message(len(stand.requests)))
+    assert [int(m.data) for m in await puller.fetch(16, timeout=1.0)] == [1]
+    assert stand.requests == [{"batch": 1, "expires": stand.requests[0]["expires"]}], "quiet: one message asked"
+    return stand, puller, loop
+
+
 def test_a_status_behind_messages_comes_after_them() -> None:
     async def main() -> None:
         stand = Stand()
@@ -80,11 +92,7 @@ def test_a_status_behind_messages_comes_after_them() -> None:
 
 def test_a_status_behind_a_burst_in_hand_comes_after_it() -> None:
     async def main() -> None:
-        stand = Stand()
-        puller = Puller(stand, burst=True)
-        loop = asyncio.get_running_loop()
-        stand.on_request = lambda body: loop.call_later(0.01, stand.put, message(len(stand.requests)))
-        assert [int(m.data) for m in await puller.fetch(16, timeout=1.0)] == [1]  # quiet: one message asked
+        stand, puller, loop = await flowing()
         # flowing: a no_wait request; its burst comes in reads, then a status it ends with
         stand.on_request = lambda body: (loop.call_later(0.01, stand.put, message(2)),
                                          loop.call_later(0.02, stand.put, message(3)),
@@ -100,11 +108,7 @@ def test_a_status_behind_a_burst_in_hand_comes_after_it() -> None:
 
 def test_a_burst_whose_end_never_comes_is_returned_after_a_grace_not_the_timeout() -> None:
     async def main() -> None:
-        stand = Stand()
-        puller = Puller(stand, burst=True)
-        loop = asyncio.get_running_loop()
-        stand.on_request = lambda body: loop.call_later(0.01, stand.put, message(len(stand.requests)))
-        await puller.fetch(16, timeout=5.0)
+        stand, puller, loop = await flowing()
         stand.on_request = lambda body: loop.call_later(0.01, stand.put, message(2))  # and no 404/408
         started = time.monotonic()
         got = await puller.fetch(16, timeout=5.0)
