@@ -94,10 +94,11 @@ class Linger:
     #: the weight a batch's messages and seconds keep per later batch (~4 batches' memory)
     DECAY = 0.75
 
-    def __init__(self, base_s: float, max_s: float | None = None, target: int = 32) -> None:
+    def __init__(self, base_s: float, max_s: float | None = None, target: int = 32, aligned: bool = False) -> None:
         self.base_s = base_s
         self.max_s = max(base_s, max_s if max_s is not None else base_s)
         self.target = target
+        self.aligned = aligned
         self._last = time.monotonic()
         # Messages and seconds of the recent batches, each decayed by DECAY per batch: the rate a
         # pause is sized by. One batch's own rate is noise (lanes come in bursts): at 2,000/s a
@@ -123,16 +124,41 @@ class Linger:
             # tell 4x, no cap and the code before apart: flatness 1.36-1.55, 2026-12-04.)
             elapsed = min(elapsed, 4 * self.max_s * n / target)
             self._n, self._t = self.DECAY * self._n + n, self.DECAY * self._t + elapsed
-        if not small or self.base_s <= 0 or n >= target:
+        if not small or self.base_s <= 0 or (n >= target and not self.aligned):
             return 0.0
         if self.max_s <= self.base_s or n <= 0:
             return self.base_s
         return min(self.max_s, max(self.base_s, target * self._t / self._n))
 
-    async def after(self, n: int, small: bool, target: int | None = None) -> None:
+    def grid(self, seconds: float) -> float:
+        """The clock an ``aligned`` pause of about ``seconds`` ends on: ``max_s / 2**k``, the one
+        nearest to ``seconds`` (by ratio), not under ``base_s``. These clocks nest (each tick of
+        one is a tick of the finer ones), so loops whose pauses differ a little still wake
+        together on the coarser one."""
+        g = self.max_s
+        while g / 2 >= self.base_s and seconds * 1.4142135623730951 < g:
+            g /= 2
+        return g
+
+    async def after(self, n: int, small: bool, target: int | None = None) -> float:
+        """Pause (`seconds`) and return how long the pause was meant to be (0.0: none).
+
+        The pause ends on the next multiple of ``base_s`` on the monotonic clock after
+        ``seconds``; ``aligned`` (pairing's partitions): on the next tick of `grid`, at most that
+        clock's period, never more than ``max_s``. Aligned loops of one process then run their
+        batches in the same turns of the event loop, in one pull-request write, one read of the
+        replies, one flush of their publishes and one read of the acks: eight partitions
+        pausing on their own took one wake-up of the process per partition and batch
+        (strace -c, pairing at 250 events/s: 1.4 epoll_pwait per event, 0.26 at 2,000/s)."""
         seconds = self.seconds(n, small, target=target)  # (the pause counts as the next batch's gathering time)
         if seconds > 0:
-            await asyncio.sleep(seconds + (-(time.monotonic() + seconds)) % self.base_s)
+            now = time.monotonic()
+            if self.aligned:
+                g = self.grid(seconds)
+                await asyncio.sleep((now // g + 1) * g - now)
+            else:
+                await asyncio.sleep(seconds + (-(now + seconds)) % self.base_s)
+        return seconds
 
 
 async def watch_connection(nc: Any, stopper: Stopper, health: Health, log: Any, every_s: float = 0.5) -> None:

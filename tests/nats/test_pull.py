@@ -174,3 +174,45 @@ def test_a_burst_puller_leaves_what_comes_during_a_pause_on_the_server(nats_serv
         assert type(err.value).__name__ == "TimeoutError"
 
     run(nats_server.url, body)
+
+
+def test_burst_switched_on_and_off_between_calls_loses_and_repeats_nothing(nats_server) -> None:  # type: ignore[no-untyped-def]
+    """Pairing's partitions switch ``burst`` on after a pause and off when busy (no pause): the
+    request open at the switch is used up first (a plain one until it expires, a no_wait one
+    until its status), and every message still comes once, in order. Once the plain request
+    has expired, what comes during a pause waits on the server."""
+    async def body(js, nc, stream, prefix, sub) -> None:  # type: ignore[no-untyped-def]
+        puller = Puller(sub)
+        got: list[int] = []
+        sent = 0
+
+        async def publish(n: int) -> None:
+            nonlocal sent
+            for _ in range(n):
+                await js.publish(f"{prefix}.a", str(sent).encode())
+                sent += 1
+
+        async def take(timeout: float = 0.4) -> None:
+            while len(got) < sent:
+                msgs = await puller.fetch(64, timeout=timeout)
+                got.extend(int(m.data) for m in msgs)
+                for m in msgs:
+                    await m.ack()
+
+        for burst in (False, True, True, False, True, False, False, True):
+            puller.burst = burst
+            await publish(3)
+            await take()
+        puller.burst = True
+        await asyncio.sleep(0.5)  # the plain request of the last switch has expired meanwhile
+        with pytest.raises(Exception):
+            await puller.fetch(64, timeout=0.3)
+        await publish(1)
+        await take()  # a quiet burst puller: waits for one message
+        await publish(4)  # during the caller's pause
+        await asyncio.sleep(0.2)
+        assert (await sub.consumer_info()).num_pending == 4, "nothing pushed while the caller pauses"
+        await take()
+        assert got == list(range(sent))
+
+    run(nats_server.url, body)

@@ -309,3 +309,52 @@ def test_linger_carries_no_idle_hour_into_a_busy_stream(monkeypatch: pytest.Monk
         clock[0] += 0.02
         busy = pause.seconds(16, small=True)
     assert busy < 0.06, f"{busy:.3f} s: the idle hour still counted"
+
+
+def test_aligned_lingers_of_one_process_wake_together_on_nested_clocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`Linger(aligned=True)` (pairing's partitions): a pause ends on the next tick of the clock
+    `max_s / 2**k` nearest to the pause the rate asks for, so loops whose rates differ a little
+    still wake in one turn; a pause never passes that clock's period (nor `max_s`), and an
+    aligned loop pauses after every small batch, also one that holds its target (a loop that
+    skips a pause falls out of step with the others). Before, each partition's pause ended on
+    its own (on the 10 ms base clock): eight wake-ups per round instead of one (strace -c)."""
+    pause = lifecycle.Linger(0.01, 0.15, aligned=True)
+    assert [pause.grid(s) for s in (0.3, 0.15, 0.129, 0.1, 0.08, 0.05, 0.02, 0.001)] == \
+        pytest.approx([0.15, 0.15, 0.15, 0.075, 0.075, 0.0375, 0.01875, 0.01875]), "nearest by ratio, not under the base"
+    clock = [0.0]
+    woke: list[float] = []
+
+    async def sleep(seconds: float) -> None:
+        assert seconds > 0
+        clock[0] += seconds
+        woke.append(clock[0])
+
+    monkeypatch.setattr(lifecycle.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(lifecycle.asyncio, "sleep", sleep)
+
+    def loop_at(rate: float, aligned: bool = True) -> lifecycle.Linger:
+        """A loop whose recent batches were 4 messages at ``rate``, the last one at t = 2000 s."""
+        linger = lifecycle.Linger(0.01, 0.15, target=4, aligned=aligned)
+        clock[0] = 2000.0 - 20 * 4 / rate
+        for _ in range(20):
+            clock[0] += 4 / rate
+            linger.seconds(4, small=True)
+        return linger
+
+    slow, fast = loop_at(28.0), loop_at(32.0)  # pauses of ~118 ms and ~116 ms asked for: both on the 150 ms clock
+    starts = [2000.0 + 0.013, 2000.0 + 0.061]
+    for linger, start in zip((slow, fast), starts):
+        clock[0] = start
+        asyncio.run(linger.after(3, small=True))
+    assert woke[0] == pytest.approx(woke[1]), f"woke apart: {woke}"
+    assert abs(woke[0] / 0.15 - round(woke[0] / 0.15)) < 1e-6, "on the 150 ms clock"
+    assert all(0 < w - s <= 0.15 + 1e-9 for w, s in zip(woke, starts)), "never longer than the clock's period"
+    woke.clear()
+    clock[0] = 2000.2
+    assert asyncio.run(fast.after(40, small=True)) > 0 and woke, "aligned: a small batch over the target pauses too"
+    woke.clear()
+    assert asyncio.run(fast.after(200, small=False)) == 0.0 and not woke, "a catch-up never waits"
+    unaligned = loop_at(32.0, aligned=False)
+    clock[0] += 0.01
+    assert asyncio.run(unaligned.after(3, small=True)) > 0
+    assert unaligned.seconds(40, small=True) == 0.0, "not aligned: a batch over the target does not pause"
