@@ -86,13 +86,16 @@ class Linger:
     (AEP_BRIDGE_LINGER_MAX_MS). A batch costs its
     wake-ups, socket writes and acks whatever its size, so a quiet fleet handled one message
     per batch costs several times more per event than a busy one (issue 24); what arrives
-    meanwhile waits at most ``max_s``, a catch-up (a full batch) never. Every pause ends on a
-    multiple of ``base_s`` on the monotonic clock (`linger`), so the loops of a process wake
-    in one turn of the event loop.
+    meanwhile waits at most ``max_s``, a catch-up (a full batch) never. A pause ends on a
+    multiple of ``base_s`` on the monotonic clock (`after`); an ``aligned`` one (pairing's
+    partitions) on a tick of the nested clocks of `grid`, so the loops of a process wake in
+    one turn of the event loop.
     """
 
     #: the weight a batch's messages and seconds keep per later batch (~4 batches' memory)
     DECAY = 0.75
+    #: an ``aligned`` pause ends on a tick at least this far ahead (`after`)
+    ALIGN_MARGIN_S = 0.002
 
     def __init__(self, base_s: float, max_s: float | None = None, target: int = 32, aligned: bool = False) -> None:
         self.base_s = base_s
@@ -124,7 +127,7 @@ class Linger:
             # tell 4x, no cap and the code before apart: flatness 1.36-1.55, 2026-12-04.)
             elapsed = min(elapsed, 4 * self.max_s * n / target)
             self._n, self._t = self.DECAY * self._n + n, self.DECAY * self._t + elapsed
-        if not small or self.base_s <= 0 or (n >= target and not self.aligned):
+        if not small or self.base_s <= 0 or n >= target:
             return 0.0
         if self.max_s <= self.base_s or n <= 0:
             return self.base_s
@@ -144,8 +147,9 @@ class Linger:
         """Pause (`seconds`) and return how long the pause was meant to be (0.0: none).
 
         The pause ends on the next multiple of ``base_s`` on the monotonic clock after
-        ``seconds``; ``aligned`` (pairing's partitions): on the next tick of `grid`, at most that
-        clock's period, never more than ``max_s``. Aligned loops of one process then run their
+        ``seconds``; ``aligned`` (pairing's partitions): on the next tick of `grid` (at least
+        ``ALIGN_MARGIN_S`` ahead), at most that clock's period (up to ``max_s``) plus the margin,
+        and possibly much shorter than ``seconds``. Aligned loops of one process then run their
         batches in the same turns of the event loop, in one pull-request write, one read of the
         replies, one flush of their publishes and one read of the acks: eight partitions
         pausing on their own took one wake-up of the process per partition and batch
@@ -155,7 +159,10 @@ class Linger:
             now = time.monotonic()
             if self.aligned:
                 g = self.grid(seconds)
-                await asyncio.sleep((now // g + 1) * g - now)
+                # The tick after `now` + ALIGN_MARGIN_S: uvloop times a sleep in whole milliseconds
+                # and wakes up to 1 ms early, and a loop woken just before a tick would otherwise
+                # pause again until that tick (a wake-up of its own) instead of the next one.
+                await asyncio.sleep(((now + self.ALIGN_MARGIN_S) // g + 1) * g - now)
             else:
                 await asyncio.sleep(seconds + (-(now + seconds)) % self.base_s)
         return seconds

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import nats.errors
 import pytest
 
 from bridge.nats.pull import Puller
@@ -205,7 +206,7 @@ def test_burst_switched_on_and_off_between_calls_loses_and_repeats_nothing(nats_
             await take()
         puller.burst = True
         await asyncio.sleep(0.5)  # the plain request of the last switch has expired meanwhile
-        with pytest.raises(Exception):
+        with pytest.raises(nats.errors.TimeoutError):
             await puller.fetch(64, timeout=0.3)
         await publish(1)
         await take()  # a quiet burst puller: waits for one message
