@@ -5,6 +5,7 @@ the stop (loops given a grace, then cancelled), the connection closed, the exit 
 from __future__ import annotations
 
 import asyncio
+import math
 import signal
 import time
 from typing import Any, Awaitable, Callable, Coroutine, Iterable, Mapping
@@ -139,7 +140,7 @@ class Linger:
         one is a tick of the finer ones), so loops whose pauses differ a little still wake
         together on the coarser one."""
         g = self.max_s
-        while g / 2 >= self.base_s and seconds * 1.4142135623730951 < g:
+        while g / 2 >= self.base_s and seconds * math.sqrt(2) < g:  # nearer g / 2 than g
             g /= 2
         return g
 

@@ -354,7 +354,6 @@ def test_aligned_lingers_of_one_process_wake_together_on_nested_clocks(monkeypat
     clock[0] = woke_at = 2000.4 - 0.001  # uvloop woke this loop 1 ms before its tick
     asyncio.run(fast.after(3, small=True))
     assert woke[0] == pytest.approx(2000.55, rel=0, abs=1e-9), f"{woke[0] - woke_at:.4f} s: woke again alone at the tick"
-
     woke.clear()
     clock[0] = 2000.6
     assert asyncio.run(fast.after(40, small=True)) == 0.0 and not woke, "a batch that holds the target does not pause"
