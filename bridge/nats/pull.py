@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import asyncio
 import datetime
-import json
 import time
 from typing import Any, NamedTuple
 
@@ -57,6 +56,8 @@ _OVER = ("404", "408", "409")  # no messages, request expired, conflict (leaders
 #: how long the rest of a burst may take after its last message before the call returns
 BURST_GRACE_S = 0.05
 _MARGIN_S = 0.05  # a request this close to its expiry is treated as expired (the server's clock runs too)
+_REQUEST = b'{"batch": %d, "expires": %d}'  # a pull request (JetStream's JSON), as json.dumps wrote it
+_NO_WAIT_REQUEST = b'{"batch": %d, "expires": %d, "no_wait": true}'
 
 
 class SequencePair(NamedTuple):
@@ -153,8 +154,11 @@ class Puller:
                     await self._request(1, left)
                 left = deadline - time.monotonic()
             try:
-                first = await asyncio.wait_for(self._queue.get(), min(left, max(0.0, self._open_until - time.monotonic())))
-            except asyncio.TimeoutError:
+                # asyncio.timeout, not wait_for: on 3.11 wait_for runs the get in a task of its
+                # own (uvloop: 9.5 against 4.5 us a call; a call per batch and per pause).
+                async with asyncio.timeout(min(left, max(0.0, self._open_until - time.monotonic()))):
+                    first = await self._queue.get()
+            except TimeoutError:
                 if self._nc.is_closed:
                     raise nats.errors.ConnectionClosedError from None
                 self._open_left = 0  # expired (its 408 may still come: dropped by `_take`)
@@ -181,8 +185,9 @@ class Puller:
         while self._open_left > 0 and len(msgs) < batch and self._error is None:
             wait = min(deadline, time.monotonic() + BURST_GRACE_S) - time.monotonic()
             try:
-                more = await asyncio.wait_for(self._queue.get(), max(0.0, wait))
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(max(0.0, wait)):
+                    more = await self._queue.get()
+            except TimeoutError:
                 break
             try:
                 msgs += self._take(batch - len(msgs), more)
@@ -194,8 +199,8 @@ class Puller:
 
     async def _request(self, batch: int, seconds: float, no_wait: bool = False) -> None:
         expires_ns = max(1_000_000, int(seconds * 1e9) - 100_000)
-        body = {"batch": batch, "expires": expires_ns, "no_wait": True} if no_wait else {"batch": batch, "expires": expires_ns}
-        await self._nc.publish(self._next, json.dumps(body).encode(), self._inbox)
+        body = (_NO_WAIT_REQUEST if no_wait else _REQUEST) % (batch, expires_ns)  # json.dumps: 2.0 us, this 0.15
+        await self._nc.publish(self._next, body, self._inbox)
         self._open_until = time.monotonic() + expires_ns / 1e9
         self._open_left = batch
         self._no_wait = no_wait

@@ -560,11 +560,19 @@ class PairingService:
             self.metrics.count(self._types_out)
         if futures:
             try:
-                await asyncio.wait_for(asyncio.gather(*futures), timeout=15)
+                # One after the other under one timeout, not wait_for(gather(...)): acks come in
+                # order, so after the first wait the rest are mostly done already, and a batch
+                # costs no gathering future, task or callback per future (uvloop, 3.11: 10 against
+                # 21 us for a batch of five).
+                async with asyncio.timeout(15):
+                    for f in futures:
+                        await f
             except BaseException:  # the partition is dropped: its other publishes are not waited for
                 for f in futures:
                     if not f.done():
                         f.cancel()  # (then swept by the publisher; a late ack finds nothing)
+                    elif not f.cancelled():
+                        f.exception()  # seen: asyncio logs a failure nobody retrieved
                 raise
         now = time.time_ns()
         observe_many(self.metrics.latency, [max(0, now - ts_ns) / 1e9 for ts_ns in receive_times])
@@ -612,6 +620,7 @@ class PairingService:
         # 1688, 2026-12-04). `delivered`: the consumer sequence of the last message taken.
         delivered = 0
         pause = Linger(self.settings.linger_ms / 1000, self.settings.linger_max_ms / 1000, aligned=True)
+        pending = self.metrics.pending.labels(stream=S.BRIDGE_MAPPED, consumer=f"pairing-p{n}")  # set per batch
         try:
             # The lease is checked before every read too (a monotonic clock read): a loop that
             # wakes from a pause past its lease with nothing to publish would otherwise send its
@@ -641,7 +650,7 @@ class PairingService:
                     await self.checkpoint(part)
                 if msgs:
                     try:
-                        self.metrics.pending.labels(stream=S.BRIDGE_MAPPED, consumer=f"pairing-p{n}").set(msgs[-1].metadata.num_pending)
+                        pending.set(msgs[-1].metadata.num_pending)
                     except Exception:
                         pass
                 # published already: only the next ones wait (AEP_BRIDGE_LINGER_MS, longer when quiet)
