@@ -38,13 +38,20 @@ _CROCKFORD = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
 _PAIRS = tuple(a + b for a in _CROCKFORD for b in _CROCKFORD)
 
 
-@lru_cache(maxsize=4096)
 def _ulid_time(time_ms: int) -> str:
+    """The ULID's 10 time characters: the first 8 (the time in units of 1,024 ms) cached, the
+    last 2 from `_PAIRS`. Cached by the millisecond, a quiet stream's events each missed (1.2 us
+    a miss; 250 events/s hardly share a millisecond, 2,000/s do)."""
     value = time_ms & 0xFFFFFFFFFFFF
+    return _ulid_time_high(value >> 10) + _PAIRS[value & 1023]
+
+
+@lru_cache(maxsize=64)
+def _ulid_time_high(high: int) -> str:
     chars = []
-    for _ in range(10):
-        chars.append(_CROCKFORD[value & 31])
-        value >>= 5
+    for _ in range(8):
+        chars.append(_CROCKFORD[high & 31])
+        high >>= 5
     return "".join(reversed(chars))
 
 
@@ -80,10 +87,15 @@ def rfc3339(ts_ns: int) -> str:
     return _rfc3339_ms(ts_ns // 1_000_000)
 
 
-@lru_cache(maxsize=4096)
 def _rfc3339_ms(ms: int) -> str:
-    dt = datetime.fromtimestamp(ms // 1000, tz=timezone.utc)
-    return f"{dt:%Y-%m-%dT%H:%M:%S}.{ms % 1000:03d}Z"
+    """The second's part cached, the milliseconds formatted: cached by the millisecond, a
+    quiet stream's events each missed (3.0 us a miss, 250 events/s hardly share one)."""
+    return f"{_rfc3339_s(ms // 1000)}.{ms % 1000:03d}Z"
+
+
+@lru_cache(maxsize=256)
+def _rfc3339_s(s: int) -> str:
+    return f"{datetime.fromtimestamp(s, tz=timezone.utc):%Y-%m-%dT%H:%M:%S}"
 
 
 # Sized to the live sessions of a fleet (a few thousand), not to every session ever seen: at

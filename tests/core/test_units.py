@@ -171,6 +171,16 @@ def test_rfc3339():
     assert rfc3339(1_764_543_353_123_456_789) == "2025-11-30T22:55:53.123Z"
 
 
+@given(ts_ns=st.integers(0, 2**62))
+def test_rfc3339_is_the_utc_time_to_the_millisecond(ts_ns):
+    """The second's part is cached and the milliseconds formatted: the same text as formatting
+    the whole time (a reference with datetime, truncated, never rounded)."""
+    import datetime
+
+    dt = datetime.datetime(1970, 1, 1, tzinfo=datetime.timezone.utc) + datetime.timedelta(microseconds=ts_ns // 1000)
+    assert rfc3339(ts_ns) == dt.strftime("%Y-%m-%dT%H:%M:%S.") + f"{dt.microsecond // 1000:03d}Z"
+
+
 # ------------------------------------------------------------------- lanes
 
 def _approval(session_key, turn_id="20261130_1:task:abcd1234"):
