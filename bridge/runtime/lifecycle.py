@@ -68,10 +68,12 @@ class Stopper:
         return self.event.is_set()
 
     async def sleep(self, seconds: float) -> bool:
-        """Sleep unless asked to stop; True when stopping."""
+        """Sleep unless asked to stop; True when stopping. (asyncio.timeout: wait_for would run
+        the wait in a task of its own, on every pass of every service's timed loops.)"""
         try:
-            await asyncio.wait_for(self.event.wait(), timeout=seconds)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(seconds):
+                await self.event.wait()
+        except TimeoutError:
             return False
         return True
 
