@@ -108,6 +108,9 @@ def status_error(msg: Any) -> Exception:
         nats.js.errors.APIError.from_msg(msg)
     except nats.js.errors.APIError as exc:
         return exc
+    except (KeyError, ValueError):  # from_msg reads a Description any status but a 503 may lack
+        status = (msg.headers or {}).get(_STATUS, "")
+        return nats.js.errors.APIError(code=int(status) if status.isdigit() else None, description=f"status {status}")
     return nats.js.errors.APIError(description="a status message")
 
 

@@ -217,3 +217,29 @@ def test_burst_switched_on_and_off_between_calls_loses_and_repeats_nothing(nats_
         assert got == list(range(sent))
 
     run(nats_server.url, body)
+
+
+@pytest.mark.parametrize("status", ["409", "400"])
+def test_a_status_without_a_description_is_an_api_error_not_a_key_error(status) -> None:  # type: ignore[no-untyped-def]
+    """nats-py's ``APIError.from_msg`` reads the Description header of any status but a 503
+    and raised ``KeyError`` without one: past every ``except APIError``, it ended the loop
+    that fetched (a pairing partition's) instead of being handled as the status it is."""
+    import nats.js.errors
+    from nats.aio.msg import Msg
+
+    from bridge.nats.pull import status_error
+
+    msg = Msg(None, subject="_INBOX.x", headers={"Status": status})  # type: ignore[arg-type]
+    error = status_error(msg)
+    assert isinstance(error, nats.js.errors.APIError) and error.code == int(status), repr(error)
+
+    class Sub:
+        _pending_size = 0
+
+    if status == "409":  # a request ended (a conflict): temporary, the next call asks again
+        return
+    puller = Puller.__new__(Puller)
+    puller._queue, puller._sub, puller._open_left, puller._error = asyncio.Queue(), Sub(), 1, None
+    msg.data = b""
+    with pytest.raises(nats.js.errors.APIError):
+        puller._take(16, msg)
