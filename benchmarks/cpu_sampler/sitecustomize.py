@@ -47,9 +47,13 @@ if _OUT:
 
     def _dump() -> None:
         role = sys.argv[1] if len(sys.argv) > 1 else "python"
-        with open(os.path.join(_OUT, f"{os.path.basename(role)}-{os.getpid()}.txt"), "w") as out:
-            for stack, n in _counts.items():
-                out.write(";".join(_name(c) for c in reversed(stack)) + f" {n}\n")
+        path = os.path.join(_OUT, f"{os.path.basename(role)}-{os.getpid()}.txt")
+        try:  # raised here, an error would surface in whatever the service was running
+            with open(path, "w") as out:
+                for stack, n in _counts.items():
+                    out.write(";".join(_name(c) for c in reversed(stack)) + f" {n}\n")
+        except OSError as exc:
+            print(f"cpu_sampler: cannot write {path}: {exc}", file=sys.stderr)
 
     def _toggle(signum, frame) -> None:  # type: ignore[no-untyped-def]
         if _on[0]:

@@ -110,7 +110,7 @@ def status_error(msg: Any) -> Exception:
         return exc
     except (KeyError, ValueError):  # from_msg reads a Description any status but a 503 may lack
         status = (msg.headers or {}).get(_STATUS, "")
-        return nats.js.errors.APIError(code=int(status) if status.isdigit() else None, description=f"status {status}")
+        return nats.js.errors.APIError(code=int(status) if status.isascii() and status.isdigit() else None, description=f"status {status}")
     return nats.js.errors.APIError(description="a status message")
 
 
