@@ -5,7 +5,6 @@ the stop (loops given a grace, then cancelled), the connection closed, the exit 
 from __future__ import annotations
 
 import asyncio
-import math
 import signal
 import time
 from typing import Any, Awaitable, Callable, Coroutine, Iterable, Mapping
@@ -79,7 +78,7 @@ class Stopper:
 
 
 class Linger:
-    """The pause after each batch of one loop (the mapper's, each pairing partition's).
+    """The pause after each batch of one loop (the mapper's, a pairing replica's reader).
 
     A batch of less than a quarter of the fetch size and of fewer than ``target`` messages is
     followed by a pause of ``base_s``
@@ -90,21 +89,16 @@ class Linger:
     wake-ups, socket writes and acks whatever its size, so a quiet fleet handled one message
     per batch costs several times more per event than a busy one (issue 24); what arrives
     meanwhile waits at most ``max_s``, a catch-up (a full batch) never. A pause ends on a
-    multiple of ``base_s`` on the monotonic clock (`after`); an ``aligned`` one (pairing's
-    partitions) on a tick of the nested clocks of `grid`, so the loops of a process wake in
-    one turn of the event loop.
+    multiple of ``base_s`` on the monotonic clock (`after`).
     """
 
     #: the weight a batch's messages and seconds keep per later batch (~4 batches' memory)
     DECAY = 0.75
-    #: an ``aligned`` pause ends on a tick at least this far ahead (`after`)
-    ALIGN_MARGIN_S = 0.002
 
-    def __init__(self, base_s: float, max_s: float | None = None, target: int = 32, aligned: bool = False) -> None:
+    def __init__(self, base_s: float, max_s: float | None = None, target: int = 32) -> None:
         self.base_s = base_s
         self.max_s = max(base_s, max_s if max_s is not None else base_s)
         self.target = target
-        self.aligned = aligned
         self._last = time.monotonic()
         # Messages and seconds of the recent batches, each decayed by DECAY per batch: the rate a
         # pause is sized by. One batch's own rate is noise (lanes come in bursts): at 2,000/s a
@@ -112,12 +106,11 @@ class Linger:
         self._n = 0.0
         self._t = 0.0
 
-    def seconds(self, n: int, small: bool, now: float | None = None, target: int | None = None) -> float:
-        """How long to pause after a batch of ``n`` (``small``: under a quarter of the fetch size);
-        ``target``: this call's instead of the loop's."""
+    def seconds(self, n: int, small: bool, now: float | None = None) -> float:
+        """How long to pause after a batch of ``n`` (``small``: under a quarter of the fetch size)."""
         now = time.monotonic() if now is None else now
         elapsed, self._last = now - self._last, now
-        target = target or self.target
+        target = self.target
         # A batch that already holds the target needs no pause: the pause is there to gather
         # about that many. Before, any batch under a quarter of the fetch size paused, so the
         # mapper (40-60 messages a batch) and every pairing partition paused at 2,000 events/s
@@ -136,38 +129,15 @@ class Linger:
             return self.base_s
         return min(self.max_s, max(self.base_s, target * self._t / self._n))
 
-    def grid(self, seconds: float) -> float:
-        """The clock an ``aligned`` pause of about ``seconds`` ends on: ``max_s / 2**k``, the one
-        nearest to ``seconds`` (by ratio), not under ``base_s``. These clocks nest (each tick of
-        one is a tick of the finer ones), so loops whose pauses differ a little still wake
-        together on the coarser one."""
-        g = self.max_s
-        while g / 2 >= self.base_s and seconds * math.sqrt(2) < g:  # nearer g / 2 than g
-            g /= 2
-        return g
-
-    async def after(self, n: int, small: bool, target: int | None = None) -> float:
+    async def after(self, n: int, small: bool) -> float:
         """Pause (`seconds`) and return how long the pause was meant to be (0.0: none).
 
         The pause ends on the next multiple of ``base_s`` on the monotonic clock after
-        ``seconds``; ``aligned`` (pairing's partitions): on the next tick of `grid` (at least
-        ``ALIGN_MARGIN_S`` ahead), at most that clock's period (up to ``max_s``) plus the margin,
-        and possibly much shorter than ``seconds``. Aligned loops of one process then run their
-        batches in the same turns of the event loop, in one pull-request write, one read of the
-        replies, one flush of their publishes and one read of the acks: eight partitions
-        pausing on their own took one wake-up of the process per partition and batch
-        (strace -c, pairing at 250 events/s: 1.4 epoll_pwait per event, 0.26 at 2,000/s)."""
-        seconds = self.seconds(n, small, target=target)  # (the pause counts as the next batch's gathering time)
+        ``seconds``."""
+        seconds = self.seconds(n, small)  # (the pause counts as the next batch's gathering time)
         if seconds > 0:
             now = time.monotonic()
-            if self.aligned:
-                g = self.grid(seconds)
-                # The tick after `now` + ALIGN_MARGIN_S: uvloop times a sleep in whole milliseconds
-                # and wakes up to 1 ms early, and a loop woken just before a tick would otherwise
-                # pause again until that tick (a wake-up of its own) instead of the next one.
-                await asyncio.sleep(((now + self.ALIGN_MARGIN_S) // g + 1) * g - now)
-            else:
-                await asyncio.sleep(seconds + (-(now + seconds)) % self.base_s)
+            await asyncio.sleep(seconds + (-(now + seconds)) % self.base_s)
         return seconds
 
 

@@ -33,11 +33,14 @@ Theory of operation
   left as it was, for a rollback); with neither, a fresh state. An unreadable
   checkpoint (bad digest, a chunk missing, not read within
   `CHECKPOINT_READ_TIMEOUT_S`) is never skipped: the partition stays unowned.
-* Reading: an ephemeral pull consumer (no acks: the checkpoint IS the position)
-  on `bridge.mapped.<n>.>` from the checkpoint's sequence + 1. After a crash or
-  a takeover the new owner restores the checkpoint and replays from there; the
-  replayed output is byte-identical (deterministic ids and seq) and
-  `Nats-Msg-Id` makes AEP_EVENTS drop what was already published.
+* Reading: one ephemeral pull consumer per replica (no acks: the checkpoint IS the
+  position) on the `bridge.mapped.<n>.>` of every partition it owns (`filter_subjects`),
+  from the lowest of their positions + 1; the reader (`read_loop`) puts each message
+  into its partition's feed, past what that partition already has, and each partition's
+  loop (`run_partition`) folds and publishes its own. A partition taken or dropped starts
+  a new reader. After a crash or a takeover the new owner restores the checkpoint and
+  replays from there; the replayed output is byte-identical (deterministic ids and seq)
+  and `Nats-Msg-Id` makes AEP_EVENTS drop what was already published.
 * Time: the owner publishes a tick into its own partition (`bridge.mapped.<n>.__tick__`)
   every `tick_s` (AEP_BRIDGE_TICK_S / `--tick-s`, default 15 s); TTL closure runs when the state machine reads a tick, so time
   travels through the stream and a replay sees exactly the same ticks.
@@ -116,15 +119,15 @@ CHECKPOINT_SPACING_S = 0.25
 # An owner stops acting on a partition this long before its lease could expire (fencing).
 # Above RENEW_S: a renewal that got no answer is retried once before the partition stops.
 FENCE_MARGIN_S = 3.0
-# A batch of less than a quarter of FETCH_BATCH and of fewer than its share of ~32 messages, once handled, is followed by a pause of
-# AEP_BRIDGE_LINGER_MS (up to AEP_BRIDGE_LINGER_MAX_MS when quiet) ending on a clock the partitions share (`Linger`, ``aligned``):
-# eight partitions polling without one made ~1 pull request per message (CPU for the service
-# and the server); messages arriving meanwhile wait at most this much, none in a catch-up.
+# A batch the reader fetched of less than a quarter of FETCH_BATCH and of fewer than ~32 messages is
+# followed by a pause of AEP_BRIDGE_LINGER_MS (up to AEP_BRIDGE_LINGER_MAX_MS when quiet, `Linger`):
+# polling without one made ~1 pull request per message (CPU for the service and the server);
+# messages arriving meanwhile wait at most this much, none in a catch-up.
 TICK_TOKEN = subj.TICK_TOKEN
-# How long a partition's pull request waits for a message. Each wait that ends empty costs a
-# request, a status and a wake-up: eight partitions at 0.5 s were most of an idle replica's
-# CPU (cost.py --idle: pairing 0.9 % of a core, 0.036 ms per event at 250 events/s). A longer
-# wait only delays a stop (`stop` waits for the loops) and a fenced loop's exit, never a message.
+# How long the reader's pull request (and a partition loop's wait on its feed) waits for a
+# message. Each wait that ends empty costs a request, a status and a wake-up: eight partitions
+# at 0.5 s were most of an idle replica's CPU (cost.py --idle: pairing 0.9 % of a core, 0.036 ms
+# per event at 250 events/s). A longer wait only delays a fenced loop's exit, never a message.
 POLL_S = 2.0
 
 
@@ -206,6 +209,50 @@ class _KeepSubscriptions:
         return sub
 
 
+class Feed:
+    """A partition's messages, as the replica's one reader (`PairingService.read_loop`) put them.
+
+    ``last``: the stream sequence of the last message put here (at first, the position the
+    partition was restored at): the reader puts only later ones, and a new consumer of the
+    reader starts after the lowest ``last`` of the partitions it reads, so a message is never
+    put twice nor skipped when the reader starts over (a partition added or dropped, a
+    delivery lost, an error)."""
+
+    __slots__ = ("last", "msgs", "_waiter")
+
+    def __init__(self, last: int) -> None:
+        self.last = last
+        self.msgs: list[Any] = []
+        self._waiter: asyncio.Future | None = None
+
+    def put(self, msgs: list[Any]) -> None:
+        self.msgs += msgs
+        self.last = msgs[-1].metadata.sequence.stream
+        self.wake()
+
+    def wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def get(self, batch: int, timeout: float) -> list[Any]:
+        """Up to ``batch`` messages; [] when none came within ``timeout`` (or `wake`)."""
+        if not self.msgs:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                async with asyncio.timeout(timeout):
+                    await self._waiter
+            except TimeoutError:
+                return []
+            finally:
+                self._waiter = None
+        msgs = self.msgs
+        if len(msgs) <= batch:
+            self.msgs = []
+            return msgs
+        self.msgs = msgs[batch:]
+        return msgs[:batch]
+
+
 @dataclass
 class Partition:
     number: int
@@ -221,6 +268,7 @@ class Partition:
     events_in: Any = None  # this partition's labelled counter
     published: int = 0  # replayed positions up to this one were published by the previous owner
     recheck_left: int = 0  # then this many messages (its batch in flight) are looked up on AEP_EVENTS
+    feed: Feed | None = None  # its messages from the replica's reader (made when its loop starts)
 
 
 class PairingService:
@@ -251,6 +299,8 @@ class PairingService:
         # live lease of another replica holds is not ours to own (a standby owns none, ready).
         self.unowned: dict[int, str] = {}
         self._checkpoint_slot = 0.0  # monotonic time before which no partition starts a checkpoint (`checkpoint_due`)
+        self.reader: asyncio.Task | None = None  # `read_loop`, for the partitions owned now
+        self.reader_error: str | None = None  # why the reader's last consumer failed (until a read succeeds)
 
     # ------------------------------------------------------------ leases
 
@@ -595,82 +645,163 @@ class PairingService:
         self.metrics.dead_letter(reason).inc()
         await self.js.publish(subj.dlq_subject(reason), letter.body, headers=letter.headers)
 
-    async def partition_consumer(self, part: Partition) -> Any:
-        """An ephemeral consumer of the partition from the message after ``part.position``."""
+    async def reader_consumer(self, feeds: dict[int, Feed]) -> Any:
+        """An ephemeral consumer of the partitions of ``feeds``, from the message after the
+        lowest of their ``last``: one consumer for all the partitions this replica reads."""
+        start = min(f.last for f in feeds.values())
         config = ConsumerConfig(
-            deliver_policy=DeliverPolicy.BY_START_SEQUENCE if part.position else DeliverPolicy.ALL,
-            opt_start_seq=part.position + 1 if part.position else None,
+            deliver_policy=DeliverPolicy.BY_START_SEQUENCE if start else DeliverPolicy.ALL,
+            opt_start_seq=start + 1 if start else None,
             ack_policy=AckPolicy.NONE,
             inactive_threshold=30.0,
-            filter_subject=subj.mapped_filter(part.number),
+            filter_subjects=[subj.mapped_filter(n) for n in sorted(feeds)],
             max_ack_pending=-1,
         )
-        return await self.js.pull_subscribe(subj.mapped_filter(part.number), stream=S.BRIDGE_MAPPED, config=config)
+        return await self.js.pull_subscribe(subj.mapped_filter(min(feeds)), stream=S.BRIDGE_MAPPED, config=config)
 
-    async def run_partition(self, part: Partition) -> None:
-        n = part.number
-        sub = await self.partition_consumer(part)
-        log.info("partition_started", partition=n, from_position=part.position)
+    async def remove_consumer(self, sub: Any) -> None:
+        """Unsubscribe, and delete the consumer rather than leave it to its inactive threshold
+        (30 s): a reader started again as partitions come and go would otherwise leave one
+        behind each time."""
+        with contextlib.suppress(Exception):
+            await sub.unsubscribe()
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(2):
+                await self.js.delete_consumer(sub._stream, sub._consumer)
+
+    @staticmethod
+    def dispatch(feeds: dict[int, Feed], msgs: list[Any]) -> None:
+        """Put each message into its partition's feed, past the feed's ``last`` only (a new
+        consumer starts at the lowest ``last``: the others' messages up to theirs come again)."""
+        groups: dict[int, list[Any]] = {}
+        for msg in msgs:
+            try:
+                n = int(msg.subject.split(".", 3)[2])
+            except (IndexError, ValueError):
+                continue  # not a partition's subject: the consumer's filters let none through
+            feed = feeds.get(n)
+            if feed is not None and msg.metadata.sequence.stream > feed.last:
+                groups.setdefault(n, []).append(msg)
+        for n, group in groups.items():
+            feeds[n].put(group)
+
+    async def read_loop(self, feeds: dict[int, Feed]) -> None:
+        """Read the partitions of ``feeds`` through one consumer and put each message into its
+        partition's feed; the partitions' loops (`run_partition`) fold and publish.
+
+        One consumer per replica, not one per partition: a round is one pull request, one
+        status and one read of the replies for all of them, where eight partitions each paid
+        their own (the CPU-time profile at 250 events/s: the read loop, Puller.fetch and the
+        flusher were 65 of pairing's 183 us per event, against 33 of 119 at 2,000/s; issue 24).
+        `maintain` starts a new reader (`restart_reader`) whenever the partitions it owns
+        change. A delivery lost on the way, or an error, starts a new consumer from the
+        lowest ``last`` of the feeds."""
+        pause = Linger(self.settings.linger_ms / 1000, self.settings.linger_max_ms / 1000, target=32)
+        pending = self.metrics.pending.labels(stream=S.BRIDGE_MAPPED, consumer="pairing")  # set per batch
+        sub = None
+        try:
+            while not self.stopper.stopping and not self.nc.is_closed:
+                again = False  # a lost delivery: a new consumer at once
+                try:
+                    sub = await self.reader_consumer(feeds)
+                    log.info("reader_started", partitions=sorted(feeds), from_position=min(f.last for f in feeds.values()))
+                    again = await self.read(sub, feeds, pause, pending)
+                    if not again:
+                        return
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # no consumer (an election, a node lost), a 503, ...
+                    self.reader_error = f"{type(exc).__name__}: {exc}"
+                    log.warning("reader_failed", error=self.reader_error, action="a new consumer")
+                finally:
+                    if sub is not None:
+                        await self.remove_consumer(sub)
+                        sub = None
+                if not again and await self.stopper.sleep(0.5):
+                    return
+        finally:
+            for feed in feeds.values():  # the loops see a stop at once, not after their wait
+                feed.wake()
+
+    async def read(self, sub: Any, feeds: dict[int, Feed], pause: Linger, pending: Any) -> bool:
+        """`read_loop`'s rounds on the consumer ``sub``: False at a stop, True (a new consumer
+        is wanted) after a lost delivery."""
         puller = Puller(sub)
         # The consumer takes no acks: the server moves on once it has sent a message, so a
         # delivery lost on the way (a connection or route torn down by a node's restart) is
         # never sent again. Its consumer sequence numbers each delivery 1, 2, 3, ... (never a
-        # redelivery): a jump is a lost delivery, and the partition reads again from the message
-        # after the last one it folded (the rolling-restart scenario lost BRIDGE_MAPPED 1679 and folded
-        # 1688, 2026-12-04). `delivered`: the consumer sequence of the last message taken.
+        # redelivery): a jump is a lost delivery, and the reader reads again from the message
+        # after the last one it put into each feed (the rolling-restart scenario lost
+        # BRIDGE_MAPPED 1679 and folded 1688, 2026-12-04). `delivered`: the consumer sequence
+        # of the last message taken.
         delivered = 0
-        pause = Linger(self.settings.linger_ms / 1000, self.settings.linger_max_ms / 1000, aligned=True)
-        pending = self.metrics.pending.labels(stream=S.BRIDGE_MAPPED, consumer=f"pairing-p{n}")  # set per batch
-        try:
-            # The lease is checked before every read too (a monotonic clock read): a loop that
-            # wakes from a pause past its lease with nothing to publish would otherwise send its
-            # next pull to a consumer the server removed meanwhile and end on the 503.
-            while not self.stopper.stopping and not self.fenced(part):
-                try:
-                    msgs = await puller.fetch(FETCH_BATCH, timeout=POLL_S)
-                except (nats.errors.TimeoutError, asyncio.TimeoutError):
-                    msgs = []
-                gap = next((i for i, m in enumerate(msgs) if m.metadata.sequence.consumer != delivered + 1 + i), None)
-                if gap is not None:
-                    msgs, got = msgs[:gap], msgs[gap].metadata.sequence.consumer
-                delivered += len(msgs)
-                if msgs:
-                    await self.handle_batch(part, msgs)
-                if gap is not None:
-                    self.metrics.consumer_gaps.inc()
-                    log.warning("consumer_gap", partition=n, position=part.position, expected=delivered + 1, got=got,
-                                action="read again from the position")
-                    with contextlib.suppress(Exception):
-                        await sub.unsubscribe()
-                    if self.stopper.stopping or self.fenced(part):
-                        break
-                    sub = await self.partition_consumer(part)
-                    puller, delivered = Puller(sub), 0
-                if part.since_checkpoint and self.checkpoint_due(part):
-                    await self.checkpoint(part)
-                if msgs:
-                    try:
-                        pending.set(msgs[-1].metadata.num_pending)
-                    except Exception:
-                        pass
-                # published already: only the next ones wait (AEP_BRIDGE_LINGER_MS, longer when quiet)
-                # The partitions of a process wake together: ~32 messages a wake-up in all.
-                paused = await pause.after(len(msgs), 0 < len(msgs) < FETCH_BATCH // 4,
-                                           target=max(4, 32 // max(1, len(self.partitions))))
-                # A loop that pauses reads in bursts (`Puller`'s ``burst``): what comes during
-                # the pause stays on the server and is taken in one read after it. A busy one
-                # (batches that hold the target: no pause) keeps one long request open: a burst
-                # costs a request and a status per batch, 0.100 -> 0.113 ms per event at
-                # 2,000/s (bridge.nats.pull). An empty poll leaves it as it was.
-                if msgs:
-                    puller.burst = paused > 0
-            if not part.lost:  # a clean stop: everything handled was published
-                await self.checkpoint(part)
-        finally:
+        partitions = self.partitions
+        while not self.stopper.stopping:
+            # A partition whose loop is slower than the stream (a long checkpoint, a publish
+            # stall) holds the reader back rather than gathering messages without bound.
+            while any(len(f.msgs) >= 2 * FETCH_BATCH and self.running(partitions.get(n)) for n, f in feeds.items()):
+                if await self.stopper.sleep(0.01):
+                    return False
             try:
-                await sub.unsubscribe()
-            except Exception:
-                pass
+                msgs = await puller.fetch(FETCH_BATCH, timeout=POLL_S)
+            except (nats.errors.TimeoutError, asyncio.TimeoutError):
+                msgs = []
+            self.reader_error = None
+            gap = next((i for i, m in enumerate(msgs) if m.metadata.sequence.consumer != delivered + 1 + i), None)
+            if gap is not None:
+                msgs, got = msgs[:gap], msgs[gap].metadata.sequence.consumer
+            delivered += len(msgs)
+            if msgs:
+                self.dispatch(feeds, msgs)
+                try:
+                    pending.set(msgs[-1].metadata.num_pending)
+                except Exception:
+                    pass
+            if gap is not None:
+                self.metrics.consumer_gaps.inc()
+                log.warning("consumer_gap", positions={n: f.last for n, f in feeds.items()}, expected=delivered + 1,
+                            got=got, action="read again from the last message put into each partition")
+                return True
+            # Only the next messages wait (AEP_BRIDGE_LINGER_MS, longer when quiet): ~32 a round.
+            paused = await pause.after(len(msgs), 0 < len(msgs) < FETCH_BATCH // 4)
+            # A reader that pauses reads in bursts (`Puller`'s ``burst``): what comes during the
+            # pause stays on the server and is taken in one read after it. A busy one (batches
+            # that hold the target: no pause) keeps one long request open: a burst costs a
+            # request and a status per batch (bridge.nats.pull). An empty poll leaves it as it was.
+            if msgs:
+                puller.burst = paused > 0
+        return False
+
+    @staticmethod
+    def running(part: Partition | None) -> bool:
+        """Is ``part`` owned and its loop still taking from its feed?"""
+        return part is not None and not part.lost and part.task is not None and not part.task.done()
+
+    def restart_reader(self) -> None:
+        """A new reader for the partitions owned now (none: no reader). The old one is cancelled:
+        what it took and did not put into a feed is read again (the new consumer starts after
+        each feed's ``last``)."""
+        if self.reader is not None:
+            self.reader.cancel()
+            self.reader = None
+        feeds = {n: p.feed for n, p in self.partitions.items() if p.feed is not None and not p.lost}
+        if feeds and not self.stopper.stopping:
+            self.reader = asyncio.create_task(self.read_loop(feeds))
+
+    async def run_partition(self, part: Partition) -> None:
+        """Fold and publish what the reader puts into the partition's feed, until a stop or
+        its lease may have lapsed (checked before every batch too, a monotonic clock read)."""
+        feed = part.feed
+        assert feed is not None
+        log.info("partition_started", partition=part.number, from_position=part.position)
+        while not self.stopper.stopping and not self.fenced(part):
+            msgs = await feed.get(FETCH_BATCH, POLL_S)
+            if msgs:
+                await self.handle_batch(part, msgs)
+            if part.since_checkpoint and self.checkpoint_due(part):
+                await self.checkpoint(part)
+        if not part.lost:  # a clean stop: everything handled was published
+            await self.checkpoint(part)
 
     # ------------------------------------------------------------ the supervisor loop
 
@@ -709,6 +840,7 @@ class PairingService:
         read, KV reads), and a partition renewed after it could pass its fencing deadline
         (LEASE_TTL_S - FENCE_MARGIN_S since its last renewal) although its lease was fine."""
         dropped = set()
+        acquired = False
         for n in sorted(self.partitions):
             part = self.partitions[n]
             # Fenced first, however its loop ended: after a pause past the lease a loop may
@@ -762,15 +894,25 @@ class PairingService:
                 await self.release(part)
                 continue
             self.unowned.pop(n, None)
+            part.feed = Feed(part.position)
             part.task = asyncio.create_task(self.run_partition(part))
             self.partitions[n] = part
+            acquired = True
             self.metrics.owned_by_partition.labels(partition=str(n)).set(1)
             self.metrics.takeovers.inc()
             log.info("partition_acquired", partition=n, replica=self.replica, position=part.position)
+        if dropped or acquired or (self.partitions and (self.reader is None or self.reader.done())):
+            if self.reader is not None and self.reader.done() and not self.reader.cancelled() \
+                    and self.reader.exception() is not None:
+                exc = self.reader.exception()
+                log.error("reader_ended", error=f"{type(exc).__name__}: {exc}")
+            self.restart_reader()  # the partitions it reads changed (or it ended): a new consumer
         self.health.info["partitions"] = sorted(self.partitions)
         self.health.info["unowned"] = {str(n): why[:200] for n, why in sorted(self.unowned.items())}
         if self.unowned:
             self.health.set_ready(False, f"partitions {sorted(self.unowned)} should be owned here and are not")
+        elif self.reader_error is not None:
+            self.health.set_ready(False, f"the partitions' consumer fails: {self.reader_error}"[:300])
         else:
             self.health.set_ready(True)
         self.export_state()
@@ -842,6 +984,9 @@ class PairingService:
         done, still = await asyncio.wait(tasks, timeout=20) if tasks else (set(), set())
         for task in still:
             task.cancel()
+        if self.reader is not None:  # (it returns on the stop, after its fetch in hand)
+            with contextlib.suppress(BaseException):
+                await asyncio.wait_for(self.reader, 5)
         for part in list(self.partitions.values()):
             await self.release(part)
 

@@ -198,14 +198,18 @@ class Pipeline:
                 out["mapper_pending"] = -1
             # Per partition the consumer that got furthest: a killed owner's consumer lingers
             # (inactive_threshold) with a growing backlog nobody reads.
-            best: dict[str, tuple[int, int]] = {}
+            # A pairing replica reads the partitions it owns through one consumer (filter_subjects):
+            # per partition the consumer that got furthest; its pending counted once.
+            best: dict[str, tuple[int, str]] = {}
+            pending: dict[str, int] = {}
             for c in await js.consumers_info(S.BRIDGE_MAPPED):
-                subject = c.config.filter_subject or ""
-                if subject.startswith(f"{S.MAPPED_PREFIX}."):
-                    delivered = (c.delivered.stream_seq or 0) if c.delivered else 0
-                    if subject not in best or delivered > best[subject][0]:
-                        best[subject] = (delivered, c.num_pending or 0)
-            out["pairing_pending"] = sum(p for _, p in best.values())
+                delivered = (c.delivered.stream_seq or 0) if c.delivered else 0
+                for subject in c.config.filter_subjects or [c.config.filter_subject or ""]:
+                    if subject.startswith(f"{S.MAPPED_PREFIX}."):
+                        pending[c.name] = c.num_pending or 0
+                        if subject not in best or delivered > best[subject][0]:
+                            best[subject] = (delivered, c.name)
+            out["pairing_pending"] = sum(pending[name] for name in {name for _, name in best.values()})
             out["pairing_consumers"] = len(best)
             return out
 

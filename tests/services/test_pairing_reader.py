@@ -1,0 +1,167 @@
+"""One consumer per pairing replica: the reader and the partitions' feeds (issue 24).
+
+A replica reads every partition it owns through one ephemeral consumer (`filter_subjects`)
+and puts each message into its partition's `Feed`; each partition's loop folds and
+publishes its own. Here: the feed on its own; the reader's dispatch (past each feed's
+``last`` only, by partition); and on a real nats-server, one consumer for the owned
+partitions, a new one (with the partitions left) when one is dropped, nothing lost or
+folded twice when the reader is started over mid-stream, and partitions restored at
+different positions each read from their own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+from typing import Any
+
+import nats
+
+from bridge.nats import streams as S
+from bridge.services import pairing as P
+from tests.services.test_pairing_checkpoints import BOUND_S, publish_sessions, sample, service, until
+from tests.services.test_pairing_checkpoints import url  # noqa: F401  (the fixture: a server, bootstrapped)
+
+
+def msg(subject: str, seq: int) -> Any:
+    return SimpleNamespace(subject=subject, metadata=SimpleNamespace(sequence=SimpleNamespace(stream=seq)))
+
+
+def test_a_feed_gives_what_was_put_in_batches_and_wakes_its_reader() -> None:
+    async def scenario() -> None:
+        feed = P.Feed(last=4)
+        assert await feed.get(10, 0.05) == []  # nothing came: [] after the timeout
+        waiting = asyncio.create_task(feed.get(2, 5))
+        await asyncio.sleep(0.01)
+        feed.put([msg("bridge.mapped.0.a", 5), msg("bridge.mapped.0.a", 7), msg("bridge.mapped.0.b", 9)])
+        assert feed.last == 9
+        first = await asyncio.wait_for(waiting, 1)  # woken by the put, not by its timeout
+        assert [m.metadata.sequence.stream for m in first] == [5, 7]
+        assert [m.metadata.sequence.stream for m in await feed.get(2, 5)] == [9]
+        woken = asyncio.create_task(feed.get(2, 5))
+        await asyncio.sleep(0.01)
+        feed.wake()  # a stop: the loop sees it at once
+        assert await asyncio.wait_for(woken, 1) == []
+
+    asyncio.run(scenario())
+
+
+def test_the_reader_puts_each_message_into_its_partition_past_what_it_has() -> None:
+    feeds = {0: P.Feed(last=10), 2: P.Feed(last=0)}
+    P.PairingService.dispatch(feeds, [
+        msg("bridge.mapped.0.a", 9),   # partition 0 has it already (restored past it)
+        msg("bridge.mapped.2.a", 10),
+        msg("bridge.mapped.0.b", 11),
+        msg("bridge.mapped.1.a", 12),  # not a partition this reader reads
+        msg("bridge.mapped.2.__tick__", 13),
+        msg("bridge.mapped.x.a", 14),  # not a partition's subject
+    ])
+    assert [(m.subject, m.metadata.sequence.stream) for m in feeds[0].msgs] == [("bridge.mapped.0.b", 11)]
+    assert [m.metadata.sequence.stream for m in feeds[2].msgs] == [10, 13]
+    assert (feeds[0].last, feeds[2].last) == (11, 13)
+    P.PairingService.dispatch(feeds, [msg("bridge.mapped.2.a", 13), msg("bridge.mapped.0.b", 11)])  # read again
+    assert (len(feeds[0].msgs), len(feeds[2].msgs)) == (1, 2), "a message read again is not put twice"
+
+
+async def mapped_consumers(js: Any) -> list[list[str]]:
+    """The filter subjects of each consumer on BRIDGE_MAPPED."""
+    return [sorted(c.config.filter_subjects or [c.config.filter_subject]) for c in await js.consumers_info(S.BRIDGE_MAPPED)]
+
+
+def test_one_consumer_reads_the_partitions_a_replica_owns(url: str) -> None:
+    async def scenario() -> None:
+        nc = await nats.connect(url)
+        js = nc.jetstream()
+        svc = None
+        try:
+            svc = await service(url, "one", partitions=4)
+            await svc.maintain()
+            assert sorted(svc.partitions) == [0, 1, 2, 3]
+            await until(lambda: svc.reader is not None)
+            for _ in range(100):
+                if await mapped_consumers(js):
+                    break
+                await asyncio.sleep(0.05)
+            assert await mapped_consumers(js) == [[f"bridge.mapped.{n}.>" for n in range(4)]]
+            base = 1_700_000_000_000_000_000
+            sent = {n: 0 for n in range(4)}
+            # Published in parts, the reader started over (as a partition taken or dropped
+            # does) between them and mid-stream: nothing lost, nothing folded twice.
+            for part_no in range(6):
+                for n in range(4):
+                    first = 1 + n * 10_000 + part_no * 50
+                    await publish_sessions(js, range(first, first + 50), base, partition=n)
+                    sent[n] += 50
+                svc.restart_reader()
+                await asyncio.sleep(0.05 * part_no)
+            last = (await js.stream_info(S.BRIDGE_MAPPED)).state.last_seq
+            await until(lambda: all(sample(svc, "aep_bridge_pairing_events_in_total", partition=str(n)) >= sent[n]
+                                    for n in range(4)))
+            assert max(p.position for p in svc.partitions.values()) == last
+            await asyncio.sleep(0.5)
+            assert {n: sample(svc, "aep_bridge_pairing_events_in_total", partition=str(n)) for n in range(4)} == sent
+            assert sample(svc, "aep_bridge_pairing_consumer_gaps_total") == 0
+            # A partition dropped (its lease lost): a new consumer, for the others only.
+            dropped = svc.partitions.pop(3)
+            dropped.lost = True
+            assert dropped.task is not None
+            dropped.task.cancel()
+            svc.restart_reader()
+            for _ in range(100):
+                if await mapped_consumers(js) == [[f"bridge.mapped.{n}.>" for n in range(3)]]:
+                    break
+                await asyncio.sleep(0.05)
+            assert await mapped_consumers(js) == [[f"bridge.mapped.{n}.>" for n in range(3)]], \
+                "the old consumer is removed and the new one reads the partitions left"
+        finally:
+            if svc is not None:
+                svc.stopper.trigger("test")
+                await svc.stop()
+                await svc.close()
+            await nc.close()
+
+    asyncio.run(asyncio.wait_for(scenario(), BOUND_S))
+
+
+def test_partitions_restored_at_different_positions_each_read_from_their_own(url: str) -> None:
+    async def scenario() -> None:
+        nc = await nats.connect(url)
+        js = nc.jetstream()
+        first = second = None
+        base = 1_700_000_000_000_000_000
+        try:
+            await publish_sessions(js, range(1, 101), base, partition=0)
+            await publish_sessions(js, range(1001, 1031), base, partition=1)
+            # The first owner reads partition 0 only, and stops: its checkpoint is at the head.
+            first = await service(url, "first", partitions=1)
+            await first.maintain()
+            head = (await js.stream_info(S.BRIDGE_MAPPED)).state.last_seq
+            await until(lambda: first.partitions[0].position >= 100)
+            first.stopper.trigger("test")
+            await first.stop()
+            position = first.partitions[0].position
+            await first.close()
+            first = None
+            await publish_sessions(js, range(101, 121), base, partition=0)
+            await publish_sessions(js, range(1031, 1041), base, partition=1)
+            # The second owns both: partition 0 from its checkpoint, partition 1 (none) from 0.
+            second = await service(url, "second", partitions=2)
+            await second.maintain()
+            assert second.partitions[0].position == position and second.partitions[1].position == 0
+            last = (await js.stream_info(S.BRIDGE_MAPPED)).state.last_seq
+            assert last > head
+            await until(lambda: sample(second, "aep_bridge_pairing_events_in_total", partition="0") >= 20
+                        and sample(second, "aep_bridge_pairing_events_in_total", partition="1") >= 40)
+            await asyncio.sleep(0.5)
+            assert sample(second, "aep_bridge_pairing_events_in_total", partition="0") == 20, \
+                "partition 0 folds only what came after its checkpoint"
+            assert sample(second, "aep_bridge_pairing_events_in_total", partition="1") == 40
+        finally:
+            for svc in (first, second):
+                if svc is not None:
+                    svc.stopper.trigger("test")
+                    await svc.stop()
+                    await svc.close()
+            await nc.close()
+
+    asyncio.run(asyncio.wait_for(scenario(), BOUND_S))
