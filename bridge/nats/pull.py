@@ -15,7 +15,7 @@ while messages are queued). The result is the same as ``fetch``'s: up to ``batch
 in delivery order, ``nats.errors.TimeoutError`` when none came within ``timeout``, an
 ``APIError`` for a status that is not temporary (503: no consumer).
 
-``burst`` (the mapper's; a pairing partition's while it pauses): an open request takes each message as it is published, one socket
+``burst`` (the mapper's; pairing's reader while it pauses): an open request takes each message as it is published, one socket
 read and parse per message even while the caller pauses (`Linger`), so a quiet stream costs
 per message what a busy one costs per batch. With ``burst``, once a call got messages the next
 asks with ``no_wait`` for what gathered since (one burst, ended by a full batch or a status,
@@ -23,8 +23,8 @@ taken within `BURST_GRACE_S` of each message), a call that found nothing waits f
 only, and a first message with a backlog behind it asks for the backlog at once: what comes
 during a pause stays on the server. `cost.py --rates 250,2000` (2026-12-04, alternated, 2 rounds): the mapper 0.260, 0.274
 -> 0.200, 0.198 ms per event at 250/s, 0.140, 0.142 -> 0.140, 0.134 at 2,000/s. Not for a
-busy pairing partition: each asks on its own, and at 2,000/s the extra requests and statuses
-cost pairing 0.100, 0.102 -> 0.114, 0.112 ms per event; a partition switches ``burst`` on
+busy pairing reader: when each partition had its own, at 2,000/s the extra requests and statuses
+cost pairing 0.100, 0.102 -> 0.114, 0.112 ms per event; the reader switches ``burst`` on
 only while it pauses (the attribute may change between calls: an open request is used up
 first).
 

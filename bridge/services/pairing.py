@@ -129,6 +129,10 @@ TICK_TOKEN = subj.TICK_TOKEN
 # at 0.5 s were most of an idle replica's CPU (cost.py --idle: pairing 0.9 % of a core, 0.036 ms
 # per event at 250 events/s). A longer wait only delays a fenced loop's exit, never a message.
 POLL_S = 2.0
+# A partition taken more than this many BRIDGE_MAPPED positions behind the furthest one of its
+# replica is read by a consumer of its own until it is within half of it (`restart_reader`).
+# A takeover's replay from a checkpoint (CHECKPOINT_S, CHECKPOINT_EVERY) stays under it.
+CATCH_UP_GAP = 100_000
 
 
 class PairingMetrics:
@@ -154,15 +158,15 @@ class PairingMetrics:
         self.redelivered = Gauge("aep_bridge_consumer_redelivered_messages", "JetStream num_redelivered", ["stream", "consumer"], registry=registry)
         self.consumer_gaps = Counter(
             f"{ns}_consumer_gaps_total",
-            "Deliveries a partition's consumer sent that never arrived (a jump in its consumer sequence); the "
-            "partition read again from its position", registry=registry)
+            "Deliveries a replica's consumer sent that never arrived (a jump in its consumer sequence); its "
+            "partitions read again from their positions", registry=registry)
         self.fenced = Counter(f"{ns}_fenced_total", "Partitions dropped because their lease may have lapsed (nothing more published)",
                               registry=registry)
         self.republish_skipped = Counter(
             f"{ns}_republish_skipped_total", "Replayed outputs already on AEP_EVENTS past its duplicate window (not published again)",
             registry=registry,
         )
-        self.batch = Histogram(f"{ns}_batch_size", "Mapped events per fetched batch (any partition)",
+        self.batch = Histogram(f"{ns}_batch_size", "Mapped events per batch a partition handled (any partition)",
                                buckets=(1, 4, 16, 64, 128, 256, 512), registry=registry)
         self.latency = Histogram(
             f"{ns}_end_to_end_latency_seconds", "Shim receive time to AEP_EVENTS publish ack",
@@ -212,11 +216,12 @@ class _KeepSubscriptions:
 class Feed:
     """A partition's messages, as the replica's one reader (`PairingService.read_loop`) put them.
 
-    ``last``: the stream sequence of the last message put here (at first, the position the
-    partition was restored at): the reader puts only later ones, and a new consumer of the
-    reader starts after the lowest ``last`` of the partitions it reads, so a message is never
-    put twice nor skipped when the reader starts over (a partition added or dropped, a
-    delivery lost, an error)."""
+    ``last``: the stream sequence up to which every message of the partition was put here (at
+    first, the position the partition was restored at; then the last message its reader's
+    consumer delivered, of any of its partitions): the reader puts only later ones, and a new
+    consumer of the reader starts after the lowest ``last`` of the partitions it reads, so a
+    message is never put twice nor skipped when the reader starts over (a partition added or
+    dropped, a delivery lost, an error)."""
 
     __slots__ = ("last", "msgs", "_waiter")
 
@@ -299,8 +304,11 @@ class PairingService:
         # live lease of another replica holds is not ours to own (a standby owns none, ready).
         self.unowned: dict[int, str] = {}
         self._checkpoint_slot = 0.0  # monotonic time before which no partition starts a checkpoint (`checkpoint_due`)
-        self.reader: asyncio.Task | None = None  # `read_loop`, for the partitions owned now
-        self.reader_error: str | None = None  # why the reader's last consumer failed (until a read succeeds)
+        self.readers: list[asyncio.Task] = []  # `read_loop`s, for the partitions owned now (`restart_reader`)
+        self.old_readers: set[asyncio.Task] = set()  # cancelled ones, still ending (awaited by `stop`)
+        self.reading: set[int] = set()  # the partitions the readers were started for
+        self.reader_error: str | None = None  # why a reader's last consumer failed (until a read succeeds)
+        self.reader_failing_since: float | None = None  # monotonic time of its first failure in a row
 
     # ------------------------------------------------------------ leases
 
@@ -685,33 +693,43 @@ class PairingService:
         for n, group in groups.items():
             feeds[n].put(group)
 
-    async def read_loop(self, feeds: dict[int, Feed]) -> None:
-        """Read the partitions of ``feeds`` through one consumer and put each message into its
+    async def read_loop(self, parts: dict[int, Partition], catch_up: bool = False) -> None:
+        """Read the partitions ``parts`` through one consumer and put each message into its
         partition's feed; the partitions' loops (`run_partition`) fold and publish.
 
         One consumer per replica, not one per partition: a round is one pull request, one
         status and one read of the replies for all of them, where eight partitions each paid
         their own (the CPU-time profile at 250 events/s: the read loop, Puller.fetch and the
         flusher were 65 of pairing's 183 us per event, against 33 of 119 at 2,000/s; issue 24).
-        `maintain` starts a new reader (`restart_reader`) whenever the partitions it owns
-        change. A delivery lost on the way, or an error, starts a new consumer from the
-        lowest ``last`` of the feeds."""
+        `maintain` starts the readers again (`restart_reader`) whenever the partitions it owns
+        change. A delivery lost on the way, a partition fenced, or an error starts a new
+        consumer from the lowest ``last`` of the feeds left. ``catch_up``: a partition far
+        behind the others, read on its own until it is near them (`CATCH_UP_GAP`)."""
         pause = Linger(self.settings.linger_ms / 1000, self.settings.linger_max_ms / 1000, target=32)
         pending = self.metrics.pending.labels(stream=S.BRIDGE_MAPPED, consumer="pairing")  # set per batch
+        parts = dict(parts)  # (`read` drops the fenced ones)
         sub = None
         try:
-            while not self.stopper.stopping and not self.nc.is_closed:
-                again = False  # a lost delivery: a new consumer at once
+            while parts and not self.stopper.stopping and not self.nc.is_closed:
+                again = False  # a lost delivery or a partition fenced: a new consumer at once
                 try:
+                    feeds = {n: p.feed for n, p in parts.items() if p.feed is not None}
                     sub = await self.reader_consumer(feeds)
-                    log.info("reader_started", partitions=sorted(feeds), from_position=min(f.last for f in feeds.values()))
-                    again = await self.read(sub, feeds, pause, pending)
+                    log.info("reader_started", partitions=sorted(feeds), from_position=min(f.last for f in feeds.values()),
+                             catch_up=catch_up)
+                    outcome = await self.read(sub, parts, pause, pending, catch_up)
+                    if outcome == "caught_up":  # near the others now: read with them
+                        asyncio.get_running_loop().call_soon(self.restart_reader)
+                        return
+                    again = outcome == "again"
                     if not again:
                         return
                 except asyncio.CancelledError:
                     raise
                 except Exception as exc:  # no consumer (an election, a node lost), a 503, ...
                     self.reader_error = f"{type(exc).__name__}: {exc}"
+                    if self.reader_failing_since is None:
+                        self.reader_failing_since = time.monotonic()
                     log.warning("reader_failed", error=self.reader_error, action="a new consumer")
                 finally:
                     if sub is not None:
@@ -720,13 +738,16 @@ class PairingService:
                 if not again and await self.stopper.sleep(0.5):
                     return
         finally:
-            for feed in feeds.values():  # the loops see a stop at once, not after their wait
-                feed.wake()
+            for part in parts.values():  # the loops see a stop at once, not after their wait
+                if part.feed is not None:
+                    part.feed.wake()
 
-    async def read(self, sub: Any, feeds: dict[int, Feed], pause: Linger, pending: Any) -> bool:
-        """`read_loop`'s rounds on the consumer ``sub``: False at a stop, True (a new consumer
-        is wanted) after a lost delivery."""
+    async def read(self, sub: Any, parts: dict[int, Partition], pause: Linger, pending: Any, catch_up: bool) -> str:
+        """`read_loop`'s rounds on the consumer ``sub``: "stop" (a stop, or no partition left),
+        "again" (a new consumer is wanted: a lost delivery, a partition fenced and dropped from
+        ``parts``) or, ``catch_up``, "caught_up"."""
         puller = Puller(sub)
+        feeds = {n: p.feed for n, p in parts.items() if p.feed is not None}
         # The consumer takes no acks: the server moves on once it has sent a message, so a
         # delivery lost on the way (a connection or route torn down by a node's restart) is
         # never sent again. Its consumer sequence numbers each delivery 1, 2, 3, ... (never a
@@ -735,24 +756,40 @@ class PairingService:
         # BRIDGE_MAPPED 1679 and folded 1688, 2026-12-04). `delivered`: the consumer sequence
         # of the last message taken.
         delivered = 0
-        partitions = self.partitions
         while not self.stopper.stopping:
+            # The leases are checked before every read (a monotonic clock read each): a reader
+            # that wakes from a pause past them must not pull for partitions a standby may own
+            # now (nor send its pull to a consumer the server removed meanwhile).
+            fenced = [n for n, p in parts.items() if self.fenced(p)]
+            if fenced:
+                for n in fenced:
+                    del parts[n]
+                return "again" if parts else "stop"
             # A partition whose loop is slower than the stream (a long checkpoint, a publish
-            # stall) holds the reader back rather than gathering messages without bound.
-            while any(len(f.msgs) >= 2 * FETCH_BATCH and self.running(partitions.get(n)) for n, f in feeds.items()):
+            # stall, a replay's look-ups) holds the reader back rather than gathering messages
+            # without bound (a catch-up: ~100 wake-ups a second while its feed is full).
+            while any(len(f.msgs) >= 2 * FETCH_BATCH and self.running(parts[n]) for n, f in feeds.items()):
                 if await self.stopper.sleep(0.01):
-                    return False
+                    return "stop"
             try:
                 msgs = await puller.fetch(FETCH_BATCH, timeout=POLL_S)
             except (nats.errors.TimeoutError, asyncio.TimeoutError):
                 msgs = []
             self.reader_error = None
+            self.reader_failing_since = None
             gap = next((i for i, m in enumerate(msgs) if m.metadata.sequence.consumer != delivered + 1 + i), None)
             if gap is not None:
                 msgs, got = msgs[:gap], msgs[gap].metadata.sequence.consumer
             delivered += len(msgs)
             if msgs:
                 self.dispatch(feeds, msgs)
+                # The consumer delivers its subjects in stream order: every partition it reads has
+                # had everything up to this message, whether or not one of its own came (a new
+                # consumer for them starts after it, not after a quiet partition's last message).
+                top = msgs[-1].metadata.sequence.stream
+                for feed in feeds.values():
+                    if feed.last < top:
+                        feed.last = top
                 try:
                     pending.set(msgs[-1].metadata.num_pending)
                 except Exception:
@@ -761,7 +798,9 @@ class PairingService:
                 self.metrics.consumer_gaps.inc()
                 log.warning("consumer_gap", positions={n: f.last for n, f in feeds.items()}, expected=delivered + 1,
                             got=got, action="read again from the last message put into each partition")
-                return True
+                return "again"
+            if catch_up and msgs and min(f.last for f in feeds.values()) >= self.head() - CATCH_UP_GAP // 2:
+                return "caught_up"
             # Only the next messages wait (AEP_BRIDGE_LINGER_MS, longer when quiet): ~32 a round.
             paused = await pause.after(len(msgs), 0 < len(msgs) < FETCH_BATCH // 4)
             # A reader that pauses reads in bursts (`Puller`'s ``burst``): what comes during the
@@ -770,7 +809,11 @@ class PairingService:
             # request and a status per batch (bridge.nats.pull). An empty poll leaves it as it was.
             if msgs:
                 puller.burst = paused > 0
-        return False
+        return "stop"
+
+    def head(self) -> int:
+        """The furthest position any owned partition's feed has reached."""
+        return max((p.feed.last for p in self.partitions.values() if p.feed is not None and not p.lost), default=0)
 
     @staticmethod
     def running(part: Partition | None) -> bool:
@@ -778,15 +821,30 @@ class PairingService:
         return part is not None and not part.lost and part.task is not None and not part.task.done()
 
     def restart_reader(self) -> None:
-        """A new reader for the partitions owned now (none: no reader). The old one is cancelled:
-        what it took and did not put into a feed is read again (the new consumer starts after
-        each feed's ``last``)."""
-        if self.reader is not None:
-            self.reader.cancel()
-            self.reader = None
-        feeds = {n: p.feed for n, p in self.partitions.items() if p.feed is not None and not p.lost}
-        if feeds and not self.stopper.stopping:
-            self.reader = asyncio.create_task(self.read_loop(feeds))
+        """New readers for the partitions owned now (none: no reader): one consumer for them
+        all, and one each for a partition far behind the others (`CATCH_UP_GAP`), which joins
+        the others once it is near them. The old readers are cancelled: what they took and did
+        not put into a feed is read again (a new consumer starts after each feed's ``last``)."""
+        for task in self.readers:
+            task.cancel()
+        self.old_readers = {t for t in self.old_readers | set(self.readers) if not t.done()}
+        self.readers = []
+        self.reader_error = None
+        self.reader_failing_since = None
+        parts = {n: p for n, p in self.partitions.items() if p.feed is not None and not p.lost}
+        self.reading = set(parts)
+        if not parts or self.stopper.stopping:
+            return
+        # Without this, a partition taken far behind the others (no checkpoint: a partition
+        # count raised; an old one) would make the one consumer send the others everything
+        # again from its position, and hold them back until it caught up.
+        head = self.head()
+        near = {n: p for n, p in parts.items() if p.feed is not None and p.feed.last >= head - CATCH_UP_GAP}
+        self.readers.append(asyncio.create_task(self.read_loop(near)))
+        for n, part in parts.items():
+            if n not in near:
+                log.info("partition_catching_up", partition=n, position=part.position, head=head)
+                self.readers.append(asyncio.create_task(self.read_loop({n: part}, catch_up=True)))
 
     async def run_partition(self, part: Partition) -> None:
         """Fold and publish what the reader puts into the partition's feed, until a stop or
@@ -840,7 +898,6 @@ class PairingService:
         read, KV reads), and a partition renewed after it could pass its fencing deadline
         (LEASE_TTL_S - FENCE_MARGIN_S since its last renewal) although its lease was fine."""
         dropped = set()
-        acquired = False
         for n in sorted(self.partitions):
             part = self.partitions[n]
             # Fenced first, however its loop ended: after a pause past the lease a loop may
@@ -873,6 +930,20 @@ class PairingService:
                 del self.partitions[n]
                 self.metrics.owned_by_partition.labels(partition=str(n)).set(0)
                 dropped.add(n)
+        # A reader failing for longer than a lease lives without a renewal: this replica cannot
+        # read its partitions. They go back (unowned here: not ready), for another replica to
+        # take, or this one again from the next round.
+        if self.reader_failing_since is not None and time.monotonic() - self.reader_failing_since > self.lease_deadline():
+            log.error("reader_failing", error=self.reader_error, action="partitions released", partitions=sorted(self.partitions))
+            for n, part in list(self.partitions.items()):
+                part.lost = True  # (nothing more from it: its loop is cancelled, its checkpoint is the last one written)
+                if part.task:
+                    part.task.cancel()
+                await self.release(part)
+                del self.partitions[n]
+                self.metrics.owned_by_partition.labels(partition=str(n)).set(0)
+                self.unowned[n] = f"its consumer failed for {self.lease_deadline():.0f} s: {self.reader_error}"
+                dropped.add(n)
         for n in range(self.settings.partitions):
             if n in self.partitions or n in dropped:  # a dropped one is tried again next round
                 continue
@@ -897,21 +968,22 @@ class PairingService:
             part.feed = Feed(part.position)
             part.task = asyncio.create_task(self.run_partition(part))
             self.partitions[n] = part
-            acquired = True
             self.metrics.owned_by_partition.labels(partition=str(n)).set(1)
             self.metrics.takeovers.inc()
             log.info("partition_acquired", partition=n, replica=self.replica, position=part.position)
-        if dropped or acquired or (self.partitions and (self.reader is None or self.reader.done())):
-            if self.reader is not None and self.reader.done() and not self.reader.cancelled() \
-                    and self.reader.exception() is not None:
-                exc = self.reader.exception()
+        ended = [t for t in self.readers if t.done()]
+        for task in ended:
+            if not task.cancelled() and task.exception() is not None:
+                exc = task.exception()
                 log.error("reader_ended", error=f"{type(exc).__name__}: {exc}")
-            self.restart_reader()  # the partitions it reads changed (or it ended): a new consumer
+        # The readers read what is owned now: started again when that changed, or one ended.
+        if {n for n, p in self.partitions.items() if not p.lost} != self.reading or ended or (self.partitions and not self.readers):
+            self.restart_reader()
         self.health.info["partitions"] = sorted(self.partitions)
         self.health.info["unowned"] = {str(n): why[:200] for n, why in sorted(self.unowned.items())}
         if self.unowned:
             self.health.set_ready(False, f"partitions {sorted(self.unowned)} should be owned here and are not")
-        elif self.reader_error is not None:
+        elif self.reader_error is not None and self.readers:
             self.health.set_ready(False, f"the partitions' consumer fails: {self.reader_error}"[:300])
         else:
             self.health.set_ready(True)
@@ -984,9 +1056,11 @@ class PairingService:
         done, still = await asyncio.wait(tasks, timeout=20) if tasks else (set(), set())
         for task in still:
             task.cancel()
-        if self.reader is not None:  # (it returns on the stop, after its fetch in hand)
-            with contextlib.suppress(BaseException):
-                await asyncio.wait_for(self.reader, 5)
+        readers = [*self.readers, *self.old_readers]  # (each returns on the stop, after its fetch in hand)
+        if readers:
+            done, still = await asyncio.wait(readers, timeout=5)
+            for task in still:
+                task.cancel()
         for part in list(self.partitions.values()):
             await self.release(part)
 

@@ -186,8 +186,9 @@ class Pipeline:
         return self.run(f)
 
     def lag(self) -> dict[str, int]:
-        """Backlog as the server sees it: the mapper durable's pending + unacked, and the sum of
-        num_pending over the pairing partitions' consumers on BRIDGE_MAPPED."""
+        """Backlog as the server sees it: the mapper durable's pending + unacked; the sum of
+        num_pending over pairing's consumers on BRIDGE_MAPPED (per partition the one that got
+        furthest), and how many partitions those cover (``pairing_consumers``)."""
         async def f(js: Any) -> dict[str, int]:
             out = {"mapper_pending": 0, "mapper_ack_pending": 0, "pairing_pending": 0, "pairing_consumers": 0}
             try:

@@ -125,6 +125,24 @@ async def pairing_checkpoints(url: str) -> None:
         await service.close()
 
 
+async def pairing_reader(url: str) -> None:
+    """The pairing service's own reader consumer as aep-pairing: one consumer for several
+    partitions (filter_subjects: created through $JS.API.CONSUMER.CREATE.BRIDGE_MAPPED.<name>,
+    no filter token), pulled, then deleted (not left to its inactive threshold)."""
+    from bridge.services.pairing import Feed
+
+    service = PairingService(role_settings(url, "pairing"), replica="permissions")
+    await service.connect()
+    try:
+        sub = await service.reader_consumer({3: Feed(0), 5: Feed(0)})
+        (msg,) = await sub.fetch(1, timeout=2)
+        assert msg.subject == "bridge.mapped.3.s1"
+        await sub.unsubscribe()
+        assert await service.js.delete_consumer("BRIDGE_MAPPED", sub._consumer)
+    finally:
+        await service.close()
+
+
 async def checkpoints_refused(c: "Client") -> None:
     """A role other than pairing may neither bind, read nor write the checkpoint objects."""
     from nats.js.object_store import ObjectStore
@@ -226,6 +244,7 @@ async def scenario(url: str, kind: str) -> None:
         assert (await checkpoints.get("p.3")).value == b"42"
         await (await checkpoints.watch("p.>")).stop()
         await pairing_checkpoints(url)
+        await pairing_reader(url)
         lanes = await c.js.key_value("aep_lanes")
         assert (await lanes.get("s.s1")).value == b"1"
         await expect_publish_refused(c, "$KV.aep_lanes.s.s2")  # lanes are the mapper's to write

@@ -14,7 +14,7 @@ from tests.support.services import Service, wait_for
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("role, ready", [("mapper", "mapper_ready"), ("pairing", "partition_started")])
+@pytest.mark.parametrize("role, ready", [("mapper", "mapper_ready"), ("pairing", "reader_started")])
 def test_a_service_started_without_a_quorum_waits_for_one(nats_cluster: Cluster, tmp_path, role: str, ready: str) -> None:
     nats_cluster.bootstrap(replicas=3)
     first, *others = nats_cluster.nodes

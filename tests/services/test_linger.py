@@ -35,7 +35,7 @@ def trickle(client: JetStreamClient, url: str, tmp_path, linger_ms: str, instanc
     mapper = Service("mapper", url, log_dir, env=env).start()
     pairing = Service("pairing", url, log_dir, "--replica", f"l{instance}", env=env).start()
     try:
-        wait_for(lambda: "mapper_ready" in mapper.log() and "partition_started" in pairing.log(), 30, what="services up")
+        wait_for(lambda: "mapper_ready" in mapper.log() and "reader_started" in pairing.log(), 30, what="services up")
         before = count(client, "AEP_EVENTS")
         mapped_before = count(client, "BRIDGE_MAPPED")
         records = raw_records(envelopes()[:TRICKLE], instance=instance)

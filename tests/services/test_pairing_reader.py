@@ -16,6 +16,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import nats
+import nats.js.errors
 
 from bridge.nats import streams as S
 from bridge.services import pairing as P
@@ -77,7 +78,7 @@ def test_one_consumer_reads_the_partitions_a_replica_owns(url: str) -> None:
             svc = await service(url, "one", partitions=4)
             await svc.maintain()
             assert sorted(svc.partitions) == [0, 1, 2, 3]
-            await until(lambda: svc.reader is not None)
+            await until(lambda: bool(svc.readers))
             for _ in range(100):
                 if await mapped_consumers(js):
                     break
@@ -123,7 +124,21 @@ def test_one_consumer_reads_the_partitions_a_replica_owns(url: str) -> None:
     asyncio.run(asyncio.wait_for(scenario(), BOUND_S))
 
 
-def test_partitions_restored_at_different_positions_each_read_from_their_own(url: str) -> None:
+def test_partitions_restored_at_different_positions_each_read_from_their_own(url: str, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Partition 0 restored at its checkpoint, partition 1 (none) from 0: each folds exactly what
+    it has not. Partition 1 is further behind than `CATCH_UP_GAP` (made small here): it is read
+    by a consumer of its own, not by one that would send partition 0 everything again, and joins
+    partition 0's once it is near."""
+    monkeypatch.setattr(P, "CATCH_UP_GAP", 50)
+    started: list[tuple[list[int], bool]] = []
+    read_loop = P.PairingService.read_loop
+
+    async def recorded(self: P.PairingService, parts: dict, catch_up: bool = False) -> None:  # type: ignore[type-arg]
+        started.append((sorted(parts), catch_up))
+        await read_loop(self, parts, catch_up)
+
+    monkeypatch.setattr(P.PairingService, "read_loop", recorded)
+
     async def scenario() -> None:
         nc = await nats.connect(url)
         js = nc.jetstream()
@@ -156,6 +171,13 @@ def test_partitions_restored_at_different_positions_each_read_from_their_own(url
             assert sample(second, "aep_bridge_pairing_events_in_total", partition="0") == 20, \
                 "partition 0 folds only what came after its checkpoint"
             assert sample(second, "aep_bridge_pairing_events_in_total", partition="1") == 40
+            assert ([1], True) in started, f"partition 1, 100 behind, had no consumer of its own: {started}"
+            await until(lambda: started[-1] == ([0, 1], False))  # caught up: one consumer for both
+            for _ in range(100):
+                if await mapped_consumers(js) == [["bridge.mapped.0.>", "bridge.mapped.1.>"]]:
+                    break
+                await asyncio.sleep(0.05)
+            assert await mapped_consumers(js) == [["bridge.mapped.0.>", "bridge.mapped.1.>"]]
         finally:
             for svc in (first, second):
                 if svc is not None:
@@ -163,5 +185,45 @@ def test_partitions_restored_at_different_positions_each_read_from_their_own(url
                     await svc.stop()
                     await svc.close()
             await nc.close()
+
+    asyncio.run(asyncio.wait_for(scenario(), BOUND_S))
+
+
+def test_a_reader_that_cannot_read_says_so_and_hands_its_partitions_back(url: str) -> None:
+    """A consumer that cannot be made (here: refused, as by a server that lost the stream)
+    leaves the replica not ready; failing for longer than a lease lives without a renewal, the
+    partitions are released (unowned here, with the reason) rather than held unread; once it
+    can read again, it takes them back and is ready."""
+    async def scenario() -> None:
+        svc = await service(url, "broken", partitions=2)
+        create = svc.reader_consumer
+
+        async def refused(feeds: dict) -> Any:  # type: ignore[type-arg]
+            raise nats.js.errors.APIError(code=503, description="no responders (the test)")
+
+        try:
+            svc.reader_consumer = refused  # type: ignore[method-assign]
+            await svc.maintain()
+            assert sorted(svc.partitions) == [0, 1]
+            await until(lambda: svc.reader_error is not None)
+            await svc.maintain()
+            assert svc.health.ready is False and "consumer fails" in (svc.health.reason or ""), svc.health.reason
+            assert sorted(svc.partitions) == [0, 1], "not yet: a failure shorter than a lease"
+            assert svc.reader_failing_since is not None
+            svc.reader_failing_since -= 60.0  # as if it had failed for a minute
+            await svc.maintain()
+            assert svc.partitions == {}, "released, not held unread"
+            assert sorted(svc.unowned) == [0, 1] and "consumer failed" in svc.unowned[0]
+            assert svc.health.ready is False
+            svc.reader_consumer = create  # type: ignore[method-assign]
+            await svc.maintain()
+            assert sorted(svc.partitions) == [0, 1] and svc.unowned == {}
+            await until(lambda: svc.reader_error is None and bool(svc.readers))
+            await svc.maintain()
+            assert svc.health.ready is True, svc.health.reason
+        finally:
+            svc.stopper.trigger("test")
+            await svc.stop()
+            await svc.close()
 
     asyncio.run(asyncio.wait_for(scenario(), BOUND_S))
