@@ -69,6 +69,23 @@ async def mapped_consumers(js: Any) -> list[list[str]]:
     return [sorted(c.config.filter_subjects or [c.config.filter_subject]) for c in await js.consumers_info(S.BRIDGE_MAPPED)]
 
 
+async def consumers_become(js: Any, want: list[list[str]]) -> list[list[str]]:
+    """The consumers on BRIDGE_MAPPED once they are ``want`` (or after ~5 s: what they are)."""
+    for _ in range(100):
+        if (got := await mapped_consumers(js)) == want:
+            return got
+        await asyncio.sleep(0.05)
+    return await mapped_consumers(js)
+
+
+async def stop(*services: P.PairingService | None) -> None:
+    for svc in services:
+        if svc is not None:
+            svc.stopper.trigger("test")
+            await svc.stop()
+            await svc.close()
+
+
 def test_one_consumer_reads_the_partitions_a_replica_owns(url: str) -> None:
     async def scenario() -> None:
         nc = await nats.connect(url)
@@ -79,11 +96,8 @@ def test_one_consumer_reads_the_partitions_a_replica_owns(url: str) -> None:
             await svc.maintain()
             assert sorted(svc.partitions) == [0, 1, 2, 3]
             await until(lambda: bool(svc.readers))
-            for _ in range(100):
-                if await mapped_consumers(js):
-                    break
-                await asyncio.sleep(0.05)
-            assert await mapped_consumers(js) == [[f"bridge.mapped.{n}.>" for n in range(4)]]
+            assert await consumers_become(js, [[f"bridge.mapped.{n}.>" for n in range(4)]]) == \
+                [[f"bridge.mapped.{n}.>" for n in range(4)]]
             base = 1_700_000_000_000_000_000
             sent = {n: 0 for n in range(4)}
             # Published in parts, the reader started over (as a partition taken or dropped
@@ -108,17 +122,10 @@ def test_one_consumer_reads_the_partitions_a_replica_owns(url: str) -> None:
             assert dropped.task is not None
             dropped.task.cancel()
             svc.restart_reader()
-            for _ in range(100):
-                if await mapped_consumers(js) == [[f"bridge.mapped.{n}.>" for n in range(3)]]:
-                    break
-                await asyncio.sleep(0.05)
-            assert await mapped_consumers(js) == [[f"bridge.mapped.{n}.>" for n in range(3)]], \
-                "the old consumer is removed and the new one reads the partitions left"
+            left = [[f"bridge.mapped.{n}.>" for n in range(3)]]
+            assert await consumers_become(js, left) == left, "the old consumer is removed and the new one reads the partitions left"
         finally:
-            if svc is not None:
-                svc.stopper.trigger("test")
-                await svc.stop()
-                await svc.close()
+            await stop(svc)
             await nc.close()
 
     asyncio.run(asyncio.wait_for(scenario(), BOUND_S))
@@ -173,17 +180,10 @@ def test_partitions_restored_at_different_positions_each_read_from_their_own(url
             assert sample(second, "aep_bridge_pairing_events_in_total", partition="1") == 40
             assert ([1], True) in started, f"partition 1, 100 behind, had no consumer of its own: {started}"
             await until(lambda: started[-1] == ([0, 1], False))  # caught up: one consumer for both
-            for _ in range(100):
-                if await mapped_consumers(js) == [["bridge.mapped.0.>", "bridge.mapped.1.>"]]:
-                    break
-                await asyncio.sleep(0.05)
-            assert await mapped_consumers(js) == [["bridge.mapped.0.>", "bridge.mapped.1.>"]]
+            both = [["bridge.mapped.0.>", "bridge.mapped.1.>"]]
+            assert await consumers_become(js, both) == both
         finally:
-            for svc in (first, second):
-                if svc is not None:
-                    svc.stopper.trigger("test")
-                    await svc.stop()
-                    await svc.close()
+            await stop(first, second)
             await nc.close()
 
     asyncio.run(asyncio.wait_for(scenario(), BOUND_S))
@@ -222,8 +222,6 @@ def test_a_reader_that_cannot_read_says_so_and_hands_its_partitions_back(url: st
             await svc.maintain()
             assert svc.health.ready is True, svc.health.reason
         finally:
-            svc.stopper.trigger("test")
-            await svc.stop()
-            await svc.close()
+            await stop(svc)
 
     asyncio.run(asyncio.wait_for(scenario(), BOUND_S))
