@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+import nats.errors
+
 from bridge.nats import streams as S
 from tests.clusterfixture import Cluster
 
@@ -30,7 +32,13 @@ def replicas_of(cluster: Cluster) -> dict[str, tuple[int, int]]:
     try:
         out = {}
         for name in ALL:
-            info = c.stream_info(name)
+            for attempt in range(3):  # an R1 stream's host may be slow to answer right after a start (CI, 2026-12-05)
+                try:
+                    info = c.stream_info(name)
+                    break
+                except nats.errors.TimeoutError:
+                    if attempt == 2:
+                        raise
             out[name] = (info.config.num_replicas, len(info.cluster.replicas or []) if info.cluster else 0)
         return out
     finally:

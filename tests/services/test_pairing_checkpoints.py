@@ -18,56 +18,23 @@ checkpoints, hands the partition over and restores, on:
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import time
 import zlib
-from collections.abc import Callable
-from typing import Any
 
-import msgspec
 import pytest
 
 import nats
 import nats.js.api
 import nats.js.errors
 from bridge.config import Settings
-from bridge.core.aep import Event, encode_event
-from bridge.core.identity import MAPPED_SLOT, SLOTS, event_id, rfc3339, source_uri
-from bridge.core.lanes import lane_token
 from bridge.core.pairing import PairingState
 from bridge.nats import streams as S
 from bridge.nats.bootstrap import bootstrap
 from bridge.services import pairing as P
+from tests.support.pairing_service import BOUND_S, publish_sessions, sample, service, started, until
 
 MAX_PAYLOAD = 64 * 1024
 SESSIONS = 2500  # ~46 B of compressed checkpoint each (unrelated ids): ~115 KB > MAX_PAYLOAD
-BOUND_S = 120  # an outer bound on each scenario: a hang fails the test instead of blocking the run
-
-
-def session(i: int) -> str:
-    return hashlib.sha256(f"ckpt-{i}".encode()).hexdigest()[:32]
-
-
-def started(i: int, base_ns: int) -> tuple[Event, dict[str, Any]]:
-    """session.started of session i, as the mapper makes it (raw message i)."""
-    ts = base_ns + i * 1_000_000
-    s = session(i)
-    event = Event(
-        aep="0.1", id=event_id(f"raw-ckpt-{i}", MAPPED_SLOT, ts // 1_000_000), type="session.started",
-        time=rfc3339(ts), source=source_uri("ckpt", s), agent="hermes", session=s,
-        seq=i * SLOTS + MAPPED_SLOT, epoch=0, capture="metadata", data={"client": {"name": "hermes"}},
-    )
-    return event, {"ts": ts, "hook": "on_session_start"}
-
-
-async def publish_sessions(js: Any, numbers: range, base_ns: int, partition: int = 0) -> None:
-    futures = []
-    for i in numbers:
-        event, hints = started(i, base_ns)
-        subject = f"{S.MAPPED_PREFIX}.{partition}.{lane_token(event.session)}"
-        headers = {"Nats-Msg-Id": event.id, "Bridge-Hints": msgspec.json.encode(hints).decode()}
-        futures.append(await js.publish_async(subject, encode_event(event), headers=headers))
-    await asyncio.gather(*futures)
 
 
 def state_of(numbers: range, base_ns: int, partition: int) -> PairingState:
@@ -77,24 +44,6 @@ def state_of(numbers: range, base_ns: int, partition: int) -> PairingState:
         event, hints = started(i, base_ns)
         state.process(event, hints, i)
     return state
-
-
-async def service(url: str, replica: str, partitions: int = 1) -> P.PairingService:
-    settings = Settings()
-    settings.nats_url = url
-    settings.partitions = partitions
-    svc = P.PairingService(settings, replica=replica, tick_s=3600)  # no ticks: the input is all there is
-    await svc.connect()
-    return svc
-
-
-async def until(predicate: Callable[[], bool]) -> None:
-    while not predicate():  # bounded by the scenario's BOUND_S
-        await asyncio.sleep(0.02)
-
-
-def sample(svc: P.PairingService, name: str, **labels: str) -> float:
-    return svc.registry.get_sample_value(name, labels) or 0.0
 
 
 @pytest.fixture
