@@ -29,9 +29,8 @@ import nats.js.errors
 from bridge.config import Settings
 from bridge.core.pairing import PairingState
 from bridge.nats import streams as S
-from bridge.nats.bootstrap import bootstrap
 from bridge.services import pairing as P
-from tests.support.pairing_service import BOUND_S, publish_sessions, sample, service, started, until
+from tests.support.pairing_service import BOUND_S, bootstrapped, publish_sessions, sample, service, started, until
 
 MAX_PAYLOAD = 64 * 1024
 SESSIONS = 2500  # ~46 B of compressed checkpoint each (unrelated ids): ~115 KB > MAX_PAYLOAD
@@ -48,17 +47,7 @@ def state_of(numbers: range, base_ns: int, partition: int) -> PairingState:
 
 @pytest.fixture
 def url(nats_factory) -> str:  # type: ignore[no-untyped-def]
-    server = nats_factory(f"max_payload: {MAX_PAYLOAD}")
-
-    async def setup() -> None:
-        nc = await nats.connect(server.url)
-        try:
-            await bootstrap(nc.jetstream(), None, replicas=1)
-        finally:
-            await nc.close()
-
-    asyncio.run(setup())
-    return server.url
+    return bootstrapped(nats_factory(f"max_payload: {MAX_PAYLOAD}").url)
 
 
 def test_a_checkpoint_above_max_payload_is_written_and_a_new_owner_continues_from_it(url: str) -> None:

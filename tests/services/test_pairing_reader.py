@@ -21,24 +21,13 @@ import pytest
 
 from bridge.nats import streams as S
 from bridge.services import pairing as P
-from bridge.nats.bootstrap import bootstrap
-from tests.support.pairing_service import BOUND_S, publish_sessions, sample, service, until
+from tests.support.pairing_service import BOUND_S, bootstrapped, publish_sessions, sample, service, until
 
 
 @pytest.fixture
 def url(nats_factory) -> str:  # type: ignore[no-untyped-def]
     """A nats-server of its own, bootstrapped."""
-    server = nats_factory()
-
-    async def setup() -> None:
-        nc = await nats.connect(server.url)
-        try:
-            await bootstrap(nc.jetstream(), None, replicas=1)
-        finally:
-            await nc.close()
-
-    asyncio.run(setup())
-    return server.url
+    return bootstrapped(nats_factory().url)
 
 
 def msg(subject: str, seq: int) -> Any:

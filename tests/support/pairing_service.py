@@ -14,7 +14,9 @@ from bridge.config import Settings
 from bridge.core.aep import Event, encode_event
 from bridge.core.identity import MAPPED_SLOT, SLOTS, event_id, rfc3339, source_uri
 from bridge.core.lanes import lane_token
+import nats
 from bridge.nats import streams as S
+from bridge.nats.bootstrap import bootstrap
 from bridge.services import pairing as P
 
 BOUND_S = 120  # an outer bound on each scenario: a hang fails the test instead of blocking the run
@@ -62,3 +64,16 @@ async def until(predicate: Callable[[], bool]) -> None:
 
 def sample(svc: P.PairingService, name: str, **labels: str) -> float:
     return svc.registry.get_sample_value(name, labels) or 0.0
+
+
+def bootstrapped(server_url: str) -> str:
+    """``server_url``, once the bridge's streams and buckets are made on it (R1)."""
+    async def setup() -> None:
+        nc = await nats.connect(server_url)
+        try:
+            await bootstrap(nc.jetstream(), None, replicas=1)
+        finally:
+            await nc.close()
+
+    asyncio.run(setup())
+    return server_url
