@@ -404,6 +404,7 @@ class JetStreamClient:
 
     async def _fetch(self, subject_filter: str, stream: str, expected: int | None, timeout: float) -> list[StoredMessage]:
         import nats.errors
+        import nats.js.errors
         from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
         deadline = time.monotonic() + timeout
@@ -425,6 +426,11 @@ class JetStreamClient:
                     msgs = await sub.fetch(min(pending, 256), timeout=max(0.2, deadline - time.monotonic()))
                 except (nats.errors.TimeoutError, asyncio.TimeoutError):
                     break
+                except nats.js.errors.ServiceUnavailableError:  # a 503: the consumer's leader not elected yet
+                    if time.monotonic() >= deadline:  # (a cluster node just resumed: CI, 2026-12-05)
+                        raise
+                    await asyncio.sleep(0.2)
+                    continue
                 for m in msgs:
                     out.append(StoredMessage(m.subject, m.metadata.sequence.stream, dict(m.headers or {}), m.data))
         finally:
