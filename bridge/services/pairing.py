@@ -124,6 +124,7 @@ FENCE_MARGIN_S = 3.0
 # polling without one made ~1 pull request per message (CPU for the service and the server);
 # messages arriving meanwhile wait at most this much, none in a catch-up.
 TICK_TOKEN = subj.TICK_TOKEN
+_PARTITION_TOKEN = subj.MAPPED_PREFIX.count(".") + 1  # bridge.mapped.<n>.<lane>: the index of <n>
 # How long the reader's pull request (and a partition loop's wait on its feed) waits for a
 # message. Each wait that ends empty costs a request, a status and a wake-up: eight partitions
 # at 0.5 s were most of an idle replica's CPU (cost.py --idle: pairing 0.9 % of a core, 0.036 ms
@@ -684,7 +685,7 @@ class PairingService:
         groups: dict[int, list[Any]] = {}
         for msg in msgs:
             try:
-                n = int(msg.subject.split(".", 3)[2])
+                n = int(msg.subject.split(".", _PARTITION_TOKEN + 1)[_PARTITION_TOKEN])
             except (IndexError, ValueError):
                 continue  # not a partition's subject: the consumer's filters let none through
             feed = feeds.get(n)
