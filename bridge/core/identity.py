@@ -18,10 +18,11 @@ event id so the stream's duplicate window absorbs the second copy.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
 from functools import lru_cache
 from datetime import datetime, timezone
 from urllib.parse import quote
+
+import msgspec
 
 SLOTS = 1024
 BEFORE_SLOT = 0
@@ -113,8 +114,7 @@ def _uri_part(value: str) -> str:
     return quote(value, safe="-._~") or "_"
 
 
-@dataclass(frozen=True)
-class Origin:
+class Origin(msgspec.Struct, frozen=True):
     """Where a mapped event comes from: the raw message and its place in HERMES_RAW."""
 
     raw_id: str

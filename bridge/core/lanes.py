@@ -30,6 +30,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import msgspec
+
 from bridge.core.envelope import HermesEnvelope
 
 UNKNOWN = "unknown"  # the unknown lane's `session` on the wire (with the attribute `lane: "unknown"`)
@@ -49,8 +51,7 @@ class LaneLookup(Protocol):
     def task_session(self, task_id: str) -> str | None: ...
 
 
-@dataclass(frozen=True)
-class Learned:
+class Learned(msgspec.Struct, frozen=True):
     """What mapping one envelope teaches the lane table (applied by the caller)."""
 
     session: str | None = None

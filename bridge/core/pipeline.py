@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -18,8 +17,7 @@ from bridge.core.mapping import MapResult, map_envelope
 _generic = msgspec.json.Decoder()
 
 
-@dataclass(frozen=True)
-class Record:
+class Record(msgspec.Struct, frozen=True):
     """One input to the mapping stage: an envelope plus where it came from."""
 
     envelope: HermesEnvelope
