@@ -91,7 +91,7 @@ from bridge.nats.connection import UNANSWERED, connect_service, until_answered
 from bridge.nats.lookup import SCAN_BUDGET, SERVER_MARGIN_NS, find_msg_id, stored_ns
 from bridge.nats.publish import AckPublisher
 from bridge.nats.pull import Puller
-from bridge.runtime import BoundedLabel, Health, Linger, Loop, Stopper, close_connection, observe_many, serve
+from bridge.runtime import BoundedLabel, Health, Loop, Stopper, close_connection, observe_many, serve
 
 log = structlog.get_logger("aep_bridge.pairing")
 
@@ -119,10 +119,12 @@ CHECKPOINT_SPACING_S = 0.25
 # An owner stops acting on a partition this long before its lease could expire (fencing).
 # Above RENEW_S: a renewal that got no answer is retried once before the partition stops.
 FENCE_MARGIN_S = 3.0
-# A batch the reader fetched of less than a quarter of FETCH_BATCH and of fewer than ~32 messages is
-# followed by a pause of AEP_BRIDGE_LINGER_MS (up to AEP_BRIDGE_LINGER_MAX_MS when quiet, `Linger`):
-# polling without one made ~1 pull request per message (CPU for the service and the server);
-# messages arriving meanwhile wait at most this much, none in a catch-up.
+# The reader takes what comes as one burst until nothing new has come for this long (`Puller`'s
+# ``gather_s``), then hands it to the partitions, and does not pause. Pairing's input arrives in
+# bursts already: the mapper publishes a batch's events at once, after its own pause when quiet
+# (`Linger`). A pause of the reader's own (before: `Linger`, ~32 messages a round) batched them
+# no further and only delayed them: ~64 ms on average at 250 events/s.
+GATHER_S = 0.005
 TICK_TOKEN = subj.TICK_TOKEN
 _PARTITION_TOKEN = subj.MAPPED_PREFIX.count(".") + 1  # bridge.mapped.<n>.<lane>: the index of <n>
 # How long the reader's pull request (and a partition loop's wait on its feed) waits for a
@@ -444,7 +446,7 @@ class PairingService:
         (the bound a takeover's replay and `restore`'s recheck count on). CHECKPOINT_S since its
         last one: yes once this process's next slot is reached. A checkpoint's snapshot holds
         the loop for the partition's whole state, and a process's partitions are taken together
-        and wake together (one `Linger` clock): they fell due in one turn, and eight snapshots
+        and wake together (fed by one reader): they fell due in one turn, and eight snapshots
         back to back stalled every partition ~200 ms every CHECKPOINT_S (soak.py p99 240 ms at
         2,000 events/s, 2026-12-04). So timed checkpoints start at most one per
         CHECKPOINT_SPACING_S in a process: due ones wait their turn (7 x 0.25 s at most with 8
@@ -706,7 +708,6 @@ class PairingService:
         change. A delivery lost on the way, a partition fenced, or an error starts a new
         consumer from the lowest ``last`` of the feeds left. ``catch_up``: a partition far
         behind the others, read on its own until it is near them (`CATCH_UP_GAP`)."""
-        pause = Linger(self.settings.linger_ms / 1000, self.settings.linger_max_ms / 1000, target=32)
         pending = self.metrics.pending.labels(stream=S.BRIDGE_MAPPED, consumer="pairing")  # set per batch
         parts = dict(parts)  # (`read` drops the fenced ones)
         sub = None
@@ -718,7 +719,7 @@ class PairingService:
                     sub = await self.reader_consumer(feeds)
                     log.info("reader_started", partitions=sorted(feeds), from_position=min(f.last for f in feeds.values()),
                              catch_up=catch_up)
-                    outcome = await self.read(sub, parts, pause, pending, catch_up)
+                    outcome = await self.read(sub, parts, pending, catch_up)
                     if outcome == "caught_up":  # near the others now: read with them
                         asyncio.get_running_loop().call_soon(self.restart_reader)
                         return
@@ -743,11 +744,11 @@ class PairingService:
                 if part.feed is not None:
                     part.feed.wake()
 
-    async def read(self, sub: Any, parts: dict[int, Partition], pause: Linger, pending: Any, catch_up: bool) -> str:
+    async def read(self, sub: Any, parts: dict[int, Partition], pending: Any, catch_up: bool) -> str:
         """`read_loop`'s rounds on the consumer ``sub``: "stop" (a stop, or no partition left),
         "again" (a new consumer is wanted: a lost delivery, a partition fenced and dropped from
         ``parts``) or, ``catch_up``, "caught_up"."""
-        puller = Puller(sub)
+        puller = Puller(sub, gather_s=GATHER_S)
         feeds = {n: p.feed for n, p in parts.items() if p.feed is not None}
         # The consumer takes no acks: the server moves on once it has sent a message, so a
         # delivery lost on the way (a connection or route torn down by a node's restart) is
@@ -802,14 +803,6 @@ class PairingService:
                 return "again"
             if catch_up and msgs and min(f.last for f in feeds.values()) >= self.head() - CATCH_UP_GAP // 2:
                 return "caught_up"
-            # Only the next messages wait (AEP_BRIDGE_LINGER_MS, longer when quiet): ~32 a round.
-            paused = await pause.after(len(msgs), 0 < len(msgs) < FETCH_BATCH // 4)
-            # A reader that pauses reads in bursts (`Puller`'s ``burst``): what comes during the
-            # pause stays on the server and is taken in one read after it. A busy one (batches
-            # that hold the target: no pause) keeps one long request open: a burst costs a
-            # request and a status per batch (bridge.nats.pull). An empty poll leaves it as it was.
-            if msgs:
-                puller.burst = paused > 0
         return "stop"
 
     def head(self) -> int:

@@ -135,6 +135,47 @@ def test_fetched_messages_carry_their_metadata(nats_server) -> None:  # type: ig
     run(nats_server.url, body)
 
 
+def test_gather_takes_a_burst_published_at_once_in_one_call(nats_server) -> None:  # type: ignore[no-untyped-def]
+    """``gather_s`` (pairing's reader): after the first message of a burst (the mapper's batch,
+    published at once), a call takes the rest as it comes until nothing new came for
+    ``gather_s``, at most ``batch``, from the one open request; it returns then, long before
+    its timeout."""
+    async def body(js, nc, stream, prefix, sub) -> None:  # type: ignore[no-untyped-def]
+        puller = Puller(sub, gather_s=0.05)
+        sent = 0
+
+        async def burst(n: int) -> None:
+            nonlocal sent
+            futures = [await js.publish_async(f"{prefix}.a", str(sent + i).encode()) for i in range(n)]
+            sent += n
+            await asyncio.gather(*futures)
+
+        async def later(n: int) -> None:
+            await asyncio.sleep(0.2)
+            await burst(n)
+
+        calls: list[list[int]] = []
+        for n in (40, 100, 150):
+            task = asyncio.create_task(later(n))  # the call waits for the first message
+            taken = 0
+            while taken < n:
+                started = time.monotonic()
+                msgs = await puller.fetch(256, timeout=5.0)
+                assert time.monotonic() - started < 2.5, "returned once the burst ended, not at the timeout"
+                calls.append([int(m.data) for m in msgs])
+                taken += len(msgs)
+                for m in msgs:
+                    await m.ack()
+            await task
+        # The open request (256) ends inside the third burst: the call returns what it had
+        # (116), and the next call's request takes the rest.
+        assert [len(c) for c in calls] == [40, 100, 116, 34], [len(c) for c in calls]
+        assert [i for c in calls for i in c] == list(range(290))
+        assert puller.requests == 2, "one open request until its batch was used up"
+
+    run(nats_server.url, body)
+
+
 @pytest.mark.parametrize("burst", [False, True])
 def test_a_burst_puller_leaves_what_comes_during_a_pause_on_the_server(nats_server, burst) -> None:  # type: ignore[no-untyped-def]
     """``burst``: once a call got messages, the next asks with ``no_wait`` for what gathered
