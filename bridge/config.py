@@ -188,8 +188,8 @@ FIELDS: tuple[Field, ...] = (
     _f("AEP_BRIDGE_TICK_S", "float", 15.0, {"pairing"}, "seconds between pairing ticks", range=(0, None), flag="--tick-s"),
     _f("AEP_BRIDGE_MAPPER_ACK_WAIT_S", "float", 30.0, {"mapper"}, "mapper: seconds before a message a replica took and did not ack is delivered again (set when the mapper creates its durable; keep it below AEP_BRIDGE_PAIRING_HOLD_S)", range=(1, 3600)),
     _f("AEP_BRIDGE_EXPORT_ACK_WAIT_S", "float", 60.0, {"exporter"}, "exporter: seconds before an event a replica took and did not confirm is delivered again (its durables' ack_wait; progress is reported every third of it while a sink holds a batch)", range=(3, 3600)),
-    _f("AEP_BRIDGE_LINGER_MS", "float", 10.0, {"mapper", "pairing"}, "mapper, pairing: after a batch of less than a quarter of the fetch size, how long the next one gathers at least (latency for CPU per event when the fleet is quiet; 0: no pause)", range=(0, 1000)),
-    _f("AEP_BRIDGE_LINGER_MAX_MS", "float", 150.0, {"mapper", "pairing"}, "mapper, pairing: the longest a quiet stream's next batch gathers, plus up to AEP_BRIDGE_LINGER_MS to end on the shared clock (the pause grows toward ~32 messages a batch at the rate of the recent batches; at or below AEP_BRIDGE_LINGER_MS: always that; well below the mapper's ack wait)", range=(0, 1000)),
+    _f("AEP_BRIDGE_LINGER_MS", "float", 10.0, {"mapper"}, "mapper: after a batch of less than a quarter of the fetch size and of fewer than ~64 messages, how long the next one gathers at least (latency for CPU per event when the fleet is quiet; 0: no pause). Pairing does not pause: it takes each of the mapper's batches as it comes", range=(0, 1000)),
+    _f("AEP_BRIDGE_LINGER_MAX_MS", "float", 300.0, {"mapper"}, "mapper: the longest a quiet stream's next batch gathers, plus up to AEP_BRIDGE_LINGER_MS to end on its clock (the pause grows toward ~64 messages a batch at the rate of the recent batches; at or below AEP_BRIDGE_LINGER_MS: always that; well below the mapper's ack wait)", range=(0, 1000)),
     _f("AEP_BRIDGE_PAIRING_HOLD_S", "float", 45.0, {"pairing"}, "pairing: seconds a terminal waits for its start and a card outlives its session's end (keep it above AEP_BRIDGE_MAPPER_ACK_WAIT_S)", range=(0, 120)),
     _f("AEP_BRIDGE_STREAM_REPLICAS", "int", None, {"bootstrap", "gate"}, "stream replicas (default 1; 3 on a cluster)", range=(1, 5)),
     _f("AEP_BRIDGE_METRICS_PORT", "int", _metrics_port, SERVICES - {"relay"}, "/metrics, /healthz, /readyz port (mapper 9464, pairing 9465, gate 9466, exporter 9467)", range=(0, 65535), flag="--metrics-port"),
@@ -440,12 +440,11 @@ class Settings:
     #: exporter: its durables' ack_wait: how long an event a replica took (and died holding)
     #: waits before it is delivered again; +WPI every third of it while a sink holds a batch
     export_ack_wait_s: float = 60.0
-    #: mapper and pairing: after a small batch (under a quarter of the fetch size and ~32 messages) the next
-    #: fetch waits this long, on a clock shared by a process's loops (pairing's partitions wake
-    #: together): what arrives meanwhile waits at most this, a catch-up never (issue 24)
+    #: mapper: after a small batch (under a quarter of the fetch size and ~64 messages) the next
+    #: fetch waits this long: what arrives meanwhile waits at most this, a catch-up never (issue 24)
     linger_ms: float = 10.0
     #: ... up to this when the stream is quiet (`bridge.runtime.lifecycle.Linger`)
-    linger_max_ms: float = 150.0
+    linger_max_ms: float = 300.0
     log_format: str = "json"
     log_level: str = "info"
     #: nats-py inbox prefix; None: the role's own (bridge.nats.connection.ROLE_INBOX)

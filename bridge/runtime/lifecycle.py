@@ -78,7 +78,7 @@ class Stopper:
 
 
 class Linger:
-    """The pause after each batch of one loop (the mapper's, a pairing replica's reader).
+    """The pause after each batch of one loop (the mapper's).
 
     A batch of less than a quarter of the fetch size and of fewer than ``target`` messages is
     followed by a pause of ``base_s``

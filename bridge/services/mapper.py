@@ -113,10 +113,17 @@ FINISHED_MAX = 16384  # finished raw seqs remembered above the known ack floor
 # (one request each: ~0.4-0.5 ms on a local server, 4-5 s in all). Past it a late copy goes
 # through: a duplicate at worst.
 LATE_SCAN_BUDGET = 10_000
-# A batch of less than a quarter of the fetch size and of fewer than ~32 messages, once acked, is followed by a pause of
-# AEP_BRIDGE_LINGER_MS, up to AEP_BRIDGE_LINGER_MAX_MS when quiet (`bridge.runtime.lifecycle.Linger`):
-# a quiet fleet otherwise costs a batch, its socket writes and its acks per message (issue 24:
-# docs/BENCHMARKS.md "Cost").
+# A batch of less than a quarter of the fetch size and of fewer than LINGER_TARGET messages, once
+# acked, is followed by a pause of AEP_BRIDGE_LINGER_MS, up to AEP_BRIDGE_LINGER_MAX_MS when quiet
+# (`bridge.runtime.lifecycle.Linger`): a quiet fleet otherwise costs a batch, its socket writes and
+# its acks per message (issue 24: docs/BENCHMARKS.md "Cost"). The mapper is the pipeline's one
+# pause: pairing takes each of its batches as one burst (`bridge.services.pairing.GATHER_S`).
+# 64, not 32 (with AEP_BRIDGE_LINGER_MAX_MS 300, not 150): cost.py --rates 250,2000, 2 rounds
+# alternated, 2026-12-05: mapper + pairing 0.262 / 0.286 -> 0.222 / 0.226 ms per event at
+# 250/s, 0.202 / 0.212 -> 0.187 / 0.188 at 2,000/s, flatness 1.29 / 1.30 -> 1.18 / 1.20; e2e p99
+# 148 / 149 -> 277 / 278 ms at 250/s and 52 / 54 -> 73 / 74 ms at 2,000/s, what it was before
+# pairing stopped pausing (266-281 and 71-75 ms).
+LINGER_TARGET = 64
 
 
 class MapperMetrics:
@@ -264,7 +271,7 @@ class Mapper:
                  batch: int = 256, durable: str = S.MAPPER_DURABLE,
                  before_map: Callable[[bytes], None] | None = None) -> None:
         self.settings = settings
-        self.linger = Linger(settings.linger_ms / 1000, settings.linger_max_ms / 1000)
+        self.linger = Linger(settings.linger_ms / 1000, settings.linger_max_ms / 1000, target=LINGER_TARGET)
         self.policy = policy
         self.registry = registry or CollectorRegistry()
         self.metrics = MapperMetrics(self.registry)

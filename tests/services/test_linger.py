@@ -1,6 +1,7 @@
-"""AEP_BRIDGE_LINGER_MS and AEP_BRIDGE_LINGER_MAX_MS reach the mapper and pairing: a slow trickle
-of raw messages is gathered into a few batches when they linger (a fixed pause, or a short one
-that grows on a quiet stream), and taken one by one when they do not."""
+"""AEP_BRIDGE_LINGER_MS and AEP_BRIDGE_LINGER_MAX_MS reach the mapper: a slow trickle of raw
+messages is gathered into a few batches when they linger (a fixed pause, or a short one that
+grows on a quiet stream), and taken one by one when they do not. Pairing does not pause: it
+takes each of the mapper's batches as one burst, so it follows the mapper's batching."""
 
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ def trickle(client: JetStreamClient, url: str, tmp_path, linger_ms: str, instanc
 
 
 @pytest.mark.slow
-def test_the_linger_is_a_setting_of_the_mapper_and_pairing(nats_server_fn, tmp_path):
+def test_the_linger_is_a_setting_of_the_mapper_and_pairing_follows_its_batches(nats_server_fn, tmp_path):
     client = JetStreamClient(nats_server_fn.url)
     client.bootstrap()
     try:
@@ -69,7 +70,7 @@ def test_the_linger_is_a_setting_of_the_mapper_and_pairing(nats_server_fn, tmp_p
     assert long_p < none_p, f"pairing: {long_p} batches at 500 ms, {none_p} at 0 ms"
     assert grow_m <= 15 and grow_p < none_p, f"1 ms growing to 500 ms: mapper {grow_m}, pairing {grow_p} batches"
     assert Settings.from_env({"AEP_BRIDGE_CONFIG": "/dev/null"}).linger_ms == 10.0
-    assert Settings.from_env({"AEP_BRIDGE_CONFIG": "/dev/null"}).linger_max_ms == 150.0
+    assert Settings.from_env({"AEP_BRIDGE_CONFIG": "/dev/null"}).linger_max_ms == 300.0
     for name, bad in (("AEP_BRIDGE_LINGER_MS", "-1"), ("AEP_BRIDGE_LINGER_MS", "1001"), ("AEP_BRIDGE_LINGER_MS", "soon"),
                       ("AEP_BRIDGE_LINGER_MAX_MS", "-1"), ("AEP_BRIDGE_LINGER_MAX_MS", "1001")):
         with pytest.raises(ValueError, match=name):
