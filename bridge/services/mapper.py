@@ -119,9 +119,9 @@ LATE_SCAN_BUDGET = 10_000
 # its acks per message (issue 24: docs/BENCHMARKS.md "Cost"). The mapper is the pipeline's one
 # pause: pairing takes each of its batches as one burst (`bridge.services.pairing.GATHER_S`).
 # 64, not 32 (with AEP_BRIDGE_LINGER_MAX_MS 300, not 150): cost.py --rates 250,2000, 2 rounds
-# alternated, 2026-12-05: mapper + pairing 0.262 / 0.286 -> 0.222 / 0.226 ms per event at
-# 250/s, 0.202 / 0.212 -> 0.187 / 0.188 at 2,000/s, flatness 1.29 / 1.30 -> 1.18 / 1.20; e2e p99
-# 148 / 149 -> 277 / 278 ms at 250/s and 52 / 54 -> 73 / 74 ms at 2,000/s, what it was before
+# alternated, 2026-12-05: mapper + pairing 0.262 / 0.270 -> 0.222 / 0.226 ms per event at
+# 250/s, 0.202 / 0.207 -> 0.187 / 0.188 at 2,000/s, flatness 1.29 / 1.30 -> 1.18 / 1.20; e2e p99
+# 148 / 147 -> 277 / 278 ms at 250/s and 52 / 53 -> 73 / 74 ms at 2,000/s, what it was before
 # pairing stopped pausing (266-281 and 71-75 ms).
 LINGER_TARGET = 64
 
