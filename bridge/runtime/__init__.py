@@ -8,8 +8,7 @@ nothing else of the package; a contract in pyproject.toml checks it).
   starts it again on a new connection instead of leaving a process that consumes nothing and
   looks healthy), the stop (the batch in hand finished, then cancelled after a grace),
   `close_connection`, the exit code. `Stopper` is what the loops watch and sleep on; `Linger`
-  is the pause after a small batch (longer when the stream is quiet), on a clock a process's
-  loops share.
+  is the mapper's pause after a small batch (longer when the stream is quiet).
 * `Health`, the HTTP port (health): `/metrics` (Prometheus text), `/healthz` (the loop beats,
   its NATS connection is not closed for good and nothing failed; `nats` says the connection's
   state), `/readyz` (connected and consuming), served by the standard library's WSGI server in

@@ -120,11 +120,13 @@ CHECKPOINT_SPACING_S = 0.25
 # Above RENEW_S: a renewal that got no answer is retried once before the partition stops.
 FENCE_MARGIN_S = 3.0
 # The reader takes what comes as one burst until nothing new has come for this long (`Puller`'s
-# ``gather_s``), then hands it to the partitions, and does not pause. Pairing's input arrives in
+# ``gather_s``; at most GATHER_MAX_S after its first message), then hands it to the partitions,
+# and does not pause. Pairing's input arrives in
 # bursts already: the mapper publishes a batch's events at once, after its own pause when quiet
 # (`Linger`). A pause of the reader's own (before: `Linger`, ~32 messages a round) batched them
 # no further and only delayed them: ~64 ms on average at 250 events/s.
 GATHER_S = 0.005
+GATHER_MAX_S = 0.025
 TICK_TOKEN = subj.TICK_TOKEN
 _PARTITION_TOKEN = subj.MAPPED_PREFIX.count(".") + 1  # bridge.mapped.<n>.<lane>: the index of <n>
 # How long the reader's pull request (and a partition loop's wait on its feed) waits for a
@@ -748,7 +750,7 @@ class PairingService:
         """`read_loop`'s rounds on the consumer ``sub``: "stop" (a stop, or no partition left),
         "again" (a new consumer is wanted: a lost delivery, a partition fenced and dropped from
         ``parts``) or, ``catch_up``, "caught_up"."""
-        puller = Puller(sub, gather_s=GATHER_S)
+        puller = Puller(sub, gather_s=GATHER_S, gather_max_s=GATHER_MAX_S)
         feeds = {n: p.feed for n, p in parts.items() if p.feed is not None}
         # The consumer takes no acks: the server moves on once it has sent a message, so a
         # delivery lost on the way (a connection or route torn down by a node's restart) is

@@ -176,6 +176,36 @@ def test_gather_takes_a_burst_published_at_once_in_one_call(nats_server) -> None
     run(nats_server.url, body)
 
 
+def test_gather_on_a_steady_stream_returns_after_gather_max_s(nats_server) -> None:  # type: ignore[no-untyped-def]
+    """A stream with no quiet gap of ``gather_s`` (several busy mappers; one message every ~2 ms
+    here against a 50 ms gap) still gives the caller what came every ``gather_max_s`` after a
+    call's first message, not only a full batch or the call's timeout: many calls, every
+    message once, in order."""
+    async def body(js, nc, stream, prefix, sub) -> None:  # type: ignore[no-untyped-def]
+        puller = Puller(sub, gather_s=0.05, gather_max_s=0.05)
+        n = 300
+
+        async def steady() -> None:
+            for i in range(n):
+                await js.publish(f"{prefix}.a", str(i).encode())
+                await asyncio.sleep(0.002)
+
+        task = asyncio.create_task(steady())
+        calls: list[list[int]] = []
+        while sum(map(len, calls)) < n:
+            msgs = await puller.fetch(512, timeout=5.0)
+            calls.append([int(m.data) for m in msgs])
+            for m in msgs:
+                await m.ack()
+        await task
+        assert [i for c in calls for i in c] == list(range(n))
+        # ~1 s of stream (at least 0.6 s: 300 sleeps of 2 ms) in calls of at most ~50 ms each;
+        # without the bound one call would take them all.
+        assert len(calls) >= 8, [len(c) for c in calls]
+
+    run(nats_server.url, body)
+
+
 @pytest.mark.parametrize("burst", [False, True])
 def test_a_burst_puller_leaves_what_comes_during_a_pause_on_the_server(nats_server, burst) -> None:  # type: ignore[no-untyped-def]
     """``burst``: once a call got messages, the next asks with ``no_wait`` for what gathered
@@ -219,8 +249,8 @@ def test_a_burst_puller_leaves_what_comes_during_a_pause_on_the_server(nats_serv
 
 
 def test_burst_switched_on_and_off_between_calls_loses_and_repeats_nothing(nats_server) -> None:  # type: ignore[no-untyped-def]
-    """Pairing's partitions switch ``burst`` on after a pause and off when busy (no pause): the
-    request open at the switch is used up first (a plain one until it expires, a no_wait one
+    """A caller may switch ``burst`` on and off between calls (pairing's partitions did, when each
+    had its own consumer and paused): the request open at the switch is used up first (a plain one until it expires, a no_wait one
     until its status), and every message still comes once, in order. Once the plain request
     has expired, what comes during a pause waits on the server."""
     async def body(js, nc, stream, prefix, sub) -> None:  # type: ignore[no-untyped-def]

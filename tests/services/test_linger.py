@@ -30,11 +30,11 @@ def batches(service: Service, role: str) -> int:
 def trickle(client: JetStreamClient, url: str, tmp_path, linger_ms: str, instance: str,
             max_ms: str | None = None) -> tuple[int, int]:
     """Batches (mapper, pairing) for TRICKLE raw messages sent GAP_S apart."""
-    env = {"AEP_BRIDGE_LINGER_MS": linger_ms, "AEP_BRIDGE_LINGER_MAX_MS": max_ms or linger_ms}
+    env = {"AEP_BRIDGE_LINGER_MS": linger_ms, "AEP_BRIDGE_LINGER_MAX_MS": max_ms or linger_ms}  # the mapper's
     log_dir = tmp_path / f"linger-{linger_ms}-{max_ms}"
     log_dir.mkdir()
     mapper = Service("mapper", url, log_dir, env=env).start()
-    pairing = Service("pairing", url, log_dir, "--replica", f"l{instance}", env=env).start()
+    pairing = Service("pairing", url, log_dir, "--replica", f"l{instance}").start()  # no linger of its own
     try:
         wait_for(lambda: "mapper_ready" in mapper.log() and "reader_started" in pairing.log(), 30, what="services up")
         before = count(client, "AEP_EVENTS")

@@ -222,7 +222,7 @@ def test_a_checkpoint_is_compressed_off_the_event_loop(url: str, monkeypatch) ->
 
 
 def test_partitions_due_together_checkpoint_one_at_a_time_spread_over_the_interval(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """The partitions of a process are taken together and wake together (one `Linger` clock),
+    """The partitions of a process are taken together and wake together (fed by one reader),
     so their timed checkpoints fell due in one turn of the loop; each snapshot holds the loop.
     A process starts at most one timed checkpoint per CHECKPOINT_SPACING_S: due ones wait for
     their slot, and once spread they stay spread. A partition CHECKPOINT_EVERY messages past
