@@ -185,10 +185,11 @@ class Pipeline:
 
         return self.run(f)
 
-    def lag(self) -> dict[str, int]:
+    def lag(self, partitions: int = 8) -> dict[str, int]:
         """Backlog as the server sees it: the mapper durable's pending + unacked; the sum of
         num_pending over pairing's consumers on BRIDGE_MAPPED (per partition the one that got
-        furthest), and how many partitions those cover (``pairing_consumers``)."""
+        furthest), and how many partitions those cover (``pairing_consumers``; a consumer of
+        ``bridge.mapped.>``, a replica that owns them all, covers ``partitions``)."""
         async def f(js: Any) -> dict[str, int]:
             out = {"mapper_pending": 0, "mapper_ack_pending": 0, "pairing_pending": 0, "pairing_consumers": 0}
             try:
@@ -205,7 +206,10 @@ class Pipeline:
             pending: dict[str, int] = {}
             for c in await js.consumers_info(S.BRIDGE_MAPPED):
                 delivered = (c.delivered.stream_seq or 0) if c.delivered else 0
-                for subject in c.config.filter_subjects or [c.config.filter_subject or ""]:
+                subjects = c.config.filter_subjects or [c.config.filter_subject or ""]
+                if subjects == [f"{S.MAPPED_PREFIX}.>"]:
+                    subjects = [f"{S.MAPPED_PREFIX}.{n}.>" for n in range(partitions)]
+                for subject in subjects:
                     if subject.startswith(f"{S.MAPPED_PREFIX}."):
                         pending[c.name] = c.num_pending or 0
                         if subject not in best or delivered > best[subject][0]:
@@ -251,7 +255,7 @@ class Pipeline:
         view: dict[str, int] = {}
         while time.monotonic() < deadline:
             try:
-                view = {**self.lag(), **self.counts()}
+                view = {**self.lag(partitions), **self.counts()}
             except Exception as exc:  # the server may be coming back
                 view = {"error": str(exc)}  # type: ignore[dict-item]
                 time.sleep(0.5)
