@@ -138,6 +138,8 @@ def test_one_consumer_reads_the_partitions_a_replica_owns(url: str) -> None:
                 gone.task.cancel()
             svc.restart_reader()
             assert await consumers_become(js, [["bridge.mapped.0.>"]]) == [["bridge.mapped.0.>"]]
+            assert [c.config.filter_subjects for c in await js.consumers_info(S.BRIDGE_MAPPED)] in ([None], [[]]), \
+                "one partition: a consumer of one filter_subject, not a list of one"
         finally:
             await stop(svc)
             await nc.close()
