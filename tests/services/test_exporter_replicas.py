@@ -40,6 +40,29 @@ def lease_owners(client: JetStreamClient, sink: str) -> dict[int, str]:
     return client.run(read())
 
 
+def where_missing(client: JetStreamClient, sink: str, missing: set[str], msgs: list) -> str:
+    """Where events missing from Kafka are: still in AEP_EXPORT (stuck) or gone (lost), and
+    what each partition's consumer says."""
+    from bridge.nats import streams as S
+
+    async def read() -> str:
+        subjects = {s: eid for s, _, eid in msgs if eid in missing}
+        info = await client.js.stream_info(S.EXPORT_STREAM, subjects_filter=f"{S.EXPORT_PARTITION_PREFIX}.{sink}.>")
+        held = info.state.subjects or {}
+        consumers = []
+        for c in await client.js.consumers_info(S.EXPORT_STREAM):
+            consumers.append(f"{c.name}: pending {c.num_pending} ack_pending {c.num_ack_pending} "
+                             f"redelivered {c.num_redelivered} floor {c.ack_floor.stream_seq}")
+        events = await client.js.stream_info(S.AEP_EVENTS)
+        return (f"AEP_EVENTS last {events.state.last_seq}, AEP_EXPORT sourced up to {info.state.last_seq} "
+                f"and holds {info.state.messages} messages on {len(held)} subjects {sorted(held.items())[:12]}; "
+                f"missing on {sorted(subjects)[:12]}; consumers {consumers}")
+    try:
+        return client.run(read())
+    except Exception as exc:  # the diagnosis must not hide the failure
+        return f"(no diagnosis: {type(exc).__name__}: {exc})"
+
+
 @pytest.mark.slow
 def test_three_replicas_scale_up_and_a_kill_deliver_every_event_once_in_lane_order(nats_server_fn, tansu, tmp_path):
     topic = "aep-scale"
@@ -87,7 +110,11 @@ def test_three_replicas_scale_up_and_a_kill_deliver_every_event_once_in_lane_ord
                 continue
             seen[eid] = m.value()
             firsts[(m.partition(), m.key())].append(order[eid])
-        assert set(seen) == set(order), f"{len(set(order) - set(seen))} events missing"
+        missing = set(order) - set(seen)
+        if missing:  # where they are: still in AEP_EXPORT, or in Kafka for a second reader
+            late = {dict(m.headers())["aep-id"].decode() for m in consume(tansu.bootstrap, topic, len(msgs), timeout=15)}
+            raise AssertionError(f"{len(missing)} events missing; {len(missing & late)} of them in Kafka for a second "
+                                 f"reader; {where_missing(client, 'scale', missing, msgs)}")
         assert all(len(p) == 1 for p in lanes_partition.values()), "a lane in one Kafka partition"
         for key, positions in firsts.items():
             assert positions == sorted(positions), f"lane {key} out of order"
