@@ -76,7 +76,7 @@ __all__ = [
     "CONTROL_BUCKETS", "HERMES_RAW", "INSTRUCT_BUCKET",
     "LANES_BUCKET", "LANE_FACTS_BUCKET", "LEASES_BUCKET", "LEASE_TTL_S", "MAPPER_DURABLE", "MAPPER_MAX_DELIVER", "MAPPER_MAX_DELIVER_BACKSTOP", "OBJECT_STORES",
     "ObjectStoreSpec", "PAIRING_BUCKET", "RELAY", "RELAY_BUCKET", "STREAMS", "StreamSpec", "all_stream_configs",
-    "mapper_consumer_config",
+    "mapper_consumer_config", "reserved_bytes",
 ]
 
 
@@ -305,6 +305,13 @@ EXPORT_PARTITION_PREFIX = "export"
 #: full, sourcing waits (discard new) and the events stay in AEP_EVENTS, as a lagging
 #: one-replica durable's do
 EXPORT_STREAM_MAX_BYTES = 2 * GiB
+
+
+def reserved_bytes() -> int:
+    """What JetStream reserves up front for the bridge (each stream's, bucket's and store's
+    max_bytes, AEP_EXPORT's included): a server's max_file_store must hold it."""
+    specs = (*STREAMS, *BUCKETS, *OBJECT_STORES, CONTROL_BUCKET, INSTRUCT_BUCKET)
+    return sum(spec.max_bytes for spec in specs) + EXPORT_STREAM_MAX_BYTES
 
 
 def export_source(sink: str, partitions: int, start_seq: int | None = None) -> Any:

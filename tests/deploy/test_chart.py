@@ -59,6 +59,7 @@ from tests.support.chart import (
     ours,
     pod_spec,
     production_with_everything,
+    quantity,
     render_chart,
     render_manifests,
     select,
@@ -377,12 +378,6 @@ NATS_ROLES = {  # user in nats.config.merge -> role (Secret key "<role>-password
 }
 
 
-def _quantity(text: str) -> int:
-    """A Kubernetes binary quantity ("50Gi") in bytes."""
-    number, unit = re.fullmatch(r"(\d+)(Ki|Mi|Gi|Ti)?", str(text)).groups()
-    return int(number) * {None: 1, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}[unit]
-
-
 def test_values_handed_to_the_nats_subchart_are_self_consistent() -> None:
     """values.yaml `nats:`: JetStream with room for every stream, nats-box off, one
     account whose users are the services' users, and every password a variable the
@@ -393,11 +388,12 @@ def test_values_handed_to_the_nats_subchart_are_self_consistent() -> None:
     assert nats_values["natsBox"]["enabled"] is False, "nats-box would connect without credentials"
     jetstream = nats_values["config"]["jetstream"]
     assert jetstream["enabled"] is True
-    from bridge.nats.streams import BUCKETS, OBJECT_STORES, STREAMS
-    from bridge.nats.streams import CONTROL_BUCKET, INSTRUCT_BUCKET  # the gate creates these at start
+    from bridge.nats.streams import reserved_bytes  # the gate's buckets and AEP_EXPORT included
 
-    reserved = sum(spec.max_bytes for spec in (*STREAMS, *BUCKETS, *OBJECT_STORES, CONTROL_BUCKET, INSTRUCT_BUCKET))
-    assert _quantity(jetstream["fileStore"]["pvc"]["size"]) >= reserved, "JetStream reserves max_bytes up front"
+    # The NATS chart renders max_file_store from fileStore.maxSize, else from the PVC's size.
+    file_store = jetstream["fileStore"]
+    assert quantity(file_store.get("maxSize") or file_store["pvc"]["size"]) >= reserved_bytes(), \
+        "JetStream reserves max_bytes up front"
 
     (account,) = nats_values["config"]["merge"]["accounts"].values()
     assert account["jetstream"] == "enabled"

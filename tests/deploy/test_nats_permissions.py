@@ -734,3 +734,21 @@ def test_exporter_replicas_share_a_sink_within_the_exporters_permissions(server:
     except BaseException:
         print(server["log"].read_text()[-4000:])
         raise
+
+
+def test_the_values_server_has_the_file_store_the_chart_gives_it(tmp_path: Path) -> None:
+    """The NATS chart renders max_file_store from fileStore.maxSize, else from the PVC's size;
+    this test's server gets the same. Without it nats-server takes 75 % of the free disk, and
+    whether the reservations (every stream's max_bytes, AEP_EXPORT's included) fit depended on
+    the machine: CI, 2026-12-05, "insufficient storage resources available" creating AEP_EXPORT."""
+    import urllib.request
+
+    from tests.natsfixture import free_port
+    from tests.support.chart import CHART_DIR, load_values, quantity
+
+    file_store = load_values(CHART_DIR / "values.yaml")["nats"]["config"]["jetstream"]["fileStore"]
+    port = free_port()
+    with configured_server(tmp_path, values_nats_conf(tmp_path / "js"), monitor_port=port):
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/varz", timeout=10) as resp:
+            varz = json.loads(resp.read())
+    assert varz["jetstream"]["config"]["max_storage"] == quantity(file_store.get("maxSize") or file_store["pvc"]["size"])

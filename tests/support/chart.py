@@ -55,6 +55,15 @@ REQUIRED_CI_VALUES = {"defaults", "external-nats", "creds-auth", "autoscaling", 
 # --------------------------------------------------------------------------- helpers
 
 
+def quantity(text: str) -> int:
+    """A Kubernetes binary quantity ("50Gi") in bytes."""
+    match = re.fullmatch(r"(\d+)(Ki|Mi|Gi|Ti)?", str(text))
+    if match is None:
+        raise ValueError(f"not a binary quantity: {text!r}")
+    number, unit = match.groups()
+    return int(number) * {None: 1, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}[unit]
+
+
 def load_values(path: Path | str) -> dict[str, Any]:
     """A values file as a dict (an empty file or `{}` gives {})."""
     return yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
