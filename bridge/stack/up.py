@@ -67,7 +67,7 @@ from bridge.hermes.install import HOOK_SOURCE, build_command, gate_timeout_s
 from bridge.nats.bootstrap import bootstrap
 from bridge.nats.connection import connect
 from bridge.stack.demo import run_demo
-from bridge.stack.server import EmbeddedCluster, EmbeddedNats, free_port, port_is_free, terminate
+from bridge.stack.server import EmbeddedCluster, EmbeddedNats, free_port, jetstream_block, port_is_free, terminate
 from bridge.stack.tail import tail
 
 LOCAL_USER = "aep-local"
@@ -213,7 +213,7 @@ class Up:
         conf = self.state_dir / "nats-auth.conf"
         fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
-            f.write(auth)
+            f.write(auth + jetstream_block())
         os.chmod(conf, 0o600)
         self.server = EmbeddedNats(self.state_dir / "nats", port=port, config_file=conf,
                                    log_file=self.state_dir / "logs" / "nats-server.log")
