@@ -45,7 +45,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from bridge.stack.server import MAX_FILE_STORE
+from bridge.stack.server import jetstream_block
 from tests.natsfixture import JetStreamClient, NatsBackendError, free_port, nats_server_binary
 
 T = TypeVar("T")
@@ -89,7 +89,7 @@ class ClusterNode:
             f"server_name: {self.name}\n"
             f"listen: {self.host}:{self.port}\n"
             f"http: {self.host}:{self.monitor_port}\n"
-            f"jetstream {{\n  store_dir: {json.dumps(str(self.store_dir))}\n  max_file_store: {MAX_FILE_STORE}\n}}\n"
+            f"{jetstream_block(store_dir=self.store_dir)}"
             f"cluster {{\n  name: {CLUSTER_NAME}\n  listen: {self.host}:{self.cluster_port}\n"
             f"  routes: [{route_urls}]\n}}\n"
             f"{extra_config}\n"

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bridge.stack.server import MAX_FILE_STORE
+from bridge.stack.server import jetstream_block
 
 BACKENDS = ("docker", "process", "external")
 DEFAULT_IMAGE = "nats:2.11-alpine"
@@ -182,7 +182,7 @@ class ProcessNats(NatsServer):
         self.config_path.write_text(
             f"listen: {self.host}:{self.port}\n"
             f"server_name: aep_test_{self.port}\n"
-            f"jetstream {{\n  store_dir: {json.dumps(str(self.store_dir))}\n  max_file_store: {MAX_FILE_STORE}\n}}\n"
+            f"{jetstream_block(store_dir=self.store_dir)}"
             f"{extra_config}\n"
         )
         self.proc: subprocess.Popen[bytes] | None = None

@@ -59,11 +59,15 @@ def find_nats_server() -> str:
 MAX_FILE_STORE = 64 * 1024**3
 
 
-def jetstream_block(sync_interval: str | None = None) -> str:
+def jetstream_block(sync_interval: str | None = None, store_dir: str | Path | None = None) -> str:
     """The ``jetstream { }`` block of a local server's config: MAX_FILE_STORE, and
-    ``sync_interval`` when given (the store directory is the ``-sd`` flag's)."""
-    sync = f"  sync_interval: {sync_interval}\n" if sync_interval else ""
-    return f"jetstream {{\n  max_file_store: {MAX_FILE_STORE}\n{sync}}}\n"
+    ``sync_interval`` and ``store_dir`` when given (else the ``-sd`` flag's)."""
+    lines = [f"  max_file_store: {MAX_FILE_STORE}"]
+    if sync_interval:
+        lines.append(f"  sync_interval: {sync_interval}")
+    if store_dir is not None:
+        lines.append(f"  store_dir: {json.dumps(str(store_dir))}")
+    return "jetstream {\n" + "\n".join(lines) + "\n}\n"
 
 
 def free_port(host: str = "127.0.0.1") -> int:

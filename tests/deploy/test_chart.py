@@ -49,6 +49,7 @@ from tests.support.chart import (
     RELEASE,
     REQUIRED_CI_VALUES,
     any_secrets,
+    chart_max_file_store,
     ci_values,
     documented_variables,
     env_entries,
@@ -59,7 +60,6 @@ from tests.support.chart import (
     ours,
     pod_spec,
     production_with_everything,
-    quantity,
     render_chart,
     render_manifests,
     select,
@@ -390,10 +390,7 @@ def test_values_handed_to_the_nats_subchart_are_self_consistent() -> None:
     assert jetstream["enabled"] is True
     from bridge.nats.streams import reserved_bytes  # the gate's buckets and AEP_EXPORT included
 
-    # The NATS chart renders max_file_store from fileStore.maxSize, else from the PVC's size.
-    file_store = jetstream["fileStore"]
-    assert quantity(file_store.get("maxSize") or file_store["pvc"]["size"]) >= reserved_bytes(), \
-        "JetStream reserves max_bytes up front"
+    assert chart_max_file_store(defaults) >= reserved_bytes(), "JetStream reserves max_bytes up front"
 
     (account,) = nats_values["config"]["merge"]["accounts"].values()
     assert account["jetstream"] == "enabled"

@@ -744,11 +744,10 @@ def test_the_values_server_has_the_file_store_the_chart_gives_it(tmp_path: Path)
     import urllib.request
 
     from tests.natsfixture import free_port
-    from tests.support.chart import CHART_DIR, load_values, quantity
+    from tests.support.chart import chart_max_file_store
 
-    file_store = load_values(CHART_DIR / "values.yaml")["nats"]["config"]["jetstream"]["fileStore"]
     port = free_port()
     with configured_server(tmp_path, values_nats_conf(tmp_path / "js"), monitor_port=port):
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/varz", timeout=10) as resp:
             varz = json.loads(resp.read())
-    assert varz["jetstream"]["config"]["max_storage"] == quantity(file_store.get("maxSize") or file_store["pvc"]["size"])
+    assert varz["jetstream"]["config"]["max_storage"] == chart_max_file_store()

@@ -46,7 +46,7 @@ def where_missing(client: JetStreamClient, sink: str, missing: set[str], msgs: l
     from bridge.nats import streams as S
 
     async def read() -> str:
-        subjects = {s: eid for s, _, eid in msgs if eid in missing}
+        subjects = {s for s, _, eid in msgs if eid in missing}
         info = await client.js.stream_info(S.EXPORT_STREAM, subjects_filter=f"{S.EXPORT_PARTITION_PREFIX}.{sink}.>")
         held = info.state.subjects or {}
         consumers = []

@@ -64,6 +64,14 @@ def quantity(text: str) -> int:
     return int(number) * {None: 1, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}[unit]
 
 
+def chart_max_file_store(values: Mapping[str, Any] | None = None) -> int:
+    """The max_file_store the NATS chart renders from ``values`` (values.yaml by default):
+    ``nats.config.jetstream.fileStore.maxSize``, else the PVC's size, in bytes."""
+    values = load_values(CHART_DIR / "values.yaml") if values is None else values
+    file_store = values["nats"]["config"]["jetstream"]["fileStore"]
+    return quantity(file_store.get("maxSize") or file_store["pvc"]["size"])
+
+
 def load_values(path: Path | str) -> dict[str, Any]:
     """A values file as a dict (an empty file or `{}` gives {})."""
     return yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}

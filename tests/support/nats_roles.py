@@ -24,7 +24,7 @@ import pytest
 from bridge.config import Settings
 from bridge.nats.bootstrap import bootstrap as bridge_bootstrap
 from tests.natsfixture import free_port, nats_server_binary
-from tests.support.chart import CHART_DIR, REPO, load_values, quantity
+from tests.support.chart import CHART_DIR, REPO, chart_max_file_store, load_values
 
 
 SAMPLE_CONF = REPO / "deploy" / "nats" / "nats.conf"
@@ -84,12 +84,10 @@ def values_nats_conf(store_dir: Path) -> str:
     with JetStream on in ``store_dir`` and `nats.config.jetstream.merge` (sync_interval) in
     its jetstream block, where the NATS chart puts it. ``<< $VAR >>`` (a value the NATS chart leaves
     unquoted) becomes ``$VAR``, which nats-server reads from its environment."""
-    values = load_values(CHART_DIR / "values.yaml")["nats"]["config"]["jetstream"]
-    # max_file_store as the NATS chart renders it: fileStore.maxSize, else the PVC's size (left
-    # out, nats-server takes 75 % of the free disk, and the reservations fit or not by machine)
-    file_store = values.get("fileStore", {})
-    max_file_store = quantity(file_store.get("maxSize") or file_store["pvc"]["size"])
-    jetstream = {"store_dir": str(store_dir), "max_file_store": max_file_store, **values.get("merge", {})}
+    merge = load_values(CHART_DIR / "values.yaml")["nats"]["config"]["jetstream"].get("merge", {})
+    # max_file_store as the NATS chart renders it (left out, nats-server takes 75 % of the free
+    # disk, and the reservations fit or not by machine)
+    jetstream = {"store_dir": str(store_dir), "max_file_store": chart_max_file_store(), **merge}
     conf = {"server_name": "aep-test-values", "jetstream": jetstream, **values_merge()}
     text, n = re.subn(r'"<< (\$[A-Z0-9_]+) >>"', r"\1", json.dumps(conf, indent=2))
     assert n == len(USERS) - 1, "one password variable per user of the merge block"
