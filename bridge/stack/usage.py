@@ -75,6 +75,8 @@ async def read_usage(nc: Any, usage: Usage, *, since: datetime | None = None, pr
                 progress.flush()
                 next_progress = now + progress_s
             if msg is None:
+                if nc.is_closed or not nc.is_connected:  # a server gone mid-read: say so now, not after stall_s
+                    raise UsageReadError(f"lost the connection to NATS after {read} of ~{expected} events")
                 if now - last_msg > stall_s:
                     raise UsageReadError(f"no event from {S.AEP_EVENTS} for {stall_s:.0f} s after {read} "
                                          f"of ~{expected}; the server stopped answering")
