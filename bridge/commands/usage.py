@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import re
 import sys
 
@@ -71,10 +72,14 @@ def cmd_usage(args: argparse.Namespace) -> int:
         print(f"aep-bridge usage: {text if said else f'{type(exc).__name__}: {text}'}", file=sys.stderr)
         return 1
     if args.json:
-        print(json.dumps({"by": args.by, "since": since.isoformat() if since else None, "events": usage.events,
-                          "groups": usage.rows(), "total": usage.total()}, indent=None))
+        text = json.dumps({"by": args.by, "since": since.isoformat() if since else None, "events": usage.events,
+                           "groups": usage.rows(), "total": usage.total()})
     elif not usage.groups:
-        print(f"no model calls on the stream{' since ' + args.since if since else ''}")
+        text = f"no model calls on the stream{' since ' + args.since if since else ''}"
     else:
-        print(format_table(usage))
+        text = format_table(usage)
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:  # `| head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
