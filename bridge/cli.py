@@ -27,6 +27,7 @@ COMMAND_MODULES = (
     "bridge.commands.bootstrap",  # bootstrap
     "bridge.commands.services",  # mapper, pairing, exporter, relay
     "bridge.commands.stack",  # up, demo, tail
+    "bridge.commands.usage",  # usage: what the model calls cost
     "bridge.commands.sim",  # simulate, verify
     "bridge.commands.control",  # gate, control respond|instruct|hello|pending
     "bridge.commands.config",  # config: the effective settings and where each came from

@@ -17,15 +17,18 @@ nothing else of the package; a contract in pyproject.toml checks it).
   for people), every line with its `component` and `replica`.
 * `BoundedLabel` (labels): metric labels from the wire, bounded; `observe_many`: a batch's
   values into a histogram at once.
+* `ActivityMetrics` (activity): what the fleet does and spends (model calls, tokens, cost,
+  tools, approvals, runs), counted from the events pairing publishes.
 * Allocation profiling (profiling, opt-in, `AEP_BRIDGE_TRACEMALLOC=<dir>`), started and
   stopped by `serve`; `rss_kb`.
 """
 
+from bridge.runtime.activity import ActivityMetrics
 from bridge.runtime.health import Health
 from bridge.runtime.labels import OTHER, BoundedLabel, observe_many
 from bridge.runtime.lifecycle import Linger, Loop, Stopper, close_connection, metrics_port, serve
 from bridge.runtime.logs import configure_logging
 from bridge.runtime.profiling import rss_kb
 
-__all__ = ["OTHER", "BoundedLabel", "Health", "Linger", "Loop", "Stopper", "close_connection", "configure_logging", "observe_many",
+__all__ = ["OTHER", "ActivityMetrics", "BoundedLabel", "Health", "Linger", "Loop", "Stopper", "close_connection", "configure_logging", "observe_many",
            "metrics_port", "rss_kb", "serve"]

@@ -92,7 +92,7 @@ from bridge.nats.connection import UNANSWERED, connect_service, until_answered
 from bridge.nats.lookup import SCAN_BUDGET, SERVER_MARGIN_NS, find_msg_id, stored_ns
 from bridge.nats.publish import AckPublisher
 from bridge.nats.pull import Puller
-from bridge.runtime import BoundedLabel, Health, Loop, Stopper, close_connection, observe_many, serve
+from bridge.runtime import ActivityMetrics, BoundedLabel, Health, Loop, Stopper, close_connection, observe_many, serve
 
 log = structlog.get_logger("aep_bridge.pairing")
 
@@ -293,6 +293,7 @@ class PairingService:
         self.replica = replica or f"{socket.gethostname()}-{os.getpid()}"
         self.registry = registry or CollectorRegistry()
         self.metrics = PairingMetrics(self.registry, settings.partitions)
+        self.activity = ActivityMetrics(self.registry)
         self.health = Health("pairing")
         self.stopper = Stopper()
         self.partitions: dict[int, Partition] = {}
@@ -523,6 +524,7 @@ class PairingService:
                 futures.append(await self.dead_letter_event(event, body, exc.reason, str(exc), msg))
                 continue
             futures.append(await self.publisher.publish(subject, body, headers={"Nats-Msg-Id": event.id}))
+            self.activity.seen(event)  # model calls, tokens, cost, tools, approvals, runs (bridge/runtime/activity.py)
             types = self._types_out  # added to the counter once per batch (handle_batch)
             types[event.type] = types.get(event.type, 0) + 1
         return futures

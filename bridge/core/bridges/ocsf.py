@@ -21,6 +21,11 @@ survives the exporter's `max_capture` (`downlevel.exported_payload`), nothing el
   profile. An answered resolution carries none: what the answer meant is not on the wire.
 * `unmapped.aep` = the source envelope verbatim (every attribute but `data`),
   `unmapped.data` = the surviving payload (absent when there is none).
+
+Model calls (`x.hermes.api.call`, `x.hermes.api.error`, issue 40) have no record: §4.1 gives
+vendor `x.*` traffic none by design, and the pinned 1.8.0 subset carries `ai_model` (the
+`ai_operation` profile) only on Process Activity, the class of tool calls, which a model call
+is not. Their models and token counts go out in OTLP (`gen_ai.*` attributes).
 """
 
 from __future__ import annotations

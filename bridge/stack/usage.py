@@ -1,0 +1,102 @@
+"""`aep-bridge usage`: read the model calls of AEP_EVENTS once and sum them (`bridge.core.usage`).
+
+It reads the way `aep-bridge tail` does: an ephemeral ordered consumer (nothing durable,
+nothing acked), filtered on the subjects of the model-call types
+(``aep.hermes.*.x.hermes.api.*``: the server skips every other event), from ``since`` (the
+time the stream stored the event) or the start. It stops at the stream's last sequence at
+start: what arrives later is for the next run. A read that takes longer than a second says
+how far it got on ``progress`` (stderr) every second.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from datetime import datetime
+from typing import Any, TextIO
+
+import msgspec
+from nats.js.api import ConsumerConfig, DeliverPolicy
+
+from bridge.core.usage import API_CALL, API_ERROR, Usage
+from bridge.nats import streams as S
+from bridge.nats import subjects as subj
+
+#: Both model-call types share this subject tail; other `x.hermes.api.*` types are skipped in `Usage.add`.
+SUBJECT_FILTER = f"{subj.EVENTS_PREFIX}.*.x.hermes.api.*"
+STALL_S = 15.0  # no message for this long while the server says more are pending: an error, not a hang
+
+
+class UsageReadError(RuntimeError):
+    """The read could not complete (the stream is missing, the server stopped answering)."""
+
+
+async def read_usage(nc: Any, usage: Usage, *, since: datetime | None = None, progress: TextIO | None = None,
+                     progress_s: float = 1.0, stall_s: float = STALL_S) -> int:
+    """Fold the model-call events stored up to now into ``usage``; returns the messages read."""
+    js = nc.jetstream()
+    try:
+        info = await js.stream_info(S.AEP_EVENTS)
+    except Exception as exc:
+        raise UsageReadError(f"cannot read stream {S.AEP_EVENTS}: {type(exc).__name__}: {exc or 'no answer'} "
+                             "(is the bridge bootstrapped? `aep-bridge bootstrap`)") from None
+    last = info.state.last_seq
+    if not info.state.messages or last == 0:
+        return 0
+    if since is not None:
+        config = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_TIME, opt_start_time=since)
+        kwargs: dict[str, Any] = {"config": config}
+    else:
+        kwargs = {"deliver_policy": DeliverPolicy.ALL}
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def cb(msg: Any) -> None:
+        queue.put_nowait(msg)
+
+    sub = await js.subscribe(SUBJECT_FILTER, cb=cb, stream=S.AEP_EVENTS, ordered_consumer=True, **kwargs)
+    read = 0
+    started = time.monotonic()
+    next_progress = started + progress_s
+    last_msg = started
+    try:
+        ci = await sub.consumer_info()
+        expected = (ci.num_pending or 0) + (ci.delivered.consumer_seq or 0)  # matching messages from the start point
+        if expected == 0:
+            return 0
+        while True:
+            try:
+                msg = await asyncio.wait_for(queue.get(), timeout=max(0.05, min(progress_s, stall_s)))
+            except asyncio.TimeoutError:
+                msg = None
+            now = time.monotonic()
+            if progress is not None and now >= next_progress:
+                progress.write(f"aep-bridge usage: read {read:,} of ~{expected:,} model-call events "
+                               f"({now - started:.0f} s)\n")
+                progress.flush()
+                next_progress = now + progress_s
+            if msg is None:
+                if nc.is_closed or not nc.is_connected:  # a server gone mid-read: say so now, not after stall_s
+                    raise UsageReadError(f"lost the connection to NATS after {read} of ~{expected} events")
+                if now - last_msg > stall_s:
+                    raise UsageReadError(f"no event from {S.AEP_EVENTS} for {stall_s:.0f} s after {read} "
+                                         f"of ~{expected}; the server stopped answering")
+                continue
+            last_msg = now
+            meta = msg.metadata
+            if meta.sequence.stream > last:
+                break  # stored after we started
+            read += 1
+            try:
+                event = msgspec.json.decode(msg.data)
+            except msgspec.DecodeError:
+                event = None
+            if isinstance(event, dict) and event.get("type") in (API_CALL, API_ERROR):
+                usage.add(event)
+            if meta.sequence.stream >= last or not meta.num_pending:
+                break
+    finally:
+        try:
+            await sub.unsubscribe()
+        except Exception:  # the connection is going away anyway
+            pass
+    return read

@@ -1,0 +1,46 @@
+"""`bridge.core.usage`: the sums of `aep-bridge usage`, pure (the command's numbers against a real
+server are in tests/stack/test_usage.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from bridge.core.usage import Usage, format_table, instance_of, percentile
+from tests.support.api_calls import api_call, event
+
+
+def test_percentile_is_the_nearest_rank() -> None:
+    assert percentile([], 50) is None
+    assert percentile([7], 99) == 7
+    values = list(range(1, 101))
+    assert (percentile(values, 50), percentile(values, 99), percentile(values, 100)) == (50, 99, 100)
+    assert percentile([10, 20, 30, 40], 50) == 20 and percentile([10, 20, 30, 40], 99) == 40
+
+
+def test_bad_members_are_left_out_and_counted() -> None:
+    u = Usage("model")
+    assert u.add(event("x.hermes.api.call", data=api_call(duration_ms=-1, input=2.5, output=True, cache_read="9",
+                                                          reasoning=2**60, cache_write=3,
+                                                          cost={"currency": "USD", "total": float("nan")})))
+    assert u.add(event("x.hermes.api.call", data=api_call(duration_ms=10, input=5)))
+    assert not u.add(event("tool.completed", data={"tool": {"name": "t"}}))
+    assert not u.add("not an event")
+    (row,) = u.rows()
+    assert (row["calls"], row["input_tokens"], row["output_tokens"], row["cache_read_tokens"],
+            row["cache_write_tokens"], row["reasoning_tokens"], row["p50_ms"]) == (2, 5, 0, 0, 3, 0, 10)
+    assert row["cost"] == {} and row["unpriced_calls"] == 2 and u.skipped_members == 1
+
+
+def test_groups_and_the_table() -> None:
+    assert instance_of("aep://gw%20one/agent/hermes/session/s") == "gw one"
+    assert instance_of("urn:x") == "unknown"
+    u = Usage("day")
+    u.add(event("x.hermes.api.call", time="2026-12-06T23:00:00Z", data=api_call(duration_ms=5, input=1,
+                                                                                cost={"currency": "USD", "total": 0.5})))
+    u.add(event("x.hermes.api.call", time="2026-12-05T01:00:00Z", data=api_call(input=2)))
+    lines = format_table(u).splitlines()
+    assert [line.split()[0] for line in lines] == ["day", "2026-12-05", "2026-12-06", "total"]
+    assert lines[2].endswith("5       5  0.5 USD")
+    assert lines[3].endswith("0.5 USD (+1 unpriced)")
+    with pytest.raises(ValueError, match="--by 'team'"):
+        Usage("team")
