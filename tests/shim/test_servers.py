@@ -16,6 +16,7 @@ import pytest
 from bridge.shim import hook
 from tests.clusterfixture import BlackHole, Cluster
 from tests.natsfixture import JetStreamClient, NatsServer, free_port
+from tests.support.mute import MuteServer
 from tests.support.shim import dumps, envelope, run_hook, shim_env
 
 DEADLINE_MS = 1000  # roomy for a loaded machine: the assertions count connections, not time
@@ -159,3 +160,107 @@ def test_a_paused_cluster_node_does_not_spool(nats_cluster: Cluster, tmp_path: P
         assert len(c.fetch(f"hermes.raw.{hook.token(instance)}.>", expected=4, timeout=20)) == 4
     finally:
         c.close()
+
+
+# ---------------------------------------------------------------- a server that answers but never acks (issue 39)
+
+
+@pytest.fixture
+def mute() -> Iterator[MuteServer]:
+    m = MuteServer()
+    try:
+        yield m
+    finally:
+        m.close()
+
+
+def landed(jetstream: JetStreamClient, instance: str, expected: int, timeout: float = 5.0) -> list[str]:
+    """The sessions of the instance's messages on HERMES_RAW (in stream order); checks that
+    no message id is there twice."""
+    msgs = jetstream.fetch(f"hermes.raw.{hook.token(instance)}.>", expected=expected, timeout=timeout)
+    ids = [m.headers.get("Nats-Msg-Id") for m in msgs]
+    assert len(set(ids)) == len(ids), ids
+    return [m.json()["envelope"]["session_id"] for m in msgs]
+
+
+MARGIN_S = 2.0  # process start on a loaded 2-core machine; not a timing assertion, a bound on "waits for ever"
+
+
+def test_a_mute_first_server_is_left_within_its_share_and_remembered_as_bad(
+        nats_server: NatsServer, jetstream: JetStreamClient, mute: MuteServer, tmp_path: Path) -> None:
+    """The stub accepts, sends INFO, answers PING and never acks a publish (a node cut off from
+    the stream's leader). Listed first, for instances whose own place is it: every event lands
+    on HERMES_RAW once, each run answers within its deadline, and only each instance's first
+    run goes to the stub."""
+    servers = f"{mute.url},{nats_server.url}"
+    instances = [instance_starting_at(servers, mute.url, f"mute{k}", tmp_path) for k in range(3)]
+    for name in instances:
+        env = shim_env(servers, tmp_path, name, deadline_ms=DEADLINE_MS)
+        for i in range(3):
+            run = run_hook(dumps(envelope(session=f"{name}-{i}")), env)
+            assert run.answered_empty_object and run.stderr == b"", run
+            assert run.elapsed < DEADLINE_MS / 1000 + MARGIN_S, run
+        assert hook.server_order(hook.Config(environ=env))[0] == nats_server.url  # moved off the stub
+    assert spooled(tmp_path) == 0
+    for name in instances:
+        assert landed(jetstream, name, 3) == [f"{name}-{i}" for i in range(3)]
+    assert mute.connections == len(instances)  # each instance's first run only
+    assert mute.publishes == len(instances)  # and it was given the publish, then left
+
+
+def test_a_spool_replay_leaves_a_mute_server_for_the_next(
+        nats_server: NatsServer, jetstream: JetStreamClient, mute: MuteServer, tmp_path: Path) -> None:
+    """A non-empty spool with the mute server first: the replay (and the run's own event behind
+    it) goes through the second server in the same run; nothing is left in the spool."""
+    servers = f"{mute.url},{nats_server.url}"
+    instance = instance_starting_at(servers, mute.url, "mutespool", tmp_path)
+    env = shim_env(servers, tmp_path, instance, deadline_ms=DEADLINE_MS)
+    cfg = hook.Config(environ=env)
+    hook.Spool(cfg.spool_dir, instance).append(
+        [hook.build_record(dumps(envelope(session=f"old-{i}")), cfg) for i in range(5)])
+    run = run_hook(dumps(envelope(session="new")), env)
+    assert run.answered_empty_object and run.stderr == b"", run
+    assert run.elapsed < DEADLINE_MS / 1000 + MARGIN_S, run
+    assert hook.Spool(cfg.spool_dir, instance).pending() == 0 and spooled(tmp_path) == 0
+    assert landed(jetstream, instance, 6) == [f"old-{i}" for i in range(5)] + ["new"]
+    assert hook.server_order(cfg)[0] == nats_server.url
+    assert mute.connections == 1
+
+
+def test_a_mute_server_that_stored_the_publish_makes_no_duplicate(
+        nats_server: NatsServer, jetstream: JetStreamClient, tmp_path: Path) -> None:
+    """The stub passes the publish on to the real server (stored) and loses the ack: the shim's
+    second try, on the real server, carries the same Nats-Msg-Id and is dropped as a duplicate."""
+    relay = MuteServer(store_to=nats_server.url)
+    try:
+        servers = f"{relay.url},{nats_server.url}"
+        instance = instance_starting_at(servers, relay.url, "mutestored", tmp_path)
+        env = shim_env(servers, tmp_path, instance, deadline_ms=DEADLINE_MS)
+        run = run_hook(dumps(envelope(session="once")), env)
+        assert run.answered_empty_object and run.stderr == b"", run
+        assert relay.publishes == 1 and spooled(tmp_path) == 0
+        assert landed(jetstream, instance, 1) == ["once"]
+        assert landed(jetstream, instance, 2, timeout=1.0) == ["once"]  # waited for a second one: none came
+    finally:
+        relay.close()
+
+
+def test_no_server_acks_the_spool_keeps_the_event_and_memory_moves_off_the_mute_one(
+        mute: MuteServer, tmp_path: Path) -> None:
+    """Two mute servers: nothing acks, the run still answers in time and spools; the next run
+    starts at the second (the first is remembered as bad)."""
+    other = MuteServer()
+    try:
+        servers = f"{mute.url},{other.url}"
+        instance = instance_starting_at(servers, mute.url, "allmute", tmp_path)
+        env = shim_env(servers, tmp_path, instance, deadline_ms=300)
+        run = run_hook(dumps(envelope(session="m")), env)
+        assert run.answered_empty_object, run
+        assert run.elapsed < 0.3 + MARGIN_S, run
+        assert b"spooled" in run.stderr
+        cfg = hook.Config(environ=env)
+        assert hook.Spool(cfg.spool_dir, instance).status()["pending_records"] == 1
+        assert (mute.connections, other.connections) == (1, 1)  # both tried in the one run
+        assert hook.server_order(cfg)[0] == other.url
+    finally:
+        other.close()
