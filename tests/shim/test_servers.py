@@ -5,6 +5,7 @@ start at different places in the list."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import uuid
@@ -264,3 +265,23 @@ def test_no_server_acks_the_spool_keeps_the_event_and_memory_moves_off_the_mute_
         assert hook.server_order(cfg)[0] == other.url
     finally:
         other.close()
+
+
+def test_spool_drain_leaves_a_mute_server_for_the_next(
+        nats_server: NatsServer, jetstream: JetStreamClient, mute: MuteServer, tmp_path: Path) -> None:
+    """`aep-bridge spool drain` is a replay too: with the mute server first it drains through
+    the second (before: it waited its whole --timeout on the stub and said "stalled")."""
+    servers = f"{mute.url},{nats_server.url}"
+    instance = instance_starting_at(servers, mute.url, "mutedrain", tmp_path)
+    env = shim_env(servers, tmp_path, instance)
+    cfg = hook.Config(environ=env)
+    hook.Spool(cfg.spool_dir, instance).append(
+        [hook.build_record(dumps(envelope(session=f"d-{i}")), cfg) for i in range(20)])
+    out = subprocess.run([sys.executable, "-m", "bridge.cli", "spool", "drain", "--timeout", "4", "--quiet"],
+                         env={**os.environ, **env}, capture_output=True, text=True, timeout=60,
+                         cwd=Path(hook.__file__).parents[2])
+    assert out.returncode == 0, out.stderr
+    assert landed(jetstream, instance, 20) == [f"d-{i}" for i in range(20)]
+    assert hook.Spool(cfg.spool_dir, instance).status()["pending_records"] == 0
+    assert hook.server_order(cfg)[0] == nats_server.url
+    assert mute.connections == 1
