@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +19,7 @@ from bridge.shim import hook
 from tests.clusterfixture import BlackHole, Cluster
 from tests.natsfixture import JetStreamClient, NatsServer, free_port
 from tests.support.mute import MuteServer
+from tests.support.partition import Partitions, partitioned_cluster
 from tests.support.shim import dumps, envelope, run_hook, shim_env
 
 DEADLINE_MS = 1000  # roomy for a loaded machine: the assertions count connections, not time
@@ -285,3 +287,57 @@ def test_spool_drain_leaves_a_mute_server_for_the_next(
     assert hook.Spool(cfg.spool_dir, instance).status()["pending_records"] == 0
     assert hook.server_order(cfg)[0] == nats_server.url
     assert mute.connections == 1
+
+
+@pytest.fixture
+def cut_cluster() -> Iterator[tuple[Cluster, Partitions]]:
+    if os.geteuid() != 0:
+        pytest.skip("partitions need root (cgroups and nftables); CI runs as root")
+    with partitioned_cluster() as pair:
+        yield pair
+
+
+@pytest.mark.slow
+def test_a_node_cut_off_from_its_peers_does_not_capture_the_shims(
+        cut_cluster: tuple[Cluster, Partitions], tmp_path: Path) -> None:
+    """The real thing for issue 39: a three-node R3 cluster, one node's routes cut (nftables on
+    its cgroup, tests/support/partition.py) while it still serves clients. It is a follower of
+    HERMES_RAW and not the meta leader, so the majority keeps its leaders. Instances whose first
+    server is the cut node land every event through the majority, within their deadlines."""
+    cluster, cuts = cut_cluster
+    cluster.bootstrap(replicas=3)
+    leader = cluster.wait_leader("HERMES_RAW")
+    cut = next(n for n in cluster.nodes if n.name not in (leader, cluster.meta_leader()))
+    majority = [n.url for n in cluster.nodes if n is not cut]
+    servers = ",".join([cut.url] + majority)
+    instances = [instance_starting_at(servers, cut.url, f"cut{k}", tmp_path) for k in range(3)]
+    cuts.isolate(cut.name)
+    # the cut is real: the node takes the connection and sends INFO, but no ack comes
+    probe = hook.Config(environ=shim_env(cut.url, tmp_path / "probe", "probe"))
+    errors: list[str] = []
+    record = hook.build_record(dumps(envelope(session="probe")), probe)
+    assert hook.publish_one(probe, record, time.monotonic() + 1.0, errors) is False
+    assert errors and not any("cannot connect" in e or "INFO" in e for e in errors), errors
+    for name in instances:
+        env = shim_env(servers, tmp_path, name, deadline_ms=DEADLINE_MS)
+        for i in range(3):
+            run = run_hook(dumps(envelope(session=f"{name}-{i}")), env)
+            assert run.answered_empty_object and run.stderr == b"", run
+            assert run.elapsed < DEADLINE_MS / 1000 + MARGIN_S, run
+        assert hook.server_order(hook.Config(environ=env))[0] != cut.url  # moved off the cut node
+    assert spooled(tmp_path) == 0
+    c = JetStreamClient(majority)  # type: ignore[arg-type]  # nats.connect takes a list
+    try:  # stored by the majority while the node is still cut (the stream leader answers)
+        for name in instances:
+            info = c.run(c.js.stream_info("HERMES_RAW", subjects_filter=f"hermes.raw.{hook.token(name)}.>"))
+            assert sum((info.state.subjects or {}).values()) == 3, name
+    finally:
+        c.close()
+    cuts.heal()
+    cluster.wait_ready(60)
+    c = cluster.client()
+    try:  # once each (an ephemeral consumer needs the whole cluster: read after the heal)
+        for name in instances:
+            assert landed(c, name, 3, timeout=20) == [f"{name}-{i}" for i in range(3)]
+    finally:
+        c.close()
