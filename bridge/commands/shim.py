@@ -149,20 +149,32 @@ def cmd_spool_drain(args: argparse.Namespace) -> int:
     while True:
         errors: list[str] = []
         deadline = time.monotonic() + args.timeout
-        conn = hook.connect_any(cfg, deadline, errors)
-        if conn is None:
+        order = hook.server_order(cfg)
+        sent, empty, tried = 0, False, False
+        # As the hook: each server but the last has a share of the timeout to ack; one that
+        # does not is left for the next (which replays from the committed position).
+        for conn in hook.connect_candidates(cfg, deadline, errors, order):
+            tried = True
+            try:
+                sent, empty, _ = spool.replay(conn, deadline, progress=progress, wait_lock=True)
+            finally:
+                conn.close()
+            if conn.answered:
+                hook.acked(cfg, conn)
+            if sent or empty or conn.error is None:
+                break
+            errors.append(str(conn.error))
+        else:
+            hook.left_unacked(cfg, order)
+        if not tried:
             print(f"aep-bridge spool drain: no NATS server answered: {'; '.join(errors)}", file=sys.stderr)
             return 1
-        try:
-            sent, empty, _ = spool.replay(conn, deadline, progress=progress, wait_lock=True)
-        finally:
-            conn.close()
         done += sent
         if empty:
             print(f"drained {done} record(s) from {spool.path} to HERMES_RAW")
             return 0
         if sent == 0:
-            why = conn.error or "no ack before the timeout"
+            why = "; ".join(errors) or "no ack before the timeout"
             print(f"aep-bridge spool drain: stalled after {done} record(s): {why}", file=sys.stderr)
             return 1
 

@@ -30,8 +30,10 @@ Theory of operation
    the inbox. Servers (comma-separated ``AEP_BRIDGE_NATS_URL``) are tried from a
    place hashed from the instance name, the one that acked last first (kept in
    ``<spool dir>/<token>.server``), each but the last with a share of the time left
-   to answer (``server_order``, ``connect_candidates``); all of connect + publish + ack
-   happens within ``AEP_BRIDGE_DEADLINE_MS`` (default 250) of the start.
+   to connect, send INFO and ack (``server_order``, ``connect_candidates``): a server
+   that does not ack in its share is left for the next, and remembered as bad (the next
+   run starts after it); all of connect + publish + ack happens within
+   ``AEP_BRIDGE_DEADLINE_MS`` (default 250) of the start.
 4. Spool: when no server acks in time, the stamped message is appended to
    ``<spool dir>/<instance token>.spool``, one record per line:
    ``<crc32 hex8> <id> <subject> <message JSON>\\n`` (the compact JSON never
@@ -879,6 +881,11 @@ class NatsConnection:
         # overtake the PubAck of the held call itself), kept for `next_msg` instead of dropped.
         self.early = []
         self.place = 0  # where its server was in this run's server_order (0: the first tried)
+        # Until the server has answered a publish once (``answered``), no wait for an ack goes
+        # past ``ack_by`` (monotonic; None: the caller's deadline): a server that sends INFO but
+        # never acks (cut off from the stream's leader) costs its share, not the whole deadline.
+        self.ack_by = None
+        self.answered = False
 
     @classmethod
     def connect(cls, server, cfg, deadline, answer_by=None):
@@ -934,7 +941,7 @@ class NatsConnection:
             if info.get("tls_required") and not tls:
                 tls = True
             if tls:
-                conn.sock = _wrap_tls(sock, host, cfg, deadline)
+                conn.sock = _wrap_tls(sock, host, cfg, answer)
             if info.get("headers") is False:
                 raise NatsError("%s does not support headers (needs nats-server >= 2.2)" % server)
             opts = {
@@ -1060,11 +1067,12 @@ class NatsConnection:
         self.next += len(records)
         self.error = None
         results = {}
+        share = self.ack_by if self.ack_by is not None and self.ack_by < deadline else None
         try:
-            self.send(out, deadline)
+            self.send(out, deadline if share is None or self.answered else share)
             want = len(records)
             while len(results) < want:
-                m = self._read_msg(deadline)
+                m = self._read_msg(deadline if share is None or self.answered else share)
                 if m is None:  # a PONG
                     continue
                 try:
@@ -1074,7 +1082,13 @@ class NatsConnection:
                         self.early.append(m)
                     continue
                 if 0 <= idx < want:  # a late answer to an earlier call is not ours
-                    results[idx] = _ack_outcome(m[2], m[3])
+                    o = results[idx] = _ack_outcome(m[2], m[3])
+                    if o is not False:
+                        self.answered = True
+        except TimeoutError as exc:
+            if share is not None and not self.answered:
+                exc = NatsError("%s: no ack within its share of the deadline" % self.server)
+            self.error = exc
         except (OSError, NatsError, ValueError) as exc:
             self.error = exc
         ordered = []
@@ -1182,13 +1196,23 @@ def remember_server(cfg, server):
         pass
 
 
-def connect_candidates(cfg, deadline, errors):
-    """Yield a connection to each server of ``server_order`` that answers, in order, until
-    the caller stops (``conn.place``: where its server was in that order). Every server but the
-    last to try has an equal share of the time left to answer (TCP connect + INFO): a
-    black-holed server (it accepts, never answers) or one whose packets are dropped costs
-    that share, not the whole deadline."""
-    order = server_order(cfg)
+def left_unacked(cfg, order):
+    """Every server tried in this run failed (none acked in its share): the first one is
+    remembered as bad (the next run starts at the server after it, not at it again)."""
+    if len(order) > 1:
+        remember_server(cfg, order[1])
+
+
+def connect_candidates(cfg, deadline, errors, order=None):
+    """Yield a connection to each server of ``order`` (default ``server_order``) that answers,
+    in order, until the caller stops (``conn.place``: where its server was in that order).
+    Every server but the last to try has an equal share of the time left to ack: TCP connect,
+    INFO and the first publish ack must all come within it (``conn.ack_by``). A black-holed
+    server (it accepts, never answers), one whose packets are dropped, or one that sends INFO
+    but never acks (cut off from the stream's leader) costs that share, not the whole
+    deadline; the caller then goes on to the next."""
+    if order is None:
+        order = server_order(cfg)
     n = len(order)
     for i, server in enumerate(order):
         now = time.monotonic()
@@ -1202,12 +1226,15 @@ def connect_candidates(cfg, deadline, errors):
             errors.append(str(exc) or exc.__class__.__name__)
             continue
         conn.place = i
+        conn.ack_by = answer_by
         yield conn
 
 
 def connect_any(cfg, deadline, errors):
-    """The first server (in ``server_order``) that answers before ``deadline``, or None."""
+    """The first server (in ``server_order``) that answers before ``deadline``, or None. Its
+    acks may take until the caller's deadline (no next server to go to: ``ack_by`` unset)."""
     for conn in connect_candidates(cfg, deadline, errors):
+        conn.ack_by = None
         return conn
     return None
 
@@ -1219,9 +1246,11 @@ def acked(cfg, conn):
 
 
 def publish_one(cfg, record, deadline, errors):
-    """Connect (servers in ``server_order``) and publish one record. True when acked; a str
-    when rejected for good; False otherwise (then ``errors`` says why)."""
-    for conn in connect_candidates(cfg, deadline, errors):
+    """Connect (servers in ``server_order``) and publish one record, going on to the next
+    server when one does not ack in its share. True when acked; a str when rejected for good;
+    False otherwise (then ``errors`` says why)."""
+    order = server_order(cfg)
+    for conn in connect_candidates(cfg, deadline, errors, order):
         try:
             fit(record, conn.max_payload, cfg.max_field_bytes)
             got = conn.publish([record], deadline)
@@ -1231,6 +1260,7 @@ def publish_one(cfg, record, deadline, errors):
             errors.append(str(conn.error or "no ack from %s before the deadline" % conn.server))
         finally:
             conn.close()
+    left_unacked(cfg, order)
     return False
 
 
@@ -1862,8 +1892,11 @@ def _deliver(record, cfg, started, deadline, spool, ctl):
     if ctl is None and spool.pending() == 0:
         outcome = publish_one(cfg, record, deadline, errors)
     else:
-        conn = connect_any(cfg, deadline, errors)
-        if conn is not None:
+        # The spool first, then the own event, on the first server that acks in its share; a
+        # server that fails (no ack in its share, a closed connection) is left for the next,
+        # which replays from the committed position (Nats-Msg-Id drops what was stored twice).
+        order = server_order(cfg)
+        for conn in connect_candidates(cfg, deadline, errors, order):
             try:
                 if ctl is not None:
                     ctl.prepare(record, conn)
@@ -1881,17 +1914,22 @@ def _deliver(record, cfg, started, deadline, spool, ctl):
                         empty = False
                 if conn.error is not None:
                     errors.append(str(conn.error))
-                elif empty:
-                    got = conn.publish([record], deadline)
-                    outcome = got[0] if got else False
-                    if not got:
-                        errors.append(str(conn.error or "no ack before the deadline"))
-                    else:
-                        acked(cfg, conn)
+                    continue  # the next server
+                if not empty:
+                    break  # the replay's share is spent (or another run holds it): spool behind it
+                got = conn.publish([record], deadline)
+                if not got:
+                    errors.append(str(conn.error or "no ack from %s before the deadline" % conn.server))
+                    continue
+                outcome = got[0]
+                acked(cfg, conn)
                 if outcome is True and ctl is not None:
                     ctl.run(conn, cfg, started)
+                break
             finally:
                 conn.close()
+        else:  # every server failed (or the time ran out): none acked
+            left_unacked(cfg, order)
     if outcome is True:
         return "published"
     if outcome:  # a permanent rejection: spooling would only get it rejected again

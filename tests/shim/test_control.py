@@ -19,6 +19,7 @@ from bridge.core import control as C
 from bridge.nats import subjects
 from bridge.shim import hook
 from tests.natsfixture import JetStreamClient, NatsServer
+from tests.support.mute import MuteServer
 from tests.support.shim import compiled_hook, dumps, envelope, run_hook, shim_env
 
 
@@ -133,6 +134,36 @@ def test_held_call_waits_for_the_release(nats_server: NatsServer, jetstream: Jet
     (msg,) = jetstream.fetch(f"hermes.raw.{inst}.>", expected=1)
     assert msg.headers == {"Nats-Msg-Id": msg.json()["id"], **{k: seen["headers"][k] for k in (C.GATE_REPLY_HEADER, C.GATE_HOLD_HEADER)}}
     assert msg.json()["envelope"]["tool_name"] == "terminal"  # the body is the usual raw message
+
+
+def test_a_held_call_whose_first_server_never_acks_is_held_through_the_next(
+        nats_server: NatsServer, jetstream: JetStreamClient, tmp_path: Path) -> None:
+    """Issue 39: the mute server (INFO and PONG, never an ack) first; the call is published
+    and held on the second server, with that connection's inbox in its headers."""
+    mute = MuteServer()
+    try:
+        servers = f"{mute.url},{nats_server.url}"
+        inst = next(n for n in (instance() for _ in range(1000))
+                    if hook.server_order(hook.Config(environ=shim_env(servers, tmp_path / "spool", n)))[0] == mute.url)
+        env = held_env(servers, tmp_path, inst, AEP_HERMES_HOLD_MS="10000", AEP_BRIDGE_DEADLINE_MS="1000")
+        seen: dict[str, Any] = {}
+        answer = {"op": "release", "decision": "deny", "message": "not through a cut-off node"}
+
+        async def scenario() -> tuple[bytes, bytes, float]:
+            sub = await scripted_gate(jetstream, inst, answer, seen)
+            try:
+                return await run_shim(dumps(envelope("pre_tool_call")), env)
+            finally:
+                await sub.unsubscribe()
+
+        out, err, elapsed = jetstream.run(scenario())
+        assert json.loads(out) == {"action": "block", "message": answer["message"]} and err == b"", seen
+        assert seen["pong"] == b"pong" and seen["confirm"] == b"ok"
+        assert mute.publishes == 1  # tried first, left without an ack
+        (msg,) = jetstream.fetch(f"hermes.raw.{inst}.>", expected=1)
+        assert msg.headers[C.GATE_REPLY_HEADER] == seen["headers"][C.GATE_REPLY_HEADER]
+    finally:
+        mute.close()
 
 
 def test_held_call_expires_into_an_empty_answer(nats_server: NatsServer, jetstream: JetStreamClient, tmp_path: Path) -> None:

@@ -5,8 +5,10 @@ start at different places in the list."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,6 +18,8 @@ import pytest
 from bridge.shim import hook
 from tests.clusterfixture import BlackHole, Cluster
 from tests.natsfixture import JetStreamClient, NatsServer, free_port
+from tests.support.mute import MuteServer
+from tests.support.partition import Partitions, partitioned_cluster
 from tests.support.shim import dumps, envelope, run_hook, shim_env
 
 DEADLINE_MS = 1000  # roomy for a loaded machine: the assertions count connections, not time
@@ -157,5 +161,183 @@ def test_a_paused_cluster_node_does_not_spool(nats_cluster: Cluster, tmp_path: P
     c = nats_cluster.client()
     try:
         assert len(c.fetch(f"hermes.raw.{hook.token(instance)}.>", expected=4, timeout=20)) == 4
+    finally:
+        c.close()
+
+
+# ---------------------------------------------------------------- a server that answers but never acks (issue 39)
+
+
+@pytest.fixture
+def mute() -> Iterator[MuteServer]:
+    m = MuteServer()
+    try:
+        yield m
+    finally:
+        m.close()
+
+
+def landed(jetstream: JetStreamClient, instance: str, expected: int, timeout: float = 5.0) -> list[str]:
+    """The sessions of the instance's messages on HERMES_RAW (in stream order); checks that
+    no message id is there twice."""
+    msgs = jetstream.fetch(f"hermes.raw.{hook.token(instance)}.>", expected=expected, timeout=timeout)
+    ids = [m.headers.get("Nats-Msg-Id") for m in msgs]
+    assert len(set(ids)) == len(ids), ids
+    return [m.json()["envelope"]["session_id"] for m in msgs]
+
+
+MARGIN_S = 2.0  # process start on a loaded 2-core machine; not a timing assertion, a bound on "waits for ever"
+
+
+def test_a_mute_first_server_is_left_within_its_share_and_remembered_as_bad(
+        nats_server: NatsServer, jetstream: JetStreamClient, mute: MuteServer, tmp_path: Path) -> None:
+    """The stub accepts, sends INFO, answers PING and never acks a publish (a node cut off from
+    the stream's leader). Listed first, for instances whose own place is it: every event lands
+    on HERMES_RAW once, each run answers within its deadline, and only each instance's first
+    run goes to the stub."""
+    servers = f"{mute.url},{nats_server.url}"
+    instances = [instance_starting_at(servers, mute.url, f"mute{k}", tmp_path) for k in range(3)]
+    for name in instances:
+        env = shim_env(servers, tmp_path, name, deadline_ms=DEADLINE_MS)
+        for i in range(3):
+            run = run_hook(dumps(envelope(session=f"{name}-{i}")), env)
+            assert run.answered_empty_object and run.stderr == b"", run
+            assert run.elapsed < DEADLINE_MS / 1000 + MARGIN_S, run
+        assert hook.server_order(hook.Config(environ=env))[0] == nats_server.url  # moved off the stub
+    assert spooled(tmp_path) == 0
+    for name in instances:
+        assert landed(jetstream, name, 3) == [f"{name}-{i}" for i in range(3)]
+    assert mute.connections == len(instances)  # each instance's first run only
+    assert mute.publishes == len(instances)  # and it was given the publish, then left
+
+
+def test_a_spool_replay_leaves_a_mute_server_for_the_next(
+        nats_server: NatsServer, jetstream: JetStreamClient, mute: MuteServer, tmp_path: Path) -> None:
+    """A non-empty spool with the mute server first: the replay (and the run's own event behind
+    it) goes through the second server in the same run; nothing is left in the spool."""
+    servers = f"{mute.url},{nats_server.url}"
+    instance = instance_starting_at(servers, mute.url, "mutespool", tmp_path)
+    env = shim_env(servers, tmp_path, instance, deadline_ms=DEADLINE_MS)
+    cfg = hook.Config(environ=env)
+    hook.Spool(cfg.spool_dir, instance).append(
+        [hook.build_record(dumps(envelope(session=f"old-{i}")), cfg) for i in range(5)])
+    run = run_hook(dumps(envelope(session="new")), env)
+    assert run.answered_empty_object and run.stderr == b"", run
+    assert run.elapsed < DEADLINE_MS / 1000 + MARGIN_S, run
+    assert hook.Spool(cfg.spool_dir, instance).pending() == 0 and spooled(tmp_path) == 0
+    assert landed(jetstream, instance, 6) == [f"old-{i}" for i in range(5)] + ["new"]
+    assert hook.server_order(cfg)[0] == nats_server.url
+    assert mute.connections == 1
+
+
+def test_a_mute_server_that_stored_the_publish_makes_no_duplicate(
+        nats_server: NatsServer, jetstream: JetStreamClient, tmp_path: Path) -> None:
+    """The stub passes the publish on to the real server (stored) and loses the ack: the shim's
+    second try, on the real server, carries the same Nats-Msg-Id and is dropped as a duplicate."""
+    relay = MuteServer(store_to=nats_server.url)
+    try:
+        servers = f"{relay.url},{nats_server.url}"
+        instance = instance_starting_at(servers, relay.url, "mutestored", tmp_path)
+        env = shim_env(servers, tmp_path, instance, deadline_ms=DEADLINE_MS)
+        run = run_hook(dumps(envelope(session="once")), env)
+        assert run.answered_empty_object and run.stderr == b"", run
+        assert relay.publishes == 1 and spooled(tmp_path) == 0
+        assert landed(jetstream, instance, 1) == ["once"]
+        assert landed(jetstream, instance, 2, timeout=1.0) == ["once"]  # waited for a second one: none came
+    finally:
+        relay.close()
+
+
+def test_no_server_acks_the_spool_keeps_the_event_and_memory_moves_off_the_mute_one(
+        mute: MuteServer, tmp_path: Path) -> None:
+    """Two mute servers: nothing acks, the run still answers in time and spools; the next run
+    starts at the second (the first is remembered as bad)."""
+    other = MuteServer()
+    try:
+        servers = f"{mute.url},{other.url}"
+        instance = instance_starting_at(servers, mute.url, "allmute", tmp_path)
+        env = shim_env(servers, tmp_path, instance, deadline_ms=300)
+        run = run_hook(dumps(envelope(session="m")), env)
+        assert run.answered_empty_object, run
+        assert run.elapsed < 0.3 + MARGIN_S, run
+        assert b"spooled" in run.stderr
+        cfg = hook.Config(environ=env)
+        assert hook.Spool(cfg.spool_dir, instance).status()["pending_records"] == 1
+        assert (mute.connections, other.connections) == (1, 1)  # both tried in the one run
+        assert hook.server_order(cfg)[0] == other.url
+    finally:
+        other.close()
+
+
+def test_spool_drain_leaves_a_mute_server_for_the_next(
+        nats_server: NatsServer, jetstream: JetStreamClient, mute: MuteServer, tmp_path: Path) -> None:
+    """`aep-bridge spool drain` is a replay too: with the mute server first it drains through
+    the second (before: it waited its whole --timeout on the stub and said "stalled")."""
+    servers = f"{mute.url},{nats_server.url}"
+    instance = instance_starting_at(servers, mute.url, "mutedrain", tmp_path)
+    env = shim_env(servers, tmp_path, instance)
+    cfg = hook.Config(environ=env)
+    hook.Spool(cfg.spool_dir, instance).append(
+        [hook.build_record(dumps(envelope(session=f"d-{i}")), cfg) for i in range(20)])
+    out = subprocess.run([sys.executable, "-m", "bridge.cli", "spool", "drain", "--timeout", "4", "--quiet"],
+                         env={**os.environ, **env}, capture_output=True, text=True, timeout=60,
+                         cwd=Path(hook.__file__).parents[2])
+    assert out.returncode == 0, out.stderr
+    assert landed(jetstream, instance, 20) == [f"d-{i}" for i in range(20)]
+    assert hook.Spool(cfg.spool_dir, instance).status()["pending_records"] == 0
+    assert hook.server_order(cfg)[0] == nats_server.url
+    assert mute.connections == 1
+
+
+@pytest.fixture
+def cut_cluster() -> Iterator[tuple[Cluster, Partitions]]:
+    if os.geteuid() != 0:
+        pytest.skip("partitions need root (cgroups and nftables); CI runs as root")
+    with partitioned_cluster() as pair:
+        yield pair
+
+
+@pytest.mark.slow
+def test_a_node_cut_off_from_its_peers_does_not_capture_the_shims(
+        cut_cluster: tuple[Cluster, Partitions], tmp_path: Path) -> None:
+    """The real thing for issue 39: a three-node R3 cluster, one node's routes cut (nftables on
+    its cgroup, tests/support/partition.py) while it still serves clients. It is a follower of
+    HERMES_RAW and not the meta leader, so the majority keeps its leaders. Instances whose first
+    server is the cut node land every event through the majority, within their deadlines."""
+    cluster, cuts = cut_cluster
+    cluster.bootstrap(replicas=3)
+    leader = cluster.wait_leader("HERMES_RAW")
+    cut = next(n for n in cluster.nodes if n.name not in (leader, cluster.meta_leader()))
+    majority = [n.url for n in cluster.nodes if n is not cut]
+    servers = ",".join([cut.url] + majority)
+    instances = [instance_starting_at(servers, cut.url, f"cut{k}", tmp_path) for k in range(3)]
+    cuts.isolate(cut.name)
+    # the cut is real: the node takes the connection and sends INFO, but no ack comes
+    probe = hook.Config(environ=shim_env(cut.url, tmp_path / "probe", "probe"))
+    errors: list[str] = []
+    record = hook.build_record(dumps(envelope(session="probe")), probe)
+    assert hook.publish_one(probe, record, time.monotonic() + 1.0, errors) is False
+    assert errors and not any("cannot connect" in e or "INFO" in e for e in errors), errors
+    for name in instances:
+        env = shim_env(servers, tmp_path, name, deadline_ms=DEADLINE_MS)
+        for i in range(3):
+            run = run_hook(dumps(envelope(session=f"{name}-{i}")), env)
+            assert run.answered_empty_object and run.stderr == b"", run
+            assert run.elapsed < DEADLINE_MS / 1000 + MARGIN_S, run
+        assert hook.server_order(hook.Config(environ=env))[0] != cut.url  # moved off the cut node
+    assert spooled(tmp_path) == 0
+    c = JetStreamClient(majority)  # type: ignore[arg-type]  # nats.connect takes a list
+    try:  # stored by the majority while the node is still cut (the stream leader answers)
+        for name in instances:
+            info = c.run(c.js.stream_info("HERMES_RAW", subjects_filter=f"hermes.raw.{hook.token(name)}.>"))
+            assert sum((info.state.subjects or {}).values()) == 3, name
+    finally:
+        c.close()
+    cuts.heal()
+    cluster.wait_ready(60)
+    c = cluster.client()
+    try:  # once each (an ephemeral consumer needs the whole cluster: read after the heal)
+        for name in instances:
+            assert landed(c, name, 3, timeout=20) == [f"{name}-{i}" for i in range(3)]
     finally:
         c.close()
