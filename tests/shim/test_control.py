@@ -105,6 +105,15 @@ async def scripted_gate(client: JetStreamClient, inst: str, answer: dict[str, An
     return await nc.subscribe(f"hermes.raw.{inst}.pre_tool_call", cb=on_raw)
 
 
+async def settled(seen: dict[str, Any]) -> None:
+    """The shim may exit (and ``run_shim`` return) before the scripted gate's callback resumes
+    with the shim's confirmation: wait for it (or the callback's error), up to 5 s."""
+    for _ in range(100):
+        if "confirm" in seen or "error" in seen:
+            return
+        await asyncio.sleep(0.05)
+
+
 @pytest.mark.parametrize(("answer", "printed"), [
     ({"op": "release", "decision": "allow"}, {}),
     ({"op": "release", "decision": "deny", "message": "not on a Friday"}, {"action": "block", "message": "not on a Friday"}),
@@ -119,7 +128,9 @@ def test_held_call_waits_for_the_release(nats_server: NatsServer, jetstream: Jet
     async def scenario() -> tuple[bytes, bytes, float]:
         sub = await scripted_gate(jetstream, inst, answer, seen)
         try:
-            return await run_shim(dumps(envelope("pre_tool_call")), env)
+            result = await run_shim(dumps(envelope("pre_tool_call")), env)
+            await settled(seen)
+            return result
         finally:
             await sub.unsubscribe()
 
@@ -152,7 +163,9 @@ def test_a_held_call_whose_first_server_never_acks_is_held_through_the_next(
         async def scenario() -> tuple[bytes, bytes, float]:
             sub = await scripted_gate(jetstream, inst, answer, seen)
             try:
-                return await run_shim(dumps(envelope("pre_tool_call")), env)
+                result = await run_shim(dumps(envelope("pre_tool_call")), env)
+                await settled(seen)
+                return result
             finally:
                 await sub.unsubscribe()
 
