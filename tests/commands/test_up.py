@@ -1,0 +1,106 @@
+"""What a new user meets around one running `aep-bridge up` (issue 38): `simulate` against it,
+a second `up` on its state directory, `tail | head`, `control pending` without a gate, a worker
+that dies; and `up`'s port flags."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bridge.stack.server import free_port
+from tests.support.services import wait_for
+from tests.support.up import ROOT, cli, running_up
+
+
+@pytest.fixture(scope="module")
+def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[subprocess.Popen[bytes], dict[str, str], dict[str, Any], Path]]:
+    with running_up(tmp_path_factory.mktemp("up"), workers=3) as running:
+        yield running
+
+
+def stderr_line(done: subprocess.CompletedProcess[str]) -> str:
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
+    return lines[0]
+
+
+def test_simulate_uses_ups_credential_and_its_duration(up, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Before: every event spooled on `Authorization Violation` (the server logged ~1,500 failed
+    logins a second), the report said complete, exit 0; and the sessions in progress were wound
+    down at the traffic's rate (60 instances at 100/s: ~19 s more than --duration 2)."""
+    proc, env, info, tmp = up
+    done = cli("simulate", "--duration", "2", "--instances", "60", "--rate", "100", "--shim-fraction", "0", "--quiet",
+               "--manifest", str(tmp_path / "m.jsonl"), "--spool-dir", str(tmp_path / "spool"), env=env, timeout=120)
+    report = json.loads(done.stdout)
+    assert done.returncode == 0, (done.stderr, report)
+    assert report["outcomes"] == {"published": report["sent"]} and report["landed"] == report["sent"] > 0, report
+    assert report["complete"] is True and report["elapsed_s"] < 12, report
+    server_log = (tmp / "state" / "aep-bridge" / "logs" / "nats-server.log").read_text(errors="replace")
+    assert "Authorization Violation" not in server_log
+
+
+def test_a_second_up_on_the_same_state_dir_says_who_holds_it(up) -> None:  # type: ignore[no-untyped-def]
+    proc, env, info, tmp = up
+    done = cli("up", "--port", str(free_port()), "--mapper-port", str(free_port()), "--pairing-port", str(free_port()),
+               "--relay-port", str(free_port()), env=env, timeout=60)
+    assert done.returncode == 2
+    assert f"pid {proc.pid}" in stderr_line(done)
+
+
+def test_tail_into_head_exits_quietly(up) -> None:  # type: ignore[no-untyped-def]
+    proc, env, info, tmp = up
+    wait_for(lambda: len(cli("tail", "--all", "--count", "2", "--idle-exit", "5", env=env).stdout.splitlines()) >= 2,
+             60, interval=1, what="events on AEP_EVENTS")
+    done = subprocess.run(["bash", "-c", f'"{sys.executable}" -m bridge.cli tail --all --idle-exit 20 | head -2; '
+                           'echo "exit ${PIPESTATUS[0]}" >&2'], env=env, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert len(done.stdout.splitlines()) == 2, done.stdout
+    assert done.stderr.strip() == "exit 141", done.stderr  # a Unix tool's SIGPIPE exit, and nothing else
+
+
+def test_control_pending_without_a_gate_says_how_to_start_one(up) -> None:  # type: ignore[no-untyped-def]
+    proc, env, info, tmp = up
+    done = cli("control", "pending", env=env, timeout=60)
+    assert done.returncode == 2
+    line = stderr_line(done)
+    assert "no gate" in line and "aep-bridge up --gate" in line and "None" not in line, line
+
+
+def test_the_banner_prints_full_paths(up) -> None:  # type: ignore[no-untyped-def]
+    proc, env, info, tmp = up
+    banner = (tmp / "up.out").read_text()
+    watch = next(line for line in banner.splitlines() if line.strip().startswith("watch"))
+    assert f"{Path(sys.executable).parent / 'aep-bridge'} tail" in watch, watch
+
+
+def test_a_worker_that_dies_says_why_in_ups_terminal(up) -> None:  # type: ignore[no-untyped-def]
+    """Last in this module: it restarts pairing. `up` prints the last line of the worker's log."""
+    proc, env, info, tmp = up
+    log = tmp / "state" / "aep-bridge" / "logs" / "pairing.log"
+    os.kill(info["workers"]["pairing"], signal.SIGKILL)
+    wait_for(lambda: "pairing exited with code -9" in (tmp / "up.out").read_text(), 30, what="up to see pairing die")
+    line = next(l for l in (tmp / "up.out").read_text().splitlines() if "pairing exited with code -9" in l)
+    said = line.split(f"log: {log}): ", 1)[-1]
+    assert said != line and said in log.read_text(), line
+
+
+def test_up_refuses_a_port_out_of_range_in_one_line(clean_env: dict[str, str]) -> None:
+    done = cli("up", "--port", "99999", env=clean_env, timeout=60)
+    assert done.returncode == 2 and "--port 99999" in stderr_line(done)
+
+
+def test_up_refuses_a_relay_port_that_is_taken_in_one_line(clean_env: dict[str, str]) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = cli("up", "--port", str(free_port()), "--relay-port", str(port), env=clean_env, timeout=60)
+    assert done.returncode == 2 and f"--relay-port {port}" in stderr_line(done)
