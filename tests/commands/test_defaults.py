@@ -48,3 +48,12 @@ def test_relay_starts_on_the_default_listen_address(clean_env: dict[str, str], t
     text = (tmp_path / "relay.out").read_text()
     assert "Traceback" not in text and "ValueError" not in text, text
     assert "8787" in text, text  # where it listens (or that the port is taken)
+
+
+def test_exporter_names_a_sinks_file_that_is_not_yaml_in_one_line(clean_env: dict[str, str], tmp_path) -> None:  # type: ignore[no-untyped-def]
+    bad = tmp_path / "sinks.yaml"
+    bad.write_text("sinks:\n  - name: a\n    url: [unclosed\n")
+    done = cli("exporter", "--config", str(bad), "--nats", f"nats://127.0.0.1:{free_port()}", env=clean_env, timeout=60)
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == 2 and len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
+    assert "sinks.yaml" in lines[0] and "line 3" in lines[0], lines

@@ -10,14 +10,15 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from bridge.stack.server import free_port
-from tests.support.services import wait_for
+from bridge.stack.server import free_port, terminate
+from tests.support.services import http_json, wait_for
 from tests.support.up import ROOT, cli, running_up
 
 
@@ -79,6 +80,31 @@ def test_the_banner_prints_full_paths(up) -> None:  # type: ignore[no-untyped-de
     banner = (tmp / "up.out").read_text()
     watch = next(line for line in banner.splitlines() if line.strip().startswith("watch"))
     assert f"{Path(sys.executable).parent / 'aep-bridge'} tail" in watch, watch
+
+
+def test_an_exporter_to_a_dead_kafka_says_so_quietly_and_stops_at_once(up, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Before: /healthz "ok" with the sink "starting", ~12 log lines a second, and SIGTERM took
+    ~20 s (a batch waiting 30 s for Kafka's reports, the loops' 15 s grace, a 5 s flush)."""
+    proc, env, info, tmp = up
+    port, kafka = free_port(), free_port()
+    log = tmp_path / "exporter.log"
+    with open(log, "w") as out:
+        exporter = subprocess.Popen([sys.executable, "-m", "bridge.cli", "exporter", "--nats", info["nats_url"],
+                                     "--metrics-port", str(port), "--sink", f"kafka://127.0.0.1:{kafka}/t"],
+                                    env={**env, **info["shim_env"]}, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+    try:
+        wait_for(lambda: http_json(f"http://127.0.0.1:{port}/healthz")[1].get("sinks", {}).get("kafka-t") == "failing",
+                 60, what="the sink to be failing on /healthz")
+        status, body = http_json(f"http://127.0.0.1:{port}/healthz")
+        assert f"127.0.0.1:{kafka}" in body["sink_errors"]["kafka-t"] or "brokers are down" in body["sink_errors"]["kafka-t"], body
+        before = len(log.read_text().splitlines())
+        time.sleep(5)
+        assert len(log.read_text().splitlines()) - before <= 3, log.read_text()[-2000:]
+        started = time.monotonic()
+        code = terminate(exporter, 30)
+        assert code == 0 and time.monotonic() - started < 12, (code, time.monotonic() - started)
+    finally:
+        terminate(exporter, 5, signal.SIGKILL)
 
 
 def test_a_worker_that_dies_says_why_in_ups_terminal(up) -> None:  # type: ignore[no-untyped-def]
