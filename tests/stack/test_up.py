@@ -125,9 +125,10 @@ def test_up_gate_runs_the_control_plane_and_stops_it_with_the_rest(tmp_path):
         banner = (tmp / "up.out").read_text()
         assert f"http://127.0.0.1:{gate_port}/metrics" in banner
         nats = " ".join(f"{k}={v}" for k, v in info["shim_env"].items())
+        exe = Path(sys.executable).parent / "aep-bridge"  # a full path: works without the venv on PATH
         assert (f"{nats} AEP_HERMES_CONTROL=1 AEP_HERMES_HOLD_MS=55000 AEP_INSTRUCT=1 "
-                "aep-bridge hermes install") in banner
-        assert "aep-bridge control pending" in banner
+                f"{exe} hermes install") in banner
+        assert f"{exe} control pending" in banner
 
         # A worker like the others: killed, it is restarted.
         os.kill(info["workers"]["gate"], signal.SIGKILL)
