@@ -75,6 +75,25 @@ def test_control_pending_without_a_gate_says_how_to_start_one(up) -> None:  # ty
     assert "no gate" in line and "aep-bridge up --gate" in line and "None" not in line, line
 
 
+def test_status_shows_the_workers_the_streams_and_no_gate(up) -> None:  # type: ignore[no-untyped-def]
+    proc, env, info, tmp = up
+    done = cli("status", "--json", env=env, timeout=60)
+    out = json.loads(done.stdout)
+    assert done.returncode == 0 and out["healthy"] and out["up_pid"] == proc.pid, (done.stderr, out)
+    assert {"mapper", "pairing", "relay"} <= set(out["workers"]) and all(w["healthy"] for w in out["workers"].values()), out
+    assert out["workers"]["relay"]["clients"] is not None and out["held_calls"] is None, out
+    assert {"HERMES_RAW", "BRIDGE_MAPPED", "AEP_EVENTS"} <= set(out["streams"]), out
+    assert "mapper" in out["streams"]["HERMES_RAW"]["consumers"], out
+    text = cli("status", env=env, timeout=60).stdout
+    assert "HERMES_RAW" in text and "held calls     no gate has run" in text, text
+
+
+def test_status_without_nats_says_so_and_exits_1(clean_env: dict[str, str]) -> None:
+    done = cli("status", "--nats", f"nats://127.0.0.1:{free_port()}", env=clean_env, timeout=60)
+    assert done.returncode == 1 and "no running `aep-bridge up`" in done.stdout
+    assert "cannot connect to NATS" in stderr_line(done)
+
+
 def test_the_banner_prints_full_paths(up) -> None:  # type: ignore[no-untyped-def]
     proc, env, info, tmp = up
     banner = (tmp / "up.out").read_text()
