@@ -106,7 +106,7 @@ class Sender:
         self.errors: Counter[str] = Counter()
         #: after a failed connect, no other before this (monotonic): what is sent meanwhile is
         #: spooled, as by a shim that cannot connect, instead of a login attempt per batch (a
-        #: refused credential made ~1,500 failed logins a second on the server)
+        #: refused credential made ~1,500 failed logins a second on the server); at most 1 s apart
         self.retry_at = 0.0
         self.retry_s = 0.0
 
@@ -117,7 +117,7 @@ class Sender:
             if self.conn is None:
                 if errors:
                     self.errors[errors[-1].split(":", 1)[0][:60]] += 1
-                self.retry_s = min(5.0, max(0.25, 2 * self.retry_s))
+                self.retry_s = min(1.0, max(0.25, 2 * self.retry_s))
                 self.retry_at = time.monotonic() + self.retry_s
             else:
                 self.retry_s = 0.0
