@@ -126,6 +126,21 @@ def test_an_exporter_to_a_dead_kafka_says_so_quietly_and_stops_at_once(up, tmp_p
         terminate(exporter, 5, signal.SIGKILL)
 
 
+@pytest.mark.parametrize(("service", "flag"), [("relay", "--listen"), ("mapper", "--metrics-port")])
+def test_a_service_on_a_taken_port_exits_2_in_one_line(up, service: str, flag: str) -> None:  # type: ignore[no-untyped-def]
+    """Exit 2 (a setting it cannot use), which `up` does not restart; before: exit 1, restarted for ever."""
+    proc, env, info, tmp = up
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        value = f"127.0.0.1:{port}" if flag == "--listen" else str(port)
+        done = cli(service, "--nats", info["nats_url"], flag, value, env={**env, **info["shim_env"]}, timeout=60)
+    assert done.returncode == 2, done.stderr[-2000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("aep-bridge: ") and f"{port}" in last and "Traceback" not in done.stderr, done.stderr[-2000:]
+
+
 def test_a_worker_that_dies_says_why_in_ups_terminal(up) -> None:  # type: ignore[no-untyped-def]
     """Last in this module: it restarts pairing. `up` prints the last line of the worker's log."""
     proc, env, info, tmp = up
