@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from bridge import __version__
@@ -31,6 +32,7 @@ COMMAND_MODULES = (
     "bridge.commands.sim",  # simulate, verify
     "bridge.commands.control",  # gate, control respond|instruct|hello|pending
     "bridge.commands.config",  # config: the effective settings and where each came from
+    "bridge.commands.status",  # status: the whole bridge on one screen
 )
 
 
@@ -65,6 +67,24 @@ def main(argv: list[str] | None = None) -> int:
     except SettingError as exc:  # a bad setting: its name and what it accepts, no traceback
         print(f"aep-bridge {args.command}: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # stdout's reader went away (`tail --all | head -2`)
+        return broken_pipe()
+
+
+#: the exit code of a command whose stdout's reader went away: a Unix tool's, killed by SIGPIPE
+EXIT_BROKEN_PIPE = 128 + 13
+
+
+def broken_pipe() -> int:
+    """Exit quietly, as a Unix tool does, when stdout's reader went away: stdout goes to
+    /dev/null, so the interpreter's own flush at exit does not raise (and print) again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
+    return EXIT_BROKEN_PIPE
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -97,7 +97,10 @@ class Field:
         return "a string"
 
     def default_for(self, merged: Mapping[str, str], role: str | None) -> Any:
-        return self.default(merged, role) if callable(self.default) else self.default
+        """The default as a value of the field's type: a default written as text (HOST:PORT) is
+        parsed like a set one, so a reader never gets the string where it expects the tuple."""
+        value = self.default(merged, role) if callable(self.default) else self.default
+        return self.parse(value) if isinstance(value, str) and self.type == "listen" else value
 
     def parse(self, raw: str) -> Any:
         """The typed value of a non-empty ``raw``; SettingError when it is not one."""

@@ -67,6 +67,11 @@ def effective(role: str | None, flags: dict[str, str], config_path: str | None =
 
 
 def cmd_config(args: argparse.Namespace) -> int:
+    import os
+
+    if args.config is not None and not os.path.exists(args.config):  # asked for by name: not "defaults"
+        print(f"aep-bridge config: --config {args.config}: no such file", file=sys.stderr)
+        return 2
     flags = {var: getattr(args, dest) for _, dest, var in CONFIG_FLAGS if getattr(args, dest, None) is not None}
     out = effective(args.role, flags, args.config)
     if args.json:

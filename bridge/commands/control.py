@@ -294,11 +294,11 @@ def cmd_hello(args: argparse.Namespace) -> int:
 
 
 def cmd_pending(args: argparse.Namespace) -> int:
-    from bridge.nats.connection import NatsConnectError, quick_connect
+    from bridge.nats.connection import NatsConnectError, quick_connect, server_list
     from bridge.nats.streams import CONTROL_BUCKET
 
     async def cards() -> list[dict[str, Any]]:
-        nc = await quick_connect(_settings(args), name="aep-bridge-control", role="operator")
+        nc = await quick_connect(settings, name="aep-bridge-control", role="operator")
         out = []
         try:
             kv = await nc.jetstream().key_value(CONTROL_BUCKET.bucket)
@@ -314,10 +314,18 @@ def cmd_pending(args: argparse.Namespace) -> int:
             await nc.close()
         return out
 
+    import nats.js.errors
+
+    settings = _settings(args)
     try:
         open_cards = asyncio.run(cards())
     except NatsConnectError as exc:
         print(f"aep-bridge control: {exc}", file=sys.stderr)
+        return 2
+    except nats.js.errors.BucketNotFoundError:  # the gate creates it
+        print(f"aep-bridge control: no gate runs on NATS at {', '.join(server_list(settings).urls)} (its bucket "
+              f"{CONTROL_BUCKET.bucket} does not exist): start one with `aep-bridge up --gate` or `aep-bridge gate`",
+              file=sys.stderr)
         return 2
     except Exception as exc:
         print(f"aep-bridge control: {type(exc).__name__}: {exc} (is `aep-bridge gate` running?)", file=sys.stderr)

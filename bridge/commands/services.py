@@ -83,6 +83,7 @@ def settings_from_args(args: argparse.Namespace, role: str | None = None):  # ty
 
 def run_service(coro, fast_loop: bool = False) -> int:  # type: ignore[no-untyped-def]
     """Run a service to its exit code; ``fast_loop``: on uvloop when installed (mapper, pairing)."""
+    from bridge.config import SettingError
     from bridge.runtime.lifecycle import event_loop_factory
 
     try:
@@ -90,6 +91,9 @@ def run_service(coro, fast_loop: bool = False) -> int:  # type: ignore[no-untype
             return runner.run(coro)
     except KeyboardInterrupt:
         return 0
+    except SettingError as exc:  # e.g. a port taken: exit 2, which `aep-bridge up` does not restart
+        print(f"aep-bridge: {exc}", file=sys.stderr)
+        return 2
     except Exception as exc:  # a clear last line for operators; details are in the logs
         print(f"aep-bridge: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
@@ -132,11 +136,17 @@ def cmd_exporter(args: argparse.Namespace) -> int:
     from bridge.runtime import configure_logging
     from bridge.services.exporter import ClientMissing, Exporter, require_clients
 
+    from ruamel.yaml import YAMLError
+
     settings = settings_from_args(args, "exporter")
     try:
         sinks = exporter_sinks(args)
     except (SinkConfigError, OSError, ValueError) as exc:
         print(f"aep-bridge exporter: {exc}", file=sys.stderr)
+        return 2
+    except YAMLError as exc:  # the parser's message names the file, the line and the column
+        print(f"aep-bridge exporter: the sinks file is not valid YAML or JSON: {' '.join(str(exc).split())}",
+              file=sys.stderr)
         return 2
     if not sinks:
         print("aep-bridge exporter: no sinks: give --sink URL or AEP_BRIDGE_EXPORT_CONFIG", file=sys.stderr)

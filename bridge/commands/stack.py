@@ -66,12 +66,37 @@ def settings_for(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     return apply_up_credentials(settings, state)  # up's generated credential, for up's server
 
 
+#: up's port flags (argparse dest, flag)
+UP_PORTS = (("port", "--port"), ("mapper_port", "--mapper-port"), ("pairing_port", "--pairing-port"),
+            ("gate_port", "--gate-port"), ("export_port", "--export-port"), ("relay_port", "--relay-port"))
+
+
+def bad_port(args: argparse.Namespace) -> str | None:
+    """Why a port flag of `up` cannot be used (out of range, taken), else None: said in one line
+    at once, instead of a worker's restart loop or a bare RuntimeError."""
+    from bridge.stack.server import port_is_free
+
+    for dest, flag in UP_PORTS:
+        port = getattr(args, dest, None)
+        if port is None:
+            continue
+        if not 1 <= port <= 65535:
+            return f"{flag} {port}: a port is 1-65535 (or leave {flag} out for the default, or a free one)"
+        if not port_is_free(port):
+            return f"{flag} {port}: the port is taken on 127.0.0.1 (another process listens there); give another or leave {flag} out for a free one"
+    return None
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     from bridge.config import Settings, default_state_dir
-    from bridge.stack.up import Up
+    from bridge.stack.up import StateDirBusy, Up, lock_state_dir
 
     settings = Settings.from_env()
     state_dir = Path(args.state_dir) if args.state_dir else default_state_dir()
+    why = bad_port(args)
+    if why:
+        print(f"aep-bridge up: {why}", file=sys.stderr)
+        return 2
     if args.cluster and args.nats:
         print("aep-bridge up: --cluster starts embedded servers; it cannot be used with --nats", file=sys.stderr)
         return 2
@@ -90,6 +115,14 @@ def cmd_up(args: argparse.Namespace) -> int:
         except (SinkConfigError, ClientMissing) as exc:
             print(f"aep-bridge up: --export: {exc}", file=sys.stderr)
             return 2
+    try:
+        lock = lock_state_dir(state_dir)  # held until this process ends
+    except StateDirBusy as exc:
+        print(f"aep-bridge up: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"aep-bridge up: cannot use the state directory {state_dir}: {exc}", file=sys.stderr)
+        return 2
     up = Up(settings, nats_url=args.nats, port=args.port, state_dir=state_dir,
             mapper_port=args.mapper_port, pairing_port=args.pairing_port, gate=args.gate, gate_port=args.gate_port,
             export=args.export, export_port=args.export_port, relay_port=args.relay_port, cluster=args.cluster)
@@ -98,14 +131,22 @@ def cmd_up(args: argparse.Namespace) -> int:
     except Exception as exc:
         print(f"aep-bridge up: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
+    finally:
+        os.close(lock)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    from bridge.nats.connection import NatsConnectError
     from bridge.stack.demo import run_demo
 
     settings = settings_for(args)
     try:
         result = asyncio.run(run_demo(settings, timeout=args.timeout, json_summary=Path(args.json_summary) if args.json_summary else None))
+    except NatsConnectError as exc:  # what, where and what to do, in one line
+        print(f"aep-bridge demo: {exc}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:  # `| head`: bridge/cli.py exits quietly
+        raise
     except Exception as exc:
         print(f"aep-bridge demo: {type(exc).__name__}: {exc} (is the bridge running? start it with `aep-bridge up`)", file=sys.stderr)
         return 1
@@ -114,7 +155,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def cmd_tail(args: argparse.Namespace) -> int:
     from bridge.stack.tail import parse_since, tail
-    from bridge.nats.connection import connect
+    from bridge.nats.connection import NatsConnectError, connect_client
 
     settings = settings_for(args)
     try:
@@ -125,7 +166,7 @@ def cmd_tail(args: argparse.Namespace) -> int:
     color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty() and not args.json)
 
     async def main() -> int:
-        nc = await connect(settings, name="aep-bridge-tail", role="consumer")
+        nc = await connect_client(settings, name="aep-bridge-tail", role="consumer")
         try:
             await tail(nc, session=args.session, type_pattern=args.type_pattern, since=since, all_events=args.all,
                        as_json=args.json, color=color, count=args.count, idle_exit=args.idle_exit)
@@ -137,6 +178,11 @@ def cmd_tail(args: argparse.Namespace) -> int:
         return asyncio.run(main())
     except KeyboardInterrupt:
         return 0
+    except NatsConnectError as exc:  # what, where and what to do, in one line
+        print(f"aep-bridge tail: {exc}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:  # `| head`: bridge/cli.py exits quietly
+        raise
     except Exception as exc:
         print(f"aep-bridge tail: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1

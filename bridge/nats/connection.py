@@ -13,10 +13,11 @@ and ``AEP_BRIDGE_TLS_KEY`` add a client certificate.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import ssl
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import nats
 import nats.errors
@@ -119,6 +120,17 @@ def connect_options(settings: Settings, *, name: str | None = None, role: str | 
     return opts
 
 
+def shim_env(settings: Settings) -> dict[str, str]:
+    """The variables a shim (bridge/shim/hook.py, which reads no ``Settings``) needs to connect
+    as ``settings`` do: the URL and whichever of user, password, token and TLS files are set
+    (e.g. `aep-bridge up`'s generated credential, for demo's and simulate's shims)."""
+    pairs = (("AEP_BRIDGE_NATS_URL", settings.nats_url), ("AEP_BRIDGE_NATS_USER", settings.nats_user),
+             ("AEP_BRIDGE_NATS_PASSWORD", settings.nats_password), ("AEP_BRIDGE_NATS_TOKEN", settings.nats_token),
+             ("AEP_BRIDGE_TLS_CA", settings.tls_ca), ("AEP_BRIDGE_TLS_CERT", settings.tls_cert),
+             ("AEP_BRIDGE_TLS_KEY", settings.tls_key))
+    return {k: str(v) for k, v in pairs if v}
+
+
 def describe_auth(settings: Settings) -> str:
     """Which kind of credentials the options carry (never the secrets)."""
     servers = server_list(settings)
@@ -170,21 +182,35 @@ def explain_failure(settings: Settings, exc: BaseException, errors: list[BaseExc
         )
     elif "ssl" in joined or "certificate" in joined or "tls" in joined:
         message += " -- TLS failed; check AEP_BRIDGE_TLS_CA / AEP_BRIDGE_TLS_CERT / AEP_BRIDGE_TLS_KEY and the URL scheme"
+    else:
+        message += (" -- is a NATS server running there? `aep-bridge up` starts one; --nats URL or "
+                    "AEP_BRIDGE_NATS_URL names another")
     return message
 
 
 async def quick_connect(settings: Settings | None = None, *, name: str | None = None, timeout: float = 2.0,
-                        role: str | None = None) -> Any:
+                        role: str | None = None, **overrides: Any) -> Any:
     """For one-shot commands (bootstrap, doctor, drain): fail within seconds, not minutes."""
     return await connect(
         settings,
         name=name,
         role=role,
-        connect_timeout=timeout,
-        max_reconnect_attempts=1,
-        reconnect_time_wait=0.2,
-        allow_reconnect=False,
+        **{"connect_timeout": timeout, "max_reconnect_attempts": 1, "reconnect_time_wait": 0.2,
+           "allow_reconnect": False, **overrides},
     )
+
+
+async def connect_client(settings: Settings | None = None, *, name: str | None = None, timeout: float = 3.0,
+                         role: str | None = None, **overrides: Any) -> Any:
+    """For the client commands (tail, demo, simulate, verify, control): the first connection fails
+    within seconds with `NatsConnectError` (what, where, what to do; a dead server, a wrong URL
+    and refused credentials alike: nats-py's defaults would retry it silently for two minutes),
+    and once connected a server that goes away is reconnected to, as for a service."""
+    nc = await quick_connect(settings, name=name, timeout=timeout, role=role, **overrides)
+    nc.options["allow_reconnect"] = True
+    nc.options["max_reconnect_attempts"] = -1
+    nc.options["reconnect_time_wait"] = 1.0
+    return nc
 
 
 #: What a JetStream API request meets while a cluster elects a leader or has lost its quorum
@@ -256,23 +282,43 @@ def is_auth_failure(exc: BaseException) -> bool:
     return "authorization" in text or "authentication" in text or "refused the credentials" in text
 
 
-async def connect_service(settings: Settings | None = None, *, name: str | None = None, wait_s: float = 60.0,
+#: seconds between a service's attempts to reconnect once it was connected (nats-py's default)
+RECONNECT_TIME_WAIT_S = 2.0
+
+#: Told of each failed attempt of `connect_service` (the error explained, the seconds until the
+#: next attempt): the runtime's `serve` sets it for the service it starts, so that the service's
+#: log and /healthz say why it waits (every service, without a line of its own).
+CONNECT_WAITING: contextvars.ContextVar[Callable[[str, float], None] | None] = contextvars.ContextVar(
+    "aep_bridge_connect_waiting", default=None)
+
+
+async def connect_service(settings: Settings | None = None, *, name: str | None = None, wait_s: float | None = None,
                           role: str | None = None, **overrides: Any) -> Any:
     """For the long-running services: refused credentials fail at once (a clear error, exit
     non-zero: Kubernetes shows it instead of a pod that hangs); an unreachable server is
-    retried with backoff for ``wait_s`` (NATS may start after us). Once connected, the
-    connection reconnects forever."""
-    deadline = time.monotonic() + wait_s
+    retried with backoff (0.5 s doubling to 5 s), for ever (NATS may start after us) or for
+    ``wait_s``, each failed attempt told to `CONNECT_WAITING`. Cancelling the caller (a
+    SIGTERM while connecting) ends it at once. Once connected, the connection reconnects
+    forever."""
+    deadline = None if wait_s is None else time.monotonic() + wait_s
     delay = 0.5
     while True:
         try:
-            nc = await connect(settings, name=name, role=role, allow_reconnect=False, connect_timeout=3, **overrides)
+            # Each server tried twice, 0.2 s apart: nats-py's defaults (60 attempts, 2 s apart)
+            # made one attempt last two minutes, silently, whatever allow_reconnect says.
+            nc = await connect(settings, name=name, role=role, **{
+                "allow_reconnect": False, "connect_timeout": 3, "max_reconnect_attempts": 1,
+                "reconnect_time_wait": 0.2, **overrides})
         except NatsConnectError as exc:
-            if is_auth_failure(exc) or time.monotonic() + delay > deadline:
+            if is_auth_failure(exc) or (deadline is not None and time.monotonic() + delay > deadline):
                 raise
+            waiting = CONNECT_WAITING.get()
+            if waiting is not None:
+                waiting(str(exc), delay)
             await asyncio.sleep(delay)
             delay = min(delay * 2, 5.0)
             continue
         nc.options["allow_reconnect"] = True
         nc.options["max_reconnect_attempts"] = -1
+        nc.options["reconnect_time_wait"] = overrides.get("reconnect_time_wait", RECONNECT_TIME_WAIT_S)
         return nc

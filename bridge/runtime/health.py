@@ -27,6 +27,8 @@ class Health:
     connection: Any = None
     #: why the service is stopping with a failure (e.g. its credentials refused): /healthz is 503
     failed: str | None = None
+    #: why the first connection has not been made yet (the service retries it meanwhile)
+    nats_error: str | None = None
 
     def beat(self) -> None:
         self.heartbeat = time.monotonic()
@@ -39,7 +41,7 @@ class Health:
         (for good), ``connecting``, ``draining`` or ``none`` (not connected yet)."""
         nc = self.connection
         if nc is None:
-            return "none"
+            return "connecting" if self.nats_error else "none"
         for state in ("closed", "reconnecting", "connected", "connecting", "draining"):
             if getattr(nc, f"is_{state}", False):
                 return state
@@ -54,6 +56,8 @@ class Health:
         ok = self.alive()
         status = "ok" if ok else ("nats_closed" if nats == "closed" else "failed" if self.failed else "stalled")
         failed = {"error": self.failed} if self.failed else {}
+        if self.nats_error and nats == "connecting":
+            failed["nats_error"] = self.nats_error
         return ok, {"status": status, "service": self.name, "nats": nats, **failed, **self.info}
 
     def readyz(self) -> tuple[bool, dict[str, Any]]:

@@ -12,7 +12,8 @@ from typing import Any, Awaitable, Callable, Coroutine, Iterable, Mapping
 import structlog
 from prometheus_client import CollectorRegistry
 
-from bridge.config import Settings
+from bridge.config import Settings, SettingError
+from bridge.nats.connection import CONNECT_WAITING
 from bridge.runtime.health import Health, HttpServer
 from bridge.runtime.profiling import start_allocation_profiler, stop_allocation_profiler
 
@@ -219,22 +220,62 @@ async def serve(
     http: HttpServer | None = None
     try:
         if default_port is not None:
-            http = HttpServer(health, registry or CollectorRegistry(), host=settings.metrics_host,
-                              port=metrics_port(settings, default_port, port)).start()
+            bound = metrics_port(settings, default_port, port)
+            try:
+                http = HttpServer(health, registry or CollectorRegistry(), host=settings.metrics_host, port=bound).start()
+            except OSError as exc:  # taken, or not an address here: a setting, exit 2 (no restart loop)
+                raise SettingError(f"AEP_BRIDGE_METRICS_PORT (--metrics-port): cannot listen on "
+                                   f"{settings.metrics_host}:{bound}: {exc.strerror or exc}") from None
         start_allocation_profiler(name, health)
         log.info(f"{name}_starting", **({"metrics_port": http.port} if http else {}), **(starting or {}))
         try:
-            loops = list(await start())
+            loops = await _start(name, start, health, stopper, log)
         except BaseException as exc:
             if isinstance(exc, Exception):
                 log.error(f"{name}_start_failed", error=f"{type(exc).__name__}: {exc}")
             await close_connection(connection())
             raise
+        if loops is None:  # stopped while starting (e.g. SIGTERM while NATS does not answer)
+            log.info(f"{name}_stopping", signal=stopper.signal, failed=stopper.failed, during="start")
+            await close_connection(connection())
+            return stopper.exit_code
         return await _run(name, loops, connection(), health, stopper, stop, grace_s, stopping, log)
     finally:
         if http is not None:
             http.stop()
         stop_allocation_profiler()
+
+
+async def _start(name: str, start: Callable[[], Awaitable[Iterable[Loop]]], health: Health, stopper: Stopper,
+                 log: Any) -> list[Loop] | None:
+    """``start()``'s loops, or None when the stopper is set first (start is cancelled: a signal is
+    obeyed at once, also while connecting). Each failed attempt to connect is logged
+    (``nats_unreachable``) and shown on /healthz (``nats: connecting``, ``nats_error``)."""
+
+    def waiting(error: str, retry_in_s: float) -> None:
+        health.nats_error = error
+        log.warning("nats_unreachable", error=error, retry_in_s=retry_in_s,
+                    action="retrying until the server answers (SIGTERM or Ctrl-C stops)")
+
+    token = CONNECT_WAITING.set(waiting)
+    try:  # the task copies the context now: connect_service inside it sees `waiting`
+        task = asyncio.ensure_future(start())
+    finally:
+        CONNECT_WAITING.reset(token)
+    stopped = asyncio.ensure_future(stopper.event.wait())
+    try:
+        await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()
+        raise
+    finally:
+        stopped.cancel()
+    health.nats_error = None
+    if not task.done():
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return None
+    return list(task.result())
 
 
 async def _run(name: str, loops: list[Loop], nc: Any, health: Health, stopper: Stopper,

@@ -52,7 +52,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable
@@ -104,13 +104,23 @@ class Sender:
         self.lock = threading.Lock()  # guards `spooled` against the drainer
         self.lose_acks = 0  # fault injection: acked records to spool anyway, as if the ack was lost
         self.errors: Counter[str] = Counter()
+        #: after a failed connect, no other before this (monotonic): what is sent meanwhile is
+        #: spooled, as by a shim that cannot connect, instead of a login attempt per batch (a
+        #: refused credential made ~1,500 failed logins a second on the server); at most 1 s apart
+        self.retry_at = 0.0
+        self.retry_s = 0.0
 
     def _connection(self, deadline: float) -> Any:
-        if self.conn is None:
+        if self.conn is None and time.monotonic() >= self.retry_at:
             errors: list[str] = []
             self.conn = hook.connect_any(self.cfg, deadline, errors)
-            if self.conn is None and errors:
-                self.errors[errors[-1].split(":", 1)[0][:60]] += 1
+            if self.conn is None:
+                if errors:
+                    self.errors[errors[-1].split(":", 1)[0][:60]] += 1
+                self.retry_s = min(1.0, max(0.25, 2 * self.retry_s))
+                self.retry_at = time.monotonic() + self.retry_s
+            else:
+                self.retry_s = 0.0
         return self.conn
 
     def _drop_connection(self) -> None:
@@ -317,9 +327,16 @@ class FleetConfig:
     spool_max_bytes: int = hook.DEFAULT_SPOOL_MAX_BYTES
     wind_down: bool = True  # finish every session after the traffic phase (clean ends for the verifier)
     wind_down_timeout: float = 120.0
+    #: events per second while winding down (None: ``rate``). Finishing every session takes
+    #: ~3,000 events for 100 instances, 16 s at 200/s: `aep-bridge simulate --duration 5` ran
+    #: 22 s; the command winds down faster so that its duration is about the one asked for
+    wind_down_rate: float | None = None
     instance_prefix: str = "sim"
     manifest: str | None = None
     batch_ms: float = 5.0
+    #: what else the shims connect with (bridge.nats.connection.shim_env: user, password, token,
+    #: TLS files; e.g. `aep-bridge up`'s generated credential); the URL is ``nats_url``
+    nats_env: dict[str, str] = field(default_factory=dict)
 
 
 class Fleet:
@@ -334,6 +351,7 @@ class Fleet:
                                   hostile_mix=c.hostile_mix, big_fraction=c.big_fraction)
         self.spool_dir = c.spool_dir or tempfile.mkdtemp(prefix="aep-sim-spool-")
         self.shim_config = hook.Config({
+            **c.nats_env,
             "AEP_BRIDGE_CONFIG": os.devnull,
             "AEP_BRIDGE_NATS_URL": c.nats_url,
             "AEP_BRIDGE_SPOOL_DIR": self.spool_dir,
@@ -370,6 +388,7 @@ class Fleet:
         self.sent = 0
         self.started = 0.0
         self.finished = 0.0
+        self.wound: tuple[float, int] | None = None  # (when, events sent) as the wind-down began
         self._stop = threading.Event()
         self._pause = threading.Event()
         self._paused = threading.Event()
@@ -402,6 +421,7 @@ class Fleet:
 
     def shim_env(self, instance: str) -> dict[str, str]:
         return {
+            **self.config.nats_env,
             "TMPDIR": self.spool_dir + "/tmp",
             "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
             "HOME": self.spool_dir,
@@ -461,6 +481,8 @@ class Fleet:
             "shim_max_ms": round(1000 * durations[-1], 1) if durations else None,
             "shim_failures": self.shims.failures if self.shims else 0,
             "sender_errors": dict(self.sender.errors.most_common(5)),
+            **({"wind_down_s": round((self.finished or time.monotonic()) - self.wound[0], 2),
+                "wind_down_events": self.sent - self.wound[1]} if self.wound else {}),
         }
 
     # ------------------------------------------------------------ the loop
@@ -511,12 +533,16 @@ class Fleet:
                         break
                     winding = True
                     wind_until = now + c.wind_down_timeout
+                    self.wound = (now, self.sent)
                     for inst in self.instances:
                         inst.winding_down = True
                 if winding and (not pool or now > wind_until or self._stop.is_set()):
                     self.complete = not pool
                     break
-                due = int((now - self.started) * c.rate) - self.sent
+                if self.wound is not None and c.wind_down_rate:
+                    due = int((now - self.wound[0]) * c.wind_down_rate) - (self.sent - self.wound[1])
+                else:
+                    due = int((now - self.started) * c.rate) - self.sent
                 if due <= 0:
                     time.sleep(min(batch_s, max(0.0005, (self.sent + 1) / c.rate - (now - self.started))))
                     continue

@@ -69,7 +69,7 @@ from bridge.core.invariants import CARD_ENDINGS, SESSION_ENDS, check_invariants
 from bridge.core.mapping import map_specs
 from bridge.core.pipeline import record_from_raw
 from bridge.core.schemas import generate
-from bridge.nats.connection import connect
+from bridge.nats.connection import connect_client
 from bridge.nats.streams import (AEP_EVENTS, BRIDGE_DLQ, BRIDGE_MAPPED, DLQ_SUBJECTS, EVENTS_SUBJECTS, HERMES_RAW,
                                  MAPPED_SUBJECTS, RAW_SUBJECTS)
 from bridge.nats.subjects import check_raw_instance
@@ -808,8 +808,7 @@ def verify(target: Any, manifest: str | Path, **kwargs: Any) -> Report:
     settings = target if isinstance(target, Settings) else Settings(nats_url=target)
 
     async def main() -> Report:
-        nc = await connect(settings, name="aep-bridge-verify", connect_timeout=5, max_reconnect_attempts=5,
-                           reconnect_time_wait=0.5)
+        nc = await connect_client(settings, name="aep-bridge-verify", timeout=5)
         try:
             return await verify_async(nc, manifest, **kwargs)
         finally:

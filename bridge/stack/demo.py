@@ -29,7 +29,7 @@ from bridge.core.ceiling import CapturePolicy
 from bridge.core.lanes import MemoryLanes
 from bridge.core.pipeline import map_record, record_from_line
 from bridge.hermes.install import InstallError, compile_hook
-from bridge.nats.connection import connect
+from bridge.nats.connection import connect_client, shim_env
 from bridge.sim.sessions import renamed_corpus
 
 SHIM = Path(__file__).resolve().parent.parent / "shim" / "hook.py"
@@ -164,6 +164,17 @@ def print_summary(summary: dict[str, dict[str, Any]], out: TextIO) -> None:
 
 async def run_demo(settings: Settings, out: TextIO = sys.stdout, color: bool = False, timeout: float = 60.0,
                    json_summary: Path | None = None) -> dict[str, Any]:
+    # Connected first: a wrong URL, a dead server or refused credentials end the demo in one line
+    # within seconds, before any shim runs (and spools what it cannot deliver).
+    nc = await connect_client(settings, name="aep-bridge-demo", role="consumer")
+    try:
+        return await _run_demo(nc, settings, out, color, timeout, json_summary)
+    finally:
+        await nc.close()
+
+
+async def _run_demo(nc: Any, settings: Settings, out: TextIO, color: bool, timeout: float,
+                    json_summary: Path | None) -> dict[str, Any]:
     suffix = f"-d{int(time.time() * 1000) % 10**9}"
     instance = f"demo{suffix}"
     envelopes = demo_envelopes(suffix)
@@ -171,25 +182,17 @@ async def run_demo(settings: Settings, out: TextIO = sys.stdout, color: bool = F
     print(f"aep-bridge demo: replaying {len(envelopes)} real Hermes hook events ({len(set(e['session_id'] for e in envelopes if e['session_id']))} sessions) through the shim ...", file=out)
     env = dict(os.environ)
     env.update({
-        "AEP_BRIDGE_NATS_URL": settings.nats_url,
         "AEP_BRIDGE_INSTANCE": instance,
         "AEP_BRIDGE_SPOOL_DIR": str(default_state_dir() / "demo-spool"),
         "AEP_BRIDGE_CONFIG": os.devnull,
     })
-    for key, value in (("AEP_BRIDGE_NATS_USER", settings.nats_user), ("AEP_BRIDGE_NATS_PASSWORD", settings.nats_password),
-                       ("AEP_BRIDGE_NATS_TOKEN", settings.nats_token)):
-        if value:  # the shim connects as the demo does (e.g. `aep-bridge up`'s generated credential)
-            env[key] = value
+    env.update(shim_env(settings))  # the shim connects as the demo does (e.g. `aep-bridge up`'s generated credential)
     since = datetime.now(timezone.utc)
     failures, durations = await asyncio.to_thread(spawn_shims, envelopes, env, out)
     durations.sort()
     print(f"aep-bridge demo: shim answered {{}} {len(envelopes) - failures}/{len(envelopes)} times; "
           f"hook run time median {durations[len(durations) // 2]:.1f} ms, max {durations[-1]:.1f} ms", file=out)
-    nc = await connect(settings, name="aep-bridge-demo", role="consumer")
-    try:
-        events = await collect(nc, f"aep://{instance}/", since, want, timeout, out)
-    finally:
-        await nc.close()
+    events = await collect(nc, f"aep://{instance}/", since, want, timeout, out)
     summary = summarise(events)
     print_summary(summary, out)
     result = {

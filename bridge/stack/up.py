@@ -42,6 +42,7 @@ that dies is reported and not restarted: the cluster goes on with the others, `t
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import importlib.util
 import json
 import os
@@ -79,6 +80,17 @@ CREDENTIAL_KEYS = ("AEP_BRIDGE_NATS_USER", "AEP_BRIDGE_NATS_PASSWORD", "AEP_BRID
                    "AEP_BRIDGE_NATS_CREDS", "AEP_BRIDGE_NATS_NKEY_SEED")
 
 
+def cli_command() -> str:
+    """`aep-bridge` as a fresh shell finds it: the full path of the script installed beside this
+    Python (the venv's bin, which need not be on PATH), else this Python with ``-m bridge.cli``."""
+    import shlex
+
+    script = Path(sys.executable).parent / "aep-bridge"
+    if os.access(script, os.X_OK):
+        return shlex.quote(str(script))
+    return f"{shlex.quote(sys.executable)} -m bridge.cli"
+
+
 def shown_url(url: str) -> str:
     """A sink URL without what may be secret (user info, the query: `sasl.password=`...)."""
     scheme, sep, rest = url.partition("://")
@@ -105,6 +117,30 @@ def apply_up_credentials(settings: Settings, state: dict[str, Any] | None, envir
     settings.nats_password = shim_env.get("AEP_BRIDGE_NATS_PASSWORD")
     settings.nats_token = None
     return settings
+
+
+class StateDirBusy(RuntimeError):
+    """Another `aep-bridge up` holds the state directory (its lock file names its pid)."""
+
+
+def lock_state_dir(state_dir: Path) -> int:
+    """Hold ``<state dir>/up.lock`` (flock, released when this process ends, however it ends) and
+    write this pid in it; the file descriptor. Two `up`s on one state directory would open one
+    store with two nats-servers (`Filestore ... Recovering stream state from index errored`):
+    the second raises StateDirBusy naming the first's pid."""
+    state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    path = state_dir / "up.lock"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)  # not inherited by the children (PEP 446)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        holder = os.read(fd, 32).decode("ascii", "replace").strip() or "?"
+        os.close(fd)
+        raise StateDirBusy(f"another `aep-bridge up` (pid {holder}) is running on the state directory {state_dir} "
+                           f"(it holds {path}); stop it first, or give this one --state-dir DIR") from None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    return fd
 
 
 def read_state(state_dir: Path | None = None) -> dict[str, Any] | None:
@@ -366,8 +402,9 @@ class Up:
                     return
                 w.restarts += 1
                 backoff = min(10.0, 0.5 * 2 ** min(w.restarts, 5)) if now - w.started_at < 30 else 0.5
+                words = w.last_words()  # why, here and not only in a log file
                 self.say(f"aep-bridge up: {w.name} exited with code {code}; restarting in {backoff:.1f}s "
-                         f"(restart #{w.restarts}, log: {w.log_path})")
+                         f"(restart #{w.restarts}, log: {w.log_path})" + (f": {words}" if words else ""))
                 w.proc = None
                 w.next_start = now + backoff
             if w.proc is None and now >= w.next_start:
@@ -410,6 +447,7 @@ class Up:
         compiled = Path(importlib.util.cache_from_source(str(HOOK_SOURCE)))
         command = build_command(sys.executable, compiled, Path("~/.hermes/aep-bridge.env"))
         settings = " ".join(f"{k}={v}" for k, v in self.credential_env().items())
+        cli = cli_command()  # full path: the commands work pasted into a fresh shell
         self.say("")
         self.say("  NATS           " + self.url + ("   (loopback only)" if self.server is not None else ""))
         if isinstance(self.server, EmbeddedCluster):
@@ -432,30 +470,30 @@ class Up:
         self.say(f"  logs           {self.state_dir / 'logs'}")
         # Every command is printed whole, with the settings it needs: it works pasted into any
         # shell (also one that cannot find up.json, e.g. after --state-dir, another XDG_STATE_HOME).
-        self.say(f"  watch          {settings} aep-bridge tail   (--json: one event a line as JSON)")
-        self.say(f"  replay a demo  {settings} aep-bridge demo")
-        self.say("  wire Hermes    " + settings + " aep-bridge hermes install")
+        self.say(f"  watch          {settings} {cli} tail   (--json: one event a line as JSON)")
+        self.say(f"  replay a demo  {settings} {cli} demo")
+        self.say(f"  wire Hermes    {settings} {cli} hermes install")
         self.say("                 (writes hooks like this into ~/.hermes/config.yaml and records consent:)")
         self.say("                   hooks:")
         self.say("                     pre_tool_call:")
         self.say(f"                       - command: \"{command}\"")
         self.say("                         timeout: 5")
         if self.gate:
-            self.control_banner(command, settings)
+            self.control_banner(command, settings, cli)
         self.say("  stop           Ctrl-C")
         self.say("")
 
-    def control_banner(self, command: str, settings: str) -> None:
+    def control_banner(self, command: str, settings: str, cli: str) -> None:
         control = self.control() or {}
         shim = control.get("shim_env", {})
         accepts = ", ".join(control.get("accepts") or []) or "nothing (AEP_HERMES_CONTROL and AEP_INSTRUCT are off)"
         timeout = gate_timeout_s(int(shim.get("AEP_HERMES_HOLD_MS", 55000)), self.settings.deadline_ms)
         self.say(f"  control plane  the gate accepts {accepts}")
         self.say("                 a shim opts in (hold pre_tool_call for an answer; pull instructions before a turn):")
-        self.say("                   " + " ".join(f"{k}={v}" for k, v in shim.items()) + " aep-bridge hermes install")
+        self.say("                   " + " ".join(f"{k}={v}" for k, v in shim.items()) + f" {cli} hermes install")
         self.say(f"                 (the pre_tool_call hook then gets timeout: {timeout}, above the hold window)")
-        self.say(f"                 held calls:  {settings} aep-bridge control pending")
-        self.say(f"                 the hello:   {settings} aep-bridge control hello")
+        self.say(f"                 held calls:  {settings} {cli} control pending")
+        self.say(f"                 the hello:   {settings} {cli} control hello")
         self.say("                 then, with the same settings: `control respond REQUEST_ID allow` (or `deny`),"
                  " `control instruct --session SESSION TEXT`")
 

@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry
 from bridge.core.bridges.otlp import any_value, to_log_record
 from bridge.core.ceiling import configure
 from bridge.core.sinks import sink_from_url
+from bridge.runtime import Stopper
 from bridge.services.exporter import ExporterMetrics, SinkWorker
 from bridge.services.exporter.delivery import otlp_request_proto
 from bridge.services.exporter.sinks import DELIVERED
@@ -61,7 +62,7 @@ class Service:
                 service.letters.append((subject, body, headers))
 
         self.js = JS()
-        self.stopper = None
+        self.stopper = Stopper()  # the worker races a send against its stop
         self.dlq_policy = configure(None, None)[0]
 
 

@@ -125,9 +125,10 @@ def test_up_gate_runs_the_control_plane_and_stops_it_with_the_rest(tmp_path):
         banner = (tmp / "up.out").read_text()
         assert f"http://127.0.0.1:{gate_port}/metrics" in banner
         nats = " ".join(f"{k}={v}" for k, v in info["shim_env"].items())
+        exe = Path(sys.executable).parent / "aep-bridge"  # a full path: works without the venv on PATH
         assert (f"{nats} AEP_HERMES_CONTROL=1 AEP_HERMES_HOLD_MS=55000 AEP_INSTRUCT=1 "
-                "aep-bridge hermes install") in banner
-        assert "aep-bridge control pending" in banner
+                f"{exe} hermes install") in banner
+        assert f"{exe} control pending" in banner
 
         # A worker like the others: killed, it is restarted.
         os.kill(info["workers"]["gate"], signal.SIGKILL)
@@ -175,7 +176,7 @@ def test_up_gate_runs_the_control_plane_and_stops_it_with_the_rest(tmp_path):
 
 # A command in the banner: optional VAR=value assignments, then `aep-bridge ...`, up to a run of
 # spaces, a parenthesis or the end of the line (what a user selects and pastes).
-BANNER_COMMAND = re.compile(r"(?:(?<=\s)|^)(?:[A-Z][A-Z0-9_]*=\S+ )*aep-bridge\s[^()]*?(?=\s{2,}|\)|$)")
+BANNER_COMMAND = re.compile(r"(?:(?<=\s)|^)(?:[A-Z][A-Z0-9_]*=\S+ )*(?:/\S*/)?aep-bridge\s[^()]*?(?=\s{2,}|\)|$)")
 
 
 def banner_commands(text: str) -> list[str]:
@@ -188,14 +189,15 @@ def test_every_command_the_gate_banner_prints_works_when_pasted_into_a_clean_she
     """Issue 25 item 6: each command line of `up --gate`'s banner, run as printed by a shell whose
     environment knows nothing of this `up` (a fresh HOME: no up.json where `control`, `demo` and
     `tail` would look, no AEP_BRIDGE_* variable). Before the fix the control line had no
-    credential (exit 2, Authorization Violation) and was not one command."""
+    credential (exit 2, Authorization Violation) and was not one command. Issue 38: the commands
+    needed the venv's bin on PATH (`aep-bridge: command not found`); this shell has /usr/bin:/bin."""
     with running_up(tmp_path, "--gate", "--gate-port", str(free_port()), workers=4) as (proc, env, info, tmp):
         wait_for(lambda: "Ctrl-C" in (tmp / "up.out").read_text(), 30, what="the banner")
         commands = banner_commands((tmp / "up.out").read_text())
         assert any(" control " in c for c in commands) and any(c.endswith("aep-bridge demo") for c in commands), commands
         home = tmp / "home"
         home.mkdir()
-        clean = {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "HOME": str(home)}
+        clean = {"PATH": "/usr/bin:/bin", "HOME": str(home)}
         if os.environ.get("PYTHONPATH"):  # the code under test (not the user's environment)
             clean["PYTHONPATH"] = os.environ["PYTHONPATH"]
 
@@ -223,7 +225,7 @@ def test_every_command_the_gate_banner_prints_works_when_pasted_into_a_clean_she
 
             return asyncio.run(count())
 
-        followers = {c: shell(c, start_new_session=True) for c in commands if " aep-bridge tail" in f" {c}"}
+        followers = {c: shell(c, start_new_session=True) for c in commands if re.search(r"(^|[\s/])aep-bridge tail\b", c)}
         failed = {}
         try:
             # each follower has its consumer on AEP_EVENTS (it follows new events only) before the

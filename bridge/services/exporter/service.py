@@ -200,7 +200,9 @@ class SinkWorker:
         keepalive = asyncio.create_task(self._keep_in_progress(items))
         try:
             while items:
-                outcomes = await self.send(items)
+                outcomes = await self.until_stopped(self.send(items))
+                if outcomes is None:
+                    return  # stopping: unacked, redelivered (a dead broker held this for 30 s)
                 delivered = [i for i, o in zip(items, outcomes) if o.ok]
                 permanent = [(i, o) for i, o in zip(items, outcomes) if not o.ok and not o.retry]
                 retry = [(i, o) for i, o in zip(items, outcomes) if not o.ok and o.retry]
@@ -233,6 +235,19 @@ class SinkWorker:
                     return  # unacked: redelivered to the next exporter (or the partition's next owner)
         finally:
             keepalive.cancel()
+
+    async def until_stopped(self, call: Any) -> Any:
+        """``await call``, or None (``call`` cancelled) once the service is stopping."""
+        task = asyncio.ensure_future(call)
+        stopped = asyncio.ensure_future(self.service.stopper.event.wait())
+        try:
+            await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopped.cancel()
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        return None if task.cancelled() else task.result()
 
     def remember(self, items: list[Item]) -> None:
         for item in items:
@@ -371,7 +386,12 @@ class Exporter:
         connected = self.nc is not None and self.nc.is_connected
         self.health.set_ready(bound and connected, "" if bound and connected else
                               ("NATS disconnected" if not connected else "binding sink consumers"))
-        self.health.info["sinks"] = {w.cfg.name: w.state for w in self.workers}
+        failing = {w.cfg.name: why for w in self.workers if (why := sink_failing(w))}
+        self.health.info["sinks"] = {w.cfg.name: "failing" if w.cfg.name in failing else w.state for w in self.workers}
+        if failing:  # why, on /healthz: not only in a log file
+            self.health.info["sink_errors"] = failing
+        else:
+            self.health.info.pop("sink_errors", None)
 
     async def run(self, http_port: int | None = None) -> int:
         return await serve("exporter", self.settings, self.start, health=self.health, stopper=self.stopper,
@@ -399,6 +419,12 @@ class Exporter:
                 await worker.sink.close()
             except Exception:
                 pass
+
+
+def sink_failing(worker: Any) -> str | None:
+    """Why the worker's sink client fails now (a Kafka broker that does not answer), else None."""
+    failing = getattr(getattr(worker, "sink", None), "failing", None)
+    return failing() if callable(failing) else None
 
 
 def load_sinks(urls: list[str], config_path: str | None, environ: dict[str, str] | None = None) -> list[SinkConfig]:

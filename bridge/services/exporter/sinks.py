@@ -43,6 +43,9 @@ class Outcome:
 
 
 DELIVERED = Outcome(True)
+#: a Kafka client error this recent (and after the last delivery) makes the sink `failing` on
+#: /healthz; its log line repeats at most this often
+FAILING_FOR_S = 30.0
 
 #: what installs the sinks' client libraries
 INSTALL_EXPORT = "pip install 'aep-bridge[export]'"
@@ -85,6 +88,11 @@ class KafkaSink:
         self._stop = threading.Event()
         self._fatal: str | None = None
         self._reset: str | None = None  # why the next send starts with a new producer
+        #: the client's last error (monotonic time, text) and the last delivery's time: `failing`
+        self.client_error: tuple[float, str] | None = None
+        self.delivered_at = 0.0
+        self._logged_at = -FAILING_FOR_S  # kafka_client_error: one line per FAILING_FOR_S at most
+        self._unlogged = 0
 
     def conf(self) -> dict[str, Any]:
         conf: dict[str, Any] = {
@@ -94,6 +102,9 @@ class KafkaSink:
             # a report within this time, else the worker retries the record (and backs off)
             "message.timeout.ms": 30000,
             "reconnect.backoff.max.ms": 2000,
+            # librdkafka's own lines on stderr (a dead broker: ~12 a second); its errors reach
+            # `_on_error`, which logs them at most once per FAILING_FOR_S
+            "log_level": 2,
         }
         conf.update(self.cfg.kafka)
         conf.update(self.FIXED)
@@ -103,7 +114,22 @@ class KafkaSink:
     def _on_error(self, err: Any) -> None:
         if err.fatal():
             self._fatal = str(err)
-        log.warning("kafka_client_error", sink=self.cfg.name, error=str(err), fatal=err.fatal())
+        now = time.monotonic()
+        self.client_error = (now, str(err))
+        if err.fatal() or now - self._logged_at >= FAILING_FOR_S:
+            log.warning("kafka_client_error", sink=self.cfg.name, error=str(err), fatal=err.fatal(),
+                        **({"repeated": self._unlogged} if self._unlogged else {}))
+            self._logged_at, self._unlogged = now, 0
+        else:
+            self._unlogged += 1
+
+    def failing(self) -> str | None:
+        """The client's last error when it came in the last FAILING_FOR_S and after the last
+        delivery (a dead broker, before any event or after the last one), else None."""
+        if self.client_error is None:
+            return None
+        at, error = self.client_error
+        return error if at > self.delivered_at and time.monotonic() - at < FAILING_FOR_S else None
 
     async def start(self) -> None:
         self._open()
@@ -153,6 +179,7 @@ class KafkaSink:
         def report(fut: asyncio.Future[Outcome]) -> Any:
             def on_delivery(err: Any, _msg: Any) -> None:
                 if err is None:
+                    self.delivered_at = time.monotonic()
                     outcome = DELIVERED
                 elif err.fatal():
                     outcome = Outcome(False, retry=True, reason="kafka_fatal", detail=str(err))
@@ -191,7 +218,9 @@ class KafkaSink:
 
     async def close(self) -> None:
         if self.producer is not None:
-            await asyncio.to_thread(self.producer.flush, 5)
+            # no wait for a broker that is not there (Ctrl-C of `up` took 20 s): what is not
+            # confirmed stays unacked on NATS and comes back
+            await asyncio.to_thread(self.producer.flush, 0 if self.failing() else 5)
             await asyncio.to_thread(self._close_producer)
 
 

@@ -14,7 +14,7 @@ from typing import Any
 import structlog
 from aiohttp import web
 
-from bridge.config import Settings
+from bridge.config import Settings, SettingError
 from bridge.core.ceiling import LEVELS
 from bridge.core.downlevel import payload_fields
 from bridge.nats.connection import connect_service
@@ -133,7 +133,12 @@ class Relay(HttpEndpoints, WebSocketSessions):
             ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
             ctx.load_cert_chain(self.cfg.tls_cert, self.cfg.tls_key)
         site = web.TCPSite(runner, self.cfg.host, self.cfg.port, ssl_context=ctx, shutdown_timeout=2.0)
-        await site.start()
+        try:
+            await site.start()
+        except OSError as exc:  # taken, or not an address here: a setting (exit 2, not a restart loop)
+            await runner.cleanup()
+            raise SettingError(f"AEP_BRIDGE_RELAY_LISTEN (--listen): cannot listen on {self.cfg.host}:{self.cfg.port}: "
+                               f"{exc.strerror or exc}") from None
         if self.cfg.port == 0:  # an ephemeral port (tests): the one bound
             self.cfg.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         return runner
@@ -170,4 +175,5 @@ async def run_relay(settings: Settings, cfg: RelayConfig) -> int:
             await runner.cleanup()
 
     return await serve("relay", settings, start, health=health, stopper=Stopper(),
-                       connection=lambda: relay.nc if relay is not None else None, stop=stop)
+                       connection=lambda: relay.nc if relay is not None else None, stop=stop,
+                       starting={"listen": cfg.url})
