@@ -228,3 +228,54 @@ def test_consume_waits_for_every_distinct_event_not_for_a_count_that_duplicates_
         late.join()
     assert {dict(m.headers())["aep-id"].decode() for m in got} == {f"e{i}" for i in range(10)}
     assert len(got) == 12
+
+
+def test_two_sinks_set_up_at_once_both_keep_their_source(nats_server_fn):
+    """AEP_EXPORT's sources are read, changed and written back (issue 39 item 4): a sink whose
+    write lands after another sink wrote and checked its own (here: B's update is 0.5 s on the
+    way) wrote its stale list over it, and the other sink's source was gone for good."""
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry
+
+    from bridge.config import Settings
+    from bridge.core.sinks import sink_from_url
+    from bridge.nats import streams as S
+    from bridge.runtime import Health, Stopper
+    from bridge.services.exporter.partitions import PartitionedSink
+    from bridge.services.exporter.service import ExporterMetrics
+
+    client = JetStreamClient(nats_server_fn.url)
+    try:
+        client.bootstrap()
+
+        class Slow:
+            """B's JetStream context: its stream updates take 0.5 s to arrive."""
+
+            def __init__(self, js: object) -> None:
+                self.js = js
+
+            def __getattr__(self, name: str) -> object:
+                return getattr(self.js, name)
+
+            async def update_stream(self, config: object) -> object:
+                await asyncio.sleep(0.5)
+                return await self.js.update_stream(config)
+
+        async def scenario() -> set:
+            def svc(js: object) -> SimpleNamespace:
+                return SimpleNamespace(js=js, metrics=ExporterMetrics(CollectorRegistry()), stopper=Stopper(),
+                                       health=Health("exporter"), settings=Settings())
+
+            first = PartitionedSink(svc(client.js), sink_from_url("kafka://k:9092/t?name=c&replicas=2"))
+            await first.setup()  # AEP_EXPORT exists: both of the others update it
+            a = PartitionedSink(svc(client.js), sink_from_url("kafka://k:9092/t?name=a&replicas=2"))
+            b = PartitionedSink(svc(Slow(client.js)), sink_from_url("kafka://k:9092/t?name=b&replicas=2"))
+            await asyncio.gather(b.setup(), a.setup())
+            await asyncio.sleep(0.5)
+            info = await client.js.stream_info(S.EXPORT_STREAM)
+            return {S.export_source_sink(src) for src in info.config.sources}
+
+        assert client.run(scenario()) == {"a", "b", "c"}
+    finally:
+        client.close()

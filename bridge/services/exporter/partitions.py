@@ -9,6 +9,8 @@ Theory of operation
   so one consumer per partition keeps every lane in order (the Kafka key is the lane: one
   Kafka partition per lane). A message leaves the stream once acked, so it holds only what
   the sinks have not confirmed.
+  A sink adds its source under the lock ``x.setup`` of the lease bucket (`setup`: a stream
+  configuration has no compare-and-set).
 * Upgrade from one replica: the sink's first replica adds its source from the sink's
   ``export-<sink>`` ack floor + 1 when that durable exists (from the start otherwise) and
   leaves the durable as it was (going back to ``replicas: 1`` resumes it there: same-id
@@ -64,6 +66,7 @@ RELEASE_GRACE_S = 5.0  # a partition given back finishes its batch within this, 
 # A worker stops acting on its partition this long before its lease could expire (pairing's
 # FENCE_MARGIN_S): above RENEW_S, so a renewal that got no answer is retried once first.
 FENCE_MARGIN_S = 3.0
+SETUP_LOCK = "x.setup"  # held while a sink changes AEP_EXPORT's sources (never a lease: those are x.<sink>.<n>)
 
 
 def replica_name() -> str:
@@ -117,9 +120,45 @@ class PartitionedSink:
 
     async def setup(self) -> None:
         """The sink's source in AEP_EXPORT (the stream created by the first partitioned sink),
-        and the lease bucket."""
+        and the lease bucket.
+
+        A stream's configuration has no compare-and-set: a sink writes the sources it read
+        plus its own, and a write based on an older read (two sinks set up at once, one
+        write slow on the way) would drop the other's source for good. So the change is
+        made under the lock ``x.setup`` of the lease bucket (KV create: one holder; the
+        bucket's max age frees it if its holder dies)."""
         js = self.service.js
-        for _ in range(10):  # read, add, write, read again: two sinks starting at once both get in
+        self.leases = await js.key_value(S.LEASES_BUCKET)
+        if await self.has_source(js):  # a restart: nothing to change
+            return
+        lock = await self.lock_sources()
+        try:
+            await self.add_source(js)
+        finally:
+            try:
+                await self.leases.delete(SETUP_LOCK, last=lock)
+            except Exception:  # it expires
+                pass
+
+    async def has_source(self, js: Any) -> bool:
+        try:
+            stream = (await js.stream_info(S.EXPORT_STREAM)).config
+        except nats.js.errors.NotFoundError:
+            return False
+        return any(S.export_source_sink(src) == self.cfg.name for src in stream.sources or [])
+
+    async def lock_sources(self) -> int:
+        deadline = time.monotonic() + self.lease_ttl_s + 5.0
+        while True:
+            try:
+                return int(await self.leases.create(SETUP_LOCK, self.replica.encode()))
+            except nats.js.errors.KeyWrongLastSequenceError:  # another sink or replica is at it
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{SETUP_LOCK} of {S.LEASES_BUCKET} held for {self.lease_ttl_s + 5.0:.0f} s") from None
+                await asyncio.sleep(0.1)
+
+    async def add_source(self, js: Any) -> None:
+        for _ in range(10):  # read, add, write, read again
             try:
                 stream = (await js.stream_info(S.EXPORT_STREAM)).config
             except nats.js.errors.NotFoundError:
@@ -146,7 +185,6 @@ class PartitionedSink:
             await asyncio.sleep(0.2)
         else:
             raise RuntimeError(f"the sink's source could not be added to {S.EXPORT_STREAM}")
-        self.leases = await js.key_value(S.LEASES_BUCKET)
 
     # ------------------------------------------------------------ leases
 
