@@ -34,8 +34,8 @@ Theory of operation
   paused past its lease): a new owner may have recreated the consumer under the same
   name, and the old worker's next fetch would pull from it. A round renews first, then
   reads the members: a failed members read skips the rebalancing, never the renewals.
-  While a lease is unsure (a renewal or the members read failed in the last round, or the
-  round is late) the sink says so and the exporter is not ready.
+  While a lease is unsure (a renewal or the members read failed in the last round, or a
+  renewal is overdue) the sink says so and the exporter is not ready.
 * Delivery: per partition a `SinkWorker` (the one-replica loop: filter, project, deliver,
   ack only what the sink confirmed, retry, dead letters), all of them on one transport (one
   Kafka producer per replica and sink).
