@@ -16,7 +16,8 @@ Theory of operation
   mapping might need are prefetched before it runs.
 * One raw message, one lane: the lane of a raw message that needed a look-up is recorded
   (`aep_lane_facts`, a KV create) before its events are published, the creates of a batch
-  in flight together (`release_held`), and every later attempt maps with exactly that lane
+  in flight together (`release_held`; the batch's later messages are published after
+  them, in raw order), and every later attempt maps with exactly that lane
   (`PinnedLane`). A redelivery that cannot read its fact is retried; a fact that cannot be
   recorded maps the message as before (the late look-ups are the backstop).
 * An approval names its session in its `turn_id` prefix (`bridge.core.lanes`, rule 2):
@@ -252,9 +253,10 @@ class MapperMetrics:
 
 
 class Held(NamedTuple):
-    """A first attempt waiting for its lane fact's ack before its events are published."""
+    """A first attempt waiting for its lane fact's ack before its events are published; or
+    (``created`` None) a later message of the batch, published after it in raw order."""
 
-    created: asyncio.Future
+    created: asyncio.Future | None
     futures: list[asyncio.Future]  # the raw message's futures (its ack waits for them all)
     record: Any
     raw_seq: int
@@ -264,6 +266,7 @@ class Held(NamedTuple):
     subject: str
     hints: str
     bodies: list[bytes]
+    stored: set[str] | frozenset[str] = frozenset()  # (a later message: its events already stored)
 
 
 class Mapper:
@@ -312,9 +315,8 @@ class Mapper:
         self._late_scans: dict[str, tuple[int, float, set[str]]] = {}
         self._late_budget = LATE_SCAN_BUDGET
         # First attempts of look-up raw messages whose lane facts are sent and whose events wait
-        # for those acks (`release_held`), and the subjects they will publish on.
+        # for those acks (`release_held`), and the later messages of the batch behind them.
         self._held: list[Held] = []
-        self._held_subjects: set[str] = set()
         # This batch's tallies for the hook and type counters, added once per batch (`count`).
         self._hooks_in: dict[str, int] = {}
         self._types_out: dict[str, int] = {}
@@ -439,15 +441,19 @@ class Mapper:
             created = self.lanes.send_lane(self.nc, fact, chosen)
             futures.append(created)
             self._held.append(Held(created, futures, record, raw_seq, fact, chosen, result, subject, hints, bodies))
-            self._held_subjects.add(subject)
             return futures, record.ts_ns
-        if subject in self._held_subjects:  # events of one lane reach BRIDGE_MAPPED in raw order
-            await self.release_held()
         # `_unknown` is looked at too only for a look-up lane that no earlier attempt recorded
         # (one made by a release before lane facts may have filed it there).
         stored = await self.already_mapped(msg, subject, result.events,
                                            None if result.unknown or pinned is not None else env) \
             if meta.num_delivered > 1 else frozenset()  # (a first delivery is never looked up: no await)
+        if self._held:
+            # Behind a held first attempt, published after it (`release_held`): its lane is
+            # known only from its fact's ack, and may be this message's (a fact an attempt the
+            # server forgot recorded), whose events reach BRIDGE_MAPPED in raw order. Still
+            # one round trip per batch: the batch's end waits for the facts' acks anyway.
+            self._held.append(Held(None, futures, record, raw_seq, "", PinnedLane(None), result, subject, hints, bodies, stored))
+            return futures, record.ts_ns
         await self.publish_events(futures, subject, result, bodies, hints, stored)
         return futures, record.ts_ns
 
@@ -469,12 +475,22 @@ class Mapper:
         the facts are acked. A fact found recorded already (an earlier attempt the server did
         not count) is read and the events filed on its lane; a fact that failed otherwise
         publishes nothing: the message is retried (`flush_pending` sees the failed create)."""
-        held, self._held, self._held_subjects = self._held, [], set()
+        held, self._held = self._held, []
         if not held:
             return
-        await asyncio.wait([h.created for h in held], timeout=10)
+        facts = [h.created for h in held if h.created is not None]
+        if facts:
+            await asyncio.wait(facts, timeout=10)
         for h in held:
             created = h.created
+            if created is None:  # a later message of the batch: after the held ones before it
+                try:
+                    await self.publish_events(h.futures, h.subject, h.result, h.bodies, h.hints, h.stored)
+                except Exception as exc:  # (the connection going away) retried, like a failed publish ack
+                    failed = asyncio.get_running_loop().create_future()
+                    failed.set_exception(exc)
+                    h.futures.append(failed)
+                continue
             if not created.done():
                 created.cancel()  # no answer in 10 s: retried
                 continue
@@ -698,7 +714,7 @@ class Mapper:
         self.metrics.batch.observe(len(msgs))
         self._batch_pending, self._batch_done = [], set()
         self._late_scans, self._late_budget = {}, LATE_SCAN_BUDGET
-        self._held, self._held_subjects = [], set()
+        self._held = []
         for msg in msgs:
             try:
                 futures, ts_ns = await self.handle(msg)

@@ -19,7 +19,9 @@ Theory of operation
   dropped at once, nothing published (`aep_bridge_pairing_fenced_total`). So an
   owner paused (SIGSTOP, a VM stall) past its lease, which a standby took over
   meanwhile, publishes nothing stale when it runs again, and never writes its older
-  checkpoint over the new owner's.
+  checkpoint over the new owner's: a checkpoint put checks the lease again right before
+  its meta (the commit point; the chunks go first), so a put that straddles the fence
+  never commits and its chunks are purged.
 * State: the pure state machine (`bridge.core.pairing.PairingState`) per
   partition. Every `CHECKPOINT_EVERY` messages or `CHECKPOINT_S` seconds, once
   every publish up to that point is acked, its snapshot (which records the
@@ -69,7 +71,7 @@ import socket
 import time
 import zlib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import msgspec
 import nats.errors
@@ -262,6 +264,26 @@ class Feed:
             return msgs
         self.msgs = msgs[batch:]
         return msgs[:batch]
+
+
+class LeaseLapsed(Exception):
+    """A checkpoint's commit refused: the partition's lease may have lapsed meanwhile."""
+
+
+class _FencedMeta:
+    """The JetStream context an `ObjectStore.put` of a checkpoint sees: the same, except that
+    the meta publish (``meta_prefix``...) raises `LeaseLapsed` once ``fenced()`` says so."""
+
+    def __init__(self, js: Any, meta_prefix: str, fenced: Callable[[], bool]) -> None:
+        self._inner, self._meta_prefix, self._fenced = js, meta_prefix, fenced
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    async def publish(self, subject: str, *args: Any, **kwargs: Any) -> Any:
+        if subject.startswith(self._meta_prefix) and self._fenced():
+            raise LeaseLapsed(subject)
+        return await self._inner.publish(subject, *args, **kwargs)
 
 
 @dataclass
@@ -494,11 +516,18 @@ class PairingService:
         name = CHECKPOINT_KEY.format(part.number)
         chunk = min(CHECKPOINT_CHUNK, self.nc.max_payload)
         meta = ObjectMeta(name=name, options=ObjectMetaOptions(max_chunk_size=chunk))
+        # The put writes the chunks, then the meta (the commit point): the lease is checked
+        # again right before the meta goes out, so a put that straddles the fence (a stall
+        # while its chunks went out) never commits; nats-py purges its chunks.
+        store = ObjectStore(name=S.CHECKPOINTS_BUCKET, stream=S.CHECKPOINTS.stream_name,
+                            js=_FencedMeta(self.js, f"$O.{S.CHECKPOINTS_BUCKET}.M.", lambda: self.fenced(part)))
         try:
             # Shielded: a partition task cancelled (lease lost, shutdown) in the middle of a put
             # would leave chunks no object refers to, and they never expire (the stream has no
             # max age). The put completes or fails (nats-py then purges its chunks) on its own.
-            await asyncio.shield(self.checkpoints.put(name, blob, meta=meta))
+            await asyncio.shield(store.put(name, blob, meta=meta))
+        except LeaseLapsed:
+            return
         except Exception:
             self.metrics.checkpoint_errors.labels(what="write").inc()
             raise

@@ -323,3 +323,35 @@ def test_a_held_event_whose_publish_fails_is_retried_not_a_crash(nats_server_fn)
     retries, ids = asyncio.run(run())
     assert retries == 1
     assert len(ids) == 1, "the start's event only: the inner call is retried"
+
+
+def test_a_first_delivery_filed_on_a_recorded_lane_is_not_published_after_that_lanes_later_events(nats_server_fn):
+    """Issue 39 item 4. A first delivery whose fact an attempt the server forgot recorded
+    (S2) is held for its fact's ack, under the lane it chose (S1); S2's next raw message, in
+    the same batch, went out at once (its subject held nothing), and the held event followed
+    it on S2 when released: S2's events on BRIDGE_MAPPED out of raw order."""
+    from bridge.nats.bootstrap import bootstrap
+    from bridge.nats.lanes import PinnedLane, lane_fact_key
+
+    records = raw_records([start_of(S1), INNER, start_of(S2)], instance="lanefact")
+
+    async def run() -> list[tuple[str, Any]]:
+        nc = await nats.connect(nats_server_fn.url)
+        js = nc.jetstream()
+        await bootstrap(js, None, replicas=1, duplicate_window_s=WINDOW_S)
+        await publish_all(js, records)
+        kv = await js.key_value(S.LANES_BUCKET)
+        await kv.put("s." + lane_token(S2), b"1")
+        facts = await js.key_value(S.LANE_FACTS_BUCKET)
+        await facts.create(lane_fact_key("lanefact", records[1][2]), PinnedLane(S2).encode())  # the forgotten attempt's
+        m, _, msgs = await bound_with(nats_server_fn.url, "m-order", 3)
+        assert [x.metadata.num_delivered for x in msgs] == [1, 1, 1]
+        await m.process_batch(msgs)
+        await m.close()
+        ids = await ids_of(js, S.BRIDGE_MAPPED, "bridge.mapped.>", field="seq")
+        await nc.close()
+        return ids
+
+    ids = asyncio.run(run())
+    s2 = [seq for s, seq in ids if s.rsplit(".", 1)[1] == lane_token(S2)]
+    assert len(s2) == 2 and s2 == sorted(s2), f"S2's events in raw order: {ids}"

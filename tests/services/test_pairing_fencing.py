@@ -143,3 +143,68 @@ def test_a_partition_loop_that_wakes_past_its_lease_stops_before_it_reads_again(
     assert lost == [True] * 7
     assert unowned == {}, "a loop that failed after its lease lapsed is fenced, not unowned"
     assert fenced == 8
+
+
+def test_a_checkpoint_put_that_straddles_the_fence_leaves_the_new_owners_checkpoint(nats_server_fn):
+    """Issue 39 item 4. A checkpoint is written in chunks, then its meta (the commit point).
+    The put is shielded (a cancelled put would leave chunks nothing refers to), so a put
+    that began while the lease was sure completed however long it took: here the owner's
+    lease lapses while its chunks go out, and a new owner writes its checkpoint meanwhile.
+    The old owner's meta must not go out over it: its chunks are purged, the new owner's
+    checkpoint stays."""
+    import nats
+    from prometheus_client import CollectorRegistry
+
+    from bridge.config import Settings
+    from bridge.services.pairing import PairingService
+
+    client = JetStreamClient(nats_server_fn.url)
+    client.bootstrap()
+
+    async def run() -> tuple[str, str, object, int]:
+        pairing = PairingService(Settings(nats_url=nats_server_fn.url, instance="p"), replica="old",
+                                 registry=CollectorRegistry(), tick_s=3600)
+        await pairing.connect()
+        other = await nats.connect(nats_server_fn.url)
+        parts: list = []
+        try:
+            await pairing.maintain()
+            parts = list(pairing.partitions.values())
+            part = pairing.partitions[0]
+            new_owner = await other.jetstream().object_store(S.CHECKPOINTS_BUCKET)
+            publish = pairing.js.publish
+            seen = {"chunks": 0}
+
+            async def straddling(subject: str, *args: object, **kwargs: object) -> object:
+                if subject.startswith(f"$O.{S.CHECKPOINTS_BUCKET}.C.") and not seen["chunks"]:
+                    seen["chunks"] += 1
+                    part.confirmed -= 60.0  # the owner stalls mid-put, past its lease
+                    await new_owner.put("p.0", b"the new owner's checkpoint")
+                return await publish(subject, *args, **kwargs)
+
+            pairing.js.publish = straddling  # type: ignore[method-assign]
+            part.position += 1  # something to checkpoint
+            error: object = None
+            try:
+                await pairing.checkpoint(part)
+            except Exception as exc:  # noqa: BLE001 - what it raises is reported, not required
+                error = exc
+            got = await new_owner.get("p.0")
+            info = await other.jetstream().stream_info(f"OBJ_{S.CHECKPOINTS_BUCKET}")
+            return got.data.decode(errors="replace"), str(error), seen["chunks"], info.state.messages
+        finally:
+            pairing.stopper.trigger()
+            tasks = [p.task for p in parts] + pairing.readers + list(pairing.old_readers)
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await pairing.nc.close()
+            await other.close()
+
+    try:
+        data, error, chunks, stored = client.run(run())
+    finally:
+        client.close()
+    assert chunks == 1
+    assert data == "the new owner's checkpoint", f"the old owner's put went through ({error})"
+    assert stored == 2, "the new owner's chunk and meta only: the old owner's chunks are purged"

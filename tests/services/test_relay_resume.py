@@ -129,3 +129,37 @@ def test_a_session_the_stream_evicted_is_exhausted(nats_server, jetstream, tmp_p
         check(relay, a)
     finally:
         relay.stop()
+
+
+# The bridge's positions: raw sequence x 1024 + the event's slot in its raw message.
+P0, P1, P2 = 1 * 1024 + 512, 2 * 1024 + 512, 3 * 1024 + 512  # 1536, 2560, 3584
+
+
+@pytest.mark.parametrize("restart", [False, True], ids=["relay-saw-them", "relay-started-after"])
+def test_a_gap_between_raw_messages_is_not_exhaustion(nats_server, jetstream, tmp_path, restart):
+    """Issue 39 item 3. Window 8: A's p0 and p1, then 7 events of other sessions, then A's p2.
+    A client that saw p1 missed nothing: p2 follows p1 (the jump 2560 -> 3584 is the normal
+    gap between two raw messages' events), so no `replay-exhausted`, although p2 is past
+    p1 + 1 and p1 has left the window. A client that saw only p0 missed p1, which left the
+    window: `replay-exhausted` with the earliest held position, p2. Whether the relay saw
+    them live or started after (then it reads the stream)."""
+    relay = RelayProcess(nats_server.url, tmp_path, env={"AEP_BRIDGE_RELAY_REPLAY_BUFFER": "8"})
+    if not restart:
+        relay.start()
+    try:
+        a = sid()
+        run(publish(nats_server.url, [event(a, P0), event(a, P1)] + [event(sid(), 1) for _ in range(7)] + [event(a, P2)]))
+        if restart:
+            relay.start()
+        got = run(sse_resume(relay, a, P1))
+        assert got["comments"][1:] == ["replay-complete"], got["comments"]  # nothing missed: no marker
+        assert [json.loads(e["data"])["seq"] for e in got["events"]] == [P2]
+        got = run(sse_resume(relay, a, P0))  # p1 has left the window: missed
+        assert got["comments"][1:] == [f"replay-exhausted {a} 0:{P2}", "replay-complete"], got["comments"]
+        assert [json.loads(e["data"])["seq"] for e in got["events"]] == [P2]
+        frames = run(ws_resume(relay, a, P1, [event(a, P2 + 1024)]))
+        assert [f.get("type") for f in frames[1:]] == ["tool.called", "tool.called"]  # p2, then live: no marker
+        frames = run(ws_resume(relay, a, P0, [event(a, P2 + 2048)]))
+        assert frames[1] == exhausted(a, P2)
+    finally:
+        relay.stop()

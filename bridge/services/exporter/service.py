@@ -25,7 +25,8 @@ Theory of operation
   OTLP ``aep.event_id``), so consumers dedupe on it.
 * Metrics per sink (label ``sink``): delivered, filtered / no_record, retries, errors,
   dead letters, last success time, lag (the consumer's pending + unacknowledged).
-  /readyz: NATS connected and every sink's consumer bound.
+  /readyz: NATS connected, every sink's consumer bound, and (``replicas`` > 1) no lease
+  unsure (`partitions.PartitionedSink.unsure`).
 * A sink whose client library is missing (the `export` extra) fails the start, with the
   command that installs it (`sinks.require_clients`).
 """
@@ -81,6 +82,8 @@ class ExporterMetrics:
                          "a sink with replicas > 1: of this replica's partitions)", ["sink"], registry=registry)
         self.partitions = Gauge(p + "partitions_owned", "partitions of the sink this replica owns (replicas > 1)",
                                 ["sink"], registry=registry)
+        self.fenced = Counter(p + "fenced", "partitions dropped because their lease may have lapsed (replicas > 1): "
+                              "nothing more fetched or sent", ["sink"], registry=registry)
 
 
 class Item:
@@ -103,6 +106,9 @@ class SinkWorker:
         self.sink = make_sink(cfg) if sink is None else sink
         self.partition = partition
         self.released = False  # a partition given back: finish the batch in hand, fetch no more
+        # A partition's lease check (`PartitionedSink.fenced`): True once the lease may have
+        # lapsed; then nothing more is fetched or sent (what is in hand stays unacked).
+        self.fence: Any = None
         self.metrics = service.metrics
         for metric in (self.metrics.delivered, self.metrics.retries, self.metrics.last_success):
             metric.labels(sink=cfg.name)  # every sink's series exists from the start, at 0
@@ -190,8 +196,11 @@ class SinkWorker:
                 await self.ack([msg])
             else:
                 items.append(item)
-        if items:
+        if items and not self.fenced():
             await self.deliver(items)
+
+    def fenced(self) -> bool:
+        return self.fence is not None and self.fence()
 
     async def deliver(self, items: list[Item]) -> None:
         """Until every item is confirmed or dead-lettered (or the service stops: then the rest
@@ -200,6 +209,8 @@ class SinkWorker:
         keepalive = asyncio.create_task(self._keep_in_progress(items))
         try:
             while items:
+                if self.fenced():  # the lease may have lapsed: the next owner delivers them
+                    return
                 outcomes = await self.until_stopped(self.send(items))
                 if outcomes is None:
                     return  # stopping: unacked, redelivered (a dead broker held this for 30 s)
@@ -314,10 +325,12 @@ class SinkWorker:
 
     async def run(self) -> None:
         stopper = self.service.stopper
-        while not stopper.stopping and not self.released:
+        while not stopper.stopping and not self.released and not self.fenced():
             if not self.bound and not await bind_or_wait(self, self.bind):
                 continue
             self.service.health.beat()
+            if self.fenced():  # checked before every fetch: past it the consumer may be the next owner's
+                return
             try:
                 msgs = await self.sub.fetch(self.cfg.batch, timeout=1.0)
             except (nats.errors.TimeoutError, asyncio.TimeoutError):
@@ -384,8 +397,10 @@ class Exporter:
     def _readiness(self) -> None:
         bound = all(w.bound for w in self.workers)
         connected = self.nc is not None and self.nc.is_connected
-        self.health.set_ready(bound and connected, "" if bound and connected else
-                              ("NATS disconnected" if not connected else "binding sink consumers"))
+        unsure = [f"{w.cfg.name}: {why}" for w in self.workers if (why := getattr(w, "unsure", lambda: None)())]
+        ready = bound and connected and not unsure
+        self.health.set_ready(ready, "" if ready else ("NATS disconnected" if not connected else "binding sink consumers"
+                                                       if not bound else f"lease unsure: {'; '.join(unsure)}"[:300]))
         failing = {w.cfg.name: why for w in self.workers if (why := sink_failing(w))}
         self.health.info["sinks"] = {w.cfg.name: "failing" if w.cfg.name in failing else w.state for w in self.workers}
         if failing:  # why, on /healthz: not only in a log file

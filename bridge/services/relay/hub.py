@@ -48,7 +48,38 @@ READ_AGAIN = 3  # a history read that lost a delivery reads again from where it 
 
 class ReadIncomplete(RuntimeError):
     """A history read that could not get every event its consumer counted."""
-NEWEST_MAX = 65_536  # sessions whose newest live position the hub remembers (replay-exhausted; ~16 MiB + names)
+NEWEST_MAX = 65_536  # sessions whose live positions the hub remembers (replay-exhausted; ~16 MiB + names)
+# The hub remembers the positions of the events it saw live over the last two windows
+# (2 x replay_buffer stream sequences), at most this many in all; what it forgets of a session
+# is summed up in one (sequence, position) per session (`Track`).
+TRACKED_MAX = 1 << 17  # ~41 MB (tracemalloc: ~316 B per event tracked)
+
+
+class Track:
+    """What the hub saw live of one session: (stream sequence, position) of its recent
+    events in stream order, and of those it let go (``gone_seq``: the highest sequence,
+    ``gone_high``: the highest position), so that it can tell which positions of the session
+    were stored before any window start it is asked about (`Hub.missed`)."""
+
+    __slots__ = ("recent", "gone_seq", "gone_high", "high")
+
+    def __init__(self) -> None:
+        self.recent: collections.deque[tuple[int, tuple[int, int]]] = collections.deque()
+        self.gone_seq = 0
+        self.gone_high: tuple[int, int] | None = None
+        self.high: tuple[int, int] | None = None  # the highest position seen
+
+    @property
+    def newest(self) -> tuple[int, tuple[int, int]]:
+        """(stream sequence of its newest event seen, highest position seen)."""
+        seq = self.recent[-1][0] if self.recent else self.gone_seq
+        return seq, self.high  # type: ignore[return-value]
+
+    def let_go(self) -> None:
+        seq, pos = self.recent.popleft()
+        self.gone_seq = seq
+        if self.gone_high is None or pos > self.gone_high:
+            self.gone_high = pos
 
 
 class Item:
@@ -234,17 +265,21 @@ class Hub:
         self.position = 0  # stream sequence of the last live event seen
         self.duplicate_window_s = 120.0  # AEP_EVENTS' duplicate window, read at start and by window()
         self.listeners: list[Callable[[Item], None]] = []
-        # session -> (stream sequence, highest position) of its newest event seen live, the
-        # least recently active forgotten first: a resume whose session has nothing left in
-        # the window learns from it that events after its position were there (replay())
-        self.newest: collections.OrderedDict[str, tuple[int, tuple[int, int]]] = collections.OrderedDict()
+        # session -> what it saw of it live (`Track`), the least recently active forgotten
+        # first: a resume learns from it whether events after its position left the window
+        # (`missed`), or, when the window holds nothing of the session, that events after its
+        # position were there (replay())
+        self.newest: collections.OrderedDict[str, Track] = collections.OrderedDict()
+        self.tracked: collections.deque[tuple[int, str]] = collections.deque()  # (seq, session) of every Track.recent entry
+        self.started = 0  # the stream's last sequence when the live consumer started: the hub saw none up to it
+        self.forgotten = 0  # the highest sequence of a session's events the hub forgot (NEWEST_MAX)
         self._sub: Any = None
         self._dirty: list[Subscription] = []
         self._flushing = False
 
     async def start(self) -> None:
         info = await self.js.stream_info(S.AEP_EVENTS)
-        self.position = info.state.last_seq
+        self.position = self.started = info.state.last_seq
         self.duplicate_window_s = float(info.config.duplicate_window or self.duplicate_window_s)
         cfg = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=self.position + 1)
         self._sub = await self.js.subscribe(STREAM_FILTER, stream=S.AEP_EVENTS, ordered_consumer=True, config=cfg,
@@ -278,13 +313,68 @@ class Hub:
             sub.offer(item, matched)
 
     def _note(self, item: Item) -> None:
-        newest, session = self.newest, item.session or ""
-        seen = newest.get(session)
-        pos = item.position if seen is None or item.position > seen[1] else seen[1]  # type: ignore[operator]
-        newest[session] = (item.seq, pos)  # type: ignore[assignment]
-        newest.move_to_end(session)
+        newest, session, pos = self.newest, item.session or "", item.position
+        track = newest.get(session)
+        if track is None:
+            track = newest[session] = Track()
+        else:
+            newest.move_to_end(session)
+        track.recent.append((item.seq, pos))  # type: ignore[arg-type]
+        if track.high is None or pos > track.high:  # type: ignore[operator]
+            track.high = pos
+        tracked = self.tracked
+        tracked.append((item.seq, session))
+        # let go of what is older than two windows (a replay's window start lags the live
+        # position by what arrived meanwhile), summed up per session
+        keep_from = item.seq - 2 * self.replay_buffer + 1
+        while tracked and (tracked[0][0] < keep_from or len(tracked) > TRACKED_MAX):
+            seq, name = tracked.popleft()
+            old = newest.get(name)
+            if old is not None and old.recent and old.recent[0][0] == seq:
+                old.let_go()
         if len(newest) > NEWEST_MAX:
-            newest.popitem(last=False)
+            _, gone = newest.popitem(last=False)
+            self.forgotten = max(self.forgotten, gone.newest[0])
+
+    def missed(self, session: str, after: tuple[int, int], begin: int, first: int) -> bool | None:
+        """Whether an event of ``session`` past ``after`` was stored before the window start
+        ``begin`` (has left the replay buffer), from what the hub saw live; None when it
+        cannot tell (it started, or forgot the session, after such events were stored)."""
+        track = self.newest.get(session)
+        known_from = max(self.started, self.forgotten) + 1  # the hub saw every event from here on
+        high = None
+        if track is not None:
+            for seq, pos in track.recent:
+                if seq >= begin:
+                    break
+                if high is None or pos > high:
+                    high = pos
+            if track.gone_high is not None:
+                if track.gone_seq < begin:
+                    high = track.gone_high if high is None or track.gone_high > high else high
+                elif track.gone_high > after:  # some of them may be in the window, some not
+                    return None
+        if high is not None and high > after:
+            return True
+        if high is not None or known_from <= first:
+            # (a session's positions grow along the stream: what the hub did not see of it
+            # came before what it saw, at lower positions)
+            return False
+        return None
+
+    async def _missed_in_stream(self, session: str, subject: str, after: tuple[int, int], begin: int, first: int) -> bool:
+        """`missed` from the stream: an event of ``session`` past ``after`` stored from
+        ``first`` to ``begin`` - 1 (read on the session's subjects up to the first one found)."""
+        found: list[bool] = []
+
+        def take(it: Item) -> bool:
+            if it.session == session and it.position is not None and it.position > after:
+                found.append(True)
+                return True
+            return False
+
+        await self._read(subject, first, begin - 1, take)
+        return bool(found)
 
     def add(self, sub: Subscription) -> None:
         sub.ready = self._ready
@@ -337,26 +427,35 @@ class Hub:
             if start:
                 # what the hub saw of each session before the window is read: all of it at
                 # most the window's last sequence (events after go to ``pending``)
-                seen = {p[0]: self.newest.get(p[0]) for p in start} if isinstance(start, list) else {}
+                seen = {p[0]: self.newest[p[0]].newest for p in start if p[0] in self.newest} if isinstance(start, list) else {}
                 begin, last, first = await self.window()
                 if covered_all:
                     await self._read(STREAM_FILTER, begin, last, lambda it: sub._put(it))
                 else:
                     for session, epoch, seq in start:  # type: ignore[union-attr]
                         covered.add(session)
-                        state = {"first": True}
+                        state: dict[str, Any] = {"first": True, "ask": None}
 
                         def take(it: Item, session: str = session, after: tuple[int, int] = (epoch, seq),
-                                 state: dict = state) -> None:
+                                 state: dict = state) -> bool:
                             if it.session != session:
-                                return
+                                return False
                             pos = it.position
                             if state["first"]:
                                 state["first"] = False
-                                if pos is not None and begin > 1 and pos > (after[0], after[1] + 1):
-                                    on_exhausted(Exhausted(session, pos[0], pos[1]))
+                                # Past the position + 1: a gap (the bridge's positions jump from
+                                # one raw message's events to the next), or something missed.
+                                # Missed only if an event past the position left the window.
+                                if pos is not None and pos > (after[0], after[1] + 1):
+                                    missed = self.missed(session, after, begin, first)
+                                    if missed is None and subject != STREAM_FILTER and begin > first:
+                                        state["ask"] = it  # the stream tells (below), then the read goes on
+                                        return True
+                                    if missed:
+                                        on_exhausted(Exhausted(session, pos[0], pos[1]))
                             if pos is None or pos > after:
                                 sub._put(it)
+                            return False
 
                         try:
                             # the unknown lane is filed under `_unknown` (session "unknown", lane
@@ -365,6 +464,12 @@ class Hub:
                         except ValueError:
                             subject = STREAM_FILTER
                         await self._read(subject, begin, last, take)
+                        held = state["ask"]
+                        if held is not None:
+                            if await self._missed_in_stream(session, subject, (epoch, seq), begin, first):
+                                on_exhausted(Exhausted(session, held.position[0], held.position[1]))
+                            sub._put(held)
+                            await self._read(subject, held.seq + 1, last, take)
                         if state["first"]:  # nothing of it held: did it have events after the position?
                             newest = await self._newest_before(session, subject, begin, first, seen.get(session))
                             if newest is not None and newest > (epoch, seq):
