@@ -15,6 +15,7 @@ import structlog
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from bridge.config import GATE_METRICS_PORT
+from bridge.core import deadletter
 from bridge.core.control import (
     DEFAULT_HOLD_MS,
     GATE_HOLD_HEADER,
@@ -22,6 +23,7 @@ from bridge.core.control import (
     OPEN,
     RELEASING,
     Card,
+    SessionInfo,
 )
 from bridge.core.envelope import EnvelopeError, decode_raw
 from bridge.core.lanes import event_lane_token
@@ -65,7 +67,8 @@ class Gate(Commands):
         hook = msg.subject.rsplit(".", 1)[-1]
         try:
             raw = decode_raw(msg.data)
-            subj.check_raw_instance(msg.subject, raw.instance)  # a forged instance: the mapper dead-letters it
+            # a forged instance: the mapper dead-letters it; one subject speaks for one instance
+            raw = msgspec.structs.replace(raw, instance=subj.check_raw_instance(msg.subject, raw.instance))
             record = record_from_raw(raw)
             await self.lanes.prefetch(record.envelope)
             raw_seq = msg.metadata.sequence.stream
@@ -77,6 +80,8 @@ class Gate(Commands):
             log.warning("raw_skipped", subject=msg.subject, reason=exc.reason)
             return
         source = result.events[0].source
+        if not result.unknown and await self.foreign_instance(msg, token, raw.instance or "", raw_seq):
+            return  # another instance's session: never its state (issue 44 item 3)
         if hook == "on_session_finalize":
             await self.finalize(token, result.lane, source, raw.instance or "", raw_seq)
             return
@@ -95,6 +100,26 @@ class Gate(Commands):
             except ValueError:
                 hold_ms = DEFAULT_HOLD_MS
             await self.open_card(token, result.lane, tool_event, raw.id, raw_seq, raw.ts, hold_ms, reply)
+
+    async def foreign_instance(self, msg: Any, token: str, instance: str, raw_seq: int) -> bool:
+        """Whether the raw message comes from another instance than the one the session
+        belongs to: the first instance the gate saw for it, recorded in ``sess.<token>`` of
+        aep_control. Such a message changes nothing (no finalize, no card, no record): it is
+        counted and dead-lettered (``bridge.dlq.instance_conflict``)."""
+        info, _ = await self.kv_get(self.kv, f"sess.{token}", SessionInfo)
+        if info is None or not info.instance or info.instance == instance:
+            return False
+        self.metrics.foreign.inc()
+        reason = "instance_conflict"
+        detail = f"session of instance {info.instance[:100]!r}, message from {instance[:100]!r}"
+        log.warning("foreign_instance", subject=msg.subject, raw_seq=raw_seq, owner=info.instance[:100],
+                    instance=instance[:100])
+        original = deadletter.Original(HERMES_RAW, raw_seq, msg.subject, msg.data, msg.headers)
+        letter = deadletter.build("gate", reason, reason, detail, original, self.config.policy)
+        with contextlib.suppress(Exception):  # counted and logged whatever happens to the letter
+            await self.js.publish(subj.dlq_subject(reason), letter.body,
+                                  headers={**letter.headers, "Nats-Msg-Id": f"dlq:{HERMES_RAW}:gate:{raw_seq}"})
+        return True
 
     async def handle_hello(self, msg: Any) -> None:
         if msg.reply and subj.requester_reply_ok(msg.reply):  # an inbox: never a stream or bucket subject
