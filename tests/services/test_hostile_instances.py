@@ -26,6 +26,7 @@ import pytest
 from bridge.commands.control import build_command, send_command
 from bridge.core import control as C
 from bridge.core.lanes import lane_token
+from bridge.nats.connection import ordered_subscribe
 from tests.support.nats_roles import (INBOX, USERS, configured_server, ensure_streams, role_settings, sample_nats_conf,
                                       values_nats_conf)
 from tests.support.services import Service, wait_for
@@ -52,8 +53,7 @@ async def read(url: str, role: str, stream: str, filt: str, settle: float = 0.5)
     nc = await nats.connect(url, user=user, password=password, inbox_prefix=INBOX[role])
     got: list[Any] = []
     try:
-        sub = await nc.jetstream().subscribe(filt, stream=stream, ordered_consumer=True,
-                                             deliver_policy=nats.js.api.DeliverPolicy.ALL)
+        sub = await ordered_subscribe(nc.jetstream(), filt, stream, deliver_policy=nats.js.api.DeliverPolicy.ALL)
         while True:
             try:
                 got.append(await sub.next_msg(timeout=settle))

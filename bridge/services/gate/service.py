@@ -135,8 +135,11 @@ class Gate(Commands):
             except Exception as exc:
                 self.health.set_ready(False, f"{what} fetch failed: {exc}")
                 log.warning("fetch_failed", what=what, error=f"{type(exc).__name__}: {exc}")
+                sub = await self.rebind(sub, what)
                 await self.stopper.sleep(1.0)
                 continue
+            if self.health.failed and self.health.failed.startswith(f"{what} consumer"):
+                self.health.failed = None
             self.health.set_ready(True)
             for msg in msgs:
                 try:
@@ -155,6 +158,44 @@ class Gate(Commands):
                     log.error("handle_given_up", what=what, subject=msg.subject, delivered=delivered)
                 with contextlib.suppress(Exception):
                     await msg.ack()
+
+    async def rebind(self, sub: Any, what: str) -> Any:
+        """After a failed fetch: when the durable is gone (deleted by hand, or by a role that
+        should not have been able to: issue 44), create it again and pull from the new one.
+        Until it is back the gate is neither ready nor healthy (/healthz 503: its supervisor
+        may restart it, which creates both durables too)."""
+        stream, durable = (HERMES_RAW, RAW_DURABLE) if what == "raw" else (AEP_EVENTS, COMMAND_DURABLE)
+        try:
+            await self.js.consumer_info(stream, durable)
+            return sub  # still there: another failure (an election, a lost server), waited out
+        except nats.js.errors.NotFoundError:
+            pass
+        except Exception:
+            return sub
+        self.metrics.recreated.labels(consumer=durable).inc()
+        self.health.failed = f"{what} consumer {durable} on {stream} is gone: recreating it"
+        log.error("consumer_gone", what=what, stream=stream, durable=durable)
+        try:
+            new = await (self.bind_raw() if what == "raw" else self.bind_commands())
+        except Exception as exc:
+            log.error("consumer_recreate_failed", durable=durable, error=f"{type(exc).__name__}: {exc}")
+            return sub
+        with contextlib.suppress(Exception):
+            await sub.unsubscribe()
+        log.warning("consumer_recreated", what=what, stream=stream, durable=durable)
+        return new
+
+    async def bind_raw(self) -> Any:
+        return await self.js.pull_subscribe("", durable=RAW_DURABLE, stream=HERMES_RAW, config=ConsumerConfig(
+            durable_name=RAW_DURABLE, description="aep-bridge gate: held calls and session boundaries",
+            deliver_policy=DeliverPolicy.NEW, ack_policy=AckPolicy.EXPLICIT, ack_wait=30.0,
+            filter_subjects=[subj.raw_filter(hook=h) for h in RAW_HOOKS]))
+
+    async def bind_commands(self) -> Any:
+        return await self.js.pull_subscribe("", durable=COMMAND_DURABLE, stream=AEP_EVENTS, config=ConsumerConfig(
+            durable_name=COMMAND_DURABLE, description="aep-bridge gate: control commands",
+            deliver_policy=DeliverPolicy.NEW, ack_policy=AckPolicy.EXPLICIT, ack_wait=30.0,
+            filter_subjects=list(subj.COMMAND_FILTERS)))
 
     async def sweep_loop(self) -> None:
         while not self.stopper.stopping:
@@ -176,14 +217,8 @@ class Gate(Commands):
         self.lanes = KvLanes(await self.js.key_value(LANES_BUCKET))
         info = await self.js.stream_info(HERMES_RAW)
         self.epoch = epoch_of(info.created)  # the mapper's rule: the session's events share one epoch
-        raw = await self.js.pull_subscribe("", durable=RAW_DURABLE, stream=HERMES_RAW, config=ConsumerConfig(
-            durable_name=RAW_DURABLE, description="aep-bridge gate: held calls and session boundaries",
-            deliver_policy=DeliverPolicy.NEW, ack_policy=AckPolicy.EXPLICIT, ack_wait=30.0,
-            filter_subjects=[subj.raw_filter(hook=h) for h in RAW_HOOKS]))
-        commands = await self.js.pull_subscribe("", durable=COMMAND_DURABLE, stream=AEP_EVENTS, config=ConsumerConfig(
-            durable_name=COMMAND_DURABLE, description="aep-bridge gate: control commands",
-            deliver_policy=DeliverPolicy.NEW, ack_policy=AckPolicy.EXPLICIT, ack_wait=30.0,
-            filter_subjects=list(subj.COMMAND_FILTERS)))
+        raw = await self.bind_raw()
+        commands = await self.bind_commands()
         await self.nc.subscribe(subj.HELLO_SUBJECT, queue=QUEUE_GROUP, cb=self.handle_hello)
         await self.nc.subscribe(subj.instruct_filter(), queue=QUEUE_GROUP, cb=self.handle_pull)
         await self.load_cards()
