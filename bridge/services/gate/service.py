@@ -107,7 +107,8 @@ class Gate(Commands):
         aep_control. Such a message changes nothing (no finalize, no card, no record): it is
         counted and dead-lettered (``bridge.dlq.instance_conflict``)."""
         info, _ = await self.kv_get(self.kv, f"sess.{token}", SessionInfo)
-        if info is None or not info.instance or info.instance == instance:
+        # compared as subject tokens: a record written before names became their token (6c) still matches
+        if info is None or not info.instance or subj.token(info.instance) == subj.token(instance):
             return False
         self.metrics.foreign.inc()
         reason = "instance_conflict"
