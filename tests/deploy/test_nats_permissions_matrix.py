@@ -304,6 +304,11 @@ def test_the_gate_recreates_a_durable_that_disappears(tmp_path: Path) -> None:
             wait_for(lambda: "consumer_gone" in gate.log(), 15, what=f"the gate to notice:\n{gate.log()}")
             wait_for(lambda: asyncio.run(admin("exists")), 15, what=f"gate-commands back:\n{gate.log()}")
             assert 'aep_bridge_gate_consumers_recreated_total{consumer="gate-commands"} 1.0' in gate.metrics_text()
+            # healthy again, and ready, on a quiet stream (no message needed to say so)
+            from tests.support.services import http_json
+            port = gate.metrics_port()
+            wait_for(lambda: http_json(f"http://127.0.0.1:{port}/healthz")[0] == 200
+                     and http_json(f"http://127.0.0.1:{port}/readyz")[0] == 200, 10, what="/healthz and /readyz 200")
             # a command reaches it again (an unknown session: rejected, but answered)
             kind, _ = asyncio.run(send_command(role_settings(url, "operator"),
                                                build_command(C.INSTRUCT, "s-none", {"text": "x"}, sender="op"),

@@ -139,8 +139,6 @@ class Gate(Commands):
                 sub = await self.rebind(sub, what)
                 await self.stopper.sleep(1.0)
                 continue
-            if self.health.failed and self.health.failed.startswith(f"{what} consumer"):
-                self.health.failed = None
             self.health.set_ready(True)
             for msg in msgs:
                 try:
@@ -183,6 +181,8 @@ class Gate(Commands):
             return sub
         with contextlib.suppress(Exception):
             await sub.unsubscribe()
+        if self.health.failed and self.health.failed.startswith(f"{what} consumer"):
+            self.health.failed = None  # healthy again (ready again with its next fetch)
         log.warning("consumer_recreated", what=what, stream=stream, durable=durable)
         return new
 
