@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import nats.js.errors
+
 from bridge.config import Settings, read_env_file
 from bridge.hermes.install import (ENV_FILENAME, SHIM_SETTINGS, InstallError, Manifest, check_gate_timeout, hold_ms_of,
                                    is_approved, load_config_yaml, pyc_is_current, read_allowlist,
@@ -140,10 +142,14 @@ def _nats_checks(home: Path, timeout: float) -> list[Check]:
         try:
             checks.append(Check(True, f"NATS answers at {nc.connected_url.netloc if nc.connected_url else '?'}"))
             try:
-                info = await nc.jetstream().stream_info(S.HERMES_RAW)
+                info = await nc.jetstream(timeout=max(timeout, 1.0)).stream_info(S.HERMES_RAW)
                 checks.append(Check(True, f"{S.HERMES_RAW} exists ({info.state.messages} messages)"))
-            except Exception as exc:
+            except nats.js.errors.NotFoundError as exc:
                 checks.append(Check(False, f"{S.HERMES_RAW} missing ({exc}): run `aep-bridge bootstrap`"))
+            except Exception as exc:  # no answer: a shim's user may only publish (deploy/nats/nats.conf, `up`'s aep-shim)
+                checks.append(Check(False, f"{S.HERMES_RAW} not visible to this user ({exc}): a shim's own user may only "
+                                    "publish, which the shim does; events it could not publish wait in the spool (below)",
+                                    warning=True))
         finally:
             await nc.close()
 

@@ -322,3 +322,33 @@ async def connect_service(settings: Settings | None = None, *, name: str | None 
         nc.options["max_reconnect_attempts"] = -1
         nc.options["reconnect_time_wait"] = overrides.get("reconnect_time_wait", RECONNECT_TIME_WAIT_S)
         return nc
+
+
+async def ordered_subscribe(js: Any, subject: str, stream: str, *, config: Any = None, **kwargs: Any) -> Any:
+    """nats-py's ordered consumer (push, AckNone, flow control), created by NAME (issue 44).
+
+    A reader of AEP_EVENTS may create consumers only through
+    ``$JS.API.CONSUMER.CREATE.<stream>.<name>[.<filter>]``, never the nameless
+    ``$JS.API.CONSUMER.CREATE.<stream>``: a request on that subject may name an existing
+    durable in its body, and nats-server then updates that durable (its filter, limits,
+    inactivity threshold) whoever sent it, past any permission on names. nats-py's ordered
+    consumer takes the nameless subject unless its config has a name, and when it re-creates
+    its consumer (a gap, missed heartbeats) it sends the same config again, which the server
+    refuses for a name that exists with another start. So this gives it a fresh random name
+    (a NUID, as nats.go's ordered consumers use) at creation and at every re-creation."""
+    from nats.js.api import ConsumerConfig
+    from nats.nuid import NUID
+
+    nuid = NUID()
+    config = config or ConsumerConfig()
+    config.name = nuid.next().decode()
+    sub = await js.subscribe(subject, stream=stream, ordered_consumer=True, config=config, **kwargs)
+    jsi = sub._sub._jsi
+    recreate = jsi.recreate_consumer
+
+    async def renamed() -> None:
+        jsi._ccreq.name = nuid.next().decode()
+        await recreate()
+
+    jsi.recreate_consumer = renamed
+    return sub

@@ -91,19 +91,25 @@ def raw_tokens(subject: str) -> tuple[str, str] | None:
     return parts[2], parts[3]
 
 
-def check_raw_instance(subject: str, instance: str) -> None:
+def check_raw_instance(subject: str, instance: str) -> str:
     """The body's instance is the one the server authorised: the subject's instance token (a
     per-instance NATS user may publish only on ``hermes.raw.<its instance>.>``). A body
     naming another instance is a forgery (or a misconfigured shim):
     ``EnvelopeError('instance_mismatch')``; a subject that is no raw subject ``bad_raw``.
     Compared as the shim's token of the body's instance, so names that are not plain still
-    match their own subject."""
+    match their own subject.
+
+    Returns the instance the message speaks for: the subject's token. Several names share a
+    token (``gw.1``, ``gw 1``, ``gw/1`` and ``gw_1`` are all ``gw_1``), so the name in the
+    body is not used as the identity: one subject, one instance (issue 44 item 6c). A name
+    that is already subject-safe (``[A-Za-z0-9_-]``, as pod names are) is its own token."""
     tokens = raw_tokens(subject)
     if tokens is None:
         raise EnvelopeError("bad_raw", "not published on hermes.raw.<instance>.<hook>")
     if token(instance) != tokens[0]:
         raise EnvelopeError("instance_mismatch", f"the body names instance token {token(instance)!r}, "
                                                  f"the subject {tokens[0]!r}")
+    return tokens[0]
 
 
 def mapped_subject(partition: int, lane_tok: str) -> str:

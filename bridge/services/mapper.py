@@ -390,6 +390,8 @@ class Mapper:
                 if len(self._instances) >= 4096:
                     self._instances.clear()
                 self._instances[msg.subject] = raw.instance
+            if raw.instance != (canonical := msg.subject.split(".", 3)[2]):  # one subject, one instance
+                raw = msgspec.structs.replace(raw, instance=canonical)
             if raw.ts and self.is_late(msg, raw.ts) and await self.stored_before(msg, raw.id, raw.ts):
                 self.metrics.resends.inc()
                 log.info("resend_dropped", raw_seq=raw_seq, raw_id=raw.id)

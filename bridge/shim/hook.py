@@ -831,6 +831,25 @@ def _unquote(s):
     return out.decode("utf-8", "replace")
 
 
+URL_MASK = "*****"  # what `aep-bridge config` shows for a secret (bridge.config.MASK)
+
+
+def masked_url(server):
+    """A server URL as printed in an error: a password (``user:*****@``) or a token
+    (``*****@``) masked, as `aep-bridge config` shows it. Hermes logs a hook's stderr, so no
+    message may carry the credential. Only on error paths: the hot path never calls it."""
+    scheme, sep, rest = server.partition("://")
+    if not sep:
+        scheme, rest = "", server
+    slash = rest.find("/")
+    at = (rest if slash < 0 else rest[:slash]).rfind("@")
+    if at < 0:
+        return server
+    info = rest[:at]
+    shown = info.split(":", 1)[0] + ":" + URL_MASK if ":" in info else URL_MASK
+    return scheme + sep + shown + rest[at:]
+
+
 def parse_server_url(url):
     """``[scheme://][user[:pass]@]host[:port]`` -> (scheme, host, port, user, password, token).
     A user without a password is a token (``nats://token@host``)."""
@@ -900,7 +919,7 @@ class NatsConnection:
         tls = scheme == "tls" or bool(cfg.tls_ca)
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            raise NatsError("deadline passed before connecting to %s" % server)
+            raise NatsError("deadline passed before connecting to %s" % masked_url(server))
         answer = deadline if answer_by is None or answer_by > deadline else answer_by
         started = time.monotonic()
         sock = None
@@ -922,7 +941,7 @@ class NatsConnection:
                 sock.close()
                 sock = None
         if sock is None:
-            raise NatsError("cannot connect to %s: %s" % (server, err))
+            raise NatsError("cannot connect to %s: %s" % (masked_url(server), err))
         try:
             try:
                 sock.setsockopt(_socket.IPPROTO_TCP, _socket.TCP_NODELAY, 1)
@@ -932,9 +951,9 @@ class NatsConnection:
             try:
                 line = conn._read_line(answer)
             except TimeoutError:
-                raise NatsError("%s sent no INFO within %d ms" % (server, (answer - started) * 1000)) from None
+                raise NatsError("%s sent no INFO within %d ms" % (masked_url(server), (answer - started) * 1000)) from None
             if not line.startswith(b"INFO "):
-                raise NatsError("%s: expected INFO, got %r" % (server, line[:80]))
+                raise NatsError("%s: expected INFO, got %r" % (masked_url(server), line[:80]))
             info = loads(line[5:].decode("utf-8"))
             conn.info = info
             conn.max_payload = int(info.get("max_payload") or DEFAULT_MAX_PAYLOAD)
@@ -943,7 +962,7 @@ class NatsConnection:
             if tls:
                 conn.sock = _wrap_tls(sock, host, cfg, answer)
             if info.get("headers") is False:
-                raise NatsError("%s does not support headers (needs nats-server >= 2.2)" % server)
+                raise NatsError("%s does not support headers (needs nats-server >= 2.2)" % masked_url(server))
             opts = {
                 "verbose": False, "pedantic": False, "tls_required": tls, "name": "aep-bridge-hook",
                 "lang": "python-stdlib", "version": VERSION, "protocol": 1, "headers": True,
@@ -975,7 +994,7 @@ class NatsConnection:
         self.sock.settimeout(remaining)
         data = self.sock.recv(65536)
         if not data:
-            raise NatsError("%s closed the connection" % self.server)
+            raise NatsError("%s closed the connection" % masked_url(self.server))
         self.buf += data
 
     def _read_line(self, deadline):
@@ -1014,7 +1033,7 @@ class NatsConnection:
             elif line == b"PONG":
                 return None
             elif line.startswith(b"-ERR"):
-                raise NatsError("%s: %s" % (self.server, line[5:].decode("utf-8", "replace").strip(" '")))
+                raise NatsError("%s: %s" % (masked_url(self.server), line[5:].decode("utf-8", "replace").strip(" '")))
 
     def send(self, data, deadline, least=0.001):
         """Write ``data``, allowing until ``deadline`` (at least ``least`` seconds). OSError when it cannot."""
@@ -1257,7 +1276,7 @@ def publish_one(cfg, record, deadline, errors):
             if got:
                 acked(cfg, conn)
                 return got[0]
-            errors.append(str(conn.error or "no ack from %s before the deadline" % conn.server))
+            errors.append(str(conn.error or "no ack from %s before the deadline" % masked_url(conn.server)))
         finally:
             conn.close()
     left_unacked(cfg, order)

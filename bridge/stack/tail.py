@@ -20,6 +20,7 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 from bridge.core.lanes import UNKNOWN, UNKNOWN_TOKEN, lane_token
 from bridge.nats import streams as S
 from bridge.nats import subjects as subj
+from bridge.nats.connection import ordered_subscribe
 
 _COLORS = [32, 34, 35, 36, 33, 92, 94, 95, 96, 93]
 _RESET = "\x1b[0m"
@@ -142,7 +143,7 @@ async def tail(
     js = nc.jetstream()
     # `--session unknown` follows the unknown lane (as documented), not a session named so.
     subject = subj.events_filter((UNKNOWN_TOKEN if session == UNKNOWN else lane_token(session)) if session else None)
-    kwargs: dict[str, Any] = {"ordered_consumer": True}
+    kwargs: dict[str, Any] = {}
     if since is not None:
         kwargs["config"] = _start_time_config(since)
     elif all_events:
@@ -154,7 +155,7 @@ async def tail(
     async def cb(msg: Any) -> None:
         await queue.put(msg.data)
 
-    sub = await js.subscribe(subject, cb=cb, stream=S.AEP_EVENTS, **kwargs)
+    sub = await ordered_subscribe(js, subject, S.AEP_EVENTS, cb=cb, **kwargs)  # by name: aep-consumer's right
     fmt = Formatter(color, out)
     seen = 0
     last = time.monotonic()

@@ -18,11 +18,15 @@ Exposure (issue 13, finding 17): everything listens on loopback only (the embedd
 with ``-a 127.0.0.1``, the workers' HTTP ports via ``AEP_BRIDGE_METRICS_HOST=127.0.0.1``;
 the embedded server has no monitoring port), and the embedded server requires a user
 ``aep-local`` with a password generated at each start (its config file and ``up.json`` are
-mode 0600 in a 0700 state directory). The banner prints every command (shim settings,
-`tail`, `demo`, `control`) with that credential, so each works pasted into any shell;
-``up.json`` records it (``shim_env``), and ``demo``, ``tail`` and ``control``
-read it from there, so any other local user can neither read HERMES_RAW, delete streams nor
-answer held calls. With ``--nats URL`` the server and its credentials are the caller's
+mode 0600 in a 0700 state directory). The banner prints every command (`tail`, `demo`,
+`control`) with that credential, so each works pasted into any shell; ``up.json`` records it
+(``client_env``), and ``demo``, ``tail`` and ``control`` read it from there, so any other
+local user can neither read HERMES_RAW, delete streams nor answer held calls. The shims get
+users of their own (issue 44 item 4: ``aep-shim``, with ``--gate`` ``aep-shim-control``; the
+rights of deploy/nats/nats.conf's ``hermes-shim`` and ``hermes-shim-control``), in the
+banner's "wire Hermes" line and up.json's ``shim_env`` (``control.shim_env``): an agent that
+reads its shim's settings can publish raw events, not answer its own held call nor read
+HERMES_RAW or the cards. With ``--nats URL`` the server and its credentials are the caller's
 (``AEP_BRIDGE_NATS_*`` from the environment).
 `--export URL` (repeatable: kafka://HOST:PORT/TOPIC, otlp+http://HOST:PORT/v1/logs)
 adds a supervised `aep-bridge exporter` with those sinks (bridge/services/exporter/).
@@ -72,6 +76,14 @@ from bridge.stack.server import EmbeddedCluster, EmbeddedNats, free_port, jetstr
 from bridge.stack.tail import tail
 
 LOCAL_USER = "aep-local"
+# The shims' users (issue 44 item 4): what deploy/nats/nats.conf grants hermes-shim (observe-only)
+# and hermes-shim-control (--gate), never LOCAL_USER's every right: with it, an agent whose tools
+# run as the shim's user could approve its own held call or read HERMES_RAW and the cards.
+SHIM_USER = "aep-shim"
+SHIM_CONTROL_USER = "aep-shim-control"
+SHIM_PERMISSIONS = {"publish": {"allow": ["hermes.raw.>"]}, "subscribe": {"allow": ["_INBOX.hermes.>"]}}
+SHIM_CONTROL_PERMISSIONS = {"publish": {"allow": ["hermes.raw.>", "aep.gate.instruct.*"]},
+                            "subscribe": {"allow": ["_INBOX.hermes.>"]}, "allow_responses": True}
 CLUSTER_REPLICAS = 3  # `--cluster`: every stream, bucket and object store at R3
 CLUSTER_READY_S = 30.0  # how long bootstrap retries while a new cluster elects its JetStream leader
 RELAY_PORT = 8787
@@ -106,9 +118,10 @@ def state_file(state_dir: Path) -> Path:
 
 def apply_up_credentials(settings: Settings, state: dict[str, Any] | None, environ: dict[str, str] | None = None) -> Settings:
     """When ``settings`` point at the running `aep-bridge up`'s server and the environment names
-    no credentials of its own, use the ones `up` generated (up.json ``shim_env``)."""
+    no credentials of its own, use the ones `up` generated for the operator's commands
+    (up.json ``client_env``; ``shim_env`` is the shims' user, with the shim's rights only)."""
     env = os.environ if environ is None else environ
-    shim_env = (state or {}).get("shim_env") or {}
+    shim_env = (state or {}).get("client_env") or {}
     if not shim_env.get("AEP_BRIDGE_NATS_USER") or any(env.get(k) for k in CREDENTIAL_KEYS):
         return settings
     if settings.nats_url != state.get("nats_url"):  # type: ignore[union-attr]
@@ -224,6 +237,7 @@ class Up:
         self.stop_event: asyncio.Event | None = None
         self.refused: Worker | None = None  # a worker that exited 2: restarting cannot help
         self.password: str | None = None  # of LOCAL_USER on the embedded server (generated at start)
+        self.shim_passwords: dict[str, str] = {}  # SHIM_USER's and SHIM_CONTROL_USER's (generated at start)
 
     def say(self, text: str) -> None:
         print(text, file=self.out, flush=True)
@@ -242,8 +256,14 @@ class Up:
         (self.state_dir / "logs").mkdir(parents=True, exist_ok=True)
         # A credential of this run: only whoever can read the 0600 files below may connect.
         self.password = secrets.token_urlsafe(24)
-        auth = ("# written by `aep-bridge up` at each start: the local user and its generated password\n"
-                f"authorization {{ user: {json.dumps(LOCAL_USER)}, password: {json.dumps(self.password)} }}\n")
+        self.shim_passwords = {SHIM_USER: secrets.token_urlsafe(24), SHIM_CONTROL_USER: secrets.token_urlsafe(24)}
+        users = [{"user": LOCAL_USER, "password": self.password},
+                 {"user": SHIM_USER, "password": self.shim_passwords[SHIM_USER], "permissions": SHIM_PERMISSIONS},
+                 {"user": SHIM_CONTROL_USER, "password": self.shim_passwords[SHIM_CONTROL_USER],
+                  "permissions": SHIM_CONTROL_PERMISSIONS}]
+        auth = ("# written by `aep-bridge up` at each start: the local user (every right: the operator's\n"
+                "# commands and the workers) and the shims' users, with generated passwords\n"
+                f"authorization {{ users: {json.dumps(users)} }}\n")
         if self.cluster:
             return self.start_cluster(port, auth)
         conf = self.state_dir / "nats-auth.conf"
@@ -314,10 +334,22 @@ class Up:
         return s
 
     def credential_env(self) -> dict[str, str]:
-        """The NATS settings a client of this `up` needs (the shim's included)."""
+        """The NATS settings the operator's commands (tail, demo, control) and the workers use:
+        LOCAL_USER, every right. Never handed to a shim (``shim_credential_env``)."""
         env = {"AEP_BRIDGE_NATS_URL": self.url}
         if self.password is not None:
             env.update(AEP_BRIDGE_NATS_USER=LOCAL_USER, AEP_BRIDGE_NATS_PASSWORD=self.password)
+        return env
+
+    def shim_credential_env(self, control: bool = False) -> dict[str, str]:
+        """The NATS settings a shim of this `up` gets: its own user, with the shim's rights only
+        (publish its raw subjects, hear its inbox; ``control``: also the instruction pull and
+        its answers to the gate's requests). With ``--nats URL`` the credentials are the
+        caller's, as for every client."""
+        env = {"AEP_BRIDGE_NATS_URL": self.url}
+        if self.password is not None:
+            user = SHIM_CONTROL_USER if control else SHIM_USER
+            env.update(AEP_BRIDGE_NATS_USER=user, AEP_BRIDGE_NATS_PASSWORD=self.shim_passwords[user])
         return env
 
     def _env(self) -> dict[str, str]:
@@ -353,7 +385,7 @@ class Up:
         hold = os.environ.get("AEP_HERMES_HOLD_MS") or str(DEFAULT_HOLD_MS)
         return {
             "accepts": accepted_verbs(on["AEP_HERMES_CONTROL"], on["AEP_INSTRUCT"]),
-            "shim_env": {**self.credential_env(), "AEP_HERMES_CONTROL": "1", "AEP_HERMES_HOLD_MS": hold,
+            "shim_env": {**self.shim_credential_env(control=True), "AEP_HERMES_CONTROL": "1", "AEP_HERMES_HOLD_MS": hold,
                          "AEP_INSTRUCT": "1"},
         }
 
@@ -422,8 +454,10 @@ class Up:
             "embedded": self.server is not None,
             "metrics": metrics,
             "workers": {w.name: (w.proc.pid if w.proc else None) for w in self.workers},
-            # what a shim (and demo, tail, control) needs to connect: the generated credential
-            "shim_env": self.credential_env(),
+            # what demo, tail and control need to connect: the generated credential, every right
+            "client_env": self.credential_env(),
+            # what a shim needs: its own user, with the shim's rights only (issue 44 item 4)
+            "shim_env": self.shim_credential_env(),
             # the AEP door: SDKs, dashboards and `curl -H "Authorization: Bearer <token>"`
             "relay": {"url": self.relay_url, "token": self.relay_token},
         }
@@ -448,6 +482,7 @@ class Up:
         command = build_command(sys.executable, compiled, Path("~/.hermes/aep-bridge.env"))
         settings = " ".join(f"{k}={v}" for k, v in self.credential_env().items())
         cli = cli_command()  # full path: the commands work pasted into a fresh shell
+        shim_settings = " ".join(f"{k}={v}" for k, v in self.shim_credential_env().items())
         self.say("")
         self.say("  NATS           " + self.url + ("   (loopback only)" if self.server is not None else ""))
         if isinstance(self.server, EmbeddedCluster):
@@ -472,7 +507,10 @@ class Up:
         # shell (also one that cannot find up.json, e.g. after --state-dir, another XDG_STATE_HOME).
         self.say(f"  watch          {settings} {cli} tail   (--json: one event a line as JSON)")
         self.say(f"  replay a demo  {settings} {cli} demo")
-        self.say(f"  wire Hermes    {settings} {cli} hermes install")
+        self.say(f"  wire Hermes    {shim_settings} {cli} hermes install")
+        if self.password is not None:
+            self.say(f"                 (user {SHIM_USER}: the shim's rights only, publish its raw events; "
+                     f"user {LOCAL_USER} stays for your own commands)")
         self.say("                 (writes hooks like this into ~/.hermes/config.yaml and records consent:)")
         self.say("                   hooks:")
         self.say("                     pre_tool_call:")

@@ -45,8 +45,10 @@ import pytest
 
 import nats
 from nats.errors import TimeoutError as NatsTimeout
+from nats.js.api import DeliverPolicy
 
 from bridge.nats.bootstrap import bootstrap as bridge_bootstrap
+from bridge.nats.connection import ordered_subscribe
 from bridge.nats.streams import mapper_consumer_config
 from bridge.services.gate import Gate, GateConfig
 from bridge.services.pairing import Partition, PairingService
@@ -257,16 +259,19 @@ async def scenario(url: str, kind: str) -> None:
     finally:
         await c.close()
 
-    # --- consumers of AEP_EVENTS (SIEM, tail): read and ack AEP_EVENTS only.
+    # --- consumers of AEP_EVENTS (SIEM, tail): read AEP_EVENTS only, with ordered consumers
+    # created by name (issue 44: no durable, pull or ack that could be another role's).
     c = await Client.connect(url, "consumer")
     try:
-        sub = await c.js.pull_subscribe("aep.hermes.>", durable="siem", stream="AEP_EVENTS")
-        (msg,) = await sub.fetch(1, timeout=2)
-        assert msg.subject == "aep.hermes.s1.session.started"
-        await msg.ack_sync()
-        tail = await c.js.subscribe("aep.hermes.>", ordered_consumer=True)
+        tail = await ordered_subscribe(c.js, "aep.hermes.>", "AEP_EVENTS", deliver_policy=DeliverPolicy.ALL)
         assert (await tail.next_msg(timeout=2)).subject == "aep.hermes.s1.session.started"
         await tail.unsubscribe()
+        # the nameless create (its body may name any durable), a durable, a pull, an ack
+        await expect_api_refused(c, c.js.subscribe("aep.hermes.>", ordered_consumer=True),
+                                 '"$js.api.consumer.create.aep_events"')
+        await expect_api_refused(c, c.js.pull_subscribe("aep.hermes.>", durable="siem", stream="AEP_EVENTS"),
+                                 "AEP_EVENTS.siem")
+        await expect_publish_refused(c, "$JS.ACK.AEP_EVENTS.siem.1.1.1.1.0")
         await expect_publish_refused(c, "aep.hermes.s1.session.ended")  # no forged events
         await expect_api_refused(
             c, c.js.pull_subscribe("hermes.raw.>", durable="peek", stream="HERMES_RAW"), "HERMES_RAW",
@@ -470,6 +475,32 @@ def _allowed(text: str, direction: str) -> frozenset[str]:
     """The quoted subjects of `<direction>: { allow: [...] }` in a piece of nats.conf."""
     match = re.search(direction + r":\s*\{\s*allow:\s*\[(.*?)\]", text, flags=re.S)
     return frozenset(re.findall(r'"([^"]+)"', match.group(1))) if match else frozenset()
+
+
+def sample_denies() -> dict[str, frozenset[str]]:
+    """{user: publish deny} of deploy/nats/nats.conf (the only deny lists are on publish)."""
+    text = re.sub(r"#[^\n]*", "", SAMPLE_CONF.read_text())
+    named = dict(re.findall(r"^(\w+_PERMISSIONS) = \{(.*?)^\}", text, flags=re.M | re.S))
+    out = {}
+    for entry in re.split(r"(?=\buser:)", text[text.index("accounts {"):])[1:]:
+        user = re.match(r"user: ([\w-]+)", entry).group(1)
+        ref = re.search(r"permissions: \$(\w+)", entry)
+        body = named[ref.group(1)] if ref else entry
+        match = re.search(r"deny:\s*\[(.*?)\]", body, flags=re.S)
+        out[user] = frozenset(re.findall(r'"([^"]+)"', match.group(1))) if match else frozenset()
+    return out
+
+
+def values_denies() -> dict[str, frozenset[str]]:
+    (account,) = values_merge()["accounts"].values()
+    return {u["user"]: frozenset(u["permissions"]["publish"].get("deny") or ()) for u in account["users"]}
+
+
+def test_sample_and_values_deny_the_same() -> None:
+    """The deny lists (other roles' durables, issue 44) are the same in both configurations."""
+    sample, values = sample_denies(), values_denies()
+    assert sample == {**values, "hermes-gateway-0": frozenset()}
+    assert {u for u, d in sample.items() if d} == {"aep-mapper", "aep-consumer", "aep-exporter", "aep-relay"}
 
 
 def sample_users() -> dict[str, tuple[str, frozenset[str], frozenset[str], bool]]:

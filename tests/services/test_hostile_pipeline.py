@@ -321,6 +321,7 @@ def test_a_gateway_user_cannot_post_as_another_instance(tmp_path):
     """The sample deploy/nats/nats.conf users: the shim as hermes-gateway-0, the mapper as
     aep-mapper, pairing as aep-pairing, the reader as aep-consumer."""
     from tests.support.nats_roles import INBOX, USERS, configured_server, ensure_streams, sample_nats_conf
+    from bridge.nats.connection import ordered_subscribe
 
     import nats
 
@@ -352,8 +353,8 @@ def test_a_gateway_user_cannot_post_as_another_instance(tmp_path):
                 nc = await nats.connect(url, user=user, password=password, inbox_prefix=INBOX[role])
                 got: list[Any] = []
                 try:
-                    sub = await nc.jetstream().subscribe(filt, stream=stream, ordered_consumer=True,
-                                                         deliver_policy=nats.js.api.DeliverPolicy.ALL)
+                    sub = await ordered_subscribe(nc.jetstream(), filt, stream,  # by name: the reader's right
+                                                  deliver_policy=nats.js.api.DeliverPolicy.ALL)
                     deadline = time.monotonic() + 45
                     while time.monotonic() < deadline and len(got) < want:
                         try:

@@ -113,10 +113,13 @@ def test_up_gate_runs_the_control_plane_and_stops_it_with_the_rest(tmp_path):
         assert set(info["workers"]) == {"mapper", "pairing", "gate", "relay"}
         assert info["metrics"]["gate"] == f"http://127.0.0.1:{gate_port}/metrics"
         accepts = ["control.attention.respond", "x.hermes.control.instruct"]
-        # the shim settings carry up's generated NATS credential (finding 17 of issue 13)
+        # the shim settings carry up's generated NATS credential (finding 17 of issue 13), of the
+        # control shim's user, not the operator's (issue 44 item 4)
+        control_shim = info["control"]["shim_env"]
         assert info["control"] == {"accepts": accepts, "shim_env": {
-            **info["shim_env"], "AEP_HERMES_CONTROL": "1", "AEP_HERMES_HOLD_MS": "55000", "AEP_INSTRUCT": "1"}}
-        assert info["shim_env"]["AEP_BRIDGE_NATS_URL"] == url and info["shim_env"]["AEP_BRIDGE_NATS_PASSWORD"]
+            **control_shim, "AEP_HERMES_CONTROL": "1", "AEP_HERMES_HOLD_MS": "55000", "AEP_INSTRUCT": "1"}}
+        assert control_shim["AEP_BRIDGE_NATS_USER"] == "aep-shim-control" != info["client_env"]["AEP_BRIDGE_NATS_USER"]
+        assert control_shim["AEP_BRIDGE_NATS_URL"] == url and control_shim["AEP_BRIDGE_NATS_PASSWORD"]
         wait_for(lambda: http_get(f"http://127.0.0.1:{gate_port}/readyz")[0] == 200, 30, what="the gate's /readyz")
         status, health = http_get(f"http://127.0.0.1:{gate_port}/healthz")
         assert status == 200 and health["service"] == "gate" and health["control"]["accepts"] == accepts
@@ -124,7 +127,8 @@ def test_up_gate_runs_the_control_plane_and_stops_it_with_the_rest(tmp_path):
         wait_for(lambda: "Ctrl-C" in (tmp / "up.out").read_text(), 30, what="the banner")
         banner = (tmp / "up.out").read_text()
         assert f"http://127.0.0.1:{gate_port}/metrics" in banner
-        nats = " ".join(f"{k}={v}" for k, v in info["shim_env"].items())
+        nats = " ".join(f"{k}={v}" for k in ("AEP_BRIDGE_NATS_URL", "AEP_BRIDGE_NATS_USER", "AEP_BRIDGE_NATS_PASSWORD")
+                        for v in [control_shim[k]])
         exe = Path(sys.executable).parent / "aep-bridge"  # a full path: works without the venv on PATH
         assert (f"{nats} AEP_HERMES_CONTROL=1 AEP_HERMES_HOLD_MS=55000 AEP_INSTRUCT=1 "
                 f"{exe} hermes install") in banner
@@ -215,8 +219,8 @@ def test_every_command_the_gate_banner_prints_works_when_pasted_into_a_clean_she
             from nats.js.api import DeliverPolicy
 
             async def count() -> int:
-                nc = await nats.connect(info["nats_url"], user=info["shim_env"]["AEP_BRIDGE_NATS_USER"],
-                                        password=info["shim_env"]["AEP_BRIDGE_NATS_PASSWORD"])
+                nc = await nats.connect(info["nats_url"], user=info["client_env"]["AEP_BRIDGE_NATS_USER"],
+                                        password=info["client_env"]["AEP_BRIDGE_NATS_PASSWORD"])
                 try:
                     found = await nc.jetstream().consumers_info("AEP_EVENTS")
                     return sum(1 for c in found if c.config.deliver_policy == DeliverPolicy.NEW)

@@ -34,7 +34,7 @@ def stream_names() -> list[str]:
 async def _stream_infos(info: dict, names: list[str]) -> dict[str, dict]:
     import nats
 
-    shim = info["shim_env"]
+    shim = info["client_env"]  # every right (the shims' user reads no stream)
     nc = await nats.connect(servers=info["nats_url"].split(","), user=shim["AEP_BRIDGE_NATS_USER"],
                             password=shim["AEP_BRIDGE_NATS_PASSWORD"], connect_timeout=2, max_reconnect_attempts=2)
     try:

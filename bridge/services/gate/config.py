@@ -59,6 +59,10 @@ class GateMetrics:
                                 ["type", "ack"], registry=registry)
         self.cards = Counter(f"{ns}_cards_total", "Held calls by how they ended", ["state"], registry=registry)
         self.open = Gauge(f"{ns}_open_cards", "Held calls open now", registry=registry)
+        self.foreign = Counter(f"{ns}_foreign_instance_total", "Raw messages naming a session of another instance "
+                               "(ignored, dead-lettered as instance_conflict)", registry=registry)
+        self.recreated = Counter(f"{ns}_consumers_recreated_total", "Durables found gone and created again",
+                                 ["consumer"], registry=registry)
         self.instructions = Counter(f"{ns}_instructions_total", "Instructions queued, delivered, dropped", ["event"], registry=registry)
         # A command's type comes from the wire: the known ones by name, the rest `other`.
         self.type_label = BoundedLabel(known=(RESPOND, INSTRUCT, "control.cancel", "control.pause", "control.resume"))

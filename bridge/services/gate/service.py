@@ -15,6 +15,7 @@ import structlog
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from bridge.config import GATE_METRICS_PORT
+from bridge.core import deadletter
 from bridge.core.control import (
     DEFAULT_HOLD_MS,
     GATE_HOLD_HEADER,
@@ -22,6 +23,7 @@ from bridge.core.control import (
     OPEN,
     RELEASING,
     Card,
+    SessionInfo,
 )
 from bridge.core.envelope import EnvelopeError, decode_raw
 from bridge.core.lanes import event_lane_token
@@ -65,7 +67,8 @@ class Gate(Commands):
         hook = msg.subject.rsplit(".", 1)[-1]
         try:
             raw = decode_raw(msg.data)
-            subj.check_raw_instance(msg.subject, raw.instance)  # a forged instance: the mapper dead-letters it
+            # a forged instance: the mapper dead-letters it; one subject speaks for one instance
+            raw = msgspec.structs.replace(raw, instance=subj.check_raw_instance(msg.subject, raw.instance))
             record = record_from_raw(raw)
             await self.lanes.prefetch(record.envelope)
             raw_seq = msg.metadata.sequence.stream
@@ -77,6 +80,8 @@ class Gate(Commands):
             log.warning("raw_skipped", subject=msg.subject, reason=exc.reason)
             return
         source = result.events[0].source
+        if not result.unknown and await self.foreign_instance(msg, token, raw.instance or "", raw_seq):
+            return  # another instance's session: never its state (issue 44 item 3)
         if hook == "on_session_finalize":
             await self.finalize(token, result.lane, source, raw.instance or "", raw_seq)
             return
@@ -96,6 +101,27 @@ class Gate(Commands):
                 hold_ms = DEFAULT_HOLD_MS
             await self.open_card(token, result.lane, tool_event, raw.id, raw_seq, raw.ts, hold_ms, reply)
 
+    async def foreign_instance(self, msg: Any, token: str, instance: str, raw_seq: int) -> bool:
+        """Whether the raw message comes from another instance than the one the session
+        belongs to: the first instance the gate saw for it, recorded in ``sess.<token>`` of
+        aep_control. Such a message changes nothing (no finalize, no card, no record): it is
+        counted and dead-lettered (``bridge.dlq.instance_conflict``)."""
+        info, _ = await self.kv_get(self.kv, f"sess.{token}", SessionInfo)
+        # compared as subject tokens: a record written before names became their token (6c) still matches
+        if info is None or not info.instance or subj.token(info.instance) == subj.token(instance):
+            return False
+        self.metrics.foreign.inc()
+        reason = "instance_conflict"
+        detail = f"session of instance {info.instance[:100]!r}, message from {instance[:100]!r}"
+        log.warning("foreign_instance", subject=msg.subject, raw_seq=raw_seq, owner=info.instance[:100],
+                    instance=instance[:100])
+        original = deadletter.Original(HERMES_RAW, raw_seq, msg.subject, msg.data, msg.headers)
+        letter = deadletter.build("gate", reason, reason, detail, original, self.config.policy)
+        with contextlib.suppress(Exception):  # counted and logged whatever happens to the letter
+            await self.js.publish(subj.dlq_subject(reason), letter.body,
+                                  headers={**letter.headers, "Nats-Msg-Id": f"dlq:{HERMES_RAW}:gate:{raw_seq}"})
+        return True
+
     async def handle_hello(self, msg: Any) -> None:
         if msg.reply and subj.requester_reply_ok(msg.reply):  # an inbox: never a stream or bucket subject
             await msg.respond(json.dumps(self.hello).encode())
@@ -110,6 +136,7 @@ class Gate(Commands):
             except Exception as exc:
                 self.health.set_ready(False, f"{what} fetch failed: {exc}")
                 log.warning("fetch_failed", what=what, error=f"{type(exc).__name__}: {exc}")
+                sub = await self.rebind(sub, what)
                 await self.stopper.sleep(1.0)
                 continue
             self.health.set_ready(True)
@@ -131,6 +158,46 @@ class Gate(Commands):
                 with contextlib.suppress(Exception):
                     await msg.ack()
 
+    async def rebind(self, sub: Any, what: str) -> Any:
+        """After a failed fetch: when the durable is gone (deleted by hand, or by a role that
+        should not have been able to: issue 44), create it again and pull from the new one.
+        Until it is back the gate is neither ready nor healthy (/healthz 503: its supervisor
+        may restart it, which creates both durables too)."""
+        stream, durable = (HERMES_RAW, RAW_DURABLE) if what == "raw" else (AEP_EVENTS, COMMAND_DURABLE)
+        try:
+            await self.js.consumer_info(stream, durable)
+            return sub  # still there: another failure (an election, a lost server), waited out
+        except nats.js.errors.NotFoundError:
+            pass
+        except Exception:
+            return sub
+        self.metrics.recreated.labels(consumer=durable).inc()
+        self.health.failed = f"{what} consumer {durable} on {stream} is gone: recreating it"
+        log.error("consumer_gone", what=what, stream=stream, durable=durable)
+        try:
+            new = await (self.bind_raw() if what == "raw" else self.bind_commands())
+        except Exception as exc:
+            log.error("consumer_recreate_failed", durable=durable, error=f"{type(exc).__name__}: {exc}")
+            return sub
+        with contextlib.suppress(Exception):
+            await sub.unsubscribe()
+        if self.health.failed and self.health.failed.startswith(f"{what} consumer"):
+            self.health.failed = None  # healthy again (ready again with its next fetch)
+        log.warning("consumer_recreated", what=what, stream=stream, durable=durable)
+        return new
+
+    async def bind_raw(self) -> Any:
+        return await self.js.pull_subscribe("", durable=RAW_DURABLE, stream=HERMES_RAW, config=ConsumerConfig(
+            durable_name=RAW_DURABLE, description="aep-bridge gate: held calls and session boundaries",
+            deliver_policy=DeliverPolicy.NEW, ack_policy=AckPolicy.EXPLICIT, ack_wait=30.0,
+            filter_subjects=[subj.raw_filter(hook=h) for h in RAW_HOOKS]))
+
+    async def bind_commands(self) -> Any:
+        return await self.js.pull_subscribe("", durable=COMMAND_DURABLE, stream=AEP_EVENTS, config=ConsumerConfig(
+            durable_name=COMMAND_DURABLE, description="aep-bridge gate: control commands",
+            deliver_policy=DeliverPolicy.NEW, ack_policy=AckPolicy.EXPLICIT, ack_wait=30.0,
+            filter_subjects=list(subj.COMMAND_FILTERS)))
+
     async def sweep_loop(self) -> None:
         while not self.stopper.stopping:
             try:
@@ -151,14 +218,8 @@ class Gate(Commands):
         self.lanes = KvLanes(await self.js.key_value(LANES_BUCKET))
         info = await self.js.stream_info(HERMES_RAW)
         self.epoch = epoch_of(info.created)  # the mapper's rule: the session's events share one epoch
-        raw = await self.js.pull_subscribe("", durable=RAW_DURABLE, stream=HERMES_RAW, config=ConsumerConfig(
-            durable_name=RAW_DURABLE, description="aep-bridge gate: held calls and session boundaries",
-            deliver_policy=DeliverPolicy.NEW, ack_policy=AckPolicy.EXPLICIT, ack_wait=30.0,
-            filter_subjects=[subj.raw_filter(hook=h) for h in RAW_HOOKS]))
-        commands = await self.js.pull_subscribe("", durable=COMMAND_DURABLE, stream=AEP_EVENTS, config=ConsumerConfig(
-            durable_name=COMMAND_DURABLE, description="aep-bridge gate: control commands",
-            deliver_policy=DeliverPolicy.NEW, ack_policy=AckPolicy.EXPLICIT, ack_wait=30.0,
-            filter_subjects=list(subj.COMMAND_FILTERS)))
+        raw = await self.bind_raw()
+        commands = await self.bind_commands()
         await self.nc.subscribe(subj.HELLO_SUBJECT, queue=QUEUE_GROUP, cb=self.handle_hello)
         await self.nc.subscribe(subj.instruct_filter(), queue=QUEUE_GROUP, cb=self.handle_pull)
         await self.load_cards()

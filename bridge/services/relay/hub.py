@@ -35,6 +35,7 @@ from bridge.core.ceiling import FULL
 from bridge.core.downlevel import downlevel_fields, event_capture
 from bridge.core.lanes import UNKNOWN, lane_token
 from bridge.nats import streams as S
+from bridge.nats.connection import ordered_subscribe
 from bridge.nats.subjects import session_filter
 
 log = structlog.get_logger("relay")
@@ -282,7 +283,7 @@ class Hub:
         self.position = self.started = info.state.last_seq
         self.duplicate_window_s = float(info.config.duplicate_window or self.duplicate_window_s)
         cfg = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=self.position + 1)
-        self._sub = await self.js.subscribe(STREAM_FILTER, stream=S.AEP_EVENTS, ordered_consumer=True, config=cfg,
+        self._sub = await ordered_subscribe(self.js, STREAM_FILTER, S.AEP_EVENTS, config=cfg,  # by name (issue 44)
                                             cb=self._on_msg, pending_msgs_limit=-1, pending_bytes_limit=-1)
 
     async def stop(self) -> None:
