@@ -110,7 +110,7 @@ def test_an_exporter_to_a_dead_kafka_says_so_quietly_and_stops_at_once(up, tmp_p
     with open(log, "w") as out:
         exporter = subprocess.Popen([sys.executable, "-m", "bridge.cli", "exporter", "--nats", info["nats_url"],
                                      "--metrics-port", str(port), "--sink", f"kafka://127.0.0.1:{kafka}/t"],
-                                    env={**env, **info["shim_env"]}, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+                                    env={**env, **info["client_env"]}, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
     try:
         wait_for(lambda: http_json(f"http://127.0.0.1:{port}/healthz")[1].get("sinks", {}).get("kafka-t") == "failing",
                  60, what="the sink to be failing on /healthz")
@@ -135,7 +135,7 @@ def test_a_service_on_a_taken_port_exits_2_in_one_line(up, service: str, flag: s
         taken.listen()
         port = taken.getsockname()[1]
         value = f"127.0.0.1:{port}" if flag == "--listen" else str(port)
-        done = cli(service, "--nats", info["nats_url"], flag, value, env={**env, **info["shim_env"]}, timeout=60)
+        done = cli(service, "--nats", info["nats_url"], flag, value, env={**env, **info["client_env"]}, timeout=60)
     assert done.returncode == 2, done.stderr[-2000:]
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("aep-bridge: ") and f"{port}" in last and "Traceback" not in done.stderr, done.stderr[-2000:]
