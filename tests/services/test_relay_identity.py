@@ -85,9 +85,8 @@ def test_token_bindings_and_their_defaults() -> None:
     assert ci2.emit_refusal({"agent": "ci-7", "source": "urn:ci:7"}) is None
     assert ci2.emit_refusal({"agent": "ops", "source": "urn:ci:7"}) is not None
     assert ci2.emit_refusal({"agent": "ci-7", "source": "aep://gw-a/agent/hermes/session/s"}) is not None
-    assert not ci.hermes_granted and not ci2.hermes_granted
     # granted by name: that instance's sources only
-    assert gwb.hermes_granted and gwb.emit_refusal({"agent": "hermes", "source": "aep://gw-b/agent/hermes/session/s"}) is None
+    assert gwb.emit_refusal({"agent": "hermes", "source": "aep://gw-b/agent/hermes/session/s"}) is None
     assert gwb.emit_refusal({"agent": "hermes", "source": "aep://gw-c/agent/hermes/session/s"}) is not None
     assert gwb.emit_refusal({"agent": "ci", "source": "aep://gw-b/agent/hermes/session/s"}) is not None
     # an operator commands as its own name by default, as its agents when listed; an agent-form
@@ -179,57 +178,63 @@ def test_a_posted_seq_moves_no_resume_point(relay) -> None:
 
 
 def test_the_roster_and_routing_never_hand_a_hermes_session_to_an_emitter(relay_plane) -> None:
-    """An ended Hermes session: an emitter naming it (even one granted a Hermes identity, on
-    another instance's source) is not listed in the roster and gets none of its commands
-    (no-route). Before: the emitter's hello `identity {agent: hermes, instance: victim}`
-    and one session.started made it the roster's entry for that session and the target of
-    the operator's instruct."""
+    """An emitter claims a session name before Hermes runs a session of that name (it
+    guessed the id); the session starts and ends. Then: the emitter is not the roster's
+    entry for it and gets none of its commands (no-route); no emitter, not even one granted
+    a Hermes identity, may post into it now; a hello claiming `identity {agent: hermes}`
+    is refused. Before: once the Hermes session ended, the emitter's claim was listed as
+    that session and took the operator's instruct text."""
     plane, relay = relay_plane
     session = new_session()
-    start_session(plane, session)
-    plane.hook(envelope("on_session_finalize", session=session, reason="shutdown"))
-    plane.wait(session, lambda e: "session.ended" in [x["type"] for x in e], "session.ended")
     cmd = encode_event(build_command(C.INSTRUCT, session, {"text": "rotate the keys"}, sender="relay-test"))
-    hello = emitter_hello("hermes", control={"accepts": [C.INSTRUCT, C.RESPOND], "ack_window_ms": 10_000})
+    control = {"accepts": [C.INSTRUCT, C.RESPOND], "ack_window_ms": 10_000}
+    hello = emitter_hello("hermes", control=control)
     hello["identity"]["instance"] = plane.instance
 
-    async def go() -> dict[str, Any]:
+    async def claim(s: aiohttp.ClientSession) -> tuple[Any, dict | None]:
+        early, _ = await emitter_socket(s, relay, emitter_hello("claimant", control=control))
+        return early, await sent(early, {**event(session, 1, "session.started", data={"client": {"name": "x"}}),
+                                         "agent": "claimant"})
+
+    async def after(s: aiohttp.ClientSession, early: Any) -> dict[str, Any]:
         out: dict[str, Any] = {}
-        async with aiohttp.ClientSession() as s:
-            _, out["impostor_hello"] = await emitter_socket(s, relay, hello)
-            plain, _ = await emitter_socket(s, relay, emitter_hello("claimant", control=hello["capabilities"]["control"]))
-            out["plain"] = await sent(plain, {**event(session, 1, "session.started", data={"client": {"name": "x"}}),
-                                              "agent": "claimant"})
-            granted, _ = await emitter_socket(s, relay, {**hello, "identity": {"agent": "hermes", "instance": "gw-b"}},
-                                              token=HERMES_EMITTER)
-            out["granted"] = await sent(granted, {**hermes_event(session, 1, "gw-b", "session.started"),
-                                                  "data": {"client": {"name": "x"}}})
-            op = await s.ws_connect(relay.ws_url, headers=auth(OPERATOR))
-            await op.send_json({"type": "hello", "versions": ["0.1"], "role": "consumer"})
-            await op.receive(timeout=5)
-            for _ in range(3):  # the claims are shared through aep_relay: give them a moment to be listed
-                await op.send_json({"type": "roster", "id": "r"})
-                out["roster"] = [e for e in json.loads((await op.receive(timeout=10)).data)["entries"]
-                                 if e["session"] == session]
-                await asyncio.sleep(0.4)
-            await op.send_str(cmd.decode())
-            out["answer"] = json.loads((await op.receive(timeout=10)).data)
-            got = []
-            for ws in (plain, granted):
-                try:
-                    got.append((await ws.receive(timeout=1)).data)
-                except asyncio.TimeoutError:
-                    pass
-            out["delivered"] = got
+        _, out["impostor_hello"] = await emitter_socket(s, relay, hello)
+        late, _ = await emitter_socket(s, relay, emitter_hello("claimant", control=control))
+        out["late"] = await sent(late, {**event(session, 2, "tool.completed"), "agent": "claimant"})
+        granted, _ = await emitter_socket(s, relay, {**hello, "identity": {"agent": "hermes", "instance": "gw-b"}},
+                                          token=HERMES_EMITTER)
+        out["granted"] = await sent(granted, hermes_event(session, 3, "gw-b"))
+        op = await s.ws_connect(relay.ws_url, headers=auth(OPERATOR))
+        await op.send_json({"type": "hello", "versions": ["0.1"], "role": "consumer"})
+        await op.receive(timeout=5)
+        for _ in range(3):  # the relay's live set is at most 1 s old
+            await op.send_json({"type": "roster", "id": "r"})
+            out["roster"] = [e for e in json.loads((await op.receive(timeout=10)).data)["entries"] if e["session"] == session]
+            await asyncio.sleep(0.5)
+        await op.send_str(cmd.decode())
+        out["answer"] = json.loads((await op.receive(timeout=10)).data)
+        try:
+            out["delivered"] = (await early.receive(timeout=1)).data
+        except asyncio.TimeoutError:
+            out["delivered"] = None
         return out
 
-    out = asyncio.run(go())
+    async def go() -> tuple[dict | None, dict[str, Any]]:
+        async with aiohttp.ClientSession() as s:
+            early, claimed = await claim(s)
+            await asyncio.to_thread(start_session, plane, session)
+            plane.hook(envelope("on_session_finalize", session=session, reason="shutdown"))
+            await asyncio.to_thread(plane.wait, session, lambda e: "session.ended" in [x["type"] for x in e], "session.ended")
+            return claimed, await after(s, early)
+
+    claimed, out = asyncio.run(go())
+    assert claimed is None  # a name no one had used yet: its claim
     assert out["impostor_hello"]["type"] == "error" and out["impostor_hello"]["code"] == "unauthorized"
-    assert out["plain"] is not None and out["plain"]["code"] == "unauthorized"  # a Hermes session: not its to post
-    assert out["granted"] is None  # a token granted hermes may post into it ...
-    assert out["roster"] == []  # ... but never holds it
+    assert out["late"] is not None and out["late"]["code"] == "unauthorized"  # a Hermes session now
+    assert out["granted"] is not None and out["granted"]["code"] == "unauthorized"  # not even with hermes granted
+    assert out["roster"] == [], out["roster"]  # the early claim is not listed as the session
     assert out["answer"]["type"] == "error" and out["answer"]["code"] == "no-route", out["answer"]
-    assert out["delivered"] == [], "the operator's instruct reached an emitter"
+    assert out["delivered"] is None, "the operator's instruct reached an emitter"
 
 
 # ---------------------------------------------------------------- item 6a: operators

@@ -25,8 +25,8 @@ environment, then the AEP_BRIDGE_CONFIG file; the table is bridge/config.py) and
     ending in ``*``. Default: any source but a Hermes instance's (``aep://<host>/agent/hermes...``).
   * ``hermes`` is granted only by name: ``agents`` listing ``hermes`` itself, and a
     ``sources`` pattern that is itself a Hermes one (``aep://gw-b/agent/hermes/*``; ``*``
-    alone grants neither). Only such a token may post into a Hermes session (one the bridge's
-    pipeline wrote) or send events as agent ``hermes``.
+    alone grants neither). No emitter token, granted or not, posts into a Hermes session
+    (one the bridge's pipeline wrote): its positions are the pipeline's.
   * An operator's ``source`` of the AEP agent form (``aep://<host>/agent/<name>...``, the
     SDKs') must name one of its ``agents``; any other source belongs to the first operator
     token that used it (``replicas.SourceBindings``).
@@ -117,11 +117,6 @@ class Principal:
             if pattern_matches(pattern, source) and (not is_hermes_source(source) or is_hermes_source(pattern)):
                 return None
         return f"source {source[:200]!r} is not one this token may use"
-
-    @property
-    def hermes_granted(self) -> bool:
-        """May post into Hermes sessions and claim them: ``agents`` lists hermes by name."""
-        return self.agents is not None and any(is_hermes_agent(a) for a in self.agents)
 
     def command_refusal(self, agent: Any, source: Any) -> str | None:
         """Why this operator may not send a command as (``agent``, ``source``), or None: its

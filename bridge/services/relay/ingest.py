@@ -19,7 +19,7 @@ bridge's own pipeline writes).
   delivered at the relay's position (``hub.relay_position``: ``seq`` = its stream sequence,
   no ``epoch``), the same bytes on SSE and WS.
 * Who may post what (``config.Principal``, ``Relay.emit_refusal``): the token's agents and
-  sources, never a Hermes session unless granted hermes; 403 ``unauthorized`` otherwise.
+  sources, never into a Hermes session; 403 ``unauthorized`` otherwise.
 """
 
 from __future__ import annotations

@@ -72,7 +72,7 @@ class Presence:
         """Whether ``session`` is a Hermes session: the bridge's pipeline (or the gate, or an
         operator's command for it) wrote an event of it under aep.hermes.> that AEP_EVENTS
         still holds. Its positions are the pipeline's, its commands the gate's: no emitter
-        token posts into it or claims it unless granted hermes. StoreUnavailable when the
+        token posts into it or is handed its commands. StoreUnavailable when the
         stream cannot be asked (unknown is not "no")."""
         if session in self._hermes:
             self._hermes.move_to_end(session)

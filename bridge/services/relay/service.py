@@ -109,19 +109,19 @@ class Relay(HttpEndpoints, WebSocketSessions):
     async def emit_refusal(self, who: Principal, event: dict[str, Any]) -> tuple[int, str, str] | None:
         """Why ``who`` may not store ``event`` (status, code, detail), or None: its agent and
         source must be the token's (`config.Principal`), and its session not a Hermes
-        session unless the token is granted hermes (whose positions and commands are the
-        bridge's: `Presence.hermes_owned`)."""
+        session, whatever the token (its positions and commands are the bridge's pipeline's
+        and the gate's: `Presence.hermes_owned`)."""
         refusal = who.emit_refusal(event)
         if refusal:
             return 403, "unauthorized", refusal
         session = event.get("session")
-        if isinstance(session, str) and session and not who.hermes_granted:
+        if isinstance(session, str) and session:
             try:
                 hermes = await self.presence.hermes_owned(session)
             except StoreUnavailable as exc:
                 return 503, "unavailable", f"the relay could not read AEP_EVENTS: {exc}"
             if hermes:
-                return 403, "unauthorized", "this session is a Hermes session: this token is not granted hermes"
+                return 403, "unauthorized", "this session is a Hermes session: its events are the bridge's pipeline's"
         return None
 
     def _note_hermes(self, item: Item) -> None:
