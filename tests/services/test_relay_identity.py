@@ -229,12 +229,12 @@ def test_the_roster_and_routing_never_hand_a_hermes_session_to_an_emitter(relay_
 
     claimed, out = asyncio.run(go())
     assert claimed is None  # a name no one had used yet: its claim
-    assert out["impostor_hello"]["type"] == "error" and out["impostor_hello"]["code"] == "unauthorized"
-    assert out["late"] is not None and out["late"]["code"] == "unauthorized"  # a Hermes session now
-    assert out["granted"] is not None and out["granted"]["code"] == "unauthorized"  # not even with hermes granted
     assert out["roster"] == [], out["roster"]  # the early claim is not listed as the session
     assert out["answer"]["type"] == "error" and out["answer"]["code"] == "no-route", out["answer"]
     assert out["delivered"] is None, "the operator's instruct reached an emitter"
+    assert out["impostor_hello"]["type"] == "error" and out["impostor_hello"]["code"] == "unauthorized"
+    assert out["late"] is not None and out["late"]["code"] == "unauthorized"  # a Hermes session now
+    assert out["granted"] is not None and out["granted"]["code"] == "unauthorized"  # not even with hermes granted
 
 
 # ---------------------------------------------------------------- item 6a: operators
