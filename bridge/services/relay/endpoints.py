@@ -113,6 +113,9 @@ class HttpEndpoints:
             return web.json_response({"error": "invalid-event", "detail": exc.detail, "line": exc.line}, status=400)
         if not checked:
             return self.refuse(400, "invalid-event", "no event in the body")
+        sessions = {e["session"] for _, e in checked if isinstance(e.get("session"), str) and e["session"]}
+        if len(sessions) > 1:  # whether each is a Hermes session: asked together, not one by one
+            await self.presence.check_hermes(sessions)
         for line, (_, event) in enumerate(checked):  # one refused line refuses the batch: nothing stored
             refusal = await self.emit_refusal(who, event)
             if refusal:

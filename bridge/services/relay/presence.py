@@ -68,6 +68,21 @@ class Presence:
         """What this process already knows, without asking NATS."""
         return session in self._hermes
 
+    async def check_hermes(self, sessions: set[str], at_once: int = 32) -> None:
+        """Ask about several sessions at once (a POST's batch), ``at_once`` requests in
+        flight, so that `hermes_owned` answers each from what it learnt; a failure here is
+        met again there."""
+        gate = asyncio.Semaphore(at_once)
+
+        async def one(session: str) -> None:
+            async with gate:
+                try:
+                    await self.hermes_owned(session)
+                except StoreUnavailable:
+                    pass
+
+        await asyncio.gather(*(one(s) for s in sessions))
+
     async def hermes_owned(self, session: str) -> bool:
         """Whether ``session`` is a Hermes session: the bridge's pipeline (or the gate, or an
         operator's command for it) wrote an event of it under aep.hermes.> that AEP_EVENTS
