@@ -222,6 +222,8 @@ FIELDS: tuple[Field, ...] = (
     _f("AEP_BRIDGE_RELAY_QUEUE", "int", 10000, {"relay"}, "events queued per subscription before backpressure", range=(1, 10**7)),
     _f("AEP_BRIDGE_RELAY_HEARTBEAT_S", "int", 15, {"relay"}, "SSE ping / idle interval in seconds", range=(1, 30)),
     _f("AEP_BRIDGE_RELAY_CLAIM_TTL_S", "int", 30, {"relay"}, "a WebSocket emitter's shared claim outlives a dead replica this long", range=(3, 3600)),
+    _f("AEP_BRIDGE_RELAY_REQUEST_TIMEOUT_S", "int", 10, {"relay"}, "a request's headers, a POST's body, a WebSocket's hello, an idle connection: closed past this", range=(1, 3600)),
+    _f("AEP_BRIDGE_RELAY_MAX_CONNECTIONS_PER_CLIENT", "int", 256, {"relay"}, "open connections per client address (0: no cap; behind a proxy, raise it)", range=(0, 10**6)),
     # ---- the exporter
     _f("AEP_BRIDGE_EXPORT_CONFIG", "path", None, {"exporter"}, "sinks file, YAML or JSON", flag="--config"),
     _f("AEP_BRIDGE_KAFKA_SASL_PASSWORD", "str", None, {"exporter"}, "fills a Kafka sink's sasl.password", secret=True),

@@ -39,6 +39,7 @@ def test_what_the_relay_values_render():
     assert env["AEP_BRIDGE_RELAY_LISTEN"]["value"] == "0.0.0.0:8787"
     assert env["AEP_BRIDGE_RELAY_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "aep-bridge-relay-tokens", "key": "token"}
     assert env["AEP_BRIDGE_RELAY_TOKENS_FILE"]["value"] == "/etc/aep-bridge/relay-tokens/tokens.yaml"
+    assert env["AEP_BRIDGE_RELAY_MAX_CONNECTIONS_PER_CLIENT"]["value"] == "4096"  # behind the Ingress: one address
     assert env["AEP_BRIDGE_RELAY_INSECURE"]["value"] == "1"  # TLS at the Ingress
     mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
     assert mounts["relay-tokens"] == "/etc/aep-bridge/relay-tokens"

@@ -154,7 +154,7 @@ def test_events_other_emitters_post_to_the_relay_are_exported_unless_a_sinks_fil
 
     client = JetStreamClient(nats_server_fn.url)
     client.bootstrap()
-    own = [event("s-hermes-1", i) for i in range(1, 4)]
+    own = [{**event("s-hermes-1", i), "agent": "hermes"} for i in range(1, 4)]
     asyncio.run(publish(nats_server_fn.url, own))
     ingested = [{**event("ci-run-7", i), "source": "urn:ci:runner-7", "agent": "ci-bot"} for i in range(1, 4)]
     relay = RelayProcess(nats_server_fn.url, tmp_path).start()

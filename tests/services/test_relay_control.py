@@ -404,7 +404,9 @@ def test_an_emitter_naming_a_live_hermes_session_does_not_block_its_operators(re
             await imp.receive(timeout=5)
             await imp.send_str(json.dumps(started))
             await imp.send_json({"type": "ping"})
-            assert json.loads((await imp.receive(timeout=5)).data)["type"] == "pong"  # in order: claimed
+            refused = json.loads((await imp.receive(timeout=5)).data)  # issue 44: not its to post into, nor to claim
+            assert refused["type"] == "error" and refused["code"] == "unauthorized", refused
+            assert json.loads((await imp.receive(timeout=5)).data)["type"] == "pong"  # in order
             ws, _ = await operator_socket(s, relay)
             entries: list[dict[str, Any]] = []
             for _ in range(40):  # the relay's list of live Hermes sessions is at most 1 s old

@@ -15,6 +15,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from bridge.services.relay.hub import relay_position
 from tests.support.relay import ALL, CONSUMER, EMITTER, OPERATOR, RelayProcess, auth, encode, event, read_sse
 
 V = {"AEP-Version": "0.1"}
@@ -59,8 +60,10 @@ def test_status_codes(relay, jetstream):
 
 
 def test_batch_stored_in_order_in_its_own_space_deduped_and_byte_identical(relay, jetstream, nats_server):
+    """Stored as posted; delivered with the relay's position (the stream sequence, epoch 0),
+    the same bytes on SSE and WS (issue 44: a posted seq moves no one's resume point)."""
     s_ = sid()
-    lines = [encode(event(s_, i, data={"text": "é ✓"})) for i in range(1, 4)]
+    lines = [encode(event(s_, 1000 + i, data={"text": "é ✓"}, epoch=3)) for i in range(1, 4)]
 
     async def go():
         async with aiohttp.ClientSession() as s:
@@ -88,8 +91,11 @@ def test_batch_stored_in_order_in_its_own_space_deduped_and_byte_identical(relay
     mine = [m for m in stored if json.loads(m.data).get("session") == s_]
     assert [m.data for m in mine] == lines  # once each, in batch order, the posted bytes
     assert {m.subject for m in mine} == {f"aep.ingest.{s_}.tool.called"}  # never aep.hermes.>
-    assert [e["data"] for e in sse["events"]] == lines
-    assert [f.encode() for f in frames] == lines
+    delivered = [relay_position(json.loads(m.data), m.seq) for m in mine]  # seq: the stream's; epoch 0
+    assert [json.loads(d)["seq"] for d in delivered] == [m.seq for m in mine] and b'"epoch"' not in delivered[0]
+    assert [e["data"] for e in sse["events"]] == delivered
+    assert [e["id"] for e in sse["events"]] == [f"{s_}:0:{m.seq}" for m in mine]
+    assert [f.encode() for f in frames] == delivered
 
 
 def test_posted_standard_types_we_do_not_emit_are_down_levelled_field_by_field(relay):
@@ -108,14 +114,18 @@ def test_posted_standard_types_we_do_not_emit_are_down_levelled_field_by_field(r
             return await read_sse(s, relay.url + "/stream", want=3, headers=auth(CONSUMER), params={
                 "from": "all", "live": "0", "filter": json.dumps({"session": s_}), "capture": capture})
 
+    full = asyncio.run(read("full"))["events"]
+    seqs = [json.loads(e["data"])["seq"] for e in full]  # the relay's positions (stream sequences)
     got = [json.loads(e["data"]) for e in asyncio.run(read("metadata"))["events"]]
-    envelope = [{k: v for k, v in e.items() if k not in ("capture", "data")} for e in (status, error, vendor)]
+    envelope = [{k: v for k, v in e.items() if k not in ("capture", "data")} | {"seq": q}
+                for e, q in zip((status, error, vendor), seqs)]
     assert got == [envelope[0] | {"capture": "metadata", "data": {"phase": "build", "percent": 40}},
                    envelope[1] | {"capture": "metadata", "data": {"error": {"type": "Timeout"}, "fatal": False}},
                    envelope[2] | {"capture": "metadata"}]
     assert [json.loads(e["data"]) for e in asyncio.run(read("none"))["events"]] == \
         [env | {"capture": "none"} for env in envelope]
-    assert [e["data"] for e in asyncio.run(read("full"))["events"]] == lines  # within the ceiling: the posted bytes
+    # within the ceiling: the posted event, at the relay's position
+    assert [e["data"] for e in full] == [encode({**e, "seq": q}) for e, q in zip((status, error, vendor), seqs)]
 
 
 def test_a_relay_without_tokens_is_a_loopback_development_relay(nats_server, jetstream, tmp_path):

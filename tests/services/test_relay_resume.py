@@ -25,7 +25,7 @@ import pytest
 from bridge.core.lanes import lane_token
 from bridge.nats import streams as S
 from bridge.nats.subjects import session_filter
-from tests.support.relay import CONSUMER, EMITTER, RelayProcess, auth, event, publish, read_sse
+from tests.support.relay import CONSUMER, RelayProcess, auth, event, publish, read_sse
 
 HELLO = {"type": "hello", "versions": ["0.1"], "role": "consumer", "identity": {"agent": "test"}, "capabilities": {}}
 
@@ -39,11 +39,9 @@ def run(coro):
 
 
 async def post(relay: RelayProcess, events: list[dict[str, Any]]) -> None:
-    body = b"\n".join(json.dumps(e).encode() for e in events)
-    async with aiohttp.ClientSession() as s:
-        async with s.post(relay.url + "/events", data=body, headers={
-                **auth(EMITTER), "AEP-Version": "0.1", "Content-Type": "application/x-ndjson"}) as r:
-            assert r.status == 202, await r.text()
+    """Store ``events`` as the bridge's pipeline does (aep.hermes.>, their positions theirs:
+    an emitter's posted seq is not a position, issue 44, and it may not post into a Hermes session)."""
+    await publish(relay.env["AEP_BRIDGE_NATS_URL"], events)
 
 
 async def sse_resume(relay: RelayProcess, session: str, seq: int) -> dict[str, Any]:
@@ -86,10 +84,12 @@ def check(relay: RelayProcess, a: str) -> None:
         assert got["comments"][1:] == [f"replay-exhausted {a} 0:5", "replay-complete"], got["comments"]
     got = run(sse_resume(relay, a, 4))
     assert got["comments"][1:] == ["replay-complete"] and got["events"] == []  # nothing missed: no marker
-    frames = run(ws_resume(relay, a, 0, [event(a, 5)]))
-    assert frames[1:] == [exhausted(a, 5), event(a, 5)]
-    frames = run(ws_resume(relay, a, 5, [event(a, 6)]))
-    assert frames[1:] == [event(a, 6)]  # from the last position: no marker, the next event
+    # the next events on a subject of their own, as when they were posted (`post`): a live
+    # event on the subject of A's last evicted one hides it from the newest-per-subject read
+    frames = run(ws_resume(relay, a, 0, [event(a, 5, "tool.completed")]))
+    assert frames[1:] == [exhausted(a, 5), event(a, 5, "tool.completed")]
+    frames = run(ws_resume(relay, a, 5, [event(a, 6, "tool.completed")]))
+    assert frames[1:] == [event(a, 6, "tool.completed")]  # from the last position: no marker, the next event
 
 
 @pytest.mark.parametrize("restart", [False, True], ids=["relay-saw-them", "relay-started-after"])

@@ -27,12 +27,20 @@ CONSUMER = "consumer-token-0123456789ab"
 META_CONSUMER = "meta-consumer-token-0123456"
 EMITTER = "emitter-token-0123456789abcd"
 ALL = "all-rights-token-0123456789ab"
+ALICE = "alice-operator-token-012345"  # an operator whose identity is alice-ciso
+HERMES_EMITTER = "hermes-emitter-token-0123456"  # an emitter granted one Hermes instance's identity
 
 TOKENS = {"tokens": [
-    {"name": "oncall", "token": OPERATOR, "role": "operator"},
+    # the agents the tests' commands carry (respond(): operator; the SDK's ControlClient: sdk-operator;
+    # build_command: relay-test, idle-test, console-*)
+    {"name": "oncall", "token": OPERATOR, "role": "operator",
+     "agents": ["operator", "sdk-operator", "op", "relay-test", "idle-test", "console-*"]},
+    {"name": "alice", "token": ALICE, "role": "operator", "agents": ["alice-ciso"]},
     {"name": "dash", "token": CONSUMER, "role": "consumer"},
     {"name": "meta", "token": META_CONSUMER, "role": "consumer", "max_capture": "metadata"},
     {"name": "ci", "token": EMITTER, "role": "emitter"},
+    {"name": "gw-b", "token": HERMES_EMITTER, "role": "emitter", "agents": ["hermes"],
+     "sources": ["aep://gw-b/agent/hermes/*"]},
 ]}
 
 
@@ -82,7 +90,7 @@ class RelayProcess:
 def event(session: str, seq: int, type_: str = "tool.called", *, capture: str | None = "metadata",
           severity: str | None = None, data: dict[str, Any] | None = None, epoch: int | None = None) -> dict[str, Any]:
     ev: dict[str, Any] = {"aep": "0.1", "id": f"{session}-{seq}", "type": type_, "time": "2026-12-01T10:00:00.000Z",
-                          "source": "urn:test:relay", "agent": "hermes", "session": session, "seq": seq}
+                          "source": "urn:test:relay", "agent": "relay-test", "session": session, "seq": seq}
     if epoch is not None:
         ev["epoch"] = epoch
     if severity:

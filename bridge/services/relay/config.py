@@ -14,6 +14,25 @@ environment, then the AEP_BRIDGE_CONFIG file; the table is bridge/config.py) and
   ``emitter`` (POST /events only). ``max_capture`` (consumers and operators, default
   ``full``, i.e. as stored): the highest capture level this client ever receives; a
   subscription asking for more is served at this ceiling.
+
+  Who a token may speak as (issue 44), checked on every event and command it sends:
+
+  * ``agents`` (emitters and operators): the ``agent`` values it may carry, each exact or a
+    prefix ending in ``*``. An operator's default is ``[<its name>]``: the approver on the
+    stream is the token's, never the client's word. An emitter's default is any agent but
+    ``hermes``.
+  * ``sources`` (emitters): the ``source`` values it may carry, each exact or a prefix
+    ending in ``*``. Default: any source but a Hermes instance's (``aep://<host>/agent/hermes...``).
+  * ``hermes`` is granted only by name: ``agents`` listing ``hermes`` itself, and a
+    ``sources`` pattern that is itself a Hermes one (``aep://gw-b/agent/hermes/*``; ``*``
+    alone grants neither). No emitter token, granted or not, posts into a Hermes session
+    (one the bridge's pipeline wrote): its positions are the pipeline's.
+  * An operator's ``source`` of the AEP agent form (``aep://<host>/agent/<name>...``, the
+    SDKs') must name one of its ``agents``; any other source belongs to the first operator
+    token that used it (``replicas.SourceBindings``).
+
+  ``AEP_BRIDGE_RELAY_TOKEN`` and the anonymous development relay: any agent and source but
+  Hermes's for events; the all-rights token also commands as any agent.
 * ``AEP_BRIDGE_RELAY_TLS_CERT`` / ``AEP_BRIDGE_RELAY_TLS_KEY``: serve HTTPS/WSS. Listening
   off loopback without TLS is refused unless ``AEP_BRIDGE_RELAY_INSECURE=1`` (or
   ``true``/``yes``/``on``; TLS terminated by a proxy in front, AEP-0003 §11); listening off
@@ -30,9 +49,19 @@ environment, then the AEP_BRIDGE_CONFIG file; the table is bridge/config.py) and
 * ``AEP_BRIDGE_SESSION_IDLE_TTL_S`` (shared with the gate): a Hermes session with no raw
   message this long is no longer live (default 1800).
 
+* ``AEP_BRIDGE_RELAY_REQUEST_TIMEOUT_S`` (default 10): a request's headers, a POST's body, a
+  WebSocket's hello and a connection with no request must arrive within it (aiohttp's
+  ``keepalive_timeout`` for the first and the last).
+* ``AEP_BRIDGE_RELAY_MAX_CONNECTIONS_PER_CLIENT`` (default 256, 0: no cap): open connections
+  per client address; one more is closed at once. Behind a proxy every client is the
+  proxy's address: raise it there.
+
 With no token configured at all (a development relay) it serves consumers and takes posted
 events anonymously, on loopback only, and refuses control (AEP-0004: authentication is
-required unconditionally).
+required unconditionally). Every request of such a relay must name a loopback ``Host``
+(``localhost``, ``127.0.0.1``, ``[::1]``) and, when it carries an ``Origin``, a loopback
+``http(s)`` one: a web page elsewhere cannot read it or post to it, even through DNS
+rebinding (the rule of ``hermes dashboard``, except that ``Origin: null`` is refused too).
 Tokens are compared in constant time and never logged.
 """
 
@@ -44,6 +73,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
+from urllib.parse import unquote
 
 from bridge.config import BY_NAME, DEFAULT_RELAY_LISTEN, SettingError, resolve
 from bridge.core.ceiling import FULL, LEVELS, level_rank
@@ -63,6 +93,42 @@ class Principal:
     name: str
     role: str  # consumer | operator | emitter | all | anonymous
     max_capture: int = FULL
+    agents: tuple[str, ...] | None = None  # agent patterns it may speak as (None: the role's default)
+    sources: tuple[str, ...] | None = None  # emitters: source patterns (exact, or a prefix ending in *)
+
+    def emit_refusal(self, event: dict[str, Any]) -> str | None:
+        """Why this principal may not send ``event`` (its agent and source), or None."""
+        agent, source = event.get("agent"), event.get("source")
+        if not isinstance(agent, str) or not isinstance(source, str):
+            return None  # the envelope check says what is missing
+        return self.agent_refusal(agent) or self.source_refusal(source)
+
+    def agent_refusal(self, agent: str) -> str | None:
+        if self.agents is None:
+            return "agent hermes is the bridge's: this token is not granted it" if is_hermes_agent(agent) else None
+        if not any(pattern_matches(p, agent) and (not is_hermes_agent(agent) or is_hermes_agent(p)) for p in self.agents):
+            return f"agent {agent[:200]!r} is not one this token may use ({', '.join(self.agents)})"
+        return None
+
+    def source_refusal(self, source: str) -> str | None:
+        if self.sources is None:
+            return "source names a Hermes instance: this token is not granted it" if is_hermes_source(source) else None
+        for pattern in self.sources:
+            if pattern_matches(pattern, source) and (not is_hermes_source(source) or is_hermes_source(pattern)):
+                return None
+        return f"source {source[:200]!r} is not one this token may use"
+
+    def command_refusal(self, agent: Any, source: Any) -> str | None:
+        """Why this operator may not send a command as (``agent``, ``source``), or None: its
+        agent is one of the token's, and a source of the AEP agent form names one of them."""
+        if self.agents is None:  # the all-rights token
+            return None
+        if not isinstance(agent, str) or self.agent_refusal(agent):
+            return f"this token commands as {', '.join(self.agents)}, not {str(agent)[:200]!r}"
+        named = source_agent(source) if isinstance(source, str) else None
+        if named is not None and self.agent_refusal(named):
+            return f"source {source[:200]!r} names agent {named[:200]!r}, not this token's"
+        return None
 
     @property
     def may_consume(self) -> bool:
@@ -78,6 +144,34 @@ class Principal:
 
 
 ANONYMOUS = Principal("anonymous", "anonymous")
+HERMES_AGENT = "hermes"
+
+
+def is_hermes_agent(agent: str) -> bool:
+    return agent.strip().casefold() == HERMES_AGENT
+
+
+def source_agent(source: str) -> str | None:
+    """The agent an ``aep://<host>/agent/<name>[/...]`` source names (the AEP SDKs' form; the
+    bridge's Hermes sources are ``aep://<instance>/agent/hermes/session/<id>``), else None."""
+    scheme, sep, rest = source.partition("://")
+    if not sep or scheme.casefold() != "aep":
+        return None
+    _host, _, path = rest.partition("/")
+    parts = path.split("/")
+    if len(parts) >= 2 and parts[0].casefold() == "agent":
+        return unquote(parts[1])
+    return None
+
+
+def is_hermes_source(source: str) -> bool:
+    """A Hermes instance's source (or a pattern of them): ``aep://<host>/agent/hermes...``."""
+    named = source_agent(source.rstrip("*"))
+    return named is not None and is_hermes_agent(named.rstrip("*"))
+
+
+def pattern_matches(pattern: str, value: str) -> bool:
+    return value.startswith(pattern[:-1]) if pattern.endswith("*") else value == pattern
 
 
 @dataclass
@@ -94,6 +188,8 @@ class RelayConfig:
     claim_ttl_s: float = 30.0
     idle_ttl_s: float = 1800.0
     max_body: int = 4 * 1024 * 1024
+    request_timeout_s: float = 10.0
+    max_connections_per_client: int = 256
 
     @property
     def auth_required(self) -> bool:
@@ -165,8 +261,27 @@ def parse_tokens(doc: Any, where: str) -> list[tuple[bytes, Principal]]:
         cap = entry.get("max_capture", "full")
         if cap not in LEVELS:
             raise RelayConfigError(f"{where}: tokens[{i}] ({name}): max_capture {cap!r} (expected one of {', '.join(LEVELS)})")
-        out.append((token.encode(), Principal(name, role, level_rank(cap))))
+        agents = _names(entry, "agents", where, i, name)
+        sources = _names(entry, "sources", where, i, name)
+        if sources is not None and role != "emitter":
+            raise RelayConfigError(f"{where}: tokens[{i}] ({name}): sources is for emitter tokens")
+        if agents is not None and role == "consumer":
+            raise RelayConfigError(f"{where}: tokens[{i}] ({name}): agents is for emitter and operator tokens")
+        if role == "operator" and agents is None:
+            agents = [name]  # the approver is the token's own name unless it says otherwise
+        out.append((token.encode(), Principal(name, role, level_rank(cap),
+                                              tuple(agents) if agents is not None else None,
+                                              tuple(sources) if sources is not None else None)))
     return out
+
+
+def _names(entry: dict[str, Any], key: str, where: str, i: int, name: str) -> list[str] | None:
+    value = entry.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, list) or not value or not all(isinstance(v, str) and v for v in value):
+        raise RelayConfigError(f"{where}: tokens[{i}] ({name}): {key} is a non-empty list of strings")
+    return value
 
 
 def load_tokens_file(path: str) -> list[tuple[bytes, Principal]]:
@@ -203,6 +318,7 @@ def from_env(environ: Mapping[str, str] | None = None, flags: Mapping[str, Any] 
         insecure=get("INSECURE"), replay_buffer=get("REPLAY_BUFFER"), queue=get("QUEUE"),
         heartbeat_s=float(get("HEARTBEAT_S")), claim_ttl_s=float(get("CLAIM_TTL_S")),
         idle_ttl_s=float(values["AEP_BRIDGE_SESSION_IDLE_TTL_S"]),
+        request_timeout_s=float(get("REQUEST_TIMEOUT_S")), max_connections_per_client=get("MAX_CONNECTIONS_PER_CLIENT"),
     )
     cfg.check()
     return cfg

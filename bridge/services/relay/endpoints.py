@@ -98,9 +98,14 @@ class HttpEndpoints:
         if ctype not in ("application/json", "application/x-ndjson"):
             return self.refuse(415, "unsupported-media-type", "application/json or application/x-ndjson")
         try:
-            body = await request.read()
+            async with asyncio.timeout(self.cfg.request_timeout_s):  # a body sent slowly holds a connection: not past this
+                body = await request.read()
         except web.HTTPRequestEntityTooLarge:
             return self.refuse(413, "too-large", f"at most {self.cfg.max_body} bytes per request")
+        except TimeoutError:
+            resp = self.refuse(408, "timeout", f"the body did not arrive within {self.cfg.request_timeout_s:g} s")
+            resp.force_close()
+            return resp
         try:
             checked = ingest.check_lines(ingest.split_body(body, ctype == "application/x-ndjson"))
         except ingest.InvalidEvent as exc:
@@ -108,6 +113,13 @@ class HttpEndpoints:
             return web.json_response({"error": "invalid-event", "detail": exc.detail, "line": exc.line}, status=400)
         if not checked:
             return self.refuse(400, "invalid-event", "no event in the body")
+        sessions = {e["session"] for _, e in checked if isinstance(e.get("session"), str) and e["session"]}
+        if len(sessions) > 1:  # whether each is a Hermes session: asked together, not one by one
+            await self.presence.check_hermes(sessions)
+        for line, (_, event) in enumerate(checked):  # one refused line refuses the batch: nothing stored
+            refusal = await self.emit_refusal(who, event)
+            if refusal:
+                return self.refuse(*refusal, line=line)
         new = dup = 0
         for raw, event in checked:
             ack = await self.js.publish(ingest_subject(ingest.lane_of(event), event["type"]), raw,

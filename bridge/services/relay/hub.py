@@ -36,7 +36,7 @@ from bridge.core.downlevel import downlevel_fields, event_capture
 from bridge.core.lanes import UNKNOWN, lane_token
 from bridge.nats import streams as S
 from bridge.nats.connection import ordered_subscribe
-from bridge.nats.subjects import session_filter
+from bridge.nats.subjects import INGEST_PREFIX, session_filter
 
 log = structlog.get_logger("relay")
 
@@ -603,4 +603,19 @@ def make_item(msg: Any) -> Item | None:
         return None
     if not isinstance(event, dict):
         return None
-    return Item(seq, bytes(msg.data), event, msg.subject)
+    raw = bytes(msg.data)
+    if msg.subject.startswith(INGEST_PREFIX + ".") and "seq" in event and isinstance(event.get("session"), str):
+        raw = relay_position(event, seq)
+    return Item(seq, raw, event, msg.subject)
+
+
+def relay_position(event: dict[str, Any], stream_seq: int) -> bytes:
+    """An event another emitter posted (``aep.ingest.>``) takes its position from the stream,
+    not from its sender: ``seq`` = its AEP_EVENTS sequence, epoch 0 (``event`` is changed in
+    place; the bytes delivered are returned). So a posted ``seq`` cannot move anyone's resume
+    point (issue 44): positions of one session name are the stream's order, whoever posts
+    into it, and an emitter cannot post into a Hermes session (`Presence.hermes_owned`).
+    What is stored stays as posted; every binding delivers these bytes."""
+    event["seq"] = stream_seq
+    event.pop("epoch", None)
+    return _encode(event)

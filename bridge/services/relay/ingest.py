@@ -14,9 +14,12 @@ bridge's own pipeline writes).
 * Dedupe: the JetStream message id is a digest of ``(source, id)`` (AEP-0001 §7.4), so a
   retry inside the stream's duplicate window (120 s) is absorbed; 202 reports how many
   events were new and how many duplicates.
-* The stored bytes are the posted line itself (byte identity across POST, SSE and WS), unless
-  it spans lines (pretty-printed JSON), which is re-encoded compactly so SSE ``data:`` and
-  JSONL keep one event per line.
+* The stored bytes are the posted line itself, unless it spans lines (pretty-printed JSON),
+  which is re-encoded compactly so SSE ``data:`` and JSONL keep one event per line. It is
+  delivered at the relay's position (``hub.relay_position``: ``seq`` = its stream sequence,
+  no ``epoch``), the same bytes on SSE and WS.
+* Who may post what (``config.Principal``, ``Relay.emit_refusal``): the token's agents and
+  sources, never into a Hermes session; 403 ``unauthorized`` otherwise.
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ TTL: ``SessionInfo.seen``)."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
 from typing import Any
 
@@ -15,8 +16,8 @@ from nats.js.errors import BucketNotFoundError
 
 from bridge.core.control import SessionInfo, is_idle
 from bridge.core.lanes import lane_from_token, lane_token
-from bridge.nats.streams import CONTROL_BUCKET
-from bridge.nats.subjects import HELLO_SUBJECT
+from bridge.nats.streams import AEP_EVENTS, CONTROL_BUCKET
+from bridge.nats.subjects import EVENTS_PREFIX, HELLO_SUBJECT
 from bridge.services.relay.shared import kv_scan
 
 # The gate's hello (`Presence.gate_hello`): an answer is kept HELLO_FRESH_S; "no gate" only
@@ -30,6 +31,8 @@ HELLO_GRACE_S = 30.0
 HELLO_TIMEOUT_S = 1.0
 
 LIVE_CACHE_S = 1.0  # the live Hermes sessions are read at most this often for rosters
+HERMES_KNOWN_MAX = 65_536  # sessions remembered as Hermes's (the bridge's pipeline wrote them)
+NOT_HERMES_S = 2.0  # "no Hermes event of this session on AEP_EVENTS" is trusted this long
 CONTROL_TYPES = ("control.attention.respond", "x.hermes.control.instruct")
 _decode = msgspec.json.Decoder().decode
 
@@ -48,6 +51,62 @@ class Presence:
         self._hello: tuple[float, dict[str, Any] | None] | None = None  # (asked at, what it means now)
         self._hello_answer: tuple[float, dict[str, Any]] | None = None  # (answered at, the gate's last answer)
         self._live_cache: tuple[float, asyncio.Future] | None = None
+        # sessions of the bridge's own pipeline (aep.hermes.> on AEP_EVENTS), and when a
+        # session was last found not to be one (`hermes_owned`)
+        self._hermes: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._not_hermes: dict[str, float] = {}
+
+    def note_hermes(self, session: str) -> None:
+        """``session`` has an event under aep.hermes.> (the hub saw it live)."""
+        self._hermes[session] = None
+        self._hermes.move_to_end(session)
+        if len(self._hermes) > HERMES_KNOWN_MAX:
+            self._hermes.popitem(last=False)
+        self._not_hermes.pop(session, None)
+
+    def known_hermes(self, session: str) -> bool:
+        """What this process already knows, without asking NATS."""
+        return session in self._hermes
+
+    async def check_hermes(self, sessions: set[str], at_once: int = 32) -> None:
+        """Ask about several sessions at once (a POST's batch), ``at_once`` requests in
+        flight, so that `hermes_owned` answers each from what it learnt; a failure here is
+        met again there."""
+        gate = asyncio.Semaphore(at_once)
+
+        async def one(session: str) -> None:
+            async with gate:
+                try:
+                    await self.hermes_owned(session)
+                except StoreUnavailable:
+                    pass
+
+        await asyncio.gather(*(one(s) for s in sessions))
+
+    async def hermes_owned(self, session: str) -> bool:
+        """Whether ``session`` is a Hermes session: the bridge's pipeline (or the gate, or an
+        operator's command for it) wrote an event of it under aep.hermes.> that AEP_EVENTS
+        still holds. Its positions are the pipeline's, its commands the gate's: no emitter
+        token posts into it or is handed its commands. StoreUnavailable when the
+        stream cannot be asked (unknown is not "no")."""
+        if session in self._hermes:
+            self._hermes.move_to_end(session)
+            return True
+        now = time.monotonic()
+        checked = self._not_hermes.get(session)
+        if checked is not None and now - checked < NOT_HERMES_S:
+            return False
+        try:
+            info = await self.js.stream_info(AEP_EVENTS, subjects_filter=f"{EVENTS_PREFIX}.{lane_token(session)}.>")
+        except Exception as exc:  # noqa: BLE001
+            raise StoreUnavailable(type(exc).__name__) from exc
+        if info.state.subjects:
+            self.note_hermes(session)
+            return True
+        if len(self._not_hermes) > HERMES_KNOWN_MAX:
+            self._not_hermes = {k: t for k, t in self._not_hermes.items() if now - t < NOT_HERMES_S}
+        self._not_hermes[session] = now
+        return False
 
     async def accepts(self) -> list[str]:
         """What this relay routes: the gate's declared accepts (none without a gate)."""

@@ -190,6 +190,9 @@ class Router:
         problem = ingest.command_problem(raw)
         if problem:
             return await refuse("unsupported", f"not an AEP command: {problem}")
+        impostor = who.command_refusal(frame.get("agent"), frame["source"])
+        if impostor:  # the approver on the stream is the token's identity, never the client's word
+            return await refuse("unauthorized", impostor)
         if self.bindings is not None:  # a source is the first operator token's that used it
             try:
                 owner = await self.bindings.owner(frame["source"], who.name)
@@ -214,6 +217,13 @@ class Router:
                 log.warning("shared claims not read", error=str(exc))
         # after the awaits: a claim made meanwhile counts; a live Hermes session shadows them all
         emitters: list[Claimant | Remote] = [] if hermes is not None else [*self.claims.of(session), *remote]
+        if emitters:  # a Hermes session that is not live (ended, idle) is never an emitter's
+            try:
+                owned = await self.presence.hermes_owned(session)
+            except StoreUnavailable:
+                return await refuse("no-route", "the relay could not read AEP_EVENTS")
+            if owned:
+                return await refuse("no-route", "a Hermes session that is not live takes no command")
         target: Claimant | Remote | None = emitters[0] if emitters else None
         refusal = claimant_refusal(len(emitters), hermes is not None) or (
             emitter_refusal(ctype, target) if target is not None else gate_refusal(ctype, hello))

@@ -22,14 +22,17 @@ from bridge.runtime import Health, Loop, Stopper, serve
 from bridge.services.relay.claims import Claims
 from bridge.services.relay.config import Principal, RelayConfig
 from bridge.services.relay.endpoints import HttpEndpoints
-from bridge.services.relay.hub import Hub, Subscription
-from bridge.services.relay.presence import Presence
+from bridge.nats.subjects import EVENTS_PREFIX
+from bridge.services.relay.hub import Hub, Item, Subscription
+from bridge.services.relay.presence import Presence, StoreUnavailable
 from bridge.services.relay.replicas import SharedClaims, SourceBindings, new_id
 from bridge.services.relay.routing import Router
-from bridge.services.relay.shared import MAX_REQUEST_LINE, Metrics, bearer, to_the_end
+from bridge.services.relay.shared import (MAX_REQUEST_LINE, AcceptErrors, ConnectionCap, Metrics, bearer,
+                                          local_request_problem, to_the_end)
 from bridge.services.relay.websocket import WebSocketSessions
 
 log = structlog.get_logger("relay")
+BACKLOG = 1024  # connections the kernel queues before the relay accepts them (aiohttp's default 128)
 
 
 class Relay(HttpEndpoints, WebSocketSessions):
@@ -56,7 +59,8 @@ class Relay(HttpEndpoints, WebSocketSessions):
         self.router = Router(js, self.hub, self.claims, self.presence, self.metrics, nc=nc, replica=self.replica,
                              shared=self.shared, bindings=SourceBindings(js) if js is not None else None)
         self.hub.listeners.append(self.router.on_item)
-        self.app = web.Application(client_max_size=cfg.max_body, middlewares=[self._logged])
+        self.hub.listeners.append(self._note_hermes)
+        self.app = web.Application(client_max_size=cfg.max_body, middlewares=[self._logged, self._same_machine])
         self.app.router.add_get("/healthz", self.healthz)
         self.app.router.add_get("/readyz", self.readyz)
         self.app.router.add_get("/metrics", self.metrics_page)
@@ -88,8 +92,42 @@ class Relay(HttpEndpoints, WebSocketSessions):
         headers = {"WWW-Authenticate": 'Bearer realm="aep"'} if status == 401 else None
         return web.json_response({"error": code, "detail": detail, **extra}, status=status, headers=headers)
 
+    @web.middleware
+    async def _same_machine(self, request: web.Request, handler: Any) -> Any:
+        """Without tokens (a loopback development relay) every request, the WebSocket's
+        upgrade included, comes from this machine's own clients: Host and Origin checked
+        (`shared.local_request_problem`; issue 44 item 5)."""
+        if not self.cfg.auth_required:
+            problem = local_request_problem(request.headers.get("Host"), request.headers.get("Origin"), self.cfg.host)
+            if problem:
+                return self.refuse(403, "unauthorized", problem)
+        return await handler(request)
+
     def principal(self, request: web.Request) -> Principal | None:
         return self.cfg.authenticate(bearer(request))
+
+    async def emit_refusal(self, who: Principal, event: dict[str, Any]) -> tuple[int, str, str] | None:
+        """Why ``who`` may not store ``event`` (status, code, detail), or None: its agent and
+        source must be the token's (`config.Principal`), and its session not a Hermes
+        session, whatever the token (its positions and commands are the bridge's pipeline's
+        and the gate's: `Presence.hermes_owned`)."""
+        refusal = who.emit_refusal(event)
+        if refusal:
+            return 403, "unauthorized", refusal
+        session = event.get("session")
+        if isinstance(session, str) and session:
+            try:
+                hermes = await self.presence.hermes_owned(session)
+            except StoreUnavailable as exc:
+                return 503, "unavailable", f"the relay could not read AEP_EVENTS: {exc}"
+            if hermes:
+                return 403, "unauthorized", "this session is a Hermes session: its events are the bridge's pipeline's"
+        return None
+
+    def _note_hermes(self, item: Item) -> None:
+        """Hub listener: a session with an event under aep.hermes.> is the bridge's."""
+        if item.session and item.subject.startswith(EVENTS_PREFIX + "."):
+            self.presence.note_hermes(item.session)
 
     async def _replay(self, sub: Subscription, start: Any, exhausted: Any) -> None:
         try:
@@ -125,14 +163,21 @@ class Relay(HttpEndpoints, WebSocketSessions):
         # the WebSocket run to their end all the same (`to_the_end`). max_line_size: a
         # `from` of MAX_FROM_POSITIONS positions fits an SSE request line (aiohttp's 8,190
         # bytes would answer a plain-text 400 before the relay can say limit-exceeded).
+        # keepalive_timeout: aiohttp closes a connection whose handler waits for a request this
+        # long, from the connection's start (headers sent slowly, or none) and between requests;
+        # lingering_time: how long it reads the rest of a body the handler did not (a 408 on a
+        # body sent slowly, a 413) before it closes
         runner = web.AppRunner(self.app, access_log=None, handle_signals=False, handler_cancellation=True,
-                               max_line_size=MAX_REQUEST_LINE)
+                               max_line_size=MAX_REQUEST_LINE, keepalive_timeout=self.cfg.request_timeout_s,
+                               lingering_time=self.cfg.request_timeout_s)
         await runner.setup()
+        assert runner.server is not None
+        ConnectionCap(self.cfg.max_connections_per_client, self.metrics).install(runner.server)
         ctx = None
         if self.cfg.tls_cert:
             ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
             ctx.load_cert_chain(self.cfg.tls_cert, self.cfg.tls_key)
-        site = web.TCPSite(runner, self.cfg.host, self.cfg.port, ssl_context=ctx, shutdown_timeout=2.0)
+        site = web.TCPSite(runner, self.cfg.host, self.cfg.port, ssl_context=ctx, shutdown_timeout=2.0, backlog=BACKLOG)
         try:
             await site.start()
         except OSError as exc:  # taken, or not an address here: a setting (exit 2, not a restart loop)
@@ -163,6 +208,8 @@ async def run_relay(settings: Settings, cfg: RelayConfig) -> int:
         nonlocal relay, runner
         nc = await connect_service(settings, name=f"aep-bridge-relay-{settings.instance}", role="relay")
         relay = Relay(cfg, nc.jetstream(), nc, settings.instance, health=health)
+        loop = asyncio.get_running_loop()
+        loop.set_exception_handler(AcceptErrors(loop, relay.metrics))
         runner = await relay.start()
         log.info("relay listening", url=cfg.url, auth="tokens" if cfg.auth_required else "none (loopback)",
                  replay_buffer=cfg.replay_buffer)

@@ -26,6 +26,7 @@ from bridge.services.relay.shared import MAX_FROM_POSITIONS, VERSIONS, decode as
 log = structlog.get_logger("relay")
 
 MAX_SUBS_PER_CONNECTION = 64
+WS_HEARTBEAT_S = 30.0
 
 
 class WebSocketSessions:
@@ -41,12 +42,15 @@ class WebSocketSessions:
     metrics: Any  # shared.Metrics
     sockets: set[web.WebSocketResponse]
     socket_subs: dict[web.WebSocketResponse, dict[str, Subscription]]
+    cfg: Any  # config.RelayConfig
 
     async def socket(self, request: web.Request) -> web.StreamResponse:
         who = self.principal(request)
         if who is None:
             return self.refuse(401, "unauthorized", "a bearer token is required")
-        ws = web.WebSocketResponse(max_msg_size=1 << 20, autoping=True)
+        # heartbeat: a ping every WS_HEARTBEAT_S, closed without a pong in half of it (a peer
+        # gone without a word: idle timeout; every AEP client library answers pings)
+        ws = web.WebSocketResponse(max_msg_size=1 << 20, autoping=True, heartbeat=WS_HEARTBEAT_S)
         await ws.prepare(request)
         self.sockets.add(ws)
         subs: dict[str, Subscription] = {}
@@ -62,7 +66,17 @@ class WebSocketSessions:
                 await ws.send_frame(obj if isinstance(obj, bytes) else _encode(obj), WSMsgType.TEXT)
 
         try:
-            async for msg in ws:
+            while True:
+                try:  # the hello within the request timeout: a connection that says nothing is closed
+                    msg = await ws.receive(timeout=None if role is not None else self.cfg.request_timeout_s)
+                except asyncio.TimeoutError:
+                    self.metrics.refusals.labels("hello-required").inc()
+                    await send({"type": "error", "code": "hello-required",
+                                "detail": f"no hello within {self.cfg.request_timeout_s:g} s"})
+                    await ws.close()
+                    break
+                if msg.type in (WSMsgType.CLOSE, WSMsgType.CLOSING, WSMsgType.CLOSED):
+                    break
                 if msg.type == WSMsgType.BINARY:
                     await send({"type": "error", "code": "invalid-frame", "detail": "binary frames are reserved in 0.1"})
                     await ws.close(code=1003)
@@ -97,6 +111,12 @@ class WebSocketSessions:
                     role = frame.get("role") if frame.get("role") in ("emitter", "consumer", "both") else "consumer"
                     if role in ("emitter", "both"):
                         claimant = Claimant.from_hello(send, frame, ws.close)
+                        refusal = who.agent_refusal(claimant.agent) if claimant.agent is not None else None
+                        if refusal:  # a roster entry shows the hello's identity: it is the token's
+                            self.metrics.refusals.labels("unauthorized").inc()
+                            await send({"type": "error", "code": "unauthorized", "detail": refusal})
+                            await ws.close()
+                            break
                         if claimant.declarations_size() > MAX_DECLARATIONS_BYTES:
                             self.metrics.refusals.labels("limit-exceeded").inc()
                             await send({"type": "error", "code": "limit-exceeded",
@@ -256,6 +276,9 @@ class WebSocketSessions:
             [(data, event)] = ingest.check_lines([raw])
         except ingest.InvalidEvent as exc:
             return await refuse("invalid-event", exc.detail)
+        refusal = await self.emit_refusal(who, event)
+        if refusal:
+            return await refuse(refusal[1], refusal[2])
         try:
             ack = await self.js.publish(ingest_subject(ingest.lane_of(event), event["type"]), data,
                                         headers={"Nats-Msg-Id": ingest.msg_id(event)})
@@ -301,7 +324,9 @@ class WebSocketSessions:
                 if isinstance(control, dict):
                     entry["control"] = control
                 entries.append(entry)
-        shadowed = {session for session, _ in live}  # a live Hermes session's name is the gate's alone
+        shadowed = {session for session, _ in live}
         remote = await self.shared.entries() if self.shared is not None else []
-        entries.extend(e for e in (*self.claims.entries(), *remote) if e.get("session") not in shadowed)
+        # a live Hermes session's name is the gate's alone, and a Hermes session is never an emitter's
+        entries.extend(e for e in (*self.claims.entries(), *remote)
+                       if e.get("session") not in shadowed and not self.presence.known_hermes(e.get("session")))
         await send({"type": "roster", "id": rid, "entries": entries})
