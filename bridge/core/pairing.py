@@ -177,7 +177,8 @@ from typing import Any, Callable, NamedTuple, Sequence
 import msgspec
 from msgspec import UNSET
 
-from bridge.core.aep import Event, Severity
+from bridge.core.aep import API_CALL_TYPE, USAGE_MEMBERS, Event, Severity
+from bridge.core.pricing import COST_MEMBERS, from_nanos, to_nanos
 from bridge.core.identity import AFTER_SLOT, MAPPED_SLOT, SLOTS, event_id, rfc3339, ulid_time_ms
 from bridge.core.lanes import UNKNOWN
 
@@ -359,6 +360,19 @@ class _Held(msgspec.Struct, array_like=True, gc=False):
     hints: dict[str, Any]
 
 
+class _Usage(msgspec.Struct, array_like=True, gc=False):
+    """The sums of one run's model calls so far (`_call`), until an end of the run carries them."""
+
+    calls: int = 0
+    tokens: list[int] = msgspec.field(default_factory=lambda: [-1] * len(USAGE_MEMBERS))  # -1: no call had it
+    currency: str = ""  # "" no call yet; NO_COST: a call without a cost, or in another currency
+    cost: list[int] = msgspec.field(default_factory=lambda: [0] * len(COST_MEMBERS))  # nano-units
+    seqs: list[int] = msgspec.field(default_factory=list)  # the calls counted (raw position: dedupe)
+
+
+NO_COST = "-"
+
+
 class _Session(msgspec.Struct, array_like=True, gc=False):
     source: str  # the source of its first event
     last: int  # stream time of its last event
@@ -371,6 +385,9 @@ class _Session(msgspec.Struct, array_like=True, gc=False):
     #: session), ascending, the last ``MAX_ENDS``; None before the first or in a snapshot of a
     #: release that kept only ``fin`` (see `_ends`). Nothing pairs across one of them.
     ends: list[int] | None = None
+    #: issue 40: run id -> the sums of its model calls (``x.hermes.api.call``) not yet carried by
+    #: an end of the run; None in a snapshot of a release before (decoded as no sums)
+    usage: dict[str, _Usage] | None = None
 
 
 MAX_ENDS = 8
@@ -590,6 +607,8 @@ class PairingState:
         else:
             role = ROLES.get(event.type)
             if role is None:
+                if event.type == API_CALL_TYPE:
+                    self._call(s, event)
                 out = [event]
             elif role[1] == START:
                 out = self._start(role[0], lane, s, event, h, ts)
@@ -874,6 +893,10 @@ class PairingState:
             self._delegate_returned(s, p.run, ts)
         subject, field = LINKS.get(ev.type, (False, None))
         changes: dict[str, Any] = {"cause": p.start}
+        if p.kind == RUN:  # the run's end: the sums of its calls not carried yet
+            totals = self._totals(s, p.key, ev.capture == "none")
+            if totals:
+                changes["data"] = {**_data(ev), **totals}
         if subject:
             changes["subject"] = p.start
         if field and ev.capture != "none" and field not in _data(ev):
@@ -904,7 +927,9 @@ class PairingState:
             return [self._as_run_closed(ev, None)]
         self._remember_run(s, latest.key)
         self._close(latest, ev.id, ENDED)
-        return [msgspec.structs.replace(ev, run=latest.key or UNSET, cause=latest.start)]
+        totals = self._totals(s, latest.key, ev.capture == "none")
+        data = {**_data(ev), **totals} if totals else ev.data
+        return [msgspec.structs.replace(ev, run=latest.key or UNSET, cause=latest.start, data=data)]
 
     @staticmethod
     def _as_run_closed(ev: Event, cause: str | None) -> Event:
@@ -952,6 +977,9 @@ class PairingState:
                 self._count("suppressed.run")
                 return [self._as_run_closed(ev, None)]
             self._remember_run(s, _run(ev))
+            totals = self._totals(s, _run(ev), ev.capture == "none")
+            if totals:
+                ev = msgspec.structs.replace(ev, data={**_data(ev), **totals})
         self._count(f"unmatched.{KINDS[kind]}")
         pair = _Pair(
             kind=kind,
@@ -1144,6 +1172,10 @@ class PairingState:
             severity = "warning"
         if p.capture_none:
             data = {k: v for k, v in data.items() if k not in ("latency_ms", "age_ms")}
+        if p.kind == RUN:  # a run the bridge closes carries the sums of its calls too
+            s = self._sessions.get(lane)
+            if s is not None:
+                data.update(self._totals(s, p.key, p.capture_none))
         event = self._insert(
             lane,
             at,
@@ -1189,6 +1221,66 @@ class PairingState:
             data=data,
             lane="unknown" if lane == UNKNOWN_KEY else UNSET,
         )
+
+    # ------------------------------------------------------------ model calls: run totals (issue 40)
+
+    def _call(self, s: _Session, ev: Event) -> None:
+        """Add one ``x.hermes.api.call`` to its run's sums, once: a call is known by its raw
+        position (``seq``; the id ring drops nearer repeats). A call of a run whose end already
+        went out is not added to anything (counted ``usage.late``): that end is published."""
+        run = _run(ev)
+        if not run or ev.capture == "none":
+            return
+        if self._run_ended(s, run):
+            self._count("usage.late")
+            return
+        if s.usage is None:
+            s.usage = {}
+        u = s.usage.get(run)
+        if u is None:
+            if len(s.usage) >= self.config.max_open:  # bounded: the oldest run's sums go
+                del s.usage[next(iter(s.usage))]
+                self._count("usage.dropped")
+            u = s.usage[run] = _Usage()
+        seq = _seq(ev)
+        if seq in u.seqs:
+            self._count("usage.duplicates")
+            return
+        u.seqs.append(seq)
+        u.calls += 1
+        data = _data(ev)
+        for i, (member, _) in enumerate(USAGE_MEMBERS):
+            v = data.get(member)
+            if isinstance(v, int) and not isinstance(v, bool) and v >= 0:
+                u.tokens[i] = max(u.tokens[i], 0) + v
+        cost = data.get("cost")
+        nanos = None
+        if isinstance(cost, dict) and isinstance(cost.get("currency"), str):
+            nanos = [to_nanos(cost.get(m, 0)) for m in COST_MEMBERS]
+        if nanos is None or None in nanos or (u.currency and u.currency != cost["currency"]):
+            u.currency = NO_COST
+        elif u.currency != NO_COST:
+            u.currency = cost["currency"]
+            u.cost = [a + b for a, b in zip(u.cost, nanos)]  # type: ignore[operator]
+
+    def _totals(self, s: _Session, run: str, capture_none: bool) -> dict[str, Any]:
+        """The members an end of ``run`` carries (and forgets): the sums over its calls so far,
+        ``model_calls``; ``cost`` only when every call had one, in one currency. Nothing at
+        capture none, or when no call was counted."""
+        u = s.usage.pop(run, None) if s.usage else None
+        if s.usage is not None and not s.usage:
+            s.usage = None
+        if u is None or capture_none:
+            return {}
+        out: dict[str, Any] = {}
+        for (member, _), n in zip(USAGE_MEMBERS, u.tokens):
+            if n >= 0:
+                out[member] = n
+        if u.currency and u.currency != NO_COST:
+            out["cost"] = {"currency": u.currency, **{m: from_nanos(n) for m, n in zip(COST_MEMBERS, u.cost)}}
+        out["model_calls"] = u.calls
+        self._count("usage.runs")
+        return out
 
     # ------------------------------------------------------------ small helpers
 
