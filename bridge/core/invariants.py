@@ -6,7 +6,7 @@ Used by the tests and by ``aep-bridge verify``; the pairing state machine itself
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 from msgspec import UNSET
 
@@ -125,3 +125,104 @@ def check_invariants(
 
 
 __all__ = ["CARD_ENDINGS", "CARD_FOLLOW_UPS", "RUN_TERMINALS", "SESSION_ENDS", "START_OF", "check_invariants"]
+
+
+# ---------------------------------------------------------------- issue 40: run totals
+
+
+class UsageCheck(NamedTuple):
+    problems: list[str]
+    runs: int  # runs whose ends carry totals, checked
+    calls: int  # model calls counted in those totals
+    late: int  # model calls published after their run's last end (in no total: the end was out)
+
+
+def _usage_row(data: dict[str, Any]) -> list[int]:
+    from bridge.core.aep import USAGE_MEMBERS
+
+    row = []
+    for member, _ in USAGE_MEMBERS:
+        v = data.get(member, 0)
+        row.append(v if isinstance(v, int) and not isinstance(v, bool) else 0)
+    return row
+
+
+def _cost_row(data: dict[str, Any]) -> tuple[str, list[int]] | None:
+    from bridge.core.pricing import COST_MEMBERS, to_nanos
+
+    cost = data.get("cost")
+    if not isinstance(cost, dict) or not isinstance(cost.get("currency"), str):
+        return None
+    nanos = [to_nanos(cost.get(m, 0)) for m in COST_MEMBERS]
+    if any(n is None for n in nanos):
+        return None
+    return cost["currency"], nanos  # type: ignore[return-value]
+
+
+def is_run_end(e: Event) -> bool:
+    """A run's end: its terminal, or the ``x.hermes.pairing.orphaned`` the bridge closed it with."""
+    return e.type in RUN_TERMINALS or (e.type == "x.hermes.pairing.orphaned" and (e.data or {}).get("kind") == "run")
+
+
+def check_usage(events: list[Event], call_type: str = "x.hermes.api.call") -> UsageCheck:
+    """Every model call counted once in its run's totals (issue 40), over an output stream in
+    stream order (distinct event ids): per (session, run), the ends of the run together carry
+    ``model_calls`` = the number of its calls published before its last end, and each
+    ``gen_ai.usage.*`` member = their sum; when every end carries a ``cost`` and every such call
+    had one in that currency, the cost members (in nano-units, exact) are their sums too. A
+    call published after its run's last end is in no total (pairing had published the end):
+    counted ``late``, not a problem. Runs with an end at capture ``none`` carry no totals and
+    are skipped, like calls at capture ``none``."""
+    last_end: dict[tuple[Any, Any], int] = {}
+    for i, e in enumerate(events):
+        if e.run and is_run_end(e):
+            last_end[(e.session, e.run)] = i
+    carried: dict[tuple[Any, Any], list[int]] = {}
+    carried_cost: dict[tuple[Any, Any], list[tuple[str, list[int]] | None]] = {}
+    counted: dict[tuple[Any, Any], list[int]] = {}
+    counted_cost: dict[tuple[Any, Any], list[tuple[str, list[int]] | None]] = {}
+    skip: set[tuple[Any, Any]] = set()
+    late = 0
+    for i, e in enumerate(events):
+        if not e.run:
+            continue
+        key = (e.session, e.run)
+        data = e.data or {}
+        if is_run_end(e):
+            if e.capture == "none":
+                skip.add(key)
+            elif "model_calls" in data:
+                calls = data["model_calls"] if isinstance(data["model_calls"], int) else -1
+                carried[key] = [a + b for a, b in zip(carried.get(key, [0] * 6), [calls, *_usage_row(data)])]
+                carried_cost.setdefault(key, []).append(_cost_row(data))
+        elif e.type == call_type and e.capture != "none":
+            end = last_end.get(key)
+            if end is None:  # a run with no end (yet): in no total, nothing to check
+                continue
+            if i > end:
+                late += 1
+                continue
+            counted[key] = [a + b for a, b in zip(counted.get(key, [0] * 6), [1, *_usage_row(data)])]
+            counted_cost.setdefault(key, []).append(_cost_row(data))
+    problems: list[str] = []
+    runs = calls = 0
+    for key in sorted(set(carried) | set(counted), key=str):
+        if key in skip or key not in last_end:
+            continue
+        got, want = carried.get(key, [0] * 6), counted.get(key, [0] * 6)
+        runs += 1
+        calls += want[0]
+        if got != want:
+            problems.append(f"run {key[1]} of {key[0]}: its ends carry calls+tokens {got}, its calls sum to {want}")
+            continue
+        ends, parts = carried_cost.get(key, []), counted_cost.get(key, [])
+        if ends and all(c is not None for c in ends):
+            currencies = {c[0] for c in ends} | {p[0] for p in parts if p is not None}
+            if any(p is None for p in parts) or len(currencies) != 1:
+                problems.append(f"run {key[1]} of {key[0]}: a cost although not every call had one in one currency")
+                continue
+            got_cost = [sum(c[1][j] for c in ends) for j in range(5)]  # type: ignore[index]
+            want_cost = [sum(p[1][j] for p in parts) for j in range(5)]  # type: ignore[index]
+            if got_cost != want_cost:
+                problems.append(f"run {key[1]} of {key[0]}: cost (nano-units) {got_cost}, its calls sum to {want_cost}")
+    return UsageCheck(problems, runs, calls, late)
