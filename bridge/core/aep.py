@@ -138,6 +138,8 @@ USAGE_MEMBERS = (
     ("gen_ai.usage.reasoning.output_tokens", "reasoning_tokens"),
 )
 API_CALL_TYPE = "x.hermes.api.call"
+#: pairing: a run's totals amended by a model call that reached it after the run's end
+RUN_USAGE_TYPE = "x.hermes.run.usage"
 
 
 class HermesApiCall(Usage, kw_only=True):
@@ -408,6 +410,10 @@ PAYLOAD_TYPES: dict[str, type[_Payload]] = {
     "x.hermes.session.reset": HermesSessionReset,
     "x.hermes.api.error": HermesApiError,
     API_CALL_TYPE: HermesApiCall,
+    # A model call that reached pairing after its run's end: the run's totals, amended (pairing
+    # inserts it right after that call; `cause` = the run's end). The last totals of a run stated
+    # (its end or this) are its total.
+    RUN_USAGE_TYPE: RunTotals,
     "x.hermes.session.finalized": HermesSessionFinalized,
     "x.hermes.run.closed": HermesRunClosed,
     "x.hermes.pairing.orphaned": HermesOrphaned,

@@ -132,9 +132,13 @@ __all__ = ["CARD_ENDINGS", "CARD_FOLLOW_UPS", "RUN_TERMINALS", "SESSION_ENDS", "
 
 class UsageCheck(NamedTuple):
     problems: list[str]
-    runs: int  # runs whose ends carry totals, checked
-    calls: int  # model calls counted in those totals
-    late: int  # model calls published after their run's last end (in no total: the end was out)
+    runs: int  # runs with an end, checked
+    calls: int  # model calls counted in their run's last totals
+    late: int  # model calls published after their run's last totals (in no total)
+    amended: int  # x.hermes.run.usage events (a call that reached pairing after its run's end)
+
+
+RUN_USAGE = "x.hermes.run.usage"
 
 
 def _usage_row(data: dict[str, Any]) -> list[int]:
@@ -166,63 +170,62 @@ def is_run_end(e: Event) -> bool:
 
 def check_usage(events: list[Event], call_type: str = "x.hermes.api.call") -> UsageCheck:
     """Every model call counted once in its run's totals (issue 40), over an output stream in
-    stream order (distinct event ids): per (session, run), the ends of the run together carry
-    ``model_calls`` = the number of its calls published before its last end, and each
-    ``gen_ai.usage.*`` member = their sum; when every end carries a ``cost`` and every such call
-    had one in that currency, the cost members (in nano-units, exact) are their sums too. A
-    call published after its run's last end is in no total (pairing had published the end):
-    counted ``late``, not a problem. Runs with an end at capture ``none`` carry no totals and
-    are skipped, like calls at capture ``none``."""
-    last_end: dict[tuple[Any, Any], int] = {}
-    for i, e in enumerate(events):
-        if e.run and is_run_end(e):
-            last_end[(e.session, e.run)] = i
-    carried: dict[tuple[Any, Any], list[int]] = {}
-    carried_cost: dict[tuple[Any, Any], list[tuple[str, list[int]] | None]] = {}
-    counted: dict[tuple[Any, Any], list[int]] = {}
-    counted_cost: dict[tuple[Any, Any], list[tuple[str, list[int]] | None]] = {}
-    skip: set[tuple[Any, Any]] = set()
-    late = 0
-    for i, e in enumerate(events):
+    stream order (distinct event ids). Every statement of a run's totals (each end of the run:
+    its terminal, the ``x.hermes.pairing.orphaned`` closing it; and each ``x.hermes.run.usage``
+    amendment) must equal the sums over the run's ``x.hermes.api.call`` events published before
+    it: ``model_calls`` their number, each ``gen_ai.usage.*`` member their sum, and ``cost``
+    (exact, in nano-units) their sum when every one of them had a cost in one currency, else no
+    ``cost``. A call published after its run's last statement is in no total: counted ``late``
+    (pairing had forgotten the run), not a problem. Runs with an end at capture ``none`` carry
+    no totals and are skipped, like calls at capture ``none``."""
+    Key = tuple[Any, Any]
+    sums: dict[Key, list[int]] = {}
+    costs: dict[Key, tuple[str, list[int]] | None] = {}  # None: a call without a cost / mixed currencies
+    ids: dict[Key, list[str]] = {}
+    stated: dict[Key, int] = {}  # calls covered by the run's last statement
+    skip: set[Key] = set()
+    problems: list[tuple[Key, str]] = []
+    amended = 0
+    for e in events:
         if not e.run:
             continue
         key = (e.session, e.run)
         data = e.data or {}
-        if is_run_end(e):
+        if e.type == call_type:
             if e.capture == "none":
-                skip.add(key)
-            elif "model_calls" in data:
-                calls = data["model_calls"] if isinstance(data["model_calls"], int) else -1
-                carried[key] = [a + b for a, b in zip(carried.get(key, [0] * 6), [calls, *_usage_row(data)])]
-                carried_cost.setdefault(key, []).append(_cost_row(data))
-        elif e.type == call_type and e.capture != "none":
-            end = last_end.get(key)
-            if end is None:  # a run with no end (yet): in no total, nothing to check
                 continue
-            if i > end:
-                late += 1
-                continue
-            counted[key] = [a + b for a, b in zip(counted.get(key, [0] * 6), [1, *_usage_row(data)])]
-            counted_cost.setdefault(key, []).append(_cost_row(data))
-    problems: list[str] = []
-    runs = calls = 0
-    for key in sorted(set(carried) | set(counted), key=str):
-        if key in skip or key not in last_end:
+            sums[key] = [a + b for a, b in zip(sums.get(key, [0] * 6), [1, *_usage_row(data)])]
+            ids.setdefault(key, []).append(e.id)
+            c = _cost_row(data)
+            if key not in costs:
+                costs[key] = c
+            elif costs[key] is not None:
+                prev = costs[key]
+                costs[key] = None if c is None or c[0] != prev[0] else (c[0], [a + b for a, b in zip(prev[1], c[1])])  # type: ignore[index]
             continue
-        got, want = carried.get(key, [0] * 6), counted.get(key, [0] * 6)
-        runs += 1
-        calls += want[0]
+        statement = is_run_end(e) or e.type == RUN_USAGE
+        if not statement:
+            continue
+        if e.capture == "none":
+            skip.add(key)
+            continue
+        amended += e.type == RUN_USAGE
+        want = sums.get(key, [0] * 6)
+        got = [data.get("model_calls", 0) if isinstance(data.get("model_calls", 0), int) else -1, *_usage_row(data)]
+        stated[key] = want[0]
         if got != want:
-            problems.append(f"run {key[1]} of {key[0]}: its ends carry calls+tokens {got}, its calls sum to {want}")
+            problems.append((key, f"{e.type} {e.id} of run {e.run} ({e.session}): calls+tokens {got}, "
+                                  f"its {want[0]} calls so far sum to {want}"))
             continue
-        ends, parts = carried_cost.get(key, []), counted_cost.get(key, [])
-        if ends and all(c is not None for c in ends):
-            currencies = {c[0] for c in ends} | {p[0] for p in parts if p is not None}
-            if any(p is None for p in parts) or len(currencies) != 1:
-                problems.append(f"run {key[1]} of {key[0]}: a cost although not every call had one in one currency")
-                continue
-            got_cost = [sum(c[1][j] for c in ends) for j in range(5)]  # type: ignore[index]
-            want_cost = [sum(p[1][j] for p in parts) for j in range(5)]  # type: ignore[index]
-            if got_cost != want_cost:
-                problems.append(f"run {key[1]} of {key[0]}: cost (nano-units) {got_cost}, its calls sum to {want_cost}")
-    return UsageCheck(problems, runs, calls, late)
+        have = _cost_row(data)
+        owed = costs.get(key) if want[0] else None
+        if (have is None) != (owed is None) or (have is not None and have != owed):
+            problems.append((key, f"{e.type} {e.id} of run {e.run} ({e.session}): cost {have}, its calls so far: {owed}"))
+    runs = calls = late = 0
+    for key, n in stated.items():
+        if key in skip:
+            continue
+        runs += 1
+        calls += n
+        late += sums.get(key, [0])[0] - n
+    return UsageCheck([text for key, text in problems if key not in skip], runs, calls, late, amended)

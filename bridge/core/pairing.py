@@ -177,7 +177,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 import msgspec
 from msgspec import UNSET
 
-from bridge.core.aep import API_CALL_TYPE, USAGE_MEMBERS, Event, Severity
+from bridge.core.aep import API_CALL_TYPE, RUN_USAGE_TYPE, USAGE_MEMBERS, Event, Severity
 from bridge.core.pricing import COST_MEMBERS, from_nanos, to_nanos
 from bridge.core.identity import AFTER_SLOT, MAPPED_SLOT, SLOTS, event_id, rfc3339, ulid_time_ms
 from bridge.core.lanes import UNKNOWN
@@ -332,6 +332,19 @@ class PairingConfig:
 # ---------------------------------------------------------------- state (msgspec structs: compact, and the snapshot format)
 
 
+class _Usage(msgspec.Struct, array_like=True, gc=False):
+    """The sums of one run's model calls so far (`_call`), until an end of the run carries them."""
+
+    calls: int = 0
+    tokens: list[int] = msgspec.field(default_factory=lambda: [-1] * len(USAGE_MEMBERS))  # -1: no call had it
+    currency: str = ""  # "" no call yet; NO_COST: a call without a cost, or in another currency
+    cost: list[int] = msgspec.field(default_factory=lambda: [0] * len(COST_MEMBERS))  # nano-units
+    seqs: list[int] = msgspec.field(default_factory=list)  # the calls counted (raw position: dedupe)
+
+
+NO_COST = "-"
+
+
 class _Pair(msgspec.Struct, array_like=True, gc=False):
     kind: int
     key: str
@@ -350,6 +363,9 @@ class _Pair(msgspec.Struct, array_like=True, gc=False):
     # Fields added after the first release (a snapshot without them decodes with these defaults):
     due: int = 0  # a stream-time deadline set by an event (session end, delegate returned); 0 = none
     why: str = ""  # the closure reason at ``due``: session_end | delegate_returned
+    #: a closed run: the sums of its model calls its end carried, kept while the pair is
+    #: remembered (``recent_ns``) so a call arriving after the end amends them (issue 40)
+    use: _Usage | None = None
 
 
 class _Held(msgspec.Struct, array_like=True, gc=False):
@@ -360,17 +376,6 @@ class _Held(msgspec.Struct, array_like=True, gc=False):
     hints: dict[str, Any]
 
 
-class _Usage(msgspec.Struct, array_like=True, gc=False):
-    """The sums of one run's model calls so far (`_call`), until an end of the run carries them."""
-
-    calls: int = 0
-    tokens: list[int] = msgspec.field(default_factory=lambda: [-1] * len(USAGE_MEMBERS))  # -1: no call had it
-    currency: str = ""  # "" no call yet; NO_COST: a call without a cost, or in another currency
-    cost: list[int] = msgspec.field(default_factory=lambda: [0] * len(COST_MEMBERS))  # nano-units
-    seqs: list[int] = msgspec.field(default_factory=list)  # the calls counted (raw position: dedupe)
-
-
-NO_COST = "-"
 
 
 class _Session(msgspec.Struct, array_like=True, gc=False):
@@ -607,9 +612,9 @@ class PairingState:
         else:
             role = ROLES.get(event.type)
             if role is None:
-                if event.type == API_CALL_TYPE:
-                    self._call(s, event)
                 out = [event]
+                if event.type == API_CALL_TYPE:
+                    out += self._call(lane, s, event)
             elif role[1] == START:
                 out = self._start(role[0], lane, s, event, h, ts)
             else:
@@ -893,8 +898,8 @@ class PairingState:
             self._delegate_returned(s, p.run, ts)
         subject, field = LINKS.get(ev.type, (False, None))
         changes: dict[str, Any] = {"cause": p.start}
-        if p.kind == RUN:  # the run's end: the sums of its calls not carried yet
-            totals = self._totals(s, p.key, ev.capture == "none")
+        if p.kind == RUN:  # the run's end: the sums of its calls
+            totals = self._settle(s, p, ev.capture == "none")
             if totals:
                 changes["data"] = {**_data(ev), **totals}
         if subject:
@@ -927,7 +932,7 @@ class PairingState:
             return [self._as_run_closed(ev, None)]
         self._remember_run(s, latest.key)
         self._close(latest, ev.id, ENDED)
-        totals = self._totals(s, latest.key, ev.capture == "none")
+        totals = self._settle(s, latest, ev.capture == "none")
         data = {**_data(ev), **totals} if totals else ev.data
         return [msgspec.structs.replace(ev, run=latest.key or UNSET, cause=latest.start, data=data)]
 
@@ -977,9 +982,6 @@ class PairingState:
                 self._count("suppressed.run")
                 return [self._as_run_closed(ev, None)]
             self._remember_run(s, _run(ev))
-            totals = self._totals(s, _run(ev), ev.capture == "none")
-            if totals:
-                ev = msgspec.structs.replace(ev, data={**_data(ev), **totals})
         self._count(f"unmatched.{KINDS[kind]}")
         pair = _Pair(
             kind=kind,
@@ -997,6 +999,10 @@ class PairingState:
             s.pairs = []
         s.pairs.append(pair)
         self._trim(s)
+        if kind == RUN:  # a run end released without its start still carries its calls' sums
+            totals = self._settle(s, pair, ev.capture == "none")
+            if totals:
+                ev = msgspec.structs.replace(ev, data={**_data(ev), **totals})
         return [self._unmatched(ev, h or {}) if kind == CARD else ev]
 
     @staticmethod
@@ -1175,7 +1181,7 @@ class PairingState:
         if p.kind == RUN:  # a run the bridge closes carries the sums of its calls too
             s = self._sessions.get(lane)
             if s is not None:
-                data.update(self._totals(s, p.key, p.capture_none))
+                data.update(self._settle(s, p, p.capture_none))
         event = self._insert(
             lane,
             at,
@@ -1224,16 +1230,31 @@ class PairingState:
 
     # ------------------------------------------------------------ model calls: run totals (issue 40)
 
-    def _call(self, s: _Session, ev: Event) -> None:
-        """Add one ``x.hermes.api.call`` to its run's sums, once: a call is known by its raw
-        position (``seq``; the id ring drops nearer repeats). A call of a run whose end already
-        went out is not added to anything (counted ``usage.late``): that end is published."""
+    def _call(self, lane: str, s: _Session, ev: Event) -> list[Event]:
+        """Count one ``x.hermes.api.call`` in its run's sums, once (known by its raw position,
+        ``seq``; the id ring drops nearer repeats). While the run is open the sums wait for its
+        end (`_settle`). A call that reaches pairing after its run's end (a mapper replica that
+        died holding it: redelivered one ack wait later) amends them: right after the call goes
+        ``x.hermes.run.usage`` with the run's new totals (``cause`` = the end), as long as the
+        closed run is remembered (``recent_ns``); later than that it is in no total (counted
+        ``usage.late``)."""
         run = _run(ev)
         if not run or ev.capture == "none":
-            return
+            return []
+        closed = self._closed_run(s, run)
+        if closed is not None:
+            if closed.use is None:
+                closed.use = _Usage()
+            if not self._add_call(closed.use, ev):
+                self._count("usage.duplicates")
+                return []
+            self._count("usage.amended")
+            at = _At(ev.source, _epoch(ev), _seq(ev), AFTER_INSERT_SLOT, ev.id + "/usage", ulid_time_ms(ev.id), ev.time)
+            return [self._insert(lane, at, etype=RUN_USAGE_TYPE, data=self._members(closed.use), run=run,
+                                 subject="", cause=closed.end, capture_none=False)]
         if self._run_ended(s, run):
             self._count("usage.late")
-            return
+            return []
         if s.usage is None:
             s.usage = {}
         u = s.usage.get(run)
@@ -1242,10 +1263,24 @@ class PairingState:
                 del s.usage[next(iter(s.usage))]
                 self._count("usage.dropped")
             u = s.usage[run] = _Usage()
+        if not self._add_call(u, ev):
+            self._count("usage.duplicates")
+        return []
+
+    @staticmethod
+    def _closed_run(s: _Session, run: str) -> _Pair | None:
+        """The run's pair when it has ended (by its terminal or by the bridge) and is remembered."""
+        found = None
+        for p in s.pairs or ():
+            if p.kind == RUN and p.key == run and p.state != OPEN and (found is None or p.closed >= found.closed):
+                found = p
+        return found
+
+    @staticmethod
+    def _add_call(u: _Usage, ev: Event) -> bool:
         seq = _seq(ev)
         if seq in u.seqs:
-            self._count("usage.duplicates")
-            return
+            return False
         u.seqs.append(seq)
         u.calls += 1
         data = _data(ev)
@@ -1262,16 +1297,37 @@ class PairingState:
         elif u.currency != NO_COST:
             u.currency = cost["currency"]
             u.cost = [a + b for a, b in zip(u.cost, nanos)]  # type: ignore[operator]
+        return True
 
-    def _totals(self, s: _Session, run: str, capture_none: bool) -> dict[str, Any]:
-        """The members an end of ``run`` carries (and forgets): the sums over its calls so far,
-        ``model_calls``; ``cost`` only when every call had one, in one currency. Nothing at
-        capture none, or when no call was counted."""
-        u = s.usage.pop(run, None) if s.usage else None
+    def _settle(self, s: _Session, p: _Pair, capture_none: bool) -> dict[str, Any]:
+        """A run's end: its calls' sums so far move into its pair (where a late call amends them);
+        the members the end carries: the run's totals so far (every end of a run states all its
+        calls counted until then, so the last one stated is the run's total)."""
+        u = s.usage.pop(p.key, None) if s.usage and p.key else None
         if s.usage is not None and not s.usage:
             s.usage = None
-        if u is None or capture_none:
+        if u is not None:
+            if p.use is None:
+                p.use = u
+            else:  # (calls of a run already closed once go to its pair; merged for safety)
+                for seq in u.seqs:
+                    if seq not in p.use.seqs:
+                        p.use.seqs.append(seq)
+                p.use.calls += u.calls
+                p.use.tokens = [max(a, 0) + max(b, 0) if max(a, b) >= 0 else -1 for a, b in zip(p.use.tokens, u.tokens)]
+                p.use.cost = [a + b for a, b in zip(p.use.cost, u.cost)]
+                p.use.currency = p.use.currency if p.use.currency == u.currency else NO_COST
+        elif p.use is None:
+            p.use = _Usage()
+        if capture_none or not p.use.calls:
             return {}
+        self._count("usage.runs")
+        return self._members(p.use)
+
+    @staticmethod
+    def _members(u: _Usage) -> dict[str, Any]:
+        """``gen_ai.usage.*`` (a member when at least one call had it), ``cost`` (only when every
+        call had one, in one currency), ``model_calls``."""
         out: dict[str, Any] = {}
         for (member, _), n in zip(USAGE_MEMBERS, u.tokens):
             if n >= 0:
@@ -1279,7 +1335,6 @@ class PairingState:
         if u.currency and u.currency != NO_COST:
             out["cost"] = {"currency": u.currency, **{m: from_nanos(n) for m, n in zip(COST_MEMBERS, u.cost)}}
         out["model_calls"] = u.calls
-        self._count("usage.runs")
         return out
 
     # ------------------------------------------------------------ small helpers

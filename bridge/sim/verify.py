@@ -30,12 +30,13 @@ BRIDGE_MAPPED, BRIDGE_DLQ and AEP_EVENTS and check:
    ``attention.answered`` (followed by ``attention.resolved {answered}``) or an
    ``attention.timeout`` on the session its ``turn_id`` names, whose ``subject`` is a
    request of that session, and that request is never closed ``dismissed``.
-4c. **Run totals** (`bridge.core.invariants.check_usage`, issue 40): per run, its ends
-   (terminal, or the ``x.hermes.pairing.orphaned`` closing it) carry ``model_calls`` and
-   ``gen_ai.usage.*`` equal to the sums over its ``x.hermes.api.call`` events published before
-   its last end, and the cost (exact, in nano-units) when every call had one: no call counted
-   twice or left out. A call published after its run's end is reported (``late``), not a
-   violation: pairing had published the end.
+4c. **Run totals** (`bridge.core.invariants.check_usage`, issue 40): every statement of a
+   run's totals (its terminal, the ``x.hermes.pairing.orphaned`` closing it, an
+   ``x.hermes.run.usage`` amendment pairing inserts after a call that reached it after the
+   run's end) carries ``model_calls`` and ``gen_ai.usage.*`` equal to the sums over the run's
+   ``x.hermes.api.call`` events published before it, and the cost (exact, in nano-units) when
+   every one had a cost: no call counted twice or left out. A call published after its run's
+   last statement (pairing no longer remembered the run) is reported as ``late``.
 5. **Schema validity** of every AEP event (``bridge.core.schemas.generate`` + jsonschema).
 6. **No canary** of the manifest anywhere (bodies and headers) in AEP_EVENTS,
    BRIDGE_MAPPED or BRIDGE_DLQ: HERMES_RAW is the only place a secret may be.
@@ -229,6 +230,7 @@ class Report:
     usage_runs: int = 0
     usage_calls: int = 0
     usage_late: int = 0
+    usage_amended: int = 0
     usage_problems: list[str] = field(default_factory=list)
     usage_count: int = 0
     schema_problems: list[str] = field(default_factory=list)
@@ -300,7 +302,8 @@ class Report:
         for x in self.approval_problems[:MAX_EXAMPLES]:
             add(f"      {x}")
         add(f"  run totals   {self.usage_count} problems in {self.usage_runs} runs ({self.usage_calls} model calls counted "
-            f"once each); {self.usage_late} calls after their run's end (in no total)")
+            f"once each; {self.usage_amended} totals amended by a call after its run's end); "
+            f"{self.usage_late} calls in no total")
         for x in self.usage_problems[:MAX_EXAMPLES]:
             add(f"      {x}")
         add(f"  schema       {self.schema_count} invalid of {self.schema_checked} checked")
@@ -712,7 +715,7 @@ class Verifier:
         rep.approvals_checked = sum(1 for eid in expected if eid in self.aep_ids)
         rep.approval_count, rep.approval_problems = len(approvals), approvals[:MAX_EXAMPLES]
         usage = check_usage(self.events)
-        rep.usage_runs, rep.usage_calls, rep.usage_late = usage.runs, usage.calls, usage.late
+        rep.usage_runs, rep.usage_calls, rep.usage_late, rep.usage_amended = usage.runs, usage.calls, usage.late, usage.amended
         rep.usage_count, rep.usage_problems = len(usage.problems), usage.problems[:MAX_EXAMPLES]
         rep.schema_count, rep.schema_problems, rep.schema_checked = self.schema_count, self.schema_problems, self.schema_checked
         rep.canary_count, rep.canary_hits = self.canary_count, self.canary_hits
