@@ -44,7 +44,7 @@ from bridge.core.digest import digest
 from bridge.core.envelope import EnvelopeError, HermesEnvelope
 from bridge.core.identity import MAPPED_SLOT, MAX_MAPPED, Origin, rfc3339, source_uri
 from bridge.core.lanes import UNKNOWN, LaneLookup, Learned, lane_of, learned_from
-from bridge.core.pricing import PriceTable, cost_of
+from bridge.core.pricing import NANOS, PriceTable, cost_nanos
 
 Spec = tuple[str, aep._Payload, str | None]  # (type, payload, subject)
 Builder = Callable[[HermesEnvelope, "Ctx"], list[Spec]]
@@ -484,8 +484,10 @@ def _api_call(env: HermesEnvelope, ctx: Ctx) -> list[Spec]:
                 ctx.unpriced = []
             ctx.unpriced.append(model or response_model or "unknown")
         elif not bad:  # never the cost of a partial count
-            members = cost_of(prices, {key: counts.get(name, 0) for name, key in USAGE_BUCKETS})
-            cost = aep.Cost(currency=ctx.prices.currency, **{k: float(v) for k, v in members.items()})
+            n = cost_nanos(prices, {key: counts.get(name, 0) for name, key in USAGE_BUCKETS})
+            cost = aep.Cost(currency=ctx.prices.currency, total=n["total"] / NANOS, prompt=n["prompt"] / NANOS,
+                            completion=n["completion"] / NANOS, cache=n["cache"] / NANOS,
+                            reasoning=n["reasoning"] / NANOS)
     payload = aep.HermesApiCall(
         request_model=model,
         response_model=response_model,

@@ -21,6 +21,8 @@ The arithmetic (exact: `Decimal`, never binary floats):
   ``prompt = input * p.input``, ``cache = cache_read * p.cache_read + cache_write * p.cache_write``,
   ``reasoning = reasoning * p.reasoning``, ``completion = max(output - reasoning, 0) * p.output``
   (all prices per 1,000,000 tokens; a bucket the call did not report counts 0).
+* The arithmetic is exact: each price is the decimal the table wrote (``2.5`` is 25/10, never a
+  binary float), held as an integer numerator and denominator of nano-units per token.
 * Each member is rounded to ``1e-9`` of the currency unit (`QUANTUM`, half-even), and
   ``total`` is the sum of the four rounded members, so ``total == prompt + completion + cache
   + reasoning`` holds exactly in nano-units, and a run's sums (pairing adds nano-units) are
@@ -34,6 +36,7 @@ import math
 import re
 from dataclasses import dataclass
 from decimal import ROUND_HALF_EVEN, Decimal
+from functools import cached_property
 from typing import Any, Mapping
 
 #: price keys of a model's row, per 1,000,000 tokens
@@ -42,6 +45,7 @@ PRICE_KEYS = ("input", "output", "cache_read", "cache_write", "reasoning")
 COST_MEMBERS = ("total", "prompt", "completion", "cache", "reasoning")
 QUANTUM = Decimal("1e-9")
 NANOS = 10**9
+FAST_BELOW = 1e6  # cost members below this many units are read back by float arithmetic (`to_nanos`)
 MILLION = Decimal(1_000_000)
 #: a price above this per 1,000,000 tokens is taken for a typo (and keeps the figures in range)
 MAX_PRICE = Decimal(1_000_000)
@@ -60,6 +64,20 @@ class Prices:
     cache_read: Decimal = Decimal(0)
     cache_write: Decimal = Decimal(0)
     reasoning: Decimal = Decimal(0)
+
+    @cached_property
+    def scaled(self) -> tuple[tuple[int, int], ...]:
+        """Each price (`PRICE_KEYS` order) as (numerator, denominator) of nano-units per token:
+        ``price / 10**6 * 10**9`` = ``digits * 1000 / 10**decimals``, exact integers."""
+        out = []
+        for key in PRICE_KEYS:
+            _, digits, exp = getattr(self, key).as_tuple()
+            num = int("".join(map(str, digits)) or "0") * 1000
+            if exp >= 0:  # type: ignore[operator]
+                out.append((num * 10**exp, 1))  # type: ignore[operator]
+            else:
+                out.append((num, 10 ** -exp))  # type: ignore[operator]
+        return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -116,20 +134,33 @@ def parse_price_table(doc: Any, where: str = "price table") -> PriceTable:
     return PriceTable(currency=currency, models=table)
 
 
-def _q(value: Decimal) -> Decimal:
-    return value.quantize(QUANTUM, rounding=ROUND_HALF_EVEN)
+def _round(num: int, den: int) -> int:
+    """num / den rounded half to even (non-negative integers)."""
+    q, r = divmod(num, den)
+    if 2 * r > den or (2 * r == den and q & 1):
+        q += 1
+    return q
+
+
+def cost_nanos(prices: Prices, tokens: Mapping[str, int]) -> dict[str, int]:
+    """The cost members of one call in nano-units of the currency, from its token buckets
+    (``input``, ``output``, ``cache_read``, ``cache_write``, ``reasoning``; missing = 0): exact
+    integer arithmetic on the table's decimal prices, each member rounded half to even
+    (module docstring); ``total`` the sum of the rounded members."""
+    (i_n, i_d), (o_n, o_d), (r_n, r_d), (w_n, w_d), (z_n, z_d) = prices.scaled
+    reasoning_tokens = tokens.get("reasoning", 0)
+    prompt = _round(tokens.get("input", 0) * i_n, i_d)
+    completion = _round(max(tokens.get("output", 0) - reasoning_tokens, 0) * o_n, o_d)
+    den = r_d * w_d  # the two cache prices over one denominator: one rounding for the member
+    cache = _round(tokens.get("cache_read", 0) * r_n * w_d + tokens.get("cache_write", 0) * w_n * r_d, den)
+    reasoning = _round(reasoning_tokens * z_n, z_d)
+    return {"total": prompt + completion + cache + reasoning, "prompt": prompt, "completion": completion,
+            "cache": cache, "reasoning": reasoning}
 
 
 def cost_of(prices: Prices, tokens: Mapping[str, int]) -> dict[str, Decimal]:
-    """The cost members of one call from its token buckets (``input``, ``output``,
-    ``cache_read``, ``cache_write``, ``reasoning``; missing = 0), exact (module docstring)."""
-    n = {k: Decimal(tokens.get(k, 0)) for k in PRICE_KEYS}
-    prompt = _q(n["input"] * prices.input / MILLION)
-    completion = _q(max(n["output"] - n["reasoning"], Decimal(0)) * prices.output / MILLION)
-    cache = _q((n["cache_read"] * prices.cache_read + n["cache_write"] * prices.cache_write) / MILLION)
-    reasoning = _q(n["reasoning"] * prices.reasoning / MILLION)
-    return {"total": prompt + completion + cache + reasoning, "prompt": prompt, "completion": completion,
-            "cache": cache, "reasoning": reasoning}
+    """`cost_nanos` as Decimals of the currency (``Decimal("0.000250000")``)."""
+    return {k: Decimal(v).scaleb(-9) for k, v in cost_nanos(prices, tokens).items()}
 
 
 def to_nanos(value: Any) -> int | None:
@@ -141,12 +172,20 @@ def to_nanos(value: Any) -> int | None:
         return None
     if value < 0:
         return None
+    if isinstance(value, int):
+        return value * NANOS
+    if value < FAST_BELOW:
+        # exact: a 9-decimal value d/1e9 below 10**6 units is d < 10**15 nano-units, and the float
+        # product's error stays under 0.25 of a unit (2 roundings of 2**-53 relative), so the
+        # nearest integer is d (the Decimal path below, ~5x slower, gives the same)
+        return round(value * NANOS)
     return int((Decimal(repr(value)) * NANOS).to_integral_value(rounding=ROUND_HALF_EVEN))
 
 
 def from_nanos(nanos: int) -> float:
-    """Nano-units as the JSON number an event carries (exactly that decimal below 10**6 units)."""
-    return float(Decimal(nanos).scaleb(-9))
+    """Nano-units as the JSON number an event carries (exactly that decimal below 10**6 units):
+    Python's int / int is correctly rounded, so this is the float nearest to nanos / 10**9."""
+    return nanos / NANOS
 
 
 __all__ = [
@@ -155,6 +194,7 @@ __all__ = [
     "PriceTable",
     "PriceTableError",
     "Prices",
+    "cost_nanos",
     "cost_of",
     "from_nanos",
     "parse_price_table",

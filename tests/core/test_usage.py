@@ -251,3 +251,47 @@ def test_the_mapper_command_exits_2_on_a_bad_price_table(tmp_path: Path) -> None
     assert p.returncode == 2, p.stderr
     assert "AEP_BRIDGE_PRICE_TABLE" in p.stderr and "models.a.output" in p.stderr
     assert "Traceback" not in p.stderr
+
+
+def test_reading_a_cost_back_is_exact_on_both_paths() -> None:
+    """`to_nanos` reads a member by float arithmetic below 10**6 units and by Decimal above:
+    both give the exact nano-units of every 9-decimal value (random and edge values)."""
+    import random
+    from decimal import ROUND_HALF_EVEN
+
+    from bridge.core.pricing import from_nanos
+
+    rng = random.Random(40)
+    values = [0, 1, 5, 999_999_999_999_999, 10**15 - 1, 123_456_789_012_345, 500_000_001]
+    values += [rng.randrange(10**15) for _ in range(20000)] + [rng.randrange(10**9) for _ in range(20000)]
+    for nanos in values:
+        x = from_nanos(nanos)
+        slow = int((Decimal(repr(x)) * 10**9).to_integral_value(rounding=ROUND_HALF_EVEN))
+        assert to_nanos(x) == slow == nanos, nanos
+
+
+def test_the_integer_arithmetic_is_the_decimal_arithmetic() -> None:
+    """`cost_nanos` (integers) against the module docstring's formula in Decimal, quantized half
+    to even, over random counts and prices of up to 9 decimals."""
+    import random
+    from decimal import ROUND_HALF_EVEN
+
+    from bridge.core.pricing import cost_nanos
+
+    rng = random.Random(7)
+    for _ in range(3000):
+        row = {k: Decimal(rng.randrange(0, 10**6)).scaleb(-rng.randrange(0, 10)) for k in
+               ("input", "output", "cache_read", "cache_write", "reasoning")}
+        prices = parse_price_table({"currency": "USD", "models": {"m": {k: str(v) for k, v in row.items()}}}).prices("m")
+        assert prices is not None
+        out = rng.randrange(0, 10**6)
+        n = {"input": rng.randrange(0, 10**7), "output": out, "cache_read": rng.randrange(0, 10**6),
+             "cache_write": rng.randrange(0, 10**5), "reasoning": rng.randrange(0, out + 2)}
+        M, q = Decimal(10**6), Decimal("1e-9")
+        want = {"prompt": n["input"] * row["input"] / M,
+                "completion": max(n["output"] - n["reasoning"], 0) * row["output"] / M,
+                "cache": (n["cache_read"] * row["cache_read"] + n["cache_write"] * row["cache_write"]) / M,
+                "reasoning": n["reasoning"] * row["reasoning"] / M}
+        want = {k: int((v.quantize(q, rounding=ROUND_HALF_EVEN) * 10**9)) for k, v in want.items()}
+        want["total"] = sum(want.values())
+        assert cost_nanos(prices, n) == want, (row, n)
