@@ -1241,6 +1241,11 @@ class PairingState:
         run = _run(ev)
         if not run or ev.capture == "none":
             return []
+        u = s.usage.get(run) if s.usage else None
+        if u is not None:  # the run's sums are waiting for its end: it is open (the usual case)
+            if not self._add_call(u, ev):
+                self._count("usage.duplicates")
+            return []
         closed = self._closed_run(s, run)
         if closed is not None:
             if closed.use is None:
@@ -1257,12 +1262,10 @@ class PairingState:
             return []
         if s.usage is None:
             s.usage = {}
-        u = s.usage.get(run)
-        if u is None:
-            if len(s.usage) >= self.config.max_open:  # bounded: the oldest run's sums go
-                del s.usage[next(iter(s.usage))]
-                self._count("usage.dropped")
-            u = s.usage[run] = _Usage()
+        if len(s.usage) >= self.config.max_open:  # bounded: the oldest run's sums go
+            del s.usage[next(iter(s.usage))]
+            self._count("usage.dropped")
+        u = s.usage[run] = _Usage()
         if not self._add_call(u, ev):
             self._count("usage.duplicates")
         return []
