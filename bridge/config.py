@@ -187,6 +187,7 @@ FIELDS: tuple[Field, ...] = (
     _f("AEP_BRIDGE_PARTITIONS", "int", DEFAULT_PARTITIONS, {"mapper", "pairing"}, "partitions of BRIDGE_MAPPED", range=(1, 65536), flag="--partitions"),
     _f("AEP_BRIDGE_CAPTURE", "choice", None, {"mapper", "gate"}, "capture ceiling (unset: metadata, attention.* at redacted)", choices=("none", "metadata", "redacted", "full"), flag="--capture"),
     _f("AEP_BRIDGE_CAPTURE_OVERRIDES", "str", None, {"mapper", "gate"}, "per-category levels CATEGORY=LEVEL,... (default attention=redacted)"),
+    _f("AEP_BRIDGE_PRICE_TABLE", "path", None, {"mapper"}, "price table (YAML or JSON: currency, models -> price per 1,000,000 input/output/cache_read/cache_write/reasoning tokens): the cost of each model call and run; unset: no cost"),
     _f("AEP_BRIDGE_LANE_WAIT_MS", "int", 2000, {"mapper"}, "how long a session-less event waits for earlier raw messages", range=(0, 3_600_000)),
     _f("AEP_BRIDGE_TICK_S", "float", 15.0, {"pairing"}, "seconds between pairing ticks", range=(0, None), flag="--tick-s"),
     _f("AEP_BRIDGE_MAPPER_ACK_WAIT_S", "float", 30.0, {"mapper"}, "mapper: seconds before a message a replica took and did not ack is delivered again (set when the mapper creates its durable; keep it below AEP_BRIDGE_PAIRING_HOLD_S)", range=(1, 3600)),
@@ -397,7 +398,7 @@ _SETTINGS_ATTRS = {
     "pairing_hold_s": "AEP_BRIDGE_PAIRING_HOLD_S", "linger_ms": "AEP_BRIDGE_LINGER_MS", "linger_max_ms": "AEP_BRIDGE_LINGER_MAX_MS", "export_ack_wait_s": "AEP_BRIDGE_EXPORT_ACK_WAIT_S",
     "log_format": "AEP_BRIDGE_LOG_FORMAT", "log_level": "AEP_BRIDGE_LOG_LEVEL",
     "inbox_prefix": "AEP_BRIDGE_INBOX_PREFIX", "stream_replicas": "AEP_BRIDGE_STREAM_REPLICAS",
-    "fallback_dir": "TMPDIR",
+    "fallback_dir": "TMPDIR", "price_table": "AEP_BRIDGE_PRICE_TABLE",
 }
 
 
@@ -460,6 +461,10 @@ class Settings:
     fallback_dir: str = field(default_factory=lambda: hook.fallback_spool_dir(os.environ))
     #: a shim setting whose bad value was replaced by its default, as the shim does (one line each)
     notes: tuple[str, ...] = ()
+    #: mapper: the price table's file (AEP_BRIDGE_PRICE_TABLE); None: no cost
+    price_table: str | None = None
+    #: ... parsed (`role_settings("mapper")` reads it, so a bad table stops the mapper at start)
+    prices: Any = None
 
     @property
     def servers(self) -> list[str]:
@@ -505,4 +510,34 @@ def role_settings(role: str, environ: Mapping[str, str] | None = None, flags: Ma
     gate's, the profiler's too), so a bad one stops the command at start, named."""
     layers = Layers.load(environ, flags, config_path)
     resolve(role, layers=layers)
-    return Settings.from_layers(layers)
+    settings = Settings.from_layers(layers)
+    if role == "mapper" and settings.price_table:
+        settings.prices = load_price_table(settings.price_table)
+    return settings
+
+
+def load_price_table(path: str) -> Any:
+    """The parsed `bridge.core.pricing.PriceTable` of the file ``path`` (YAML or JSON);
+    SettingError naming AEP_BRIDGE_PRICE_TABLE and the bad value (the command exits 2)."""
+    from bridge.core.pricing import PriceTableError, parse_price_table
+
+    name = "AEP_BRIDGE_PRICE_TABLE"
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SettingError(f"{name}: cannot read {path}: {type(exc).__name__}: {exc}") from None
+    try:
+        import json
+
+        doc = json.loads(text)
+    except ValueError:
+        try:
+            from ruamel.yaml import YAML
+
+            doc = YAML(typ="safe").load(text)
+        except Exception as exc:  # ruamel's parse errors have no common base worth naming
+            raise SettingError(f"{name}: {path} is neither JSON nor YAML: {str(exc).splitlines()[0]}") from None
+    try:
+        return parse_price_table(doc, f"{name} ({path})")
+    except PriceTableError as exc:
+        raise SettingError(str(exc)) from None

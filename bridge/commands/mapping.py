@@ -95,7 +95,7 @@ def line_error(exc: BaseException) -> str:
 def cmd_map(args: argparse.Namespace) -> int:
     import msgspec
 
-    from bridge.config import Settings
+    from bridge.config import Settings, load_price_table
     from bridge.core.aep import encode_event
     from bridge.core.lanes import MemoryLanes
     from bridge.core.pipeline import map_record, record_from_line
@@ -103,7 +103,9 @@ def cmd_map(args: argparse.Namespace) -> int:
     settings = Settings.from_env()
     try:
         policy = policy_from_args(args, settings)
-    except ValueError as exc:
+        # the mapper's price table (AEP_BRIDGE_PRICE_TABLE), so `map` costs calls as the mapper does
+        prices = load_price_table(settings.price_table) if settings.price_table else None
+    except ValueError as exc:  # SettingError too
         print(f"aep-bridge map: {exc}", file=sys.stderr)
         return 2
     instance = args.instance or settings.instance
@@ -124,7 +126,7 @@ def cmd_map(args: argparse.Namespace) -> int:
             try:
                 obj = decoder.decode(line)
                 record = record_from_line(obj, line_no, instance, args.base_time_ms * 1_000_000)
-                result = map_record(record, line_no, args.epoch, lanes, policy)
+                result = map_record(record, line_no, args.epoch, lanes, policy, prices)
             except Exception as exc:  # one line's problem, never the run's: report it, go on
                 failures += 1
                 print(f"aep-bridge map: line {line_no}: {line_error(exc)}", file=sys.stderr)

@@ -97,6 +97,72 @@ class Answer(_Payload):
     values: Annotated[dict[str, str], _M] | UnsetType = UNSET
 
 
+# ---------------------------------------------------------------- usage and cost (issue 40)
+
+
+_Count = Annotated[int, _M, Meta(ge=0)]
+_Money = Annotated[float, _M, Meta(ge=0)]
+
+
+class Cost(_Payload):
+    """AEP-0002 §5.2 ``cost``: what the bridge computed from the operator's price table
+    (`bridge.core.pricing`), in ``currency`` units (emitter-asserted)."""
+
+    currency: Annotated[str, _M, Meta(pattern=r"^[A-Z]{3}$")]
+    total: _Money | UnsetType = UNSET
+    prompt: _Money | UnsetType = UNSET
+    completion: _Money | UnsetType = UNSET
+    cache: _Money | UnsetType = UNSET
+    reasoning: _Money | UnsetType = UNSET
+
+
+class Usage(_Payload):
+    """The ``usage`` members, FLAT in a payload (AEP-0002 §5.2, as in ``run.started``): OTel GenAI
+    names. Hermes's ``input_tokens`` excludes cache reads and writes; ``output_tokens`` includes
+    the reasoning tokens (``bridge.core.pricing``)."""
+
+    input_tokens: _Count | UnsetType = msgspec.field(default=UNSET, name="gen_ai.usage.input_tokens")
+    output_tokens: _Count | UnsetType = msgspec.field(default=UNSET, name="gen_ai.usage.output_tokens")
+    cache_read_tokens: _Count | UnsetType = msgspec.field(default=UNSET, name="gen_ai.usage.cache_read.input_tokens")
+    cache_write_tokens: _Count | UnsetType = msgspec.field(default=UNSET, name="gen_ai.usage.cache_creation.input_tokens")
+    reasoning_tokens: _Count | UnsetType = msgspec.field(default=UNSET, name="gen_ai.usage.reasoning.output_tokens")
+    cost: Annotated[Cost, _M] | UnsetType = UNSET
+
+
+#: the usage members in the order pairing keeps their sums, and the Hermes bucket each comes from
+USAGE_MEMBERS = (
+    ("gen_ai.usage.input_tokens", "input_tokens"),
+    ("gen_ai.usage.output_tokens", "output_tokens"),
+    ("gen_ai.usage.cache_read.input_tokens", "cache_read_tokens"),
+    ("gen_ai.usage.cache_creation.input_tokens", "cache_write_tokens"),
+    ("gen_ai.usage.reasoning.output_tokens", "reasoning_tokens"),
+)
+API_CALL_TYPE = "x.hermes.api.call"
+#: pairing: a run's totals amended by a model call that reached it after the run's end
+RUN_USAGE_TYPE = "x.hermes.run.usage"
+
+
+class HermesApiCall(Usage, kw_only=True):
+    """One model call (Hermes ``post_api_request``): the model, how long it took, its tokens and
+    (with a price table naming the model) its cost. Never the request or response text."""
+
+    request_model: Annotated[str, _M] | UnsetType = msgspec.field(default=UNSET, name="gen_ai.request.model")
+    response_model: Annotated[str, _M] | UnsetType = msgspec.field(default=UNSET, name="gen_ai.response.model")
+    provider: Annotated[str, _M] | UnsetType = msgspec.field(default=UNSET, name="gen_ai.provider.name")
+    api_mode: Annotated[str, _M] | UnsetType = UNSET
+    duration_ms: _Count | UnsetType = UNSET
+    finish_reason: Annotated[str, _M] | UnsetType = UNSET
+    call_index: Annotated[int, _M, Meta(ge=1)] | UnsetType = UNSET
+
+
+class RunTotals(Usage, kw_only=True):
+    """What pairing adds to a run's end (``run.finished`` / ``run.cancelled`` / ``run.failed``,
+    or the ``x.hermes.pairing.orphaned`` that closes it): the sums over the run's
+    ``x.hermes.api.call`` events, and how many there were (``model_calls``)."""
+
+    model_calls: _Count | UnsetType = UNSET
+
+
 # ---------------------------------------------------------------- payloads by type
 
 
@@ -118,18 +184,18 @@ class RunStarted(_Payload):
     prompt: Annotated[str, _R] | UnsetType = UNSET
 
 
-class RunFinished(_Payload):
+class RunFinished(RunTotals, kw_only=True):
     duration_ms: Annotated[int, _M, Meta(ge=0)] | UnsetType = UNSET
     summary: Annotated[str, _R] | UnsetType = UNSET
 
 
-class RunFailed(_Payload):
+class RunFailed(RunTotals, kw_only=True):
     reason: Annotated[str, _M]
     error: Annotated[ErrorInfo, _M] | UnsetType = UNSET
     duration_ms: Annotated[int, _M, Meta(ge=0)] | UnsetType = UNSET
 
 
-class RunCancelled(_Payload):
+class RunCancelled(RunTotals, kw_only=True):
     by: Annotated[Literal["user", "control", "policy", "shutdown"], _M] | UnsetType = UNSET
     reason: Annotated[str, _R] | UnsetType = UNSET
     duration_ms: Annotated[int, _M, Meta(ge=0)] | UnsetType = UNSET
@@ -217,6 +283,10 @@ class HermesApiError(_Payload):
     reason: Annotated[str, _M] | UnsetType = UNSET
     error_type: Annotated[str, _M] | UnsetType = UNSET
     message: Annotated[str, _R] | UnsetType = UNSET
+    # issue 40: the failed call's model, provider and duration, when the envelope has them
+    request_model: Annotated[str, _M] | UnsetType = msgspec.field(default=UNSET, name="gen_ai.request.model")
+    provider: Annotated[str, _M] | UnsetType = msgspec.field(default=UNSET, name="gen_ai.provider.name")
+    duration_ms: Annotated[int, _M, Meta(ge=0)] | UnsetType = UNSET
 
 
 class HermesSessionFinalized(_Payload):
@@ -236,7 +306,7 @@ class HermesRunClosed(_Payload):
     interrupted: Annotated[bool, _M] | UnsetType = UNSET
 
 
-class HermesOrphaned(_Payload):
+class HermesOrphaned(RunTotals, kw_only=True):
     """Pairing closed an open start that never got its terminal (TTL, session end, cap): no invented outcome.
 
     `reason`: `ttl` (open past its kind's TTL), `session_end` (open when its session ended;
@@ -339,6 +409,11 @@ PAYLOAD_TYPES: dict[str, type[_Payload]] = {
     "attention.timeout": AttentionTimeout,
     "x.hermes.session.reset": HermesSessionReset,
     "x.hermes.api.error": HermesApiError,
+    API_CALL_TYPE: HermesApiCall,
+    # A model call that reached pairing after its run's end: the run's totals, amended (pairing
+    # inserts it right after that call; `cause` = the run's end). The last totals of a run stated
+    # (its end or this) are its total.
+    RUN_USAGE_TYPE: RunTotals,
     "x.hermes.session.finalized": HermesSessionFinalized,
     "x.hermes.run.closed": HermesRunClosed,
     "x.hermes.pairing.orphaned": HermesOrphaned,

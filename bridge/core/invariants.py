@@ -6,7 +6,7 @@ Used by the tests and by ``aep-bridge verify``; the pairing state machine itself
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 from msgspec import UNSET
 
@@ -125,3 +125,107 @@ def check_invariants(
 
 
 __all__ = ["CARD_ENDINGS", "CARD_FOLLOW_UPS", "RUN_TERMINALS", "SESSION_ENDS", "START_OF", "check_invariants"]
+
+
+# ---------------------------------------------------------------- issue 40: run totals
+
+
+class UsageCheck(NamedTuple):
+    problems: list[str]
+    runs: int  # runs with an end, checked
+    calls: int  # model calls counted in their run's last totals
+    late: int  # model calls published after their run's last totals (in no total)
+    amended: int  # x.hermes.run.usage events (a call that reached pairing after its run's end)
+
+
+RUN_USAGE = "x.hermes.run.usage"
+
+
+def _usage_row(data: dict[str, Any]) -> list[int]:
+    from bridge.core.aep import USAGE_MEMBERS
+
+    row = []
+    for member, _ in USAGE_MEMBERS:
+        v = data.get(member, 0)
+        row.append(v if isinstance(v, int) and not isinstance(v, bool) else 0)
+    return row
+
+
+def _cost_row(data: dict[str, Any]) -> tuple[str, list[int]] | None:
+    from bridge.core.pricing import COST_MEMBERS, to_nanos
+
+    cost = data.get("cost")
+    if not isinstance(cost, dict) or not isinstance(cost.get("currency"), str):
+        return None
+    nanos = [to_nanos(cost.get(m, 0)) for m in COST_MEMBERS]
+    if any(n is None for n in nanos):
+        return None
+    return cost["currency"], nanos  # type: ignore[return-value]
+
+
+def is_run_end(e: Event) -> bool:
+    """A run's end: its terminal, or the ``x.hermes.pairing.orphaned`` the bridge closed it with."""
+    return e.type in RUN_TERMINALS or (e.type == "x.hermes.pairing.orphaned" and (e.data or {}).get("kind") == "run")
+
+
+def check_usage(events: list[Event], call_type: str = "x.hermes.api.call") -> UsageCheck:
+    """Every model call counted once in its run's totals (issue 40), over an output stream in
+    stream order (distinct event ids). Every statement of a run's totals (each end of the run:
+    its terminal, the ``x.hermes.pairing.orphaned`` closing it; and each ``x.hermes.run.usage``
+    amendment) must equal the sums over the run's ``x.hermes.api.call`` events published before
+    it: ``model_calls`` their number, each ``gen_ai.usage.*`` member their sum, and ``cost``
+    (exact, in nano-units) their sum when every one of them had a cost in one currency, else no
+    ``cost``. A call published after its run's last statement is in no total: counted ``late``
+    (pairing had forgotten the run), not a problem. Runs with an end at capture ``none`` carry
+    no totals and are skipped, like calls at capture ``none``."""
+    Key = tuple[Any, Any]
+    sums: dict[Key, list[int]] = {}
+    costs: dict[Key, tuple[str, list[int]] | None] = {}  # None: a call without a cost / mixed currencies
+    ids: dict[Key, list[str]] = {}
+    stated: dict[Key, int] = {}  # calls covered by the run's last statement
+    skip: set[Key] = set()
+    problems: list[tuple[Key, str]] = []
+    amended = 0
+    for e in events:
+        if not e.run:
+            continue
+        key = (e.session, e.run)
+        data = e.data or {}
+        if e.type == call_type:
+            if e.capture == "none":
+                continue
+            sums[key] = [a + b for a, b in zip(sums.get(key, [0] * 6), [1, *_usage_row(data)])]
+            ids.setdefault(key, []).append(e.id)
+            c = _cost_row(data)
+            if key not in costs:
+                costs[key] = c
+            elif costs[key] is not None:
+                prev = costs[key]
+                costs[key] = None if c is None or c[0] != prev[0] else (c[0], [a + b for a, b in zip(prev[1], c[1])])  # type: ignore[index]
+            continue
+        statement = is_run_end(e) or e.type == RUN_USAGE
+        if not statement:
+            continue
+        if e.capture == "none":
+            skip.add(key)
+            continue
+        amended += e.type == RUN_USAGE
+        want = sums.get(key, [0] * 6)
+        got = [data.get("model_calls", 0) if isinstance(data.get("model_calls", 0), int) else -1, *_usage_row(data)]
+        stated[key] = want[0]
+        if got != want:
+            problems.append((key, f"{e.type} {e.id} of run {e.run} ({e.session}): calls+tokens {got}, "
+                                  f"its {want[0]} calls so far sum to {want}"))
+            continue
+        have = _cost_row(data)
+        owed = costs.get(key) if want[0] else None
+        if (have is None) != (owed is None) or (have is not None and have != owed):
+            problems.append((key, f"{e.type} {e.id} of run {e.run} ({e.session}): cost {have}, its calls so far: {owed}"))
+    runs = calls = late = 0
+    for key, n in stated.items():
+        if key in skip:
+            continue
+        runs += 1
+        calls += n
+        late += sums.get(key, [0])[0] - n
+    return UsageCheck([text for key, text in problems if key not in skip], runs, calls, late, amended)

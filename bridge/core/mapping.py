@@ -44,6 +44,7 @@ from bridge.core.digest import digest
 from bridge.core.envelope import EnvelopeError, HermesEnvelope
 from bridge.core.identity import MAPPED_SLOT, MAX_MAPPED, Origin, rfc3339, source_uri
 from bridge.core.lanes import UNKNOWN, LaneLookup, Learned, lane_of, learned_from
+from bridge.core.pricing import NANOS, PriceTable, cost_nanos
 
 Spec = tuple[str, aep._Payload, str | None]  # (type, payload, subject)
 Builder = Callable[[HermesEnvelope, "Ctx"], list[Spec]]
@@ -52,9 +53,20 @@ Builder = Callable[[HermesEnvelope, "Ctx"], list[Spec]]
 @dataclass
 class Ctx:
     policy: CapturePolicy
+    #: the operator's price table (AEP_BRIDGE_PRICE_TABLE); None: no ``cost`` anywhere
+    prices: PriceTable | None = None
+    #: what the builders left out (field names, ``INVALID_FIELDS``) and the models the table
+    #: lacks: the mapper counts them (aep_bridge_usage_invalid_total, _model_unpriced_total)
+    invalid: list[str] | None = None
+    unpriced: list[str] | None = None
 
     def ceiling(self, event_type: str) -> Ceiling:
         return Ceiling(self.policy.ceiling(event_type), self.policy)
+
+    def bad(self, name: str) -> None:
+        if self.invalid is None:
+            self.invalid = []
+        self.invalid.append(name)
 
 
 # ---------------------------------------------------------------- small readers
@@ -73,6 +85,31 @@ def _int(value: Any) -> int | Any:
     if isinstance(value, float) and 0 <= value <= INT64_MAX:  # NaN compares False
         return int(value)
     return UNSET
+
+
+#: the largest count a JSON number holds exactly (and every later stage: OTLP, checkpoints)
+COUNT_MAX = 2**53
+
+
+def _count(value: Any) -> int | Any:
+    """A token count or call number from Hermes: an integer (or an integral float) in
+    0..2**53, else UNSET (negative, fractional, bool, string, NaN, huge, missing)."""
+    if isinstance(value, bool):
+        return UNSET
+    if isinstance(value, int):
+        return value if 0 <= value <= COUNT_MAX else UNSET
+    if isinstance(value, float) and value.is_integer() and 0 <= value <= COUNT_MAX:  # NaN/inf: not integer
+        return int(value)
+    return UNSET
+
+
+def _seconds_ms(value: Any) -> int | Any:
+    """``api_duration`` (seconds, a float) in whole ms, else UNSET."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return UNSET
+    if not (0 <= value <= COUNT_MAX / 1000):  # NaN compares False
+        return UNSET
+    return round(value * 1000)
 
 
 def _str(value: Any) -> str | Any:
@@ -376,6 +413,14 @@ def _subagent_stop(env: HermesEnvelope, ctx: Ctx) -> list[Spec]:
     return [("delegation.subagent.stopped", payload, _str(env.x("child_session_id")) or None)]
 
 
+def _duration(env: HermesEnvelope, ctx: Ctx) -> int | Any:
+    raw = env.x("api_duration")
+    ms = _seconds_ms(raw)
+    if ms is UNSET and (raw is not None or env.hook_event_name == "post_api_request"):
+        ctx.bad("api_duration")
+    return ms
+
+
 def _api_error(env: HermesEnvelope, ctx: Ctx) -> list[Spec]:
     g = ctx.ceiling("x.hermes.api.error")
     error = env.x("error")
@@ -385,8 +430,76 @@ def _api_error(env: HermesEnvelope, ctx: Ctx) -> list[Spec]:
         retry_count=_int(env.x("retry_count")),
         reason=_str(env.x("reason")),
         message=g.text(_str(error.get("message")) or None),
+        request_model=_str(env.x("model")),
+        provider=_str(env.x("provider")),
+        duration_ms=_duration(env, ctx),
     )
     return [("x.hermes.api.error", payload, None)]
+
+
+# ---------------------------------------------------------------- model calls (issue 40)
+
+API_CALL_TYPE = aep.API_CALL_TYPE
+#: the Hermes usage buckets (``usage.<name>``) and the price-table key each is priced by
+USAGE_BUCKETS = (("input_tokens", "input"), ("output_tokens", "output"), ("cache_read_tokens", "cache_read"),
+                 ("cache_write_tokens", "cache_write"), ("reasoning_tokens", "reasoning"))
+#: every value `aep_bridge_usage_invalid_total{field}` can name (a bounded label set)
+INVALID_FIELDS = ("usage", *(name for name, _ in USAGE_BUCKETS), "api_duration", "api_call_count")
+
+
+def _api_call(env: HermesEnvelope, ctx: Ctx) -> list[Spec]:
+    """``post_api_request`` -> ``x.hermes.api.call``: metadata only (never the response, the
+    messages or the request; ``base_url`` is not carried). A bad number is left out and counted."""
+    usage = env.x("usage")
+    counts: dict[str, int] = {}
+    bad = False
+    if isinstance(usage, dict):
+        for name, _ in USAGE_BUCKETS:
+            # input and output are always reported; a provider without cache or reasoning
+            # buckets may leave those out (not reported: not counted, priced as 0)
+            if name not in usage and name not in ("input_tokens", "output_tokens"):
+                continue
+            value = _count(usage.get(name))
+            if value is UNSET:
+                ctx.bad(name)
+                bad = True
+            else:
+                counts[name] = value
+    else:
+        ctx.bad("usage")
+        bad = True
+    call_index = _count(env.x("api_call_count"))
+    if call_index is UNSET or call_index < 1:
+        ctx.bad("api_call_count")
+        call_index = UNSET
+    model = _str(env.x("model"))
+    response_model = _str(env.x("response_model"))
+    cost: Any = UNSET
+    if ctx.prices is not None:
+        prices = ctx.prices.prices(model) if model else None
+        if prices is None and response_model:
+            prices = ctx.prices.prices(response_model)
+        if prices is None:
+            if ctx.unpriced is None:
+                ctx.unpriced = []
+            ctx.unpriced.append(model or response_model or "unknown")
+        elif not bad:  # never the cost of a partial count
+            n = cost_nanos(prices, {key: counts.get(name, 0) for name, key in USAGE_BUCKETS})
+            cost = aep.Cost(currency=ctx.prices.currency, total=n["total"] / NANOS, prompt=n["prompt"] / NANOS,
+                            completion=n["completion"] / NANOS, cache=n["cache"] / NANOS,
+                            reasoning=n["reasoning"] / NANOS)
+    payload = aep.HermesApiCall(
+        request_model=model,
+        response_model=response_model,
+        provider=_str(env.x("provider")),
+        api_mode=_str(env.x("api_mode")),
+        duration_ms=_duration(env, ctx),
+        finish_reason=_str(env.x("finish_reason")),
+        call_index=call_index,
+        cost=cost,
+        **counts,
+    )
+    return [(API_CALL_TYPE, payload, None)]
 
 
 # ---------------------------------------------------------------- the table
@@ -404,6 +517,7 @@ HOOKS: dict[str, Builder] = {
     "subagent_start": _subagent_start,
     "subagent_stop": _subagent_stop,
     "api_request_error": _api_error,
+    "post_api_request": _api_call,
 }
 
 ERROR_TYPES = frozenset({"x.hermes.api.error"})
@@ -459,6 +573,9 @@ class MapResult(msgspec.Struct):
     #: the pairing stage in the ``Bridge-Hints`` header): hook, receive time, and whichever
     #: of session_key / tool_call_id / task_id / args_digest the envelope has.
     hints: dict[str, Any] = msgspec.field(default_factory=dict)
+    #: issue 40: the numbers left out (``INVALID_FIELDS``) and the models the price table lacks
+    invalid: list[str] = msgspec.field(default_factory=list)
+    unpriced: list[str] = msgspec.field(default_factory=list)
 
 
 def pairing_hints(env: HermesEnvelope, ts_ns: int) -> dict[str, Any]:
@@ -473,17 +590,20 @@ def pairing_hints(env: HermesEnvelope, ts_ns: int) -> dict[str, Any]:
     return hints
 
 
-def map_specs(env: HermesEnvelope, policy: CapturePolicy) -> list[Spec]:
+def map_specs(env: HermesEnvelope, policy: CapturePolicy, prices: PriceTable | None = None,
+              ctx: Ctx | None = None) -> list[Spec]:
     """The projection the Annex A fixture pins: ``[(type, payload, subject)]``."""
     builder = HOOKS.get(env.hook_event_name, _fallback)
-    return builder(env, Ctx(policy))
+    return builder(env, ctx or Ctx(policy, prices))
 
 
-def map_envelope(env: HermesEnvelope, origin: Origin, lanes: LaneLookup, policy: CapturePolicy) -> MapResult:
+def map_envelope(env: HermesEnvelope, origin: Origin, lanes: LaneLookup, policy: CapturePolicy,
+                 prices: PriceTable | None = None) -> MapResult:
     filed = lane_of(env, lanes)
     unknown = filed is None
     lane = UNKNOWN if filed is None else filed
-    specs = map_specs(env, policy)[:MAX_MAPPED]
+    ctx = Ctx(policy, prices)
+    specs = map_specs(env, policy, ctx=ctx)[:MAX_MAPPED]
     drift = env.drift
     run = env.xstr("turn_id") or (env.xstr("parent_turn_id") if env.hook_event_name.startswith("subagent_") else "")
     status = env.x("status") if env.hook_event_name == "post_tool_call" else None
@@ -529,11 +649,15 @@ def map_envelope(env: HermesEnvelope, origin: Origin, lanes: LaneLookup, policy:
         drift=drift,
         problems=list(env.problems),
         hints=pairing_hints(env, origin.ts_ns),
+        invalid=ctx.invalid or [],
+        unpriced=ctx.unpriced or [],
     )
 
 
 __all__ = [
+    "API_CALL_TYPE",
     "HOOKS",
+    "INVALID_FIELDS",
     "MapResult",
     "POST_TOOL_STATUS",
     "clarify_card",

@@ -177,7 +177,8 @@ from typing import Any, Callable, NamedTuple, Sequence
 import msgspec
 from msgspec import UNSET
 
-from bridge.core.aep import Event, Severity
+from bridge.core.aep import API_CALL_TYPE, RUN_USAGE_TYPE, USAGE_MEMBERS, Event, Severity
+from bridge.core.pricing import COST_MEMBERS, from_nanos, to_nanos
 from bridge.core.identity import AFTER_SLOT, MAPPED_SLOT, SLOTS, event_id, rfc3339, ulid_time_ms
 from bridge.core.lanes import UNKNOWN
 
@@ -331,6 +332,19 @@ class PairingConfig:
 # ---------------------------------------------------------------- state (msgspec structs: compact, and the snapshot format)
 
 
+class _Usage(msgspec.Struct, array_like=True, gc=False):
+    """The sums of one run's model calls so far (`_call`), until an end of the run carries them."""
+
+    calls: int = 0
+    tokens: list[int] = msgspec.field(default_factory=lambda: [-1] * len(USAGE_MEMBERS))  # -1: no call had it
+    currency: str = ""  # "" no call yet; NO_COST: a call without a cost, or in another currency
+    cost: list[int] = msgspec.field(default_factory=lambda: [0] * len(COST_MEMBERS))  # nano-units
+    seqs: list[int] = msgspec.field(default_factory=list)  # the calls counted (raw position: dedupe)
+
+
+NO_COST = "-"
+
+
 class _Pair(msgspec.Struct, array_like=True, gc=False):
     kind: int
     key: str
@@ -349,6 +363,9 @@ class _Pair(msgspec.Struct, array_like=True, gc=False):
     # Fields added after the first release (a snapshot without them decodes with these defaults):
     due: int = 0  # a stream-time deadline set by an event (session end, delegate returned); 0 = none
     why: str = ""  # the closure reason at ``due``: session_end | delegate_returned
+    #: a closed run: the sums of its model calls its end carried, kept while the pair is
+    #: remembered (``recent_ns``) so a call arriving after the end amends them (issue 40)
+    use: _Usage | None = None
 
 
 class _Held(msgspec.Struct, array_like=True, gc=False):
@@ -357,6 +374,8 @@ class _Held(msgspec.Struct, array_like=True, gc=False):
     key: str
     event: Event
     hints: dict[str, Any]
+
+
 
 
 class _Session(msgspec.Struct, array_like=True, gc=False):
@@ -371,6 +390,9 @@ class _Session(msgspec.Struct, array_like=True, gc=False):
     #: session), ascending, the last ``MAX_ENDS``; None before the first or in a snapshot of a
     #: release that kept only ``fin`` (see `_ends`). Nothing pairs across one of them.
     ends: list[int] | None = None
+    #: issue 40: run id -> the sums of its model calls (``x.hermes.api.call``) not yet carried by
+    #: an end of the run; None in a snapshot of a release before (decoded as no sums)
+    usage: dict[str, _Usage] | None = None
 
 
 MAX_ENDS = 8
@@ -591,6 +613,8 @@ class PairingState:
             role = ROLES.get(event.type)
             if role is None:
                 out = [event]
+                if event.type == API_CALL_TYPE:
+                    out += self._call(lane, s, event)
             elif role[1] == START:
                 out = self._start(role[0], lane, s, event, h, ts)
             else:
@@ -874,6 +898,10 @@ class PairingState:
             self._delegate_returned(s, p.run, ts)
         subject, field = LINKS.get(ev.type, (False, None))
         changes: dict[str, Any] = {"cause": p.start}
+        if p.kind == RUN:  # the run's end: the sums of its calls
+            totals = self._settle(s, p, ev.capture == "none")
+            if totals:
+                changes["data"] = {**_data(ev), **totals}
         if subject:
             changes["subject"] = p.start
         if field and ev.capture != "none" and field not in _data(ev):
@@ -904,7 +932,9 @@ class PairingState:
             return [self._as_run_closed(ev, None)]
         self._remember_run(s, latest.key)
         self._close(latest, ev.id, ENDED)
-        return [msgspec.structs.replace(ev, run=latest.key or UNSET, cause=latest.start)]
+        totals = self._settle(s, latest, ev.capture == "none")
+        data = {**_data(ev), **totals} if totals else ev.data
+        return [msgspec.structs.replace(ev, run=latest.key or UNSET, cause=latest.start, data=data)]
 
     @staticmethod
     def _as_run_closed(ev: Event, cause: str | None) -> Event:
@@ -969,6 +999,10 @@ class PairingState:
             s.pairs = []
         s.pairs.append(pair)
         self._trim(s)
+        if kind == RUN:  # a run end released without its start still carries its calls' sums
+            totals = self._settle(s, pair, ev.capture == "none")
+            if totals:
+                ev = msgspec.structs.replace(ev, data={**_data(ev), **totals})
         return [self._unmatched(ev, h or {}) if kind == CARD else ev]
 
     @staticmethod
@@ -1144,6 +1178,10 @@ class PairingState:
             severity = "warning"
         if p.capture_none:
             data = {k: v for k, v in data.items() if k not in ("latency_ms", "age_ms")}
+        if p.kind == RUN:  # a run the bridge closes carries the sums of its calls too
+            s = self._sessions.get(lane)
+            if s is not None:
+                data.update(self._settle(s, p, p.capture_none))
         event = self._insert(
             lane,
             at,
@@ -1189,6 +1227,118 @@ class PairingState:
             data=data,
             lane="unknown" if lane == UNKNOWN_KEY else UNSET,
         )
+
+    # ------------------------------------------------------------ model calls: run totals (issue 40)
+
+    def _call(self, lane: str, s: _Session, ev: Event) -> list[Event]:
+        """Count one ``x.hermes.api.call`` in its run's sums, once (known by its raw position,
+        ``seq``; the id ring drops nearer repeats). While the run is open the sums wait for its
+        end (`_settle`). A call that reaches pairing after its run's end (a mapper replica that
+        died holding it: redelivered one ack wait later) amends them: right after the call goes
+        ``x.hermes.run.usage`` with the run's new totals (``cause`` = the end), as long as the
+        closed run is remembered (``recent_ns``); later than that it is in no total (counted
+        ``usage.late``)."""
+        run = _run(ev)
+        if not run or ev.capture == "none":
+            return []
+        u = s.usage.get(run) if s.usage else None
+        if u is not None:  # the run's sums are waiting for its end: it is open (the usual case)
+            if not self._add_call(u, ev):
+                self._count("usage.duplicates")
+            return []
+        closed = self._closed_run(s, run)
+        if closed is not None:
+            if closed.use is None:
+                closed.use = _Usage()
+            if not self._add_call(closed.use, ev):
+                self._count("usage.duplicates")
+                return []
+            self._count("usage.amended")
+            at = _At(ev.source, _epoch(ev), _seq(ev), AFTER_INSERT_SLOT, ev.id + "/usage", ulid_time_ms(ev.id), ev.time)
+            return [self._insert(lane, at, etype=RUN_USAGE_TYPE, data=self._members(closed.use), run=run,
+                                 subject="", cause=closed.end, capture_none=False)]
+        if self._run_ended(s, run):
+            self._count("usage.late")
+            return []
+        if s.usage is None:
+            s.usage = {}
+        if len(s.usage) >= self.config.max_open:  # bounded: the oldest run's sums go
+            del s.usage[next(iter(s.usage))]
+            self._count("usage.dropped")
+        u = s.usage[run] = _Usage()
+        if not self._add_call(u, ev):
+            self._count("usage.duplicates")
+        return []
+
+    @staticmethod
+    def _closed_run(s: _Session, run: str) -> _Pair | None:
+        """The run's pair when it has ended (by its terminal or by the bridge) and is remembered."""
+        found = None
+        for p in s.pairs or ():
+            if p.kind == RUN and p.key == run and p.state != OPEN and (found is None or p.closed >= found.closed):
+                found = p
+        return found
+
+    @staticmethod
+    def _add_call(u: _Usage, ev: Event) -> bool:
+        seq = _seq(ev)
+        if seq in u.seqs:
+            return False
+        u.seqs.append(seq)
+        u.calls += 1
+        data = _data(ev)
+        for i, (member, _) in enumerate(USAGE_MEMBERS):
+            v = data.get(member)
+            if isinstance(v, int) and not isinstance(v, bool) and v >= 0:
+                u.tokens[i] = max(u.tokens[i], 0) + v
+        cost = data.get("cost")
+        nanos = None
+        if isinstance(cost, dict) and isinstance(cost.get("currency"), str):
+            nanos = [to_nanos(cost.get(m, 0)) for m in COST_MEMBERS]
+        if nanos is None or None in nanos or (u.currency and u.currency != cost["currency"]):
+            u.currency = NO_COST
+        elif u.currency != NO_COST:
+            u.currency = cost["currency"]
+            u.cost = [a + b for a, b in zip(u.cost, nanos)]  # type: ignore[operator]
+        return True
+
+    def _settle(self, s: _Session, p: _Pair, capture_none: bool) -> dict[str, Any]:
+        """A run's end: its calls' sums so far move into its pair (where a late call amends them);
+        the members the end carries: the run's totals so far (every end of a run states all its
+        calls counted until then, so the last one stated is the run's total)."""
+        u = s.usage.pop(p.key, None) if s.usage and p.key else None
+        if s.usage is not None and not s.usage:
+            s.usage = None
+        if u is not None:
+            if p.use is None:
+                p.use = u
+            else:  # (calls of a run already closed once go to its pair; merged for safety)
+                for seq in u.seqs:
+                    if seq not in p.use.seqs:
+                        p.use.seqs.append(seq)
+                p.use.calls += u.calls
+                p.use.tokens = [max(a, 0) + max(b, 0) if max(a, b) >= 0 else -1 for a, b in zip(p.use.tokens, u.tokens)]
+                p.use.cost = [a + b for a, b in zip(p.use.cost, u.cost)]
+                p.use.currency = p.use.currency if p.use.currency == u.currency else NO_COST
+        elif p.use is None:
+            p.use = _Usage()
+        if capture_none or not p.use.calls:
+            return {}
+        self._count("usage.runs")
+        return self._members(p.use)
+
+    @staticmethod
+    def _members(u: _Usage) -> dict[str, Any]:
+        """``gen_ai.usage.*`` (a member when at least one call had it), ``cost`` (only when every
+        call had one, in one currency), ``model_calls``."""
+        out: dict[str, Any] = {}
+        for (member, _), n in zip(USAGE_MEMBERS, u.tokens):
+            if n >= 0:
+                out[member] = n
+        if u.currency and u.currency != NO_COST:
+            out["cost"] = {"currency": u.currency, **{m: from_nanos(n) for m, n in zip(COST_MEMBERS, u.cost)}}
+        out["model_calls"] = u.calls
+        return out
 
     # ------------------------------------------------------------ small helpers
 

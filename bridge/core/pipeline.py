@@ -13,6 +13,7 @@ from bridge.core.envelope import EnvelopeError, HermesEnvelope, RawMessage, chec
 from bridge.core.identity import Origin
 from bridge.core.lanes import LaneLookup
 from bridge.core.mapping import MapResult, map_envelope
+from bridge.core.pricing import PriceTable
 
 _generic = msgspec.json.Decoder()
 
@@ -53,6 +54,7 @@ def record_from_line(obj: Any, line_no: int, default_instance: str, base_ts_ns: 
     return Record(env, f"line-{line_no}", base_ts_ns + line_no * 1_000_000, default_instance)
 
 
-def map_record(record: Record, raw_seq: int, epoch: int, lanes: LaneLookup, policy: CapturePolicy) -> MapResult:
+def map_record(record: Record, raw_seq: int, epoch: int, lanes: LaneLookup, policy: CapturePolicy,
+               prices: PriceTable | None = None) -> MapResult:
     origin = Origin(raw_id=record.raw_id, raw_seq=raw_seq, ts_ns=record.ts_ns, instance=record.instance, epoch=epoch)
-    return map_envelope(record.envelope, origin, lanes, policy)
+    return map_envelope(record.envelope, origin, lanes, policy, prices)

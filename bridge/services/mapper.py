@@ -81,14 +81,14 @@ import nats.errors
 import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from bridge.config import MAPPER_METRICS_PORT, Settings
+from bridge.config import MAPPER_METRICS_PORT, Settings, load_price_table
 from bridge.core import deadletter
 from bridge.core.aep import PAYLOAD_TYPES, encode_event
 from bridge.core.ceiling import CapturePolicy
 from bridge.core.deadletter import KNOWN_REASONS as DLQ_REASONS
 from bridge.core.envelope import EnvelopeError, check_raw, decode_raw
 from bridge.core.lanes import UNKNOWN_TOKEN, event_lane_token, lane_candidates, partition_of
-from bridge.core.mapping import HOOKS
+from bridge.core.mapping import HOOKS, INVALID_FIELDS
 from bridge.core.pipeline import map_record, record_from_raw
 from bridge.nats import streams as S
 from bridge.nats import subjects as subj
@@ -108,6 +108,8 @@ RAW_SEQ_HEADER = "Bridge-Raw-Seq"
 INSTANCE_FORGET_S = 24 * 3600.0
 # Hermes instances with their own last-seen series; more share the series `other`.
 MAX_INSTANCE_SERIES = 4096
+#: distinct model labels of the usage counters; further models share `other`
+MAX_MODEL_SERIES = 64
 OUTAGE_RETRY_MAX_S = 5.0  # the longest nak delay of a message that met an outage (an election takes seconds)
 FINISHED_MAX = 16384  # finished raw seqs remembered above the known ack floor
 # BRIDGE_MAPPED messages one batch may read to find the events of its late redeliveries
@@ -189,6 +191,15 @@ class MapperMetrics:
             "aep_bridge_shim_spool_dropped", "Events the shims dropped at the edge (spool full or unwritable), "
             "as reported in a later raw message's edge.spool_dropped", registry=registry,
         )
+        # issue 40: a model call the price table does not price; a token count / duration left out
+        self.unpriced = Counter("aep_bridge_model_unpriced_total",
+                                "Model calls with no cost: the price table (AEP_BRIDGE_PRICE_TABLE) does not name the model",
+                                ["model"], registry=registry)
+        self.usage_invalid = Counter("aep_bridge_usage_invalid_total",
+                                     "Token counts, durations and call numbers of model calls left out as unusable "
+                                     "(negative, fractional, not a number, huge, missing)", ["field"], registry=registry)
+        self.model_label = BoundedLabel(cap=MAX_MODEL_SERIES, shape=r"[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}")
+        self.field_label = BoundedLabel(known=INVALID_FIELDS)
         self._instances: dict[str, float] = {}  # instance label -> monotonic time of its last message here
         self._other_ts = 0.0  # the last-seen time of the series `other`
         self._next_forget = 0.0
@@ -276,6 +287,8 @@ class Mapper:
         self.settings = settings
         self.linger = Linger(settings.linger_ms / 1000, settings.linger_max_ms / 1000, target=LINGER_TARGET)
         self.policy = policy
+        # the operator's price table: parsed at start (role_settings), else read here; a bad one raises
+        self.prices = settings.prices or (load_price_table(settings.price_table) if settings.price_table else None)
         self.registry = registry or CollectorRegistry()
         self.metrics = MapperMetrics(self.registry)
         self.health = Health("mapper")
@@ -436,6 +449,8 @@ class Mapper:
             self.metrics.drift_seen(result.drift).inc()
         if result.problems:
             self.metrics.problems.inc()
+        if result.invalid or result.unpriced:
+            self.count_usage_notes(result)
         if fact is not None and pinned is None and result.events and first:
             # A first attempt: its fact is sent now and its events once that is acked, with the
             # other first attempts of the batch (`release_held`: one round trip, not one each).
@@ -526,6 +541,13 @@ class Mapper:
                 failed.set_exception(exc)
                 h.futures.append(failed)
 
+    def count_usage_notes(self, result: Any) -> None:
+        m = self.metrics
+        for name in result.invalid:
+            m.field_label.child(m.usage_invalid, name).inc()
+        for model in result.unpriced:
+            m.model_label.child(m.unpriced, model).inc()
+
     def lane_fact_failed(self, raw_seq: int, error: BaseException) -> None:
         self.metrics.lane_facts.labels(outcome="failed").inc()
         log.warning("lane_fact_failed", raw_seq=raw_seq, error=f"{type(error).__name__}: {error}")
@@ -534,7 +556,7 @@ class Mapper:
         """Map one record (pure core) with ``lanes`` as its look-up: the result, its subject,
         hints and event bodies."""
         started = time.perf_counter()
-        result = map_record(record, raw_seq, self.epoch, lanes, self.policy)
+        result = map_record(record, raw_seq, self.epoch, lanes, self.policy, self.prices)
         self._map_times.append(time.perf_counter() - started)  # into the histogram once per batch
         subject = self._subjects.get((result.lane, result.unknown))
         if subject is None:  # (the token's check, crc32 and subject: ~2 % of a message, once per lane)

@@ -58,7 +58,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Iterator
 
-from bridge.sim.sessions import corpus
+from bridge.sim.sessions import corpus, vary_usage
 
 DROP = object()  # a template key to leave out of an envelope
 
@@ -546,7 +546,8 @@ class Instance:
                              error={"type": "APIStatusError", "message": "upstream said no"})
                 yield _build("pre_api_request", sid, cwd, **common, **api, user_message=msg,
                              request_messages=history, middleware_trace=[])
-            yield _build("post_api_request", sid, cwd, **common, **api, ended_at=time.time(), response_messages=[])
+            yield vary_usage(_build("post_api_request", sid, cwd, **common, **api, ended_at=time.time(),
+                                    response_messages=[]))
             if a == n_api:
                 break
             for _ in range(r.choices((1, 2, 3), (0.6, 0.3, 0.1))[0]):

@@ -43,8 +43,36 @@ def renamed_corpus(suffix: str) -> list[dict[str, Any]]:
 
 
 def session_copies(copy: int) -> list[dict[str, Any]]:
-    """One copy of the whole corpus, in its recorded order, with fresh identities."""
-    return renamed_corpus(f"-c{copy}")
+    """One copy of the whole corpus, in its recorded order, with fresh identities; every
+    model call (``post_api_request``) reports its own token counts (`vary_usage`)."""
+    return [vary_usage(env) for env in renamed_corpus(f"-c{copy}")]
+
+
+def call_usage(key: str) -> dict[str, int]:
+    """Token counts of one simulated model call, a pure function of ``key`` (its
+    ``api_request_id``): different on every call, so a run total that counts a call twice
+    or misses one is visible (issue 40)."""
+    r = random.Random(key)
+    output = r.randint(5, 4000)
+    return {"input_tokens": r.randint(50, 20000), "output_tokens": output, "cache_read_tokens": r.randint(0, 8000),
+            "cache_write_tokens": r.choice((0, 0, r.randint(1, 3000))), "reasoning_tokens": r.randint(0, output)}
+
+
+def vary_usage(env: dict[str, Any]) -> dict[str, Any]:
+    """``env`` with its own usage when it is a ``post_api_request`` with a usage object (in place)."""
+    extra = env.get("extra")
+    if env.get("hook_event_name") == "post_api_request" and isinstance(extra, dict) and isinstance(extra.get("usage"), dict):
+        key = str(extra.get("api_request_id") or json.dumps(extra.get("turn_id")))
+        counts = call_usage(key)
+        usage = extra["usage"] = dict(extra["usage"])  # (a template's dict may be shared)
+        if isinstance(extra.get("api_duration"), float):
+            extra["api_duration"] = round(random.Random(key + "/d").uniform(0.05, 8.0), 6)
+        usage.update({k: v for k, v in counts.items() if k in usage or k in ("input_tokens", "output_tokens")})
+        if "prompt_tokens" in usage:
+            usage["prompt_tokens"] = usage["input_tokens"] + usage.get("cache_read_tokens", 0) + usage.get("cache_write_tokens", 0)
+        if "total_tokens" in usage:
+            usage["total_tokens"] = usage.get("prompt_tokens", usage["input_tokens"]) + usage["output_tokens"]
+    return env
 
 
 def realistic_envelopes(n: int, seed: int = 0, interleave: int = 8) -> Iterator[dict[str, Any]]:

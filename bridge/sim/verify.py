@@ -30,6 +30,13 @@ BRIDGE_MAPPED, BRIDGE_DLQ and AEP_EVENTS and check:
    ``attention.answered`` (followed by ``attention.resolved {answered}``) or an
    ``attention.timeout`` on the session its ``turn_id`` names, whose ``subject`` is a
    request of that session, and that request is never closed ``dismissed``.
+4c. **Run totals** (`bridge.core.invariants.check_usage`, issue 40): every statement of a
+   run's totals (its terminal, the ``x.hermes.pairing.orphaned`` closing it, an
+   ``x.hermes.run.usage`` amendment pairing inserts after a call that reached it after the
+   run's end) carries ``model_calls`` and ``gen_ai.usage.*`` equal to the sums over the run's
+   ``x.hermes.api.call`` events published before it, and the cost (exact, in nano-units) when
+   every one had a cost: no call counted twice or left out. A call published after its run's
+   last statement (pairing no longer remembered the run) is reported as ``late``.
 5. **Schema validity** of every AEP event (``bridge.core.schemas.generate`` + jsonschema).
 6. **No canary** of the manifest anywhere (bodies and headers) in AEP_EVENTS,
    BRIDGE_MAPPED or BRIDGE_DLQ: HERMES_RAW is the only place a secret may be.
@@ -65,7 +72,7 @@ from bridge.core.aep import decode_event
 from bridge.core.ceiling import CapturePolicy
 from bridge.core.envelope import EnvelopeError, check_raw, decode_raw
 from bridge.core.identity import AFTER_SLOT, MAPPED_SLOT, MAX_MAPPED, SLOTS, event_id
-from bridge.core.invariants import CARD_ENDINGS, SESSION_ENDS, check_invariants
+from bridge.core.invariants import CARD_ENDINGS, SESSION_ENDS, check_invariants, check_usage
 from bridge.core.mapping import map_specs
 from bridge.core.pipeline import record_from_raw
 from bridge.core.schemas import generate
@@ -220,6 +227,12 @@ class Report:
     approvals_checked: int = 0
     approval_problems: list[str] = field(default_factory=list)
     approval_count: int = 0
+    usage_runs: int = 0
+    usage_calls: int = 0
+    usage_late: int = 0
+    usage_amended: int = 0
+    usage_problems: list[str] = field(default_factory=list)
+    usage_count: int = 0
     schema_problems: list[str] = field(default_factory=list)
     schema_count: int = 0
     schema_checked: int = 0
@@ -247,6 +260,7 @@ class Report:
             "seq_reused": self.seq_reused,
             "pairing_invariants": self.invariant_count,
             "approvals": self.approval_count,
+            "usage": self.usage_count,
             "schema": self.schema_count,
             "canaries": self.canary_count,
             "hostile": self.hostile_count,
@@ -286,6 +300,11 @@ class Report:
             add(f"      {x}")
         add(f"  approvals    {self.approval_count} problems in {self.approvals_checked} answers (session, subject, never dismissed)")
         for x in self.approval_problems[:MAX_EXAMPLES]:
+            add(f"      {x}")
+        add(f"  run totals   {self.usage_count} problems in {self.usage_runs} runs ({self.usage_calls} model calls counted "
+            f"once each; {self.usage_amended} totals amended by a call after its run's end); "
+            f"{self.usage_late} calls in no total")
+        for x in self.usage_problems[:MAX_EXAMPLES]:
             add(f"      {x}")
         add(f"  schema       {self.schema_count} invalid of {self.schema_checked} checked")
         for x in self.schema_problems[:MAX_EXAMPLES]:
@@ -695,6 +714,9 @@ class Verifier:
         approvals = approval_problems(self.events, expected)
         rep.approvals_checked = sum(1 for eid in expected if eid in self.aep_ids)
         rep.approval_count, rep.approval_problems = len(approvals), approvals[:MAX_EXAMPLES]
+        usage = check_usage(self.events)
+        rep.usage_runs, rep.usage_calls, rep.usage_late, rep.usage_amended = usage.runs, usage.calls, usage.late, usage.amended
+        rep.usage_count, rep.usage_problems = len(usage.problems), usage.problems[:MAX_EXAMPLES]
         rep.schema_count, rep.schema_problems, rep.schema_checked = self.schema_count, self.schema_problems, self.schema_checked
         rep.canary_count, rep.canary_hits = self.canary_count, self.canary_hits
         rep.canaries = len(self.canaries)

@@ -26,7 +26,7 @@ from bridge.sim.harness import Pipeline, Worker
 from bridge.sim.verify import Report, StreamReader
 from tests.clusterfixture import Cluster
 from tests.natsfixture import free_port
-from tests.support.faults import assert_clean, finish
+from tests.support.faults import PRICED, assert_clean, finish
 from tests.support.tansu import Tansu, consume
 
 RATE = 200.0
@@ -77,7 +77,7 @@ class ClusterRun:
         cluster.bootstrap(3)
         self.tansu = Tansu(tmp_path / "tansu.log").start()
         self.tansu.create_topics(TOPIC, partitions=3)
-        self.pipe = Pipeline(cluster.url, tmp_path / "logs", env=dict(CLUSTER_WINDOWS))
+        self.pipe = Pipeline(cluster.url, tmp_path / "logs", env=dict(CLUSTER_WINDOWS, **PRICED))
         p = self.pipe
         for _ in range(2):
             p.add("mapper", args=["--batch", "64"])

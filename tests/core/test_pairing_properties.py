@@ -10,7 +10,11 @@ messages, and ticks at arbitrary stream times. Properties:
   yields the output of one clean run;
 * any prefix -> snapshot -> restore into a fresh state -> the rest yields the
   output of one clean run (byte for byte), also with several restarts;
-* the output keeps every invariant (`check_invariants`).
+* the output keeps every invariant (`check_invariants`);
+* every model call's tokens are counted once (`check_usage`): each statement of a run's
+  totals (its end, the ``x.hermes.pairing.orphaned`` that closed it, an
+  ``x.hermes.run.usage`` amendment after a late call) carries the sums of exactly the run's
+  calls published before it, under any reordering, duplication, restart; none twice (issue 40).
 """
 
 from __future__ import annotations
@@ -18,11 +22,13 @@ from __future__ import annotations
 import random
 from typing import Any
 
+import msgspec
+
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from bridge.core.aep import Event, encode_event
-from bridge.core.invariants import check_invariants
+from bridge.core.invariants import check_invariants, check_usage, is_run_end
 from bridge.core.pairing import HOUR, MINUTE, SECOND, PairingConfig, PairingState
 from tests.support.pairing import BASE_NS, Mk, assert_valid
 
@@ -49,9 +55,13 @@ def session_script(draw: Any, s: str) -> list[Step]:
             run = f"{s}:t:{prefix}{r}"
             steps.append(("run_start", s, run))
             for k in range(draw(st.integers(0, 3))):
-                what = draw(st.sampled_from(["tool", "tool_noid", "approval", "clarify", "subagent"]))
+                what = draw(st.sampled_from(["tool", "tool_noid", "approval", "clarify", "subagent", "call", "call"]))
                 ident = f"{prefix}{r}{k}"
-                if what in ("tool", "tool_noid"):
+                if what == "call":  # a model call: different counts each time, sometimes a cost
+                    tokens = tuple(draw(st.integers(-1, 5000)) for _ in range(5))
+                    nanos = draw(st.sampled_from([None, 1, 250_000, 123_456_789]))
+                    steps.append(("call", s, run, tokens, nanos))
+                elif what in ("tool", "tool_noid"):
                     cid = "" if what == "tool_noid" else draw(st.sampled_from([f"call_{ident}", "call_0"]))
                     args = draw(st.sampled_from(["a", "b"]))
                     steps.append(("tool_req", s, run, cid, args))
@@ -107,6 +117,11 @@ def materialize(m: Mk, step: Step) -> list[tuple[Event, dict[str, Any]]]:
         return [m.run_start(s, run=run)]  # type: ignore[arg-type]
     if kind == "run_end":
         return [m.run_end(s, run=run, etype=rest[1])]
+    if kind == "call":
+        tokens, nanos = rest[1], rest[2]
+        cost = None if nanos is None else {"currency": "USD", "total": nanos * 2 / 1e9, "prompt": nanos / 1e9,
+                                           "completion": nanos / 1e9, "cache": 0.0, "reasoning": 0.0}
+        return [m.api_call(s, run=run, tokens=tokens, cost=cost)]  # type: ignore[arg-type]
     if kind == "tool_req":
         cid, args = rest[1], rest[2]
         return [m.tool_req(s, run=None if not cid else run, cid=cid, args=args)]
@@ -296,3 +311,118 @@ def test_every_input_event_is_published_once(stream: tuple[list[Message], dict[s
     ids = [e.id for e in out]
     assert len(ids) == len(set(ids))
     assert {msg[1].id for msg in msgs if msg[0] == "ev"} <= set(ids)
+
+
+# ---------------------------------------------------------------- issue 40: run totals
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(streams(), st.data())
+def test_each_model_call_is_counted_once_in_its_runs_totals(stream: tuple[list[Message], dict[str, bool]],
+                                                            data: Any) -> None:
+    msgs, flags = stream
+    # redelivered and republished copies, and a restart from a checkpoint somewhere
+    cut = data.draw(st.integers(0, len(msgs)))
+    f = Feeder()
+    out: list[Event] = []
+    for i, msg in enumerate(msgs):
+        if i == cut:
+            f = Feeder(PairingState.restore(f.state.snapshot()), f.position)
+        out += f.feed(msg)
+        if msg[0] == "ev" and data.draw(st.booleans()):
+            out += f.feed(msg)  # the same event again at a new position
+    check = check_usage(out)
+    assert check.problems == []
+    if not flags["ticks"]:  # a closed run is remembered recent_ns of stream time; only a tick jumps past it
+        assert check.late == 0
+    if not (flags["reorder"] or flags["drops"] or flags["ticks"]):
+        assert check.amended == 0  # in order, no call comes after its run's end
+    for e in out:
+        assert_valid(e)
+
+
+def test_run_totals_sum_the_calls_and_cost_only_when_every_call_had_one() -> None:
+    m = Mk()
+    usd = {"currency": "USD", "total": 0.00035, "prompt": 0.00025, "completion": 0.0001, "cache": 0.0, "reasoning": 0.0}
+    msgs = [m.started("S"), m.run_start("S", run="S:t:1"),
+            m.api_call("S", run="S:t:1", tokens=(100, 10, 5, -1, 0), cost=usd),
+            m.api_call("S", run="S:t:1", tokens=(250, 31, 0, -1, 7), cost=usd),
+            m.run_end("S", run="S:t:1"),
+            m.run_start("S", run="S:t:2"),
+            m.api_call("S", run="S:t:2", tokens=(1, 2, 3, 4, 5), cost=usd),
+            m.api_call("S", run="S:t:2", tokens=(1, 2, 3, 4, 5)),
+            m.run_end("S", run="S:t:2", etype="run.cancelled"),
+            m.run_start("S", run="S:t:3"),
+            m.api_call("S", run="S:t:3", tokens=(9, 9, 9, 9, 9)),
+            m.ended("S")]
+    state = PairingState()
+    out: list[Event] = []
+    for pos, (ev, h) in enumerate(msgs, start=1):
+        out += state.process(ev, h, pos)
+    ends = {e.run: e for e in out if is_run_end(e)}
+    assert ends["S:t:1"].data == {"gen_ai.usage.input_tokens": 350, "gen_ai.usage.output_tokens": 41,
+                                  "gen_ai.usage.cache_read.input_tokens": 5,
+                                  "gen_ai.usage.reasoning.output_tokens": 7,
+                                  "cost": {"currency": "USD", "total": 0.0007, "prompt": 0.0005,
+                                           "completion": 0.0002, "cache": 0.0, "reasoning": 0.0},
+                                  "model_calls": 2}
+    # one call without a cost: no cost for the run (never a partial sum); cancelled keeps its totals
+    assert ends["S:t:2"].type == "run.cancelled" and ends["S:t:2"].data["model_calls"] == 2
+    assert "cost" not in ends["S:t:2"].data and ends["S:t:2"].data["gen_ai.usage.cache_creation.input_tokens"] == 8
+    # a run the bridge closed at its session's end carries its totals too
+    assert ends["S:t:3"].type == "x.hermes.pairing.orphaned"
+    assert ends["S:t:3"].data["model_calls"] == 1 and ends["S:t:3"].data["gen_ai.usage.output_tokens"] == 9
+
+
+def test_a_checkpoint_written_before_run_totals_is_read() -> None:
+    """A checkpoint of the release before issue 40 (sessions without the ``usage`` member) restores."""
+    import msgspec
+
+    m = Mk()
+    state = PairingState()
+    for pos, (ev, h) in enumerate([m.started("S"), m.run_start("S", run="S:t:1")], start=1):
+        state.process(ev, h, pos)
+    snap = msgspec.msgpack.decode(state.snapshot())
+    for session in snap[6].values():
+        assert len(session) == 9 and session[8] is None  # the new member, last and empty
+        del session[8]
+        for pair in session[5]:  # a pair's new member (a closed run's sums), last
+            assert len(pair) == 17 and pair[16] is None
+            del pair[16]
+    old = msgspec.msgpack.encode(snap)
+    restored = PairingState.restore(old)
+    ev, h = m.api_call("S", run="S:t:1", tokens=(3, 4, 0, 0, 0))
+    restored.process(ev, h, 3)
+    ev, h = m.run_end("S", run="S:t:1")
+    (end,) = restored.process(ev, h, 4)
+    assert end.data["model_calls"] == 1 and end.data["gen_ai.usage.input_tokens"] == 3
+
+
+def test_a_call_after_its_runs_end_amends_the_runs_totals_once() -> None:
+    """A mapper replica killed holding a post_api_request: its redelivery reaches pairing after
+    the run's end. Right after it goes x.hermes.run.usage with the run's new totals (cause = the
+    end), once, also when the call comes again; its tokens are in the run's total exactly once."""
+    m = Mk()
+    msgs = [m.started("S"), m.run_start("S", run="S:t:1")]
+    first = m.api_call("S", run="S:t:1", tokens=(100, 10, 0, 0, 0))
+    late = m.api_call("S", run="S:t:1", tokens=(7, 3, 1, 0, 2))
+    msgs += [first, m.run_end("S", run="S:t:1"), late, late, m.ended("S")]
+    state = PairingState()
+    out: list[Event] = []
+    for pos, (ev, h) in enumerate(msgs, start=1):
+        out += state.process(ev, h, pos)
+    end = next(e for e in out if e.type == "run.finished")
+    assert end.data["model_calls"] == 1 and end.data["gen_ai.usage.input_tokens"] == 100
+    (amend,) = [e for e in out if e.type == "x.hermes.run.usage"]
+    assert out.index(amend) == out.index(next(e for e in out if e.id == late[0].id)) + 1
+    assert amend.cause == end.id and amend.run == "S:t:1" and amend.seq == late[0].seq - 512 + 768
+    assert amend.data == {"gen_ai.usage.input_tokens": 107, "gen_ai.usage.output_tokens": 13,
+                          "gen_ai.usage.cache_read.input_tokens": 1, "gen_ai.usage.cache_creation.input_tokens": 0,
+                          "gen_ai.usage.reasoning.output_tokens": 2, "model_calls": 2}
+    check = check_usage(out)
+    assert check.problems == [] and check.late == 0 and check.amended == 1 and check.calls == 2
+    assert state.counters["usage.amended"] == 1
+    for e in out:
+        assert_valid(e)
+    # the check sees a total that counts a call twice
+    bad = [msgspec.structs.replace(e, data={**e.data, "model_calls": 3}) if e.id == amend.id else e for e in out]
+    assert len(check_usage(bad).problems) == 1

@@ -36,6 +36,7 @@ from tests.support.plane import Plane, start_plane, stop_plane, types
 
 pytestmark = pytest.mark.hermes
 
+PRICES = Path(__file__).resolve().parents[1] / "fixtures" / "prices.yaml"
 HOOKED = ["on_session_start", "pre_llm_call", "pre_tool_call", "post_tool_call", "post_llm_call", "on_session_end",
           "on_session_finalize"]
 
@@ -73,6 +74,8 @@ class Model:
     def __init__(self) -> None:
         self.requests: list[dict[str, Any]] = []
         self.tool_call: dict[str, Any] | None = None
+        #: the usage the n-th request (1-based) reports; None: 1 prompt + 1 completion token
+        self.usage: Any = None
         model = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -89,6 +92,8 @@ class Model:
                     self.end_headers()
                     return
                 model.requests.append(body)
+                usage = model.usage(len(model.requests)) if model.usage else {"prompt_tokens": 1, "completion_tokens": 1,
+                                                                                "total_tokens": 2}
                 last = body["messages"][-1]
                 msg: dict[str, Any] = {"role": "assistant", "content": "done"}
                 finish = "stop"
@@ -107,14 +112,12 @@ class Model:
                         delta["tool_calls"] = [dict(tc, index=0) for tc in delta["tool_calls"]]
                     for chunk in ({"delta": delta, "finish_reason": None}, {"delta": {}, "finish_reason": finish}):
                         data = {"id": "c", "object": "chat.completion.chunk", "created": 0, "model": "fake-model",
-                                "choices": [{"index": 0, **chunk}],
-                                "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
+                                "choices": [{"index": 0, **chunk}], "usage": usage}
                         self.wfile.write(b"data: " + json.dumps(data).encode() + b"\n\n")
                     self.wfile.write(b"data: [DONE]\n\n")
                     return
                 self._send({"id": "c", "object": "chat.completion", "created": 0, "model": "fake-model",
-                            "choices": [{"index": 0, "message": msg, "finish_reason": finish}],
-                            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
+                            "choices": [{"index": 0, "message": msg, "finish_reason": finish}], "usage": usage})
 
             def _send(self, obj: Any) -> None:
                 data = json.dumps(obj).encode()
@@ -151,7 +154,8 @@ def hermes_plane(nats_backend: str, tmp_path_factory: pytest.TempPathFactory) ->
     if nats_backend == "external":
         pytest.skip("the control-plane tests start servers of their own")
     p, services = start_plane(nats_backend, tmp_path_factory.mktemp("hermes-control"),
-                              {"AEP_HERMES_CONTROL": "1", "AEP_INSTRUCT": "1"})
+                              {"AEP_HERMES_CONTROL": "1", "AEP_INSTRUCT": "1"},
+                              mapper_env={"AEP_BRIDGE_PRICE_TABLE": str(PRICES)})
     try:
         yield p
     finally:
@@ -297,3 +301,121 @@ def test_operator_gate_and_steering_under_real_hermes(hermes_plane: Plane, tmp_p
     for req in requests:  # each gate card sorts right after the tool.requested that caused it
         assert by_id[req["cause"]]["seq"] < req["seq"]
     assert res.command in cfg
+
+
+# ---------------------------------------------------------------- issue 40: what the model calls cost
+
+
+def request_usage(n: int) -> dict[str, Any]:
+    """What the fake model reports for its n-th request: different counts every time, with cached
+    prompt tokens and reasoning tokens (OpenAI chat-completions shape)."""
+    prompt, completion = 1000 + 137 * n, 40 + 29 * n
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": 100 + 11 * n},
+            "completion_tokens_details": {"reasoning_tokens": 3 * n}}
+
+
+def hermes_counts(u: dict[str, Any]) -> dict[str, int]:
+    """The AEP members of Hermes's buckets for a chat-completions usage (agent/usage_pricing.py
+    normalize_usage: input = prompt - cached; output = completion, reasoning included)."""
+    cached = u["prompt_tokens_details"]["cached_tokens"]
+    return {"gen_ai.usage.input_tokens": u["prompt_tokens"] - cached, "gen_ai.usage.output_tokens": u["completion_tokens"],
+            "gen_ai.usage.cache_read.input_tokens": cached, "gen_ai.usage.cache_creation.input_tokens": 0,
+            "gen_ai.usage.reasoning.output_tokens": u["completion_tokens_details"]["reasoning_tokens"]}
+
+
+def table_cost(c: dict[str, int]) -> dict[str, Any]:
+    """The price table's arithmetic (tests/fixtures/prices.yaml), by hand, in Decimal."""
+    from decimal import Decimal
+
+    m, q = Decimal(1_000_000), Decimal("1e-9")
+    out = {
+        "prompt": (c["gen_ai.usage.input_tokens"] * Decimal("2.5") / m).quantize(q),
+        "completion": ((c["gen_ai.usage.output_tokens"] - c["gen_ai.usage.reasoning.output_tokens"]) * Decimal(10) / m).quantize(q),
+        "cache": ((c["gen_ai.usage.cache_read.input_tokens"] * Decimal("1.25")
+                   + c["gen_ai.usage.cache_creation.input_tokens"] * Decimal("3.75")) / m).quantize(q),
+        "reasoning": (c["gen_ai.usage.reasoning.output_tokens"] * Decimal("12.5") / m).quantize(q),
+    }
+    out["total"] = sum(out.values())
+    return out
+
+
+def official_problems(ev: dict[str, Any]) -> list[str]:
+    """The envelope against schemas/aep-event.schema.json, the data against the official AEP type
+    schema (bridge/data/aep_spec, vendored) or, for x.hermes.* types, ours (schemas/types)."""
+    import jsonschema
+
+    from bridge.core.schemas import generate
+
+    root = Path(__file__).resolve().parents[2]
+    official = root / "bridge" / "data" / "aep_spec" / "types" / f"{ev['type']}.schema.json"
+    docs = generate()
+    schema = json.loads(official.read_text()) if official.exists() else docs.get(f"types/{ev['type']}.schema.json")
+    out = [e.message for e in jsonschema.Draft202012Validator(docs["aep-event.schema.json"]).iter_errors(ev)]
+    if schema is not None:
+        out += [e.message for e in jsonschema.Draft202012Validator(schema).iter_errors(ev.get("data", {}))]
+    return out
+
+
+def test_model_calls_tokens_and_run_totals_under_real_hermes(hermes_plane: Plane, tmp_path: Path) -> None:
+    """Real turns of the real AIAgent against a fake model that reports different token counts on
+    every request: each post_api_request is one x.hermes.api.call naming its model with Hermes's
+    exact counts and the price table's cost; each run.finished carries the sums of its calls."""
+    from decimal import Decimal
+
+    plane = hermes_plane
+    home, workdir = tmp_path / "hermes", tmp_path / "work"
+    home.mkdir()
+    workdir.mkdir()
+    (home / "config.yaml").write_text("model:\n  default: fake-model\n")
+    (workdir / "notes.txt").write_text("nothing secret\n")
+    hooked = ["on_session_start", "pre_llm_call", "post_api_request", "api_request_error", "pre_tool_call",
+              "post_tool_call", "on_session_end", "on_session_finalize"]
+    settings = {"AEP_BRIDGE_NATS_URL": plane.url, "AEP_BRIDGE_INSTANCE": plane.instance,
+                "AEP_BRIDGE_SPOOL_DIR": str(tmp_path / "spool"), "AEP_BRIDGE_DEADLINE_MS": "1000"}
+    inst.install(home, events=hooked, settings=settings)
+    session = f"hermes-use-{os.getpid()}-{int(time.time())}"
+    model = Model()
+    model.usage = request_usage
+    driver = Driver(home, workdir, model, session)
+    try:
+        assert driver.registered == sorted(hooked)
+        for user, call in (("read my notes", "call_u1"), ("thanks", None), ("read them again", "call_u2")):
+            model.tool_call = {"id": call, "name": "read_file", "args": {"path": str(workdir / "notes.txt")}} if call else None
+            driver.send({"user": user})
+            assert driver.read() == {"final": "done"}
+        driver.send({"finalize": True})
+        assert driver.read() == {"finalized": True}
+    finally:
+        err = driver.close()
+        model.close()
+    assert "shell hook failed" not in err and "shell hook timed out" not in err, err[-2000:]
+    n = len(model.requests)
+    assert n == 5  # two turns with a tool call (2 requests each), one without
+    evs = plane.wait(session, lambda e: "session.ended" in types(e) and types(e).count("run.finished") == 3
+                     and types(e).count("x.hermes.api.call") == n, "the whole session", timeout=30.0)
+    calls = [e for e in evs if e["type"] == "x.hermes.api.call"]
+    # every model request is one event, naming its model, with Hermes's exact counts and the table's cost
+    for i, ev in enumerate(calls, start=1):
+        d = ev["data"]
+        want = hermes_counts(request_usage(i))
+        assert {k: d[k] for k in want} == want, (i, d)
+        assert d["gen_ai.request.model"] == "fake-model" and d["gen_ai.provider.name"] == "custom"
+        assert isinstance(d["duration_ms"], int) and d["call_index"] in (1, 2)
+        cost = table_cost(want)
+        assert d["cost"]["currency"] == "USD"
+        assert {k: Decimal(repr(d["cost"][k])) for k in cost} == cost, (i, d["cost"], cost)
+        assert "content" not in json.dumps(d) and "notes.txt" not in json.dumps(d)  # no text at metadata
+    # every finished run carries the sums of its calls (tokens, model_calls, cost)
+    runs = [e for e in evs if e["type"] == "run.finished"]
+    for run in runs:
+        mine = [c["data"] for c in calls if c["run"] == run["run"]]
+        assert mine and run["data"]["model_calls"] == len(mine)
+        for member in hermes_counts(request_usage(1)):
+            assert run["data"][member] == sum(c[member] for c in mine), (member, run)
+        for member in ("total", "prompt", "completion", "cache", "reasoning"):
+            assert Decimal(repr(run["data"]["cost"][member])) == sum(Decimal(repr(c["cost"][member])) for c in mine)
+    assert sum(r["data"]["model_calls"] for r in runs) == n
+    # every event valid against the official schemas
+    bad = {e["id"]: p for e in evs if (p := official_problems(e))}
+    assert bad == {}, bad

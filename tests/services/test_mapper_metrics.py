@@ -22,12 +22,12 @@ from tests.corpus import records
 from tests.support.services import publish_all, raw_records
 
 
-async def run(url: str, envelopes: list[dict]) -> tuple[Mapper, dict[str, tuple[str, dict]]]:
+async def run(url: str, envelopes: list[dict], settings: Settings | None = None) -> tuple[Mapper, dict[str, tuple[str, dict]]]:
     nc = await nats.connect(url)
     js = nc.jetstream()
     await bootstrap(js, None, replicas=1)
     await publish_all(js, raw_records(envelopes, instance="metrics"))
-    mapper = Mapper(Settings(nats_url=url, instance="m-metrics"), CapturePolicy(), registry=CollectorRegistry())
+    mapper = Mapper(settings or Settings(nats_url=url, instance="m-metrics"), CapturePolicy(), registry=CollectorRegistry())
     await mapper.connect()
     puller, done = Puller(await mapper.bind()), 0
     while done < len(envelopes):
@@ -66,3 +66,27 @@ def test_each_raw_message_is_counted_once_in_each_histogram_and_filed_on_its_lan
         token = event_lane_token(event["session"], unknown)
         assert subject == subj.mapped_subject(partition_of(token, mapper.settings.partitions), token), event_id
     assert len({s for s, _ in subjects.values()}) > 1
+
+
+def test_unpriced_models_and_bad_counts_are_counted_and_the_calls_flow(nats_server_fn, tmp_path):
+    """Issue 40: with a price table, a call of a model it does not name has no cost and counts
+    aep_bridge_model_unpriced_total{model}; a bad token count is left out and counts
+    aep_bridge_usage_invalid_total{field}; every call is still mapped."""
+    import copy
+    from pathlib import Path
+
+    calls = [r["envelope"] for r in records() if r["envelope"]["hook_event_name"] == "post_api_request"][:3]
+    other, bad, fine = (copy.deepcopy(c) for c in calls)
+    other["extra"]["model"] = other["extra"]["response_model"] = "mystery-model"
+    bad["extra"]["usage"]["output_tokens"] = -5
+    table = Path(__file__).resolve().parents[1] / "fixtures" / "prices.yaml"
+    settings = Settings(nats_url=nats_server_fn.url, instance="m-metrics", price_table=str(table))
+    mapper, subjects = asyncio.run(run(nats_server_fn.url, [other, bad, fine], settings))
+    value = mapper.registry.get_sample_value
+    assert value("aep_bridge_model_unpriced_total", {"model": "mystery-model"}) == 1
+    assert value("aep_bridge_usage_invalid_total", {"field": "output_tokens"}) == 1
+    events = sorted((e for _, e in subjects.values()), key=lambda e: e["seq"])
+    assert [e["type"] for e in events] == ["x.hermes.api.call"] * 3
+    assert "cost" not in events[0]["data"] and events[0]["data"]["gen_ai.request.model"] == "mystery-model"
+    assert "cost" not in events[1]["data"] and "gen_ai.usage.output_tokens" not in events[1]["data"]
+    assert events[2]["data"]["cost"]["currency"] == "USD"

@@ -30,7 +30,7 @@ from bridge.services.pairing import POLL_S
 from bridge.shim import hook
 from bridge.sim.fleet import Fleet, FleetConfig
 from bridge.sim.harness import Pipeline
-from tests.support.faults import SHORT_WINDOWS, assert_clean, finish
+from tests.support.faults import PRICED, SHORT_WINDOWS, assert_clean, finish
 from tests.support.shim import run_hook, shim_env
 
 
@@ -50,7 +50,7 @@ def start(fleet: Fleet) -> threading.Thread:
 
 def pipeline(server: Any, tmp_path: Path, mappers: int = 1, pairings: int = 1, window: float | None = None,
              mapper_env: dict[str, str] | None = None, mapper_module: str = "bridge.cli") -> Pipeline:
-    pipe = Pipeline(server.url, tmp_path / "logs", env=dict(SHORT_WINDOWS))
+    pipe = Pipeline(server.url, tmp_path / "logs", env=dict(SHORT_WINDOWS, **PRICED))
     pipe.bootstrap(duplicate_window_s=window)
     for _ in range(mappers):
         pipe.add("mapper", args=["--batch", "64"], env=mapper_env, module=mapper_module)

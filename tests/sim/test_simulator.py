@@ -387,3 +387,46 @@ def test_half_the_approvals_are_answered_right_behind_their_request(tmp_path):
     assert cli_q and all(e["session_id"] == "" and e["extra"]["turn_id"].startswith(e["extra"]["turn_id"].split(":")[0] + ":")
                          for e in cli_q), "the CLI `-q` shape is among them"
     fleet.manifest.close()
+
+
+def test_model_calls_report_their_own_counts_and_run_totals_sum_them(generated):
+    """Issue 40: every simulated post_api_request reports its own token counts, and through the
+    pure core (mapping with a price table, then pairing) every run's end carries the sums of its
+    calls; `check_usage` (the verifier's run-totals check) finds nothing, and finds a tampered total."""
+    import msgspec
+
+    from bridge.config import load_price_table
+    from bridge.core.invariants import check_usage
+    from bridge.core.pairing import PairingState
+
+    prices = load_price_table(str(ROOT / "tests" / "fixtures" / "prices.yaml"))
+    lanes, policy, state = MemoryLanes(), CapturePolicy(), PairingState()
+    cfg = hook.Config({"AEP_BRIDGE_CONFIG": os.devnull, "AEP_BRIDGE_INSTANCE": "gen"})
+    out, counts = [], Counter()
+    position = 0
+    for seq, (_, env) in enumerate(generated[:8000], start=1):
+        record = hook.build_record(json.dumps(env).encode(), cfg)
+        mapped = map_record(record_from_raw(decode_raw(record.body)), seq, 0, lanes, policy, prices)
+        lanes.learn(mapped.learned)
+        assert not mapped.invalid and not mapped.unpriced
+        for ev in mapped.events:
+            position += 1
+            out += state.process(ev, mapped.hints, position)
+            if ev.type == "x.hermes.api.call":
+                counts[(ev.data["gen_ai.usage.input_tokens"], ev.data["gen_ai.usage.output_tokens"])] += 1
+    calls = sum(counts.values())
+    assert calls > 300 and len(counts) > 0.95 * calls  # different counts on (nearly) every call
+    check = check_usage(out)
+    assert check.problems == [] and check.late == 0
+    assert check.runs > 100 and check.calls > 0.9 * calls  # (the rest: runs still open at the cut)
+    ends = [e for e in out if e.type == "run.finished" and "cost" in (e.data or {})]
+    assert ends and all(e.data["cost"]["currency"] == "USD" for e in ends)
+    # the check can fail: one token more in one run's end
+    i = out.index(ends[0])
+    out[i] = msgspec.structs.replace(ends[0], data={**ends[0].data, "gen_ai.usage.input_tokens": ends[0].data["gen_ai.usage.input_tokens"] + 1})
+    assert len(check_usage(out).problems) == 1
+    # ... or one call counted twice (its copy under a new id, before the run's end)
+    call = next(e for e in out[:i] if e.type == "x.hermes.api.call" and e.run == ends[0].run)
+    out[i] = ends[0]
+    out.insert(i, msgspec.structs.replace(call, id=call.id[:-1] + ("A" if call.id[-1] != "A" else "B")))
+    assert len(check_usage(out).problems) == 1

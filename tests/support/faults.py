@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
 from bridge.sim.fleet import Fleet
 from bridge.sim.harness import Pipeline
@@ -14,6 +15,9 @@ from bridge.sim.verify import Report, verify
 #: a message a killed mapper held comes back after 5 s, not 30, and pairing holds a terminal
 #: (and a card past its session's end) 8 s, not 45 -- still above the ack wait, as in production.
 SHORT_WINDOWS = {"AEP_BRIDGE_MAPPER_ACK_WAIT_S": "5", "AEP_BRIDGE_PAIRING_HOLD_S": "8"}
+#: the mappers of the fault runs price the fleet's model calls, so the verifier's run-totals
+#: check covers the cost too (issue 40)
+PRICED = {"AEP_BRIDGE_PRICE_TABLE": str(Path(__file__).resolve().parent.parent / "fixtures" / "prices.yaml")}
 
 
 def finish(fleet: Fleet, thread: threading.Thread, pipe: Pipeline, wait: float = 90.0) -> Report:
@@ -51,6 +55,8 @@ def assert_clean(report: Report, pipe: Pipeline, max_deliver_letters: int = 0) -
     assert report.duplicate_count == 0 and report.id_under_two_sources == 0, text
     assert report.seq_reused == 0, text
     assert report.invariant_count == 0, text
+    # issue 40: every model call counted once in its run's totals (and its cost), through the faults
+    assert report.usage_count == 0 and report.usage_runs > 0 and report.usage_calls > 0, text
     assert report.schema_count == 0, text
     assert report.canary_count == 0, text
     assert report.canaries_planted > 0, "the scenario must carry canaries to prove anything"

@@ -106,6 +106,18 @@ class Mk:
     def run_end(self, s: str = "S", run: str | None = "S:t:r1", etype: str = "run.finished", **kw: Any) -> Msg:
         return self.ev(etype, s, run=run, hook="on_session_end", **kw)
 
+    def api_call(self, s: str = "S", run: str = "S:t:r1", tokens: tuple[int, ...] = (100, 10, 0, 0, 0),
+                 cost: dict[str, Any] | None = None, **kw: Any) -> Msg:
+        """An ``x.hermes.api.call`` (post_api_request) with these five token counts (input, output,
+        cache read, cache write, reasoning; a negative one is left out) and ``cost``."""
+        from bridge.core.aep import USAGE_MEMBERS
+
+        data: dict[str, Any] = {"gen_ai.request.model": "fake-model"}
+        data.update({member: n for (member, _), n in zip(USAGE_MEMBERS, tokens) if n >= 0})
+        if cost is not None:
+            data["cost"] = cost
+        return self.ev("x.hermes.api.call", s, run=run, data=data, hook="post_api_request", **kw)
+
     def tool_req(
         self, s: str = "S", run: str | None = "S:t:r1", cid: str = "call_1", name: str = "terminal",
         args: str = "d1", task: str = "t", **kw: Any,

@@ -153,13 +153,14 @@ def ready(url: str) -> bool:
     return asyncio.run(ask())
 
 
-def start_plane(backend: str, tmp: Path, gate_env: dict[str, str], with_pipeline: bool = True) -> tuple[Plane, list[Service]]:
+def start_plane(backend: str, tmp: Path, gate_env: dict[str, str], with_pipeline: bool = True,
+                mapper_env: dict[str, str] | None = None) -> tuple[Plane, list[Service]]:
     server = make_server(backend=backend)
     client = JetStreamClient(server.url)
     client.bootstrap()
     services = [Service("gate", server.url, tmp, "--probe-ms", "300", env=gate_env).start()]
     if with_pipeline:
-        services += [Service("mapper", server.url, tmp).start(), Service("pairing", server.url, tmp).start()]
+        services += [Service("mapper", server.url, tmp, env=mapper_env).start(), Service("pairing", server.url, tmp).start()]
     wait_for(lambda: ready(server.url), 20, interval=0.1, what="the gate's hello")
     return Plane(server, client, services[0], tmp, f"ctl-{uuid.uuid4().hex[:6]}"), services
 
