@@ -138,6 +138,7 @@ USAGE_MEMBERS = (
     ("gen_ai.usage.reasoning.output_tokens", "reasoning_tokens"),
 )
 API_CALL_TYPE = "x.hermes.api.call"
+API_ERROR_TYPE = "x.hermes.api.error"
 #: pairing: a run's totals amended by a model call that reached it after the run's end
 RUN_USAGE_TYPE = "x.hermes.run.usage"
 

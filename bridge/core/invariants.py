@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 
 from msgspec import UNSET
 
-from bridge.core.aep import Event
+from bridge.core.aep import API_CALL_TYPE, RUN_USAGE_TYPE as RUN_USAGE, Event
 
 #: terminal type -> the start type its cause must name
 START_OF: dict[str, str] = {
@@ -138,7 +138,6 @@ class UsageCheck(NamedTuple):
     amended: int  # x.hermes.run.usage events (a call that reached pairing after its run's end)
 
 
-RUN_USAGE = "x.hermes.run.usage"
 
 
 def _usage_row(data: dict[str, Any]) -> list[int]:
@@ -168,7 +167,7 @@ def is_run_end(e: Event) -> bool:
     return e.type in RUN_TERMINALS or (e.type == "x.hermes.pairing.orphaned" and (e.data or {}).get("kind") == "run")
 
 
-def check_usage(events: list[Event], call_type: str = "x.hermes.api.call") -> UsageCheck:
+def check_usage(events: list[Event], call_type: str = API_CALL_TYPE) -> UsageCheck:
     """Every model call counted once in its run's totals (issue 40), over an output stream in
     stream order (distinct event ids). Every statement of a run's totals (each end of the run:
     its terminal, the ``x.hermes.pairing.orphaned`` closing it; and each ``x.hermes.run.usage``

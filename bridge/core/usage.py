@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote
 
-API_CALL = "x.hermes.api.call"
-API_ERROR = "x.hermes.api.error"
+from bridge.core.aep import API_CALL_TYPE as API_CALL, API_ERROR_TYPE as API_ERROR
+
 GROUPINGS = ("model", "instance", "session", "day")
 
 #: `gen_ai.usage.*` member -> column.

@@ -30,10 +30,9 @@ from typing import Any, Iterator
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 
+from bridge.core.aep import API_CALL_TYPE as API_CALL, API_ERROR_TYPE as API_ERROR
 from bridge.runtime.labels import BoundedLabel
 
-API_CALL = "x.hermes.api.call"
-API_ERROR = "x.hermes.api.error"
 MAX_MODELS = 50
 MODEL_LABEL_LEN = 64
 MODEL_SHAPE = r"[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,63}"
