@@ -37,6 +37,8 @@ from tests.support.plane import Plane, start_plane, stop_plane, types
 pytestmark = pytest.mark.hermes
 
 PRICES = Path(__file__).resolve().parents[1] / "fixtures" / "prices.yaml"
+#: the module plane's services (its pairing's /metrics)
+hermes_plane_services: list[Any] = []
 HOOKED = ["on_session_start", "pre_llm_call", "pre_tool_call", "post_tool_call", "post_llm_call", "on_session_end",
           "on_session_finalize"]
 
@@ -156,6 +158,7 @@ def hermes_plane(nats_backend: str, tmp_path_factory: pytest.TempPathFactory) ->
     p, services = start_plane(nats_backend, tmp_path_factory.mktemp("hermes-control"),
                               {"AEP_HERMES_CONTROL": "1", "AEP_INSTRUCT": "1"},
                               mapper_env={"AEP_BRIDGE_PRICE_TABLE": str(PRICES)})
+    hermes_plane_services[:] = services
     try:
         yield p
     finally:
@@ -419,3 +422,36 @@ def test_model_calls_tokens_and_run_totals_under_real_hermes(hermes_plane: Plane
     # every event valid against the official schemas
     bad = {e["id"]: p for e in evs if (p := official_problems(e))}
     assert bad == {}, bad
+
+    # the same stream through `aep-bridge usage` (the real command): its session row is the calls' sums
+    from bridge.core.usage import TOKENS
+    from tests.support.up import cli
+
+    done = cli("usage", "--nats", plane.url, "--by", "session", "--since", "all", "--json",
+               env={**os.environ, "AEP_BRIDGE_CONFIG": os.devnull}, timeout=60)
+    assert done.returncode == 0, done.stderr
+    (row,) = [r for r in json.loads(done.stdout)["groups"] if r["group"] == session]
+    assert row["calls"] == n and row["errors"] == 0 and row["unpriced_calls"] == 0
+    for member, column in TOKENS:
+        assert row[f"{column}_tokens"] == sum(c["data"][member] for c in calls), column
+    assert Decimal(repr(row["cost"]["USD"])).quantize(Decimal("1e-9")) == sum(
+        Decimal(repr(c["data"]["cost"]["total"])) for c in calls)
+    durations = sorted(c["data"]["duration_ms"] for c in calls)
+    assert row["p99_ms"] == durations[-1]
+
+    # and pairing's activity metrics (one module-wide plane: only this test's turns make model calls)
+    pairing = next(s for s in hermes_plane_services if s.name == "pairing")
+
+    def metric(name: str, **labels: str) -> float:
+        want = "{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}"
+        for line in pairing.metrics_text().splitlines():
+            head, _, value = line.rpartition(" ")
+            if head.split("{")[0] == name and "{" + ",".join(sorted(head[head.index("{") + 1:-1].split(","))) + "}" == want:
+                return float(value)
+        return 0.0
+
+    assert metric("aep_bridge_model_calls_total", model="fake-model", outcome="ok") == n
+    for member, column in TOKENS:
+        assert metric("aep_bridge_model_tokens_total", model="fake-model", kind=column) == sum(
+            c["data"][member] for c in calls), column
+    assert metric("aep_bridge_runs_total", outcome="finished") >= len(runs)
