@@ -40,7 +40,19 @@ _KEY_FIELDS = (
     ("reason", lambda d: d.get("reason")),
     ("trigger", lambda d: d.get("trigger")),
     ("status_code", lambda d: d.get("status_code")),
+    # what a model call (x.hermes.api.call / .error) and a run's totals spend (issue 40)
+    ("model", lambda d: str(d.get("gen_ai.request.model") or d.get("gen_ai.response.model") or "")[:40] or None),
+    ("in", lambda d: d.get("gen_ai.usage.input_tokens")),
+    ("out", lambda d: d.get("gen_ai.usage.output_tokens")),
+    ("calls", lambda d: d.get("model_calls")),
+    ("cost", lambda d: _cost(d.get("cost"))),
 )
+
+
+def _cost(cost: Any) -> str | None:
+    if not isinstance(cost, dict) or "total" not in cost:
+        return None
+    return f"{cost['total']:g}{cost.get('currency', '')}" if isinstance(cost["total"], (int, float)) else None
 
 
 def _answer(answer: Any) -> str | None:
