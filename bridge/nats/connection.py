@@ -23,6 +23,7 @@ import nats.errors
 import nats.js.errors
 
 from bridge.config import Settings
+from bridge.nats import follow
 from bridge.shim.hook import parse_server_url, shim_inbox_prefix
 
 #: The inbox prefix of each role (nats-py ``inbox_prefix``): publish acks, JetStream API
@@ -98,8 +99,11 @@ def connect_options(settings: Settings, *, name: str | None = None, role: str | 
                     **overrides: Any) -> dict[str, Any]:
     """Keyword arguments for ``nats.connect`` (``overrides`` win). ``role``: see ROLE_INBOX."""
     servers = server_list(settings)
-    # Servers are tried in the order given (as the shim does), not shuffled.
-    opts: dict[str, Any] = {"servers": servers.urls, "name": name or f"aep-bridge-{settings.instance}", "dont_randomize": True}
+    name = name or f"aep-bridge-{settings.instance}"
+    # Servers are tried in the list's order from the one a stable hash of the instance picks
+    # (bridge.nats.follow.first_server_order: a fleet spreads over the servers), not shuffled.
+    opts: dict[str, Any] = {"servers": follow.first_server_order(servers.urls, follow.identity(name)),
+                            "name": name, "dont_randomize": True}
     prefix = inbox_prefix(settings, role)
     if prefix:
         opts["inbox_prefix"] = prefix
@@ -275,4 +279,11 @@ async def connect_service(settings: Settings | None = None, *, name: str | None 
             continue
         nc.options["allow_reconnect"] = True
         nc.options["max_reconnect_attempts"] = -1
+        follow_servers(nc, settings, name)
         return nc
+
+
+def follow_servers(nc: Any, settings: Settings | None, name: str | None) -> None:
+    """Leave a server that cannot serve JetStream (`bridge.nats.follow`; issue 42)."""
+    settings = settings or Settings.from_env()
+    follow.start(nc, after_s=settings.nats_leave_after_s, name=name or "")

@@ -11,6 +11,8 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
 
+from bridge.nats import follow
+
 
 @dataclass
 class Health:
@@ -54,7 +56,9 @@ class Health:
         ok = self.alive()
         status = "ok" if ok else ("nats_closed" if nats == "closed" else "failed" if self.failed else "stalled")
         failed = {"error": self.failed} if self.failed else {}
-        return ok, {"status": status, "service": self.name, "nats": nats, **failed, **self.info}
+        f = follow.of(self.connection)  # the server it is on, and its moves (issue 42)
+        server = f.stats() if f is not None else {}
+        return ok, {"status": status, "service": self.name, "nats": nats, **server, **failed, **self.info}
 
     def readyz(self) -> tuple[bool, dict[str, Any]]:
         nats = self.nats_state()
@@ -73,6 +77,10 @@ class HttpServer:
 
     def __init__(self, health: Health, registry: CollectorRegistry, host: str = "0.0.0.0", port: int = 0) -> None:
         self.health = health
+        try:  # aep_bridge_nats_server_moves_total (bridge.nats.follow)
+            registry.register(follow.MovesCollector(lambda: health.connection))
+        except ValueError:  # a second port on one registry (tests)
+            pass
         metrics_app = make_wsgi_app(registry)
 
         def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> list[bytes]:

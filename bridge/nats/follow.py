@@ -1,0 +1,230 @@
+"""Follow the healthy majority (issue 42): where a service connects first, and when it leaves a
+server that cannot serve JetStream.
+
+The services' side of one rule the shim keeps too (docs/ARCHITECTURE.md "A server that
+cannot serve JetStream"): *a server that takes requests and gives no JetStream answer is left
+for the next one*. The shim gives each server's ack a share of its deadline and goes on to the
+next (bridge/shim/hook.py); a service, which holds one connection for hours, leaves its server
+after ``AEP_BRIDGE_NATS_LEAVE_AFTER_S`` seconds of JetStream failures with no answer between
+them. A node cut off from its peers looks exactly like that to a client: it still answers
+PINGs and accepts publishes, so nats-py's own reconnect (after failed PINGs) never comes.
+
+* `first_server_order`: a service instance's server list, rotated by a stable hash of its
+  identity (its connection name, which carries its replica or instance, and the pod's or
+  host's name), so the instances of a fleet spread over the servers and one node's trouble
+  reaches a fraction of them (before: ``dont_randomize`` and the list's order put every
+  service on the first URL). The rest of the list keeps its order: a reconnect takes the
+  next one.
+* `Follower`: one task per service connection (`start`, called by
+  ``bridge.nats.connection.connect_service``). It watches
+
+  - the connection's JetStream requests: nats-py sends publish acks of ``js.publish``, every
+    KV operation and every JetStream API call through ``Client.request``, which `watch`
+    wraps; a ``$JS.``, ``$KV.`` or ``$O.`` request that times out, finds no responders or
+    answers 503 is a failure, any other answer a success;
+  - a probe of its own every `PROBE_S`: ``$JS.API.INFO``, which in a cluster only the meta
+    leader answers (a node cut off from its peers has none: 503 "JetStream system
+    temporarily unavailable", or nothing), so an idle service notices too.
+
+  When failures have come for ``after_s`` with no success since the first of them, while the
+  connection is up, it calls nats-py's ``force_reconnect()`` (the next server of the list;
+  subscriptions and pull consumers are subscribed again there), at most once per ``after_s``,
+  counts it (``aep_bridge_nats_server_moves_total``), logs ``nats_server_left`` (the server
+  left, why, for how long) and `/healthz` shows the server it is on (``nats_server``) and its
+  moves. With one server in the list there is nowhere to go: it only watches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import socket
+import time
+from typing import Any, Iterable
+
+import nats.errors
+import nats.js.errors
+import structlog
+
+log = structlog.get_logger("aep_bridge.nats")
+
+#: seconds between two probes (``$JS.API.INFO``)
+PROBE_S = 1.0
+#: the subjects whose requests speak for the server's JetStream
+WATCHED_PREFIXES = ("$JS.", "$KV.", "$O.")
+#: the attribute of a nats-py Client that holds its `Follower`
+ATTR = "_aep_follower"
+
+
+def identity(name: str | None) -> str:
+    """What a service instance is: its connection name (which carries its replica or instance
+    name) and its pod's (``HOSTNAME``) or host's name."""
+    return f"{name or ''}|{os.environ.get('HOSTNAME') or socket.gethostname()}"
+
+
+def first_server_order(urls: list[str], ident: str) -> list[str]:
+    """``urls`` rotated to start at the one a stable hash of ``ident`` picks."""
+    if len(urls) < 2:
+        return list(urls)
+    k = int.from_bytes(hashlib.sha256(ident.encode()).digest()[:8], "big") % len(urls)
+    return urls[k:] + urls[:k]
+
+
+def _failed(exc: BaseException) -> bool:
+    """Does ``exc`` say the server could not serve JetStream (rather than what was asked)?"""
+    if isinstance(exc, (nats.errors.TimeoutError, asyncio.TimeoutError, nats.errors.NoRespondersError,
+                        nats.js.errors.ServiceUnavailableError, nats.js.errors.NoStreamResponseError)):
+        return True
+    return getattr(exc, "code", None) == 503
+
+
+class Follower:
+    """See the module docstring. ``clock``: monotonic seconds (tests)."""
+
+    def __init__(self, nc: Any, *, after_s: float, probe_s: float = PROBE_S, name: str = "",
+                 clock: Any = time.monotonic) -> None:
+        self.nc = nc
+        self.after_s = after_s
+        self.probe_s = probe_s
+        self.name = name
+        self.clock = clock
+        self.bad_since: float | None = None  # the first failure since the last success
+        self.last_failure = ""
+        self.moves = 0
+        self.last_move: float | None = None
+        self.moved_from: str | None = None
+        self.task: asyncio.Task | None = None
+        self.probe_refused = False  # the probe's subject is not allowed: it stops
+
+    # ------------------------------------------------------------ what the connection sees
+
+    def failure(self, what: str) -> None:
+        if self.nc.is_connected and self.bad_since is None:
+            self.bad_since = self.clock()
+        self.last_failure = what
+
+    def success(self) -> None:
+        self.bad_since = None
+
+    def observe(self, subject: str, exc: BaseException | None, reply: Any = None) -> None:
+        if not subject.startswith(WATCHED_PREFIXES):
+            return
+        if exc is None:
+            data = getattr(reply, "data", b"") or b""
+            if b'"code":503' in data[:200] or (getattr(reply, "headers", None) or {}).get("Status") == "503":
+                self.failure(f"{subject}: 503")
+            else:
+                self.success()
+        elif _failed(exc):
+            self.failure(f"{subject}: {type(exc).__name__}: {exc}")
+
+    # ------------------------------------------------------------ the decision
+
+    def server(self) -> str | None:
+        url = getattr(self.nc, "connected_url", None)
+        return url.netloc if url is not None else None
+
+    def due(self) -> bool:
+        now = self.clock()
+        if self.after_s <= 0 or self.bad_since is None or not self.nc.is_connected:
+            return False
+        if len({s.netloc for s in getattr(self.nc, "servers", [])}) < 2:
+            return False
+        if now - self.bad_since < self.after_s:
+            return False
+        return self.last_move is None or now - self.last_move >= self.after_s
+
+    async def move(self) -> None:
+        now = self.clock()
+        left = self.server()
+        failing = round(now - (self.bad_since or now), 1)
+        self.moves += 1
+        self.last_move = now
+        self.moved_from = left
+        self.bad_since = None
+        log.warning("nats_server_left", connection=self.name, server=left, failing_for_s=failing,
+                    error=self.last_failure[:300], action="reconnect to the next server of the list")
+        await self.nc.force_reconnect()
+
+    async def probe(self) -> None:
+        """Ask the meta leader (its answer, or none, reaches `observe` through the wrapped
+        request). A role whose user may not ask stops probing (its own requests still count)."""
+        try:
+            await self.nc.request("$JS.API.INFO", b"", timeout=max(0.2, min(2.0, self.after_s / 3)))
+        except Exception:
+            last = str(getattr(self.nc, "last_error", "") or "").lower()
+            if "permissions violation" in last and "$js.api.info" in last:
+                self.probe_refused = True
+                self.success()
+                log.warning("nats_probe_refused", connection=self.name, error=last[:200],
+                            action="JetStream failures of the service's own requests are still watched")
+
+    async def run(self) -> None:
+        while not self.nc.is_closed:
+            try:
+                if self.nc.is_connected and not self.probe_refused:
+                    await self.probe()
+                if self.due():
+                    await self.move()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # never let the watch end the service
+                log.warning("nats_follow_failed", connection=self.name, error=f"{type(exc).__name__}: {exc}")
+            await asyncio.sleep(self.probe_s)
+
+    def stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"nats_server": self.server(), "nats_server_moves": self.moves}
+        if self.moved_from:
+            out["nats_server_left"] = self.moved_from
+        if self.bad_since is not None:
+            out["nats_jetstream_failing_s"] = round(self.clock() - self.bad_since, 1)
+        return out
+
+
+def watch(nc: Any, follower: Follower) -> None:
+    """Wrap ``nc.request`` so every JetStream request's outcome reaches ``follower``."""
+    inner = nc.request
+
+    async def request(subject: str, payload: bytes = b"", timeout: float = 0.5, *args: Any, **kwargs: Any) -> Any:
+        try:
+            reply = await inner(subject, payload, timeout, *args, **kwargs)
+        except BaseException as exc:
+            follower.observe(subject, exc)
+            raise
+        follower.observe(subject, None, reply)
+        return reply
+
+    nc.request = request
+
+
+def start(nc: Any, *, after_s: float, name: str = "", probe_s: float = PROBE_S) -> Follower:
+    """A `Follower` for ``nc`` (a connected nats-py Client), its requests watched and its task
+    running until the connection closes."""
+    follower = Follower(nc, after_s=after_s, probe_s=probe_s, name=name)
+    watch(nc, follower)
+    setattr(nc, ATTR, follower)
+    follower.task = asyncio.get_running_loop().create_task(follower.run())
+    return follower
+
+
+def of(nc: Any) -> Follower | None:
+    return getattr(nc, ATTR, None) if nc is not None else None
+
+
+class MovesCollector:
+    """``aep_bridge_nats_server_moves_total`` of the connection ``connection()`` returns (a
+    prometheus collector for a service's registry)."""
+
+    def __init__(self, connection: Any) -> None:
+        self.connection = connection
+
+    def collect(self) -> Iterable[Any]:
+        from prometheus_client.core import CounterMetricFamily
+
+        f = of(self.connection())
+        family = CounterMetricFamily("aep_bridge_nats_server_moves",
+                                     "Times this service left a NATS server that could not serve JetStream "
+                                     "(AEP_BRIDGE_NATS_LEAVE_AFTER_S)")
+        family.add_metric([], f.moves if f is not None else 0)
+        yield family
