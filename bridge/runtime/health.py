@@ -29,6 +29,9 @@ class Health:
     connection: Any = None
     #: why the service is stopping with a failure (e.g. its credentials refused): /healthz is 503
     failed: str | None = None
+    #: /healthz keys computed when asked (from the HTTP thread), e.g. pairing's partitions: true at
+    #: every moment, not as of the service's last round
+    live: dict[str, Callable[[], Any]] = field(default_factory=dict)
 
     def beat(self) -> None:
         self.heartbeat = time.monotonic()
@@ -58,7 +61,8 @@ class Health:
         failed = {"error": self.failed} if self.failed else {}
         f = follow.of(self.connection)  # the server it is on, and its moves (issue 42)
         server = f.stats() if f is not None else {}
-        return ok, {"status": status, "service": self.name, "nats": nats, **server, **failed, **self.info}
+        live = {k: f() for k, f in self.live.items()}
+        return ok, {"status": status, "service": self.name, "nats": nats, **server, **failed, **self.info, **live}
 
     def readyz(self) -> tuple[bool, dict[str, Any]]:
         nats = self.nats_state()

@@ -7,10 +7,13 @@ Theory of operation
   when the key exists) and keeps it with `update(..., last=revision)` every
   `RENEW_S`. The bucket's max age (`LEASE_TTL_S`) removes a lease nobody renews,
   so a standby's next `create` succeeds and it takes over. All of it is
-  JetStream's own compare-and-set and TTL: no home-made consensus. A renewal
-  that gets no answer (a leader change of the bucket, a node lost) is tried again
-  at the next round while the lease is still surely ours; one refused (another
-  replica holds it) stops that partition at once.
+  JetStream's own compare-and-set and TTL: no home-made consensus. A round's
+  renewals are sent together, each bounded (`RENEW_TIMEOUT_S`); one that gets no
+  answer (a leader change of the bucket, a node lost) is sent again every `RETRY_S`
+  while the lease is still surely ours; one refused (another replica holds it)
+  stops that partition at once. A partition fenced or given up gives its lease back
+  at once (`release_now`), and /healthz lists only what the fence allows at that
+  moment (`owned_now`).
 * Fencing: an owner acts on a partition only while its lease is surely alive: less
   than `LEASE_TTL_S - FENCE_MARGIN_S` after the last renewal the server confirmed
   (timed from when that request was sent, by the monotonic clock, which keeps
@@ -97,6 +100,13 @@ from bridge.runtime import BoundedLabel, Health, Loop, Stopper, close_connection
 log = structlog.get_logger("aep_bridge.pairing")
 
 RENEW_S = 2.0
+# How long one renewal waits for its answer (nats-py's would be the JetStream context's 5 s).
+# Renewals of a round are sent together and each waits at most this: a leases bucket that
+# does not answer (its leader cut off, an election) costs a round this long, not 5 s per
+# partition one after the other, which passed the later partitions' fencing deadline: pairing-0
+# fenced all eight in a partition of the node that led AEP_EVENTS (issue 42).
+RENEW_TIMEOUT_S = RENEW_S
+RETRY_S = 0.25  # between a renewal that got no answer and the next
 CHECKPOINT_EVERY = 5000
 FETCH_BATCH = 512
 PROGRESS_KEY = "q.{}"  # in the aep_pairing bucket: the last position whose outputs are all acked
@@ -315,6 +325,8 @@ class PairingService:
         self.reading: set[int] = set()  # the partitions the readers were started for
         self.reader_error: str | None = None  # why a reader's last consumer failed (until a read succeeds)
         self.reader_failing_since: float | None = None  # monotonic time of its first failure in a row
+        self._releases: set[asyncio.Task] = set()  # leases given back at once (`release_now`)
+        self.health.live["partitions"] = self.owned_now  # at every moment, the fence's own rule
 
     # ------------------------------------------------------------ leases
 
@@ -351,28 +363,69 @@ class PairingService:
         part.lost = True
         self.metrics.fenced.inc()
         log.warning("partition_fenced", partition=part.number,
-                    since_confirmed_s=round(time.monotonic() - part.confirmed, 1))
+                    since_confirmed_s=round(time.monotonic() - part.confirmed, 1), action="lease released")
+        self.release_now(part)
         return True
+
+    def release_now(self, part: Partition) -> None:
+        """Give the lease back now, not at the next round (nor leave it to its TTL): the other
+        replica takes the partition at its next round. A delete with ``last=revision``: refused
+        when the lease is another's already, so it never removes a newer owner's."""
+        try:
+            task = asyncio.get_running_loop().create_task(self.release(part))
+        except RuntimeError:  # no loop (a test's direct call)
+            return
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
+
+    def owned_now(self) -> list[int]:
+        """The partitions this replica may act on at this moment: owned, not lost, and within
+        the fencing deadline (the rule `fenced` applies). /healthz reads it from its own thread."""
+        now, deadline = time.monotonic(), self.lease_deadline()
+        return sorted(n for n, p in dict(self.partitions).items() if not p.lost and now - p.confirmed < deadline)
 
     async def renew(self, part: Partition) -> bool:
         """Renew the lease. False when it is lost: refused (someone else's now), or no answer
-        and no more time to try again before it may lapse."""
+        before it may lapse.
+
+        A renewal that gets no answer within RENEW_TIMEOUT_S is sent again every RETRY_S until
+        one is answered or the fencing deadline passes: a leases bucket electing a leader (a
+        node cut off, the heal after it: 4-9 s of nats-server's election timeout) is ridden
+        through when it answers in time, not given up at the next round. One that was stored
+        but whose answer was lost makes the next one refused (``last`` is behind): when the key
+        still holds this replica's name, it is ours, at the revision read, confirmed as of the
+        first unanswered send (the earliest it can have been stored)."""
         from nats.js.errors import KeyWrongLastSequenceError
 
-        sent = time.monotonic()
-        try:
-            part.revision = int(await self.leases.update(f"p.{part.number}", self.replica.encode(), last=part.revision))
-            part.confirmed = sent
-            return True
-        except KeyWrongLastSequenceError as exc:
-            log.warning("lease_lost", partition=part.number, error=f"{type(exc).__name__}: {exc}")
-            return False
-        except Exception as exc:  # no answer (a leader change, a node lost): try again next round
-            if not self.fenced(part) and time.monotonic() + RENEW_S - part.confirmed < self.lease_deadline():
-                log.warning("lease_renew_retry", partition=part.number, error=f"{type(exc).__name__}: {exc}")
+        first = time.monotonic()
+        while True:
+            sent = time.monotonic()
+            left = self.lease_deadline() - (sent - part.confirmed)
+            if left <= 0 or self.fenced(part):
+                log.warning("lease_lost", partition=part.number, error="no renewal answered before the fencing deadline")
+                return False
+            try:
+                async with asyncio.timeout(min(RENEW_TIMEOUT_S, left)):
+                    revision = await self.leases.update(f"p.{part.number}", self.replica.encode(), last=part.revision)
+                part.revision = int(revision)
+                part.confirmed = sent
                 return True
-            log.warning("lease_lost", partition=part.number, error=f"{type(exc).__name__}: {exc}")
-            return False
+            except KeyWrongLastSequenceError as exc:
+                try:
+                    async with asyncio.timeout(min(RENEW_TIMEOUT_S, max(0.1, left))):
+                        entry = await self.leases.get(f"p.{part.number}")
+                except Exception:
+                    entry = None
+                if entry is not None and entry.value == self.replica.encode() and sent > first:
+                    part.revision = int(entry.revision)
+                    part.confirmed = first
+                    return True
+                log.warning("lease_lost", partition=part.number, error=f"{type(exc).__name__}: {exc}")
+                return False
+            except Exception as exc:  # no answer (a leader change, a node lost): again soon
+                log.warning("lease_renew_retry", partition=part.number, error=f"{type(exc).__name__}: {exc}")
+                if await self.stopper.sleep(RETRY_S):
+                    return True  # stopping: `stop` gives the leases back
 
     async def release(self, part: Partition) -> None:
         try:
@@ -904,6 +957,7 @@ class PairingService:
         read, KV reads), and a partition renewed after it could pass its fencing deadline
         (LEASE_TTL_S - FENCE_MARGIN_S since its last renewal) although its lease was fine."""
         dropped = set()
+        renewing: list[Partition] = []
         for n in sorted(self.partitions):
             part = self.partitions[n]
             # Fenced first, however its loop ended: after a pause past the lease a loop may
@@ -929,11 +983,17 @@ class PairingService:
                 self.metrics.owned_by_partition.labels(partition=str(n)).set(0)
                 dropped.add(n)
                 continue
-            if not await self.renew(part):
-                part.lost = True
+            renewing.append(part)
+        # All renewals at once, each bounded (RENEW_TIMEOUT_S): none waits behind another's.
+        for part, kept in zip(renewing, await asyncio.gather(*(self.renew(p) for p in renewing))):
+            if not kept:
+                n = part.number
+                if not part.lost:
+                    part.lost = True
+                    self.release_now(part)  # (refused when it is another's already)
                 if part.task:
                     part.task.cancel()
-                del self.partitions[n]
+                self.partitions.pop(n, None)
                 self.metrics.owned_by_partition.labels(partition=str(n)).set(0)
                 dropped.add(n)
         # A reader failing for longer than a lease lives without a renewal: this replica cannot
@@ -985,7 +1045,6 @@ class PairingService:
         # The readers read what is owned now: started again when that changed, or one ended.
         if {n for n, p in self.partitions.items() if not p.lost} != self.reading or ended or (self.partitions and not self.readers):
             self.restart_reader()
-        self.health.info["partitions"] = sorted(self.partitions)
         self.health.info["unowned"] = {str(n): why[:200] for n, why in sorted(self.unowned.items())}
         if self.unowned:
             self.health.set_ready(False, f"partitions {sorted(self.unowned)} should be owned here and are not")
