@@ -91,7 +91,7 @@ from bridge.core.deadletter import KNOWN_REASONS as DLQ_REASONS
 from bridge.core.pairing import SECOND, PairingConfig, PairingInputError, PairingState
 from bridge.nats import streams as S
 from bridge.nats import subjects as subj
-from bridge.nats.connection import UNANSWERED, connect_service, until_answered
+from bridge.nats.connection import UNANSWERED, connect_service, outage, until_answered
 from bridge.nats.lookup import SCAN_BUDGET, SERVER_MARGIN_NS, find_msg_id, stored_ns
 from bridge.nats.publish import AckPublisher
 from bridge.nats.pull import Puller
@@ -107,6 +107,11 @@ RENEW_S = 2.0
 # fenced all eight in a partition of the node that led AEP_EVENTS (issue 42).
 RENEW_TIMEOUT_S = RENEW_S
 RETRY_S = 0.25  # between a renewal that got no answer and the next
+# A batch's publish whose ack has not come this long is sent again (`await_acks`); after
+# PUBLISH_GIVE_UP_S the partition is dropped and restored from its checkpoint.
+ACK_RESEND_S = 3.0
+RESEND_PAUSE_S = 0.5
+PUBLISH_GIVE_UP_S = 15.0
 CHECKPOINT_EVERY = 5000
 FETCH_BATCH = 512
 PROGRESS_KEY = "q.{}"  # in the aep_pairing bucket: the last position whose outputs are all acked
@@ -167,6 +172,8 @@ class PairingMetrics:
         self.orphans = Gauge(f"{ns}_orphans_closed_total", "Open starts closed by the orphan TTL, a sweep or overflow (state counter)", ["kind"], registry=registry)
         self.counters = Gauge(f"{ns}_state_counter", "State machine counters (sweeps, suppressions, duplicates, ...)", ["name"], registry=registry)
         self.takeovers = Counter(f"{ns}_takeovers_total", "Partitions this replica took over", registry=registry)
+        self.resent = Counter(f"{ns}_publishes_resent_total", "Publishes sent again because their ack did not come (same Nats-Msg-Id)",
+                              registry=registry)
         self.checkpoints = Counter(f"{ns}_checkpoints_total", "Checkpoints written", registry=registry)
         self.checkpoint_errors = Counter(f"{ns}_checkpoint_errors_total", "Checkpoints that could not be written or read", ["what"], registry=registry)
         self.checkpoint_bytes = Gauge(f"{ns}_checkpoint_bytes", "Size of the last checkpoint written (compressed)", ["partition"], registry=registry)
@@ -326,6 +333,7 @@ class PairingService:
         self.reader_error: str | None = None  # why a reader's last consumer failed (until a read succeeds)
         self.reader_failing_since: float | None = None  # monotonic time of its first failure in a row
         self._releases: set[asyncio.Task] = set()  # leases given back at once (`release_now`)
+        self._outgoing: dict[asyncio.Future, tuple[str, bytes, dict[str, str]]] = {}  # (`send`, `await_acks`)
         self.health.live["partitions"] = self.owned_now  # at every moment, the fence's own rule
 
     # ------------------------------------------------------------ leases
@@ -575,10 +583,54 @@ class PairingService:
             except subj.SubjectError as exc:  # never onto the wire: nats-server would close the connection
                 futures.append(await self.dead_letter_event(event, body, exc.reason, str(exc), msg))
                 continue
-            futures.append(await self.publisher.publish(subject, body, headers={"Nats-Msg-Id": event.id}))
+            futures.append(await self.send(subject, body, {"Nats-Msg-Id": event.id}))
             types = self._types_out  # added to the counter once per batch (handle_batch)
             types[event.type] = types.get(event.type, 0) + 1
         return futures
+
+    async def send(self, subject: str, body: bytes, headers: dict[str, str]) -> asyncio.Future:
+        """One acked publish, remembered until its batch is acked (`await_acks` sends it again)."""
+        future = await self.publisher.publish(subject, body, headers=headers)
+        self._outgoing[future] = (subject, body, headers)
+        return future
+
+    async def await_acks(self, part: Partition, futures: list[asyncio.Future]) -> None:
+        """Wait for the acks of a batch's publishes, in order. One that has not come within
+        ACK_RESEND_S, or failed as an outage (a 503 while its stream elects, a connection
+        between servers), is sent again, with the same ``Nats-Msg-Id`` (AEP_EVENTS drops a
+        second copy), with the others not acked yet, while the lease holds: a publish the
+        cut-off leader never acked is not lost with its partition (before: the batch waited
+        15 s, then the partition was dropped and restored from its checkpoint, a stall of 15 s
+        and more for every partition of the replica; issue 42). After PUBLISH_GIVE_UP_S the
+        last error propagates (the partition is dropped, as before). ``futures`` is updated in
+        place to the ones in flight (the caller cancels them on an error)."""
+        give_up = time.monotonic() + PUBLISH_GIVE_UP_S
+        while True:
+            try:
+                async with asyncio.timeout(max(0.05, min(ACK_RESEND_S, give_up - time.monotonic()))):
+                    for f in futures:
+                        await f
+                return
+            except Exception as exc:
+                if not outage(exc) or time.monotonic() >= give_up or self.stopper.stopping or self.fenced(part):
+                    raise
+                why = f"{type(exc).__name__}: {exc}"
+                answered = not isinstance(exc, TimeoutError)
+            if answered:  # an answer (503): the stream has no leader yet
+                await asyncio.sleep(RESEND_PAUSE_S)
+            again = [f for f in futures if not f.done() or f.cancelled() or f.exception() is not None]
+            if self.fenced(part):
+                raise TimeoutError(f"fenced while waiting for acks ({why})")
+            resent: list[asyncio.Future] = []
+            for f in again:
+                if not f.done():
+                    f.cancel()
+                subject, body, headers = self._outgoing.pop(f)
+                resent.append(await self.send(subject, body, headers))
+            acked = [f for f in futures if f not in again]
+            futures[:] = acked + resent
+            self.metrics.resent.inc(len(resent))
+            log.warning("publish_resent", partition=part.number, publishes=len(resent), error=why[:200])
 
     async def dead_letter_event(self, event: Any, body: bytes, reason: str, error: str, msg: Any = None) -> asyncio.Future:
         """An output that cannot be published: to the DLQ (`bridge.core.deadletter`, within the
@@ -595,7 +647,7 @@ class PairingService:
         limit = getattr(self.nc, "max_payload", 0) or 0
         if limit and len(body) + 1024 > limit:  # content at `full` can be as large as the event
             body = deadletter.build("pairing", reason, reason, error, original, CapturePolicy(default="metadata", overrides={})).body
-        return await self.publisher.publish(subj.dlq_subject(reason), body, headers=headers)
+        return await self.send(subj.dlq_subject(reason), body, headers)
 
     async def handle(self, part: Partition, msg: Any) -> tuple[list[asyncio.Future], int | None]:
         """Fold one message into the state and start publishing what it yields.
@@ -673,6 +725,10 @@ class PairingService:
                 futures.extend(fs)
                 if ts_ns:
                     receive_times.append(ts_ns)
+        except BaseException:
+            for f in futures:
+                self._outgoing.pop(f, None)
+            raise
         finally:
             self.metrics.count(self._types_out)
         if futures:
@@ -681,16 +737,17 @@ class PairingService:
                 # order, so after the first wait the rest are mostly done already, and a batch
                 # costs no gathering future, task or callback per future (uvloop, 3.11: 10 against
                 # 21 us for a batch of five).
-                async with asyncio.timeout(15):
-                    for f in futures:
-                        await f
+                await self.await_acks(part, futures)
             except BaseException:  # the partition is dropped: its other publishes are not waited for
                 for f in futures:
+                    self._outgoing.pop(f, None)
                     if not f.done():
                         f.cancel()  # (then swept by the publisher; a late ack finds nothing)
                     elif not f.cancelled():
                         f.exception()  # seen: asyncio logs a failure nobody retrieved
                 raise
+        for f in futures:
+            self._outgoing.pop(f, None)
         now = time.time_ns()
         observe_many(self.metrics.latency, [max(0, now - ts_ns) / 1e9 for ts_ns in receive_times])
         last = msgs[-1].metadata.sequence.stream

@@ -117,3 +117,48 @@ def test_a_fenced_partition_is_released_at_once_and_healthz_follows_the_fence(na
     assert shown == [] and owned == [], "/healthz lists no partition the fence forbids"
     assert gone, "the fenced partition's lease was deleted at once"
     assert 0 in taken, f"the other replica took partition 0 at its next round: {taken}"
+
+
+def test_a_publish_whose_ack_does_not_come_is_sent_again_not_the_partition_dropped(nats_server_fn):
+    """The acks of a batch do not come (a stream leader cut off: the publishes were stored or
+    not, nothing says which): after ACK_RESEND_S the batch's unacked publishes go out again with
+    the same Nats-Msg-Id, the partition carries on, and AEP_EVENTS holds each event once.
+    Before: the batch waited 15 s and the partition was dropped and restored from its
+    checkpoint, a stall of 15 s or more."""
+    from tests.support.pairing_service import bootstrapped, publish_sessions, service
+
+    url = bootstrapped(nats_server_fn.url)
+
+    async def run() -> tuple[int, int, bool, float, int]:
+        svc = await service(url, "deaf", partitions=1)
+        try:
+            base = time.time_ns()
+            await publish_sessions(svc.js, range(40), base)
+            reply = svc.publisher._reply
+            deaf_until = time.monotonic() + 1.0
+
+            async def deaf(msg):  # the acks of the first second are lost on the way
+                if time.monotonic() < deaf_until:
+                    return
+                await reply(msg)
+
+            svc.publisher._sub._cb = deaf
+            await svc.maintain()
+            part = svc.partitions[0]
+            t0 = time.monotonic()
+            while part.position < 40 and time.monotonic() - t0 < 10 and not part.task.done():
+                await asyncio.sleep(0.05)
+            took = time.monotonic() - t0
+            stored = (await svc.js.stream_info(S.AEP_EVENTS)).state.messages
+            if part.task.done():
+                print("task:", part.task.exception() if not part.task.cancelled() else "cancelled")
+            return part.position, stored, part.lost or part.task.done(), took, \
+                int(svc.registry.get_sample_value("aep_bridge_pairing_publishes_resent_total") or 0)
+        finally:
+            await _stop(svc)
+
+    position, stored, dropped, took, resent = asyncio.run(run())
+    print(f"40 messages through after {took:.1f} s, {resent} publishes resent")
+    assert position == 40 and not dropped, (position, dropped, took)
+    assert stored == 40, "each event once (the second copies dropped by Nats-Msg-Id)"
+    assert resent > 0
