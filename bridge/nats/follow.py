@@ -26,8 +26,13 @@ PINGs and accepts publishes, so nats-py's own reconnect (after failed PINGs) nev
     leader answers (a node cut off from its peers has none: 503 "JetStream system
     temporarily unavailable", or nothing), so an idle service notices too.
 
-  When failures have come for ``after_s`` with no success since the first of them, while the
-  connection is up, it calls nats-py's ``force_reconnect()`` (the next server of the list;
+  - the acked publishes of an `AckPublisher` on the connection (the mapper's and pairing's
+    hot path, which does not go through ``request``): a publish sent after the last ack came
+    and still not acked is a failure since it was sent.
+
+  The three are judged apart (a meta leader cut off from its peers answers the probe for
+  ~10 s more, lostQuorumInterval, while no publish of the service is acked). When one of them
+  has failed for ``after_s`` with no success of its own since, while the connection is up, it calls nats-py's ``force_reconnect()`` (the next server of the list;
   subscriptions and pull consumers are subscribed again there), at most once per ``after_s``,
   counts it (``aep_bridge_nats_server_moves_total``), logs ``nats_server_left`` (the server
   left, why, for how long) and `/healthz` shows the server it is on (``nats_server``) and its
@@ -51,6 +56,8 @@ log = structlog.get_logger("aep_bridge.nats")
 
 #: seconds between two probes (``$JS.API.INFO``)
 PROBE_S = 1.0
+#: the probe: account info, which only the meta leader answers in a cluster
+PROBE_SUBJECT = "$JS.API.INFO"
 #: the subjects whose requests speak for the server's JetStream
 WATCHED_PREFIXES = ("$JS.", "$KV.", "$O.")
 #: the attribute of a nats-py Client that holds its `Follower`
@@ -89,7 +96,9 @@ class Follower:
         self.probe_s = probe_s
         self.name = name
         self.clock = clock
-        self.bad_since: float | None = None  # the first failure since the last success
+        self.bad_since: float | None = None  # the service's own requests: the first failure since the last success
+        self.probe_bad_since: float | None = None  # the same for the probe
+        self.publishers: list[Any] = []  # AckPublishers on the connection (`AckPublisher.start`)
         self.last_failure = ""
         self.moves = 0
         self.last_move: float | None = None
@@ -99,25 +108,41 @@ class Follower:
 
     # ------------------------------------------------------------ what the connection sees
 
-    def failure(self, what: str) -> None:
-        if self.nc.is_connected and self.bad_since is None:
-            self.bad_since = self.clock()
+    def failure(self, what: str, probe: bool = False) -> None:
+        if self.nc.is_connected:
+            if probe and self.probe_bad_since is None:
+                self.probe_bad_since = self.clock()
+            elif not probe and self.bad_since is None:
+                self.bad_since = self.clock()
         self.last_failure = what
 
-    def success(self) -> None:
-        self.bad_since = None
+    def success(self, probe: bool = False) -> None:
+        if probe:
+            self.probe_bad_since = None
+        else:
+            self.bad_since = None
 
     def observe(self, subject: str, exc: BaseException | None, reply: Any = None) -> None:
         if not subject.startswith(WATCHED_PREFIXES):
             return
+        probe = subject == PROBE_SUBJECT
         if exc is None:
             data = getattr(reply, "data", b"") or b""
             if b'"code":503' in data[:200] or (getattr(reply, "headers", None) or {}).get("Status") == "503":
-                self.failure(f"{subject}: 503")
+                self.failure(f"{subject}: 503", probe)
             else:
-                self.success()
+                self.success(probe)
         elif _failed(exc):
-            self.failure(f"{subject}: {type(exc).__name__}: {exc}")
+            self.failure(f"{subject}: {type(exc).__name__}: {exc}", probe)
+
+    def failing_since(self) -> float | None:
+        """The earliest start of a failure that has had no success of its kind since."""
+        starts = [t for t in (self.bad_since, self.probe_bad_since) if t is not None]
+        for publisher in self.publishers:
+            t = publisher.unacked_since()
+            if t is not None:
+                starts.append(t)
+        return min(starts) if starts else None
 
     # ------------------------------------------------------------ the decision
 
@@ -127,22 +152,27 @@ class Follower:
 
     def due(self) -> bool:
         now = self.clock()
-        if self.after_s <= 0 or self.bad_since is None or not self.nc.is_connected:
+        since = self.failing_since()
+        if self.after_s <= 0 or since is None or not self.nc.is_connected:
             return False
         if len({s.netloc for s in getattr(self.nc, "servers", [])}) < 2:
             return False
-        if now - self.bad_since < self.after_s:
+        if now - since < self.after_s:
             return False
         return self.last_move is None or now - self.last_move >= self.after_s
 
     async def move(self) -> None:
         now = self.clock()
         left = self.server()
-        failing = round(now - (self.bad_since or now), 1)
+        failing = round(now - (self.failing_since() or now), 1)
         self.moves += 1
         self.last_move = now
         self.moved_from = left
-        self.bad_since = None
+        self.bad_since = self.probe_bad_since = None
+        for publisher in self.publishers:
+            publisher.forget_unacked()
+        if not self.last_failure:
+            self.last_failure = "publishes not acked"
         log.warning("nats_server_left", connection=self.name, server=left, failing_for_s=failing,
                     error=self.last_failure[:300], action="reconnect to the next server of the list")
         await self.nc.force_reconnect()
@@ -151,12 +181,12 @@ class Follower:
         """Ask the meta leader (its answer, or none, reaches `observe` through the wrapped
         request). A role whose user may not ask stops probing (its own requests still count)."""
         try:
-            await self.nc.request("$JS.API.INFO", b"", timeout=max(0.2, min(2.0, self.after_s / 3)))
+            await self.nc.request(PROBE_SUBJECT, b"", timeout=max(0.2, min(2.0, self.after_s / 3)))
         except Exception:
             last = str(getattr(self.nc, "last_error", "") or "").lower()
             if "permissions violation" in last and "$js.api.info" in last:
                 self.probe_refused = True
-                self.success()
+                self.success(probe=True)
                 log.warning("nats_probe_refused", connection=self.name, error=last[:200],
                             action="JetStream failures of the service's own requests are still watched")
 
@@ -177,8 +207,9 @@ class Follower:
         out: dict[str, Any] = {"nats_server": self.server(), "nats_server_moves": self.moves}
         if self.moved_from:
             out["nats_server_left"] = self.moved_from
-        if self.bad_since is not None:
-            out["nats_jetstream_failing_s"] = round(self.clock() - self.bad_since, 1)
+        since = self.failing_since()
+        if since is not None:
+            out["nats_jetstream_failing_s"] = round(self.clock() - since, 1)
         return out
 
 
