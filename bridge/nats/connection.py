@@ -243,6 +243,11 @@ OUTAGE = UNANSWERED + (nats.js.errors.NoStreamResponseError, nats.errors.Connect
 #: discard-new (10077 "maximum bytes exceeded"), insufficient resources (10023).
 NOT_AN_OUTAGE_503 = frozenset({10077, 10023})
 
+#: a 409 "duplicate message id is in process": a publish with the same Nats-Msg-Id is being
+#: proposed (a resend while the first copy waits for its quorum, e.g. a partition healing).
+#: Its fate is open: an outage, retried, not the message's fault (bridge/shim/hook.py agrees).
+MSG_ID_IN_PROCESS = 10158
+
 
 def outage(exc: BaseException) -> bool:
     """Did ``exc`` come from the cluster being unavailable rather than from what was sent? A
@@ -250,6 +255,8 @@ def outage(exc: BaseException) -> bool:
     ``APIError`` with its own code: not an outage; nor is JetStream not enabled (10039). (No
     ``nc.last_error`` look: a permissions violation seen once would stay there and turn every
     later outage into a message's fault.)"""
+    if getattr(exc, "err_code", None) == MSG_ID_IN_PROCESS:  # the first copy's fate is open: retry
+        return True
     if not isinstance(exc, OUTAGE) or not transient(exc):
         return False
     return getattr(exc, "err_code", None) not in NOT_AN_OUTAGE_503
