@@ -286,11 +286,12 @@ async def connect_service(settings: Settings | None = None, *, name: str | None 
             continue
         nc.options["allow_reconnect"] = True
         nc.options["max_reconnect_attempts"] = -1
-        follow_servers(nc, settings, name)
+        follow_servers(nc, settings, name, role)
         return nc
 
 
-def follow_servers(nc: Any, settings: Settings | None, name: str | None) -> None:
+def follow_servers(nc: Any, settings: Settings | None, name: str | None, role: str | None = None) -> None:
     """Leave a server that cannot serve JetStream (`bridge.nats.follow`; issue 42)."""
     settings = settings or Settings.from_env()
-    follow.start(nc, after_s=settings.nats_leave_after_s, name=name or "")
+    follow.start(nc, after_s=settings.nats_leave_after_s, name=name or "",
+                 options=connect_options(settings, name=name, role=role))

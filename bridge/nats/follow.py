@@ -21,7 +21,8 @@ PINGs and accepts publishes, so nats-py's own reconnect (after failed PINGs) nev
   - the connection's JetStream requests: nats-py sends publish acks of ``js.publish``, every
     KV operation and every JetStream API call through ``Client.request``, which `watch`
     wraps; a ``$JS.``, ``$KV.`` or ``$O.`` request that times out, finds no responders or
-    answers 503 is a failure, any other answer a success;
+    answers 503 is a failure, an answer without an error a success (other error answers count
+    neither way: a leader cut off from its peers still refuses what it can check alone);
   - a probe of its own every `PROBE_S`: ``$JS.API.INFO``, which in a cluster only the meta
     leader answers (a node cut off from its peers has none: 503 "JetStream system
     temporarily unavailable", or nothing), so an idle service notices too.
@@ -48,6 +49,7 @@ import socket
 import time
 from typing import Any, Iterable
 
+import nats
 import nats.errors
 import nats.js.errors
 import structlog
@@ -90,8 +92,12 @@ class Follower:
     """See the module docstring. ``clock``: monotonic seconds (tests)."""
 
     def __init__(self, nc: Any, *, after_s: float, probe_s: float = PROBE_S, name: str = "",
-                 clock: Any = time.monotonic) -> None:
+                 clock: Any = time.monotonic, options: dict[str, Any] | None = None) -> None:
         self.nc = nc
+        #: what a side connection to a candidate server needs (credentials, TLS, inbox prefix)
+        self.options = {k: v for k, v in (options or {}).items()
+                        if k in ("user", "password", "token", "user_credentials", "nkeys_seed", "tls", "tls_hostname",
+                                 "inbox_prefix")}
         self.after_s = after_s
         self.probe_s = probe_s
         self.name = name
@@ -105,6 +111,7 @@ class Follower:
         self.moved_from: str | None = None
         self.task: asyncio.Task | None = None
         self.probe_refused = False  # the probe's subject is not allowed: it stops
+        self.waiting = False  # the last decision found no better server (logged once)
 
     # ------------------------------------------------------------ what the connection sees
 
@@ -128,10 +135,13 @@ class Follower:
         probe = subject == PROBE_SUBJECT
         if exc is None:
             data = getattr(reply, "data", b"") or b""
-            if b'"code":503' in data[:200] or (getattr(reply, "headers", None) or {}).get("Status") == "503":
+            head = data[:200]
+            if b'"code":503' in head or (getattr(reply, "headers", None) or {}).get("Status") == "503":
                 self.failure(f"{subject}: 503", probe)
-            else:
+            elif b'"error"' not in head:
                 self.success(probe)
+            # (another error answer says nothing either way: a leader cut off from its peers still
+            # refuses a lease create with "wrong last sequence", seen in the partition test)
         elif _failed(exc):
             self.failure(f"{subject}: {type(exc).__name__}: {exc}", probe)
 
@@ -153,6 +163,8 @@ class Follower:
     def due(self) -> bool:
         now = self.clock()
         since = self.failing_since()
+        if since is None:
+            self.waiting = False
         if self.after_s <= 0 or since is None or not self.nc.is_connected:
             return False
         if len({s.netloc for s in getattr(self.nc, "servers", [])}) < 2:
@@ -161,7 +173,47 @@ class Follower:
             return False
         return self.last_move is None or now - self.last_move >= self.after_s
 
+    async def serves(self, url: str) -> bool:
+        """Does the server at ``url`` answer the probe (its meta leader reachable)? A side
+        connection of its own, closed at once."""
+        try:
+            nc = await nats.connect(servers=[url], name=f"{self.name}-probe", allow_reconnect=False,
+                                    connect_timeout=1.0, max_reconnect_attempts=0, **self.options)
+        except Exception:
+            return False
+        try:
+            reply = await nc.request(PROBE_SUBJECT, b"", timeout=max(0.5, min(2.0, self.after_s / 3)))
+            return b'"error"' not in (reply.data or b"")[:200]
+        except Exception:
+            return False
+        finally:
+            try:
+                await nc.close()
+            except Exception:
+                pass
+
+    async def candidate(self) -> Any:
+        """The first other server of the list that serves JetStream, or None: when none does
+        (the whole cluster electing a meta leader, e.g. at a partition's heal), a move would
+        gain nothing and cost a reconnect."""
+        current = self.server()
+        for srv in list(getattr(self.nc, "_server_pool", [])):
+            if srv.uri.netloc != current and await self.serves(srv.uri.geturl()):
+                return srv
+        return None
+
     async def move(self) -> None:
+        target = await self.candidate()
+        if target is None:
+            if not self.waiting:
+                log.warning("nats_server_no_better", connection=self.name, server=self.server(),
+                            error=self.last_failure[:300], action="stay: no other server serves JetStream now")
+            self.waiting = True
+            return
+        self.waiting = False
+        pool = self.nc._server_pool  # the reconnect takes the pool's first server (nats-py 2.16)
+        pool.remove(target)
+        pool.insert(0, target)
         now = self.clock()
         left = self.server()
         failing = round(now - (self.failing_since() or now), 1)
@@ -173,8 +225,8 @@ class Follower:
             publisher.forget_unacked()
         if not self.last_failure:
             self.last_failure = "publishes not acked"
-        log.warning("nats_server_left", connection=self.name, server=left, failing_for_s=failing,
-                    error=self.last_failure[:300], action="reconnect to the next server of the list")
+        log.warning("nats_server_left", connection=self.name, server=left, to=target.uri.netloc, failing_for_s=failing,
+                    error=self.last_failure[:300], action="reconnect to a server that serves JetStream")
         await self.nc.force_reconnect()
 
     async def probe(self) -> None:
@@ -229,10 +281,12 @@ def watch(nc: Any, follower: Follower) -> None:
     nc.request = request
 
 
-def start(nc: Any, *, after_s: float, name: str = "", probe_s: float = PROBE_S) -> Follower:
+def start(nc: Any, *, after_s: float, name: str = "", probe_s: float = PROBE_S,
+          options: dict[str, Any] | None = None) -> Follower:
     """A `Follower` for ``nc`` (a connected nats-py Client), its requests watched and its task
-    running until the connection closes."""
-    follower = Follower(nc, after_s=after_s, probe_s=probe_s, name=name)
+    running until the connection closes. ``options``: its connect options (for the side
+    connections that check a server before a move)."""
+    follower = Follower(nc, after_s=after_s, probe_s=probe_s, name=name, options=options)
     watch(nc, follower)
     setattr(nc, ATTR, follower)
     follower.task = asyncio.get_running_loop().create_task(follower.run())

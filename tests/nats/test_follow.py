@@ -46,28 +46,55 @@ def test_connect_options_start_each_service_on_its_own_server(monkeypatch):
     assert len(pods) == 1, "one pod: one stable choice"
 
 
-@pytest.fixture
-def plain_server():
+def start_plain_server() -> tuple[str, subprocess.Popen]:
     """A nats-server without JetStream: it accepts, answers PINGs and takes publishes; every
     JetStream request finds no responders (what a client sees of a node that cannot serve)."""
+    import socket
+
     port = free_port()
     proc = subprocess.Popen([nats_server_binary(), "-a", "127.0.0.1", "-p", str(port)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"nats://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 10
-        import socket
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            break
+        except OSError:
+            time.sleep(0.05)
+    return f"nats://127.0.0.1:{port}", proc
 
-        while time.monotonic() < deadline:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-                break
-            except OSError:
-                time.sleep(0.05)
+
+@pytest.fixture
+def plain_server():
+    url, proc = start_plain_server()
+    try:
         yield url
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def test_no_move_when_no_other_server_serves_jetstream(plain_server):
+    """Every server fails JetStream (a whole cluster electing, e.g. at a heal): moving gains
+    nothing, so the service stays where it is and says so once."""
+    other, proc = start_plain_server()
+    try:
+        async def run() -> tuple[int, bool, str | None]:
+            settings = Settings(nats_url=f"{plain_server},{other}", nats_leave_after_s=0.5)
+            nc = await connect_service(settings, name="aep-bridge-stay-put", wait_s=10)
+            try:
+                f = follow.of(nc)
+                first = f.server()
+                await asyncio.sleep(3.0)
+                return f.moves, f.waiting, first == f.server()
+            finally:
+                await nc.close()
+
+        moves, waiting, same = asyncio.run(run())
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    assert moves == 0 and waiting and same
 
 
 def test_a_service_leaves_a_server_that_cannot_serve_jetstream(plain_server, nats_server):
