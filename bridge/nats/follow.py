@@ -21,8 +21,10 @@ PINGs and accepts publishes, so nats-py's own reconnect (after failed PINGs) nev
   - the connection's JetStream requests: nats-py sends publish acks of ``js.publish``, every
     KV operation and every JetStream API call through ``Client.request``, which `watch`
     wraps; a ``$JS.``, ``$KV.`` or ``$O.`` request that times out, finds no responders or
-    answers 503 is a failure, an answer without an error a success (other error answers count
-    neither way: a leader cut off from its peers still refuses what it can check alone);
+    answers 503 is a failure (so is one its caller cancelled after a second unanswered), an
+    answer without an error a success (other error answers count neither way: a leader cut off
+    from its peers still refuses what it can check alone; nor do direct gets, which any
+    replica answers);
   - a probe of its own every `PROBE_S`: ``$JS.API.INFO``, which in a cluster only the meta
     leader answers (a node cut off from its peers has none: 503 "JetStream system
     temporarily unavailable", or nothing), so an idle service notices too.
@@ -60,6 +62,10 @@ log = structlog.get_logger("aep_bridge.nats")
 PROBE_S = 1.0
 #: the probe: account info, which only the meta leader answers in a cluster
 PROBE_SUBJECT = "$JS.API.INFO"
+#: direct gets: answered by any replica (one cut off from its peers too): a failure counts, an answer not
+DIRECT_GET = "$JS.API.DIRECT.GET."
+#: a request its caller cancelled after this long unanswered counts as a failure
+CANCELLED_UNANSWERED_S = 1.0
 #: the subjects whose requests speak for the server's JetStream
 WATCHED_PREFIXES = ("$JS.", "$KV.", "$O.")
 #: the attribute of a nats-py Client that holds its `Follower`
@@ -133,7 +139,8 @@ class Follower:
         if not subject.startswith(WATCHED_PREFIXES):
             return
         probe = subject == PROBE_SUBJECT
-        if exc is None:
+        if exc is None and subject.startswith(DIRECT_GET):
+            return  # any replica answers a direct get, a node cut off from its peers too
             data = getattr(reply, "data", b"") or b""
             head = data[:200]
             if b'"code":503' in head or (getattr(reply, "headers", None) or {}).get("Status") == "503":
@@ -270,8 +277,15 @@ def watch(nc: Any, follower: Follower) -> None:
     inner = nc.request
 
     async def request(subject: str, payload: bytes = b"", timeout: float = 0.5, *args: Any, **kwargs: Any) -> Any:
+        sent = time.monotonic()
         try:
             reply = await inner(subject, payload, timeout, *args, **kwargs)
+        except asyncio.CancelledError:
+            # The caller's own, shorter timeout (pairing's lease renewals): unanswered for a second
+            # or more is a failure too; a cancel at once (a shutdown) says nothing.
+            if time.monotonic() - sent >= CANCELLED_UNANSWERED_S:
+                follower.observe(subject, asyncio.TimeoutError(f"cancelled after {time.monotonic() - sent:.1f} s"))
+            raise
         except BaseException as exc:
             follower.observe(subject, exc)
             raise
