@@ -23,8 +23,8 @@ PINGs and accepts publishes, so nats-py's own reconnect (after failed PINGs) nev
     wraps; a ``$JS.``, ``$KV.`` or ``$O.`` request that times out, finds no responders or
     answers 503 is a failure (so is one its caller cancelled after a second unanswered), an
     answer without an error a success (other error answers count neither way: a leader cut off
-    from its peers still refuses what it can check alone; nor do direct gets, which any
-    replica answers);
+    from its peers still refuses what it can check alone; direct gets count neither way: any
+    replica answers one, and one routed to the cut node is lost from any server);
   - a probe of its own every `PROBE_S`: ``$JS.API.INFO``, which in a cluster only the meta
     leader answers (a node cut off from its peers has none: 503 "JetStream system
     temporarily unavailable", or nothing), so an idle service notices too.
@@ -62,7 +62,9 @@ log = structlog.get_logger("aep_bridge.nats")
 PROBE_S = 1.0
 #: the probe: account info, which only the meta leader answers in a cluster
 PROBE_SUBJECT = "$JS.API.INFO"
-#: direct gets: answered by any replica (one cut off from its peers too): a failure counts, an answer not
+#: direct gets count neither way: any replica answers one (a node cut off from its peers too), and
+#: during a partition the cut node stays in the replicas' queue group (its routes are not torn down
+#: for minutes), so a direct get sent from a healthy node can be lost there: moving would not help
 DIRECT_GET = "$JS.API.DIRECT.GET."
 #: a request its caller cancelled after this long unanswered counts as a failure
 CANCELLED_UNANSWERED_S = 1.0
@@ -121,12 +123,14 @@ class Follower:
 
     # ------------------------------------------------------------ what the connection sees
 
-    def failure(self, what: str, probe: bool = False) -> None:
+    def failure(self, what: str, probe: bool = False, since: float | None = None) -> None:
+        """A failure, which began at ``since`` (an unanswered request: when it was sent)."""
         if self.nc.is_connected:
+            at = self.clock() if since is None else since
             if probe and self.probe_bad_since is None:
-                self.probe_bad_since = self.clock()
+                self.probe_bad_since = at
             elif not probe and self.bad_since is None:
-                self.bad_since = self.clock()
+                self.bad_since = at
         self.last_failure = what
 
     def success(self, probe: bool = False) -> None:
@@ -135,11 +139,11 @@ class Follower:
         else:
             self.bad_since = None
 
-    def observe(self, subject: str, exc: BaseException | None, reply: Any = None) -> None:
+    def observe(self, subject: str, exc: BaseException | None, reply: Any = None, sent: float | None = None) -> None:
         if not subject.startswith(WATCHED_PREFIXES):
             return
         probe = subject == PROBE_SUBJECT
-        if exc is None and subject.startswith(DIRECT_GET):
+        if subject.startswith(DIRECT_GET):
             return  # any replica answers a direct get, a node cut off from its peers too
             data = getattr(reply, "data", b"") or b""
             head = data[:200]
@@ -150,7 +154,8 @@ class Follower:
             # (another error answer says nothing either way: a leader cut off from its peers still
             # refuses a lease create with "wrong last sequence", seen in the partition test)
         elif _failed(exc):
-            self.failure(f"{subject}: {type(exc).__name__}: {exc}", probe)
+            unanswered = isinstance(exc, (nats.errors.TimeoutError, asyncio.TimeoutError))
+            self.failure(f"{subject}: {type(exc).__name__}: {exc}", probe, sent if unanswered else None)
 
     def failing_since(self) -> float | None:
         """The earliest start of a failure that has had no success of its kind since."""
@@ -284,10 +289,11 @@ def watch(nc: Any, follower: Follower) -> None:
             # The caller's own, shorter timeout (pairing's lease renewals): unanswered for a second
             # or more is a failure too; a cancel at once (a shutdown) says nothing.
             if time.monotonic() - sent >= CANCELLED_UNANSWERED_S:
-                follower.observe(subject, asyncio.TimeoutError(f"cancelled after {time.monotonic() - sent:.1f} s"))
+                follower.observe(subject, asyncio.TimeoutError(f"cancelled after {time.monotonic() - sent:.1f} s"),
+                                 sent=sent)
             raise
         except BaseException as exc:
-            follower.observe(subject, exc)
+            follower.observe(subject, exc, sent=sent)
             raise
         follower.observe(subject, None, reply)
         return reply
