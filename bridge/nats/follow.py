@@ -313,6 +313,18 @@ def start(nc: Any, *, after_s: float, name: str = "", probe_s: float = PROBE_S,
     return follower
 
 
+async def leader_kv(js: Any, bucket: str) -> Any:
+    """The KV bucket ``bucket`` (checked to exist), its gets answered by the stream's leader
+    (``STREAM.MSG.GET``) instead of any replica (``DIRECT.GET``). During a partition the cut
+    node stays in the replicas' queue group while its routes are up (minutes), so a direct get
+    from a healthy node can be routed there and lost: pairing's restores timed out one after
+    the other for the whole partition (issue 42). For the reads a takeover waits on."""
+    from nats.js.kv import KeyValue
+
+    await js.key_value(bucket)
+    return KeyValue(name=bucket, stream=f"KV_{bucket}", pre=f"$KV.{bucket}.", js=js, direct=False)
+
+
 def of(nc: Any) -> Follower | None:
     return getattr(nc, ATTR, None) if nc is not None else None
 

@@ -89,6 +89,7 @@ from bridge.core.ceiling import CapturePolicy, configure
 from bridge.core.redaction import Redactor
 from bridge.core.deadletter import KNOWN_REASONS as DLQ_REASONS
 from bridge.core.pairing import SECOND, PairingConfig, PairingInputError, PairingState
+from bridge.nats import follow
 from bridge.nats import streams as S
 from bridge.nats import subjects as subj
 from bridge.nats.connection import UNANSWERED, connect_service, outage, until_answered
@@ -1137,8 +1138,10 @@ class PairingService:
 
     async def bind(self) -> None:
         """The buckets and the object store it uses, and AEP_EVENTS' duplicate window."""
-        self.leases = await self.js.key_value(S.LEASES_BUCKET)
-        self.pairing_kv = await self.js.key_value(S.PAIRING_BUCKET)
+        # Read from the leaders, not any replica: a direct get can be lost to a replica cut off
+        # from its peers (bridge.nats.follow.leader_kv).
+        self.leases = await follow.leader_kv(self.js, S.LEASES_BUCKET)
+        self.pairing_kv = await follow.leader_kv(self.js, S.PAIRING_BUCKET)
         self.checkpoints = await self.js.object_store(S.CHECKPOINTS_BUCKET)
         try:
             window = getattr((await self.js.stream_info(S.AEP_EVENTS)).config, "duplicate_window", None)
