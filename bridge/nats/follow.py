@@ -35,11 +35,16 @@ PINGs and accepts publishes, so nats-py's own reconnect (after failed PINGs) nev
 
   The three are judged apart (a meta leader cut off from its peers answers the probe for
   ~10 s more, lostQuorumInterval, while no publish of the service is acked). When one of them
-  has failed for ``after_s`` with no success of its own since, while the connection is up, it calls nats-py's ``force_reconnect()`` (the next server of the list;
-  subscriptions and pull consumers are subscribed again there), at most once per ``after_s``,
-  counts it (``aep_bridge_nats_server_moves_total``), logs ``nats_server_left`` (the server
-  left, why, for how long) and `/healthz` shows the server it is on (``nats_server``) and its
-  moves. With one server in the list there is nowhere to go: it only watches.
+  has failed for ``after_s`` with no success of its own since, while the connection is up, it
+  checks the other servers of the list with a side connection and the probe, and reconnects
+  to the first that answers (nats-py's ``force_reconnect()`` with that server first in the
+  pool; subscriptions and pull consumers are subscribed again there). None answers (the whole
+  cluster electing, as at a partition's heal): it stays (``nats_server_no_better``, once).
+  Moves come at most once per ``after_s``, twice as far apart after each move that brought
+  no answer, up to `MAX_SPACING_S`. Each is counted (``aep_bridge_nats_server_moves_total``)
+  and logged (``nats_server_left``: the server left, the one joined, for how long, why);
+  `/healthz` shows the server it is on (``nats_server``) and its moves. With one server in
+  the list there is nowhere to go: it only watches.
 """
 
 from __future__ import annotations
@@ -60,6 +65,8 @@ log = structlog.get_logger("aep_bridge.nats")
 
 #: seconds between two probes (``$JS.API.INFO``)
 PROBE_S = 1.0
+#: the longest spacing of moves that found no answer between them
+MAX_SPACING_S = 40.0
 #: the probe: account info, which only the meta leader answers in a cluster
 PROBE_SUBJECT = "$JS.API.INFO"
 #: direct gets count neither way: any replica answers one (a node cut off from its peers too), and
@@ -120,6 +127,8 @@ class Follower:
         self.task: asyncio.Task | None = None
         self.probe_refused = False  # the probe's subject is not allowed: it stops
         self.waiting = False  # the last decision found no better server (logged once)
+        self.spacing = after_s  # the least time between two moves (`move` doubles it while nothing answers)
+        self.answered_since_move = True
 
     # ------------------------------------------------------------ what the connection sees
 
@@ -138,6 +147,7 @@ class Follower:
             self.probe_bad_since = None
         else:
             self.bad_since = None
+        self.answered_since_move = True
 
     def observe(self, subject: str, exc: BaseException | None, reply: Any = None, sent: float | None = None) -> None:
         if not subject.startswith(WATCHED_PREFIXES):
@@ -183,7 +193,7 @@ class Follower:
             return False
         if now - since < self.after_s:
             return False
-        return self.last_move is None or now - self.last_move >= self.after_s
+        return self.last_move is None or now - self.last_move >= self.spacing
 
     async def serves(self, url: str) -> bool:
         """Does the server at ``url`` answer the probe (its meta leader reachable)? A side
@@ -229,6 +239,11 @@ class Follower:
         now = self.clock()
         left = self.server()
         failing = round(now - (self.failing_since() or now), 1)
+        # Moves with no answer between them (what fails is a stream with no leader in the
+        # majority yet, not the server) come twice as far apart each time, up to MAX_SPACING_S.
+        self.spacing = self.after_s if self.answered_since_move or self.last_move is None else min(
+            MAX_SPACING_S, max(self.after_s, 2 * self.spacing))
+        self.answered_since_move = False
         self.moves += 1
         self.last_move = now
         self.moved_from = left
