@@ -179,16 +179,29 @@ def explain_failure(settings: Settings, exc: BaseException, errors: list[BaseExc
 
 async def quick_connect(settings: Settings | None = None, *, name: str | None = None, timeout: float = 2.0,
                         role: str | None = None) -> Any:
-    """For one-shot commands (bootstrap, doctor, drain): fail within seconds, not minutes."""
-    return await connect(
-        settings,
-        name=name,
-        role=role,
-        connect_timeout=timeout,
-        max_reconnect_attempts=1,
-        reconnect_time_wait=0.2,
-        allow_reconnect=False,
-    )
+    """For one-shot commands (bootstrap, doctor, drain): fail within seconds, not minutes.
+
+    With several servers, a command that uses JetStream (any role but the shim's) takes the
+    first server, from its hashed start, whose JetStream answers `follow.PROBE_SUBJECT` (the
+    services' rule, `bridge.nats.follow`): a node cut off from its peers accepts the connection
+    and then never answers. When none answers, the first connection is kept (the command then
+    says what JetStream did)."""
+    settings = settings or Settings.from_env()
+    options = dict(connect_timeout=timeout, max_reconnect_attempts=1, reconnect_time_wait=0.2, allow_reconnect=False)
+    nc = await connect(settings, name=name, role=role, **options)
+    urls = connect_options(settings, name=name, role=role)["servers"]
+    if role == "shim" or len(urls) < 2 or await follow.answers(nc, timeout=min(timeout, 2.0)):
+        return nc
+    for url in urls[1:]:
+        try:
+            other = await connect(settings, name=name, role=role, servers=[url], **options)
+        except NatsConnectError:
+            continue
+        if await follow.answers(other, timeout=min(timeout, 2.0)):
+            await nc.close()
+            return other
+        await other.close()
+    return nc
 
 
 #: What a JetStream API request meets while a cluster elects a leader or has lost its quorum

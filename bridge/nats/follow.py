@@ -328,6 +328,15 @@ def start(nc: Any, *, after_s: float, name: str = "", probe_s: float = PROBE_S,
     return follower
 
 
+async def answers(nc: Any, timeout: float = 1.0) -> bool:
+    """Does the server ``nc`` is connected to answer the probe without an error?"""
+    try:
+        reply = await nc.request(PROBE_SUBJECT, b"", timeout=timeout)
+    except Exception:
+        return False
+    return b'"error"' not in (reply.data or b"")[:200]
+
+
 async def leader_kv(js: Any, bucket: str) -> Any:
     """The KV bucket ``bucket`` (checked to exist), its gets answered by the stream's leader
     (``STREAM.MSG.GET``) instead of any replica (``DIRECT.GET``). During a partition the cut

@@ -162,3 +162,22 @@ def follow_urls(settings: Settings) -> list[str]:
     from bridge.nats.connection import server_list
 
     return server_list(settings).urls
+
+
+def test_a_one_shot_command_skips_a_server_that_cannot_serve_jetstream(plain_server, nats_server):
+    """`quick_connect` (bootstrap, control) from a name whose hash starts it on the server
+    without JetStream ends on the one that answers."""
+    from bridge.nats.connection import quick_connect
+
+    urls = [plain_server, nats_server.url]
+    name = next(n for n in (f"aep-bridge-control-{i}" for i in range(200))
+                if follow.first_server_order(urls, follow.identity(n))[0] == plain_server)
+
+    async def run() -> str:
+        nc = await quick_connect(Settings(nats_url=",".join(urls)), name=name, role="operator")
+        try:
+            return nc.connected_url.netloc
+        finally:
+            await nc.close()
+
+    assert asyncio.run(run()) == urlparse(nats_server.url).netloc
