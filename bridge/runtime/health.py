@@ -61,7 +61,12 @@ class Health:
         failed = {"error": self.failed} if self.failed else {}
         f = follow.of(self.connection)  # the server it is on, and its moves (issue 42)
         server = f.stats() if f is not None else {}
-        live = {k: f() for k, f in self.live.items()}
+        live = {}
+        for k, f in list(self.live.items()):
+            try:
+                live[k] = f()
+            except Exception as exc:  # never a 500 for a view: say it could not be read
+                live[k] = f"unreadable: {type(exc).__name__}"
         return ok, {"status": status, "service": self.name, "nats": nats, **server, **failed, **self.info, **live}
 
     def readyz(self) -> tuple[bool, dict[str, Any]]:
