@@ -174,6 +174,7 @@ FIELDS: tuple[Field, ...] = (
     _f("AEP_BRIDGE_TLS_CERT", "path", None, _SHIM_NATS, "TLS client certificate"),
     _f("AEP_BRIDGE_TLS_KEY", "path", None, _SHIM_NATS, "TLS client key"),
     _f("AEP_BRIDGE_INBOX_PREFIX", "str", None, NATS_ROLES, "NATS inbox prefix (default: the role's own)"),
+    _f("AEP_BRIDGE_NATS_LEAVE_AFTER_S", "float", 5.0, SERVICES, "a service leaves a NATS server whose JetStream requests have failed (timed out, 503) this many seconds with no answer between, for the next server of the list (0: never)", range=(0, 3600)),
     # ---- the shim (and what inspects its spool)
     _f("AEP_BRIDGE_INSTANCE", "str", _hostname, {"shim", "client", "mapper"}, "the Hermes instance's name (default: the host name)"),
     _f("AEP_BRIDGE_SPOOL_DIR", "path", _spool_dir, {"shim", "client"}, "the shim's spool (default $XDG_STATE_HOME/aep-bridge/spool, ~ expanded)", shim=True),
@@ -398,6 +399,7 @@ _SETTINGS_ATTRS = {
     "pairing_hold_s": "AEP_BRIDGE_PAIRING_HOLD_S", "linger_ms": "AEP_BRIDGE_LINGER_MS", "linger_max_ms": "AEP_BRIDGE_LINGER_MAX_MS", "export_ack_wait_s": "AEP_BRIDGE_EXPORT_ACK_WAIT_S",
     "log_format": "AEP_BRIDGE_LOG_FORMAT", "log_level": "AEP_BRIDGE_LOG_LEVEL",
     "inbox_prefix": "AEP_BRIDGE_INBOX_PREFIX", "stream_replicas": "AEP_BRIDGE_STREAM_REPLICAS",
+    "nats_leave_after_s": "AEP_BRIDGE_NATS_LEAVE_AFTER_S",
     "fallback_dir": "TMPDIR", "price_table": "AEP_BRIDGE_PRICE_TABLE",
 }
 
@@ -457,6 +459,8 @@ class Settings:
     inbox_prefix: str | None = None
     #: bootstrap and the gate: stream replicas; None: 1 (bridge.nats.bootstrap.default_replicas)
     stream_replicas: int | None = None
+    #: services: leave a server whose JetStream fails this long (bridge.nats.follow; 0: never)
+    nats_leave_after_s: float = 5.0
     #: the shim's fallback spool directory ($TMPDIR/aep-bridge-<uid>)
     fallback_dir: str = field(default_factory=lambda: hook.fallback_spool_dir(os.environ))
     #: a shim setting whose bad value was replaced by its default, as the shim does (one line each)

@@ -24,6 +24,7 @@ import nats.errors
 import nats.js.errors
 
 from bridge.config import Settings
+from bridge.nats import follow
 from bridge.shim.hook import parse_server_url, shim_inbox_prefix
 
 #: The inbox prefix of each role (nats-py ``inbox_prefix``): publish acks, JetStream API
@@ -99,8 +100,11 @@ def connect_options(settings: Settings, *, name: str | None = None, role: str | 
                     **overrides: Any) -> dict[str, Any]:
     """Keyword arguments for ``nats.connect`` (``overrides`` win). ``role``: see ROLE_INBOX."""
     servers = server_list(settings)
-    # Servers are tried in the order given (as the shim does), not shuffled.
-    opts: dict[str, Any] = {"servers": servers.urls, "name": name or f"aep-bridge-{settings.instance}", "dont_randomize": True}
+    name = name or f"aep-bridge-{settings.instance}"
+    # Servers are tried in the list's order from the one a stable hash of the instance picks
+    # (bridge.nats.follow.first_server_order: a fleet spreads over the servers), not shuffled.
+    opts: dict[str, Any] = {"servers": follow.first_server_order(servers.urls, follow.identity(name)),
+                            "name": name, "dont_randomize": True}
     prefix = inbox_prefix(settings, role)
     if prefix:
         opts["inbox_prefix"] = prefix
@@ -190,14 +194,30 @@ def explain_failure(settings: Settings, exc: BaseException, errors: list[BaseExc
 
 async def quick_connect(settings: Settings | None = None, *, name: str | None = None, timeout: float = 2.0,
                         role: str | None = None, **overrides: Any) -> Any:
-    """For one-shot commands (bootstrap, doctor, drain): fail within seconds, not minutes."""
-    return await connect(
-        settings,
-        name=name,
-        role=role,
-        **{"connect_timeout": timeout, "max_reconnect_attempts": 1, "reconnect_time_wait": 0.2,
-           "allow_reconnect": False, **overrides},
-    )
+    """For one-shot commands (bootstrap, doctor, drain): fail within seconds, not minutes.
+
+    With several servers, a command that uses JetStream (any role but the shim's) takes the
+    first server, from its hashed start, whose JetStream answers `follow.PROBE_SUBJECT` (the
+    services' rule, `bridge.nats.follow`): a node cut off from its peers accepts the connection
+    and then never answers. When none answers, the first connection is kept (the command then
+    says what JetStream did)."""
+    settings = settings or Settings.from_env()
+    options = {"connect_timeout": timeout, "max_reconnect_attempts": 1, "reconnect_time_wait": 0.2,
+               "allow_reconnect": False, **overrides}
+    nc = await connect(settings, name=name, role=role, **options)
+    urls = connect_options(settings, name=name, role=role)["servers"]
+    if role == "shim" or len(urls) < 2 or await follow.answers(nc, timeout=min(timeout, 2.0)):
+        return nc
+    for url in urls[1:]:
+        try:
+            other = await connect(settings, name=name, role=role, servers=[url], **options)
+        except NatsConnectError:
+            continue
+        if await follow.answers(other, timeout=min(timeout, 2.0)):
+            await nc.close()
+            return other
+        await other.close()
+    return nc
 
 
 async def connect_client(settings: Settings | None = None, *, name: str | None = None, timeout: float = 3.0,
@@ -265,6 +285,11 @@ OUTAGE = UNANSWERED + (nats.js.errors.NoStreamResponseError, nats.errors.Connect
 #: discard-new (10077 "maximum bytes exceeded"), insufficient resources (10023).
 NOT_AN_OUTAGE_503 = frozenset({10077, 10023})
 
+#: a 409 "duplicate message id is in process": a publish with the same Nats-Msg-Id is being
+#: proposed (a resend while the first copy waits for its quorum, e.g. a partition healing).
+#: Its fate is open: an outage, retried, not the message's fault (bridge/shim/hook.py agrees).
+MSG_ID_IN_PROCESS = 10158
+
 
 def outage(exc: BaseException) -> bool:
     """Did ``exc`` come from the cluster being unavailable rather than from what was sent? A
@@ -272,6 +297,8 @@ def outage(exc: BaseException) -> bool:
     ``APIError`` with its own code: not an outage; nor is JetStream not enabled (10039). (No
     ``nc.last_error`` look: a permissions violation seen once would stay there and turn every
     later outage into a message's fault.)"""
+    if getattr(exc, "err_code", None) == MSG_ID_IN_PROCESS:  # the first copy's fate is open: retry
+        return True
     if not isinstance(exc, OUTAGE) or not transient(exc):
         return False
     return getattr(exc, "err_code", None) not in NOT_AN_OUTAGE_503
@@ -321,6 +348,7 @@ async def connect_service(settings: Settings | None = None, *, name: str | None 
         nc.options["allow_reconnect"] = True
         nc.options["max_reconnect_attempts"] = -1
         nc.options["reconnect_time_wait"] = overrides.get("reconnect_time_wait", RECONNECT_TIME_WAIT_S)
+        follow_servers(nc, settings, name, role)
         return nc
 
 
@@ -352,3 +380,10 @@ async def ordered_subscribe(js: Any, subject: str, stream: str, *, config: Any =
 
     jsi.recreate_consumer = renamed
     return sub
+
+
+def follow_servers(nc: Any, settings: Settings | None, name: str | None, role: str | None = None) -> None:
+    """Leave a server that cannot serve JetStream (`bridge.nats.follow`; issue 42)."""
+    settings = settings or Settings.from_env()
+    follow.start(nc, after_s=settings.nats_leave_after_s, name=name or "",
+                 options=connect_options(settings, name=name, role=role))

@@ -23,10 +23,13 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+import time
 from typing import Any, NamedTuple
 
 import msgspec
 import nats.js.errors
+
+from bridge.nats import follow
 
 _STATUS = "Status"
 _NO_RESPONDERS = "503"
@@ -69,6 +72,9 @@ class AckPublisher:
         self._futures: dict[str, asyncio.Future] = {}
         self._count = 0
         self._sub: Any = None
+        #: monotonic time of the first publish sent since the last ack came (None: none since);
+        #: read by bridge.nats.follow (a server whose publishes are not acked is left)
+        self._unacked_since: float | None = None
 
     async def start(self) -> "AckPublisher":
         if self._sub is None:
@@ -77,7 +83,19 @@ class AckPublisher:
             self._prefix = f"{prefix}.{secrets.token_hex(8)}."
             self._cut = len(self._prefix)
             self._sub = await self.nc.subscribe(self._prefix + "*", cb=self._reply)
+            follower = follow.of(self.nc)
+            if follower is not None:
+                follower.publishers.append(self)
         return self
+
+    def unacked_since(self) -> float | None:
+        """When the oldest publish sent after the last ack was sent, if one is still awaited."""
+        if self._unacked_since is not None and not self.pending:
+            self._unacked_since = None  # every one since was answered or given up
+        return self._unacked_since
+
+    def forget_unacked(self) -> None:
+        self._unacked_since = None
 
     @property
     def pending(self) -> int:
@@ -94,6 +112,8 @@ class AckPublisher:
         self._futures[token] = future
         if self._count % SWEEP_EVERY == 0:
             self._sweep()
+        if self._unacked_since is None:
+            self._unacked_since = time.monotonic()
         try:
             await self.nc.publish(subject, payload, reply=self._prefix + token, headers=headers)
         except BaseException:
@@ -106,12 +126,15 @@ class AckPublisher:
             del self._futures[token]
 
     async def _reply(self, msg: Any) -> None:
+        headers = msg.headers
+        if headers and headers.get(_STATUS) == _NO_RESPONDERS:  # no stream answered: not an ack
+            future = self._futures.pop(msg.subject[self._cut:], None)
+            if future is not None and not future.done():
+                future.set_exception(nats.js.errors.NoStreamResponseError())
+            return
+        self._unacked_since = None  # the server's JetStream answers
         future = self._futures.pop(msg.subject[self._cut:], None)
         if future is None or future.done():
-            return
-        headers = msg.headers
-        if headers and headers.get(_STATUS) == _NO_RESPONDERS:
-            future.set_exception(nats.js.errors.NoStreamResponseError())
             return
         try:
             reply = _decode(msg.data)

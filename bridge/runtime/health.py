@@ -11,6 +11,8 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
 
+from bridge.nats import follow
+
 
 @dataclass
 class Health:
@@ -29,6 +31,9 @@ class Health:
     failed: str | None = None
     #: why the first connection has not been made yet (the service retries it meanwhile)
     nats_error: str | None = None
+    #: /healthz keys computed when asked (from the HTTP thread), e.g. pairing's partitions: true at
+    #: every moment, not as of the service's last round
+    live: dict[str, Callable[[], Any]] = field(default_factory=dict)
 
     def beat(self) -> None:
         self.heartbeat = time.monotonic()
@@ -58,7 +63,15 @@ class Health:
         failed = {"error": self.failed} if self.failed else {}
         if self.nats_error and nats == "connecting":
             failed["nats_error"] = self.nats_error
-        return ok, {"status": status, "service": self.name, "nats": nats, **failed, **self.info}
+        f = follow.of(self.connection)  # the server it is on, and its moves (issue 42)
+        server = f.stats() if f is not None else {}
+        live = {}
+        for k, f in list(self.live.items()):
+            try:
+                live[k] = f()
+            except Exception as exc:  # never a 500 for a view: say it could not be read
+                live[k] = f"unreadable: {type(exc).__name__}"
+        return ok, {"status": status, "service": self.name, "nats": nats, **server, **failed, **self.info, **live}
 
     def readyz(self) -> tuple[bool, dict[str, Any]]:
         nats = self.nats_state()
@@ -77,6 +90,10 @@ class HttpServer:
 
     def __init__(self, health: Health, registry: CollectorRegistry, host: str = "0.0.0.0", port: int = 0) -> None:
         self.health = health
+        try:  # aep_bridge_nats_server_moves_total (bridge.nats.follow)
+            registry.register(follow.MovesCollector(lambda: health.connection))
+        except ValueError:  # a second port on one registry (tests)
+            pass
         metrics_app = make_wsgi_app(registry)
 
         def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> list[bytes]:

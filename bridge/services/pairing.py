@@ -7,10 +7,13 @@ Theory of operation
   when the key exists) and keeps it with `update(..., last=revision)` every
   `RENEW_S`. The bucket's max age (`LEASE_TTL_S`) removes a lease nobody renews,
   so a standby's next `create` succeeds and it takes over. All of it is
-  JetStream's own compare-and-set and TTL: no home-made consensus. A renewal
-  that gets no answer (a leader change of the bucket, a node lost) is tried again
-  at the next round while the lease is still surely ours; one refused (another
-  replica holds it) stops that partition at once.
+  JetStream's own compare-and-set and TTL: no home-made consensus. A round's
+  renewals are sent together, each bounded (`RENEW_TIMEOUT_S`); one that gets no
+  answer (a leader change of the bucket, a node lost) is sent again every `RETRY_S`
+  while the lease is still surely ours; one refused (another replica holds it)
+  stops that partition at once. A partition fenced or given up gives its lease back
+  at once (`release_now`), and /healthz lists only what the fence allows at that
+  moment (`owned_now`).
 * Fencing: an owner acts on a partition only while its lease is surely alive: less
   than `LEASE_TTL_S - FENCE_MARGIN_S` after the last renewal the server confirmed
   (timed from when that request was sent, by the monotonic clock, which keeps
@@ -88,9 +91,10 @@ from bridge.core.ceiling import CapturePolicy, configure
 from bridge.core.redaction import Redactor
 from bridge.core.deadletter import KNOWN_REASONS as DLQ_REASONS
 from bridge.core.pairing import SECOND, PairingConfig, PairingInputError, PairingState
+from bridge.nats import follow
 from bridge.nats import streams as S
 from bridge.nats import subjects as subj
-from bridge.nats.connection import UNANSWERED, connect_service, until_answered
+from bridge.nats.connection import UNANSWERED, connect_service, outage, until_answered
 from bridge.nats.lookup import SCAN_BUDGET, SERVER_MARGIN_NS, find_msg_id, stored_ns
 from bridge.nats.publish import AckPublisher
 from bridge.nats.pull import Puller
@@ -99,6 +103,18 @@ from bridge.runtime import ActivityMetrics, BoundedLabel, Health, Loop, Stopper,
 log = structlog.get_logger("aep_bridge.pairing")
 
 RENEW_S = 2.0
+# How long one renewal waits for its answer (nats-py's would be the JetStream context's 5 s).
+# Renewals of a round are sent together and each waits at most this: a leases bucket that
+# does not answer (its leader cut off, an election) costs a round this long, not 5 s per
+# partition one after the other, which passed the later partitions' fencing deadline: pairing-0
+# fenced all eight in a partition of the node that led AEP_EVENTS (issue 42).
+RENEW_TIMEOUT_S = RENEW_S
+RETRY_S = 0.25  # between a renewal that got no answer and the next
+# A batch's publish whose ack has not come this long is sent again (`await_acks`); after
+# PUBLISH_GIVE_UP_S the partition is dropped and restored from its checkpoint.
+ACK_RESEND_S = 3.0
+RESEND_PAUSE_S = 0.5
+PUBLISH_GIVE_UP_S = 15.0
 CHECKPOINT_EVERY = 5000
 FETCH_BATCH = 512
 PROGRESS_KEY = "q.{}"  # in the aep_pairing bucket: the last position whose outputs are all acked
@@ -159,6 +175,8 @@ class PairingMetrics:
         self.orphans = Gauge(f"{ns}_orphans_closed_total", "Open starts closed by the orphan TTL, a sweep or overflow (state counter)", ["kind"], registry=registry)
         self.counters = Gauge(f"{ns}_state_counter", "State machine counters (sweeps, suppressions, duplicates, ...)", ["name"], registry=registry)
         self.takeovers = Counter(f"{ns}_takeovers_total", "Partitions this replica took over", registry=registry)
+        self.resent = Counter(f"{ns}_publishes_resent_total", "Publishes sent again because their ack did not come (same Nats-Msg-Id)",
+                              registry=registry)
         self.checkpoints = Counter(f"{ns}_checkpoints_total", "Checkpoints written", registry=registry)
         self.checkpoint_errors = Counter(f"{ns}_checkpoint_errors_total", "Checkpoints that could not be written or read", ["what"], registry=registry)
         self.checkpoint_bytes = Gauge(f"{ns}_checkpoint_bytes", "Size of the last checkpoint written (compressed)", ["partition"], registry=registry)
@@ -338,6 +356,9 @@ class PairingService:
         self.reading: set[int] = set()  # the partitions the readers were started for
         self.reader_error: str | None = None  # why a reader's last consumer failed (until a read succeeds)
         self.reader_failing_since: float | None = None  # monotonic time of its first failure in a row
+        self._releases: set[asyncio.Task] = set()  # leases given back at once (`release_now`)
+        self._outgoing: dict[asyncio.Future, tuple[str, bytes, dict[str, str]]] = {}  # (`send`, `await_acks`)
+        self.health.live["partitions"] = self.owned_now  # at every moment, the fence's own rule
 
     # ------------------------------------------------------------ leases
 
@@ -374,28 +395,69 @@ class PairingService:
         part.lost = True
         self.metrics.fenced.inc()
         log.warning("partition_fenced", partition=part.number,
-                    since_confirmed_s=round(time.monotonic() - part.confirmed, 1))
+                    since_confirmed_s=round(time.monotonic() - part.confirmed, 1), action="lease released")
+        self.release_now(part)
         return True
+
+    def release_now(self, part: Partition) -> None:
+        """Give the lease back now, not at the next round (nor leave it to its TTL): the other
+        replica takes the partition at its next round. A delete with ``last=revision``: refused
+        when the lease is another's already, so it never removes a newer owner's."""
+        try:
+            task = asyncio.get_running_loop().create_task(self.release(part))
+        except RuntimeError:  # no loop (a test's direct call)
+            return
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
+
+    def owned_now(self) -> list[int]:
+        """The partitions this replica may act on at this moment: owned, not lost, and within
+        the fencing deadline (the rule `fenced` applies). /healthz reads it from its own thread."""
+        now, deadline = time.monotonic(), self.lease_deadline()
+        return sorted(n for n, p in dict(self.partitions).items() if not p.lost and now - p.confirmed < deadline)
 
     async def renew(self, part: Partition) -> bool:
         """Renew the lease. False when it is lost: refused (someone else's now), or no answer
-        and no more time to try again before it may lapse."""
+        before it may lapse.
+
+        A renewal that gets no answer within RENEW_TIMEOUT_S is sent again every RETRY_S until
+        one is answered or the fencing deadline passes: a leases bucket electing a leader (a
+        node cut off, the heal after it: 4-9 s of nats-server's election timeout) is ridden
+        through when it answers in time, not given up at the next round. One that was stored
+        but whose answer was lost makes the next one refused (``last`` is behind): when the key
+        still holds this replica's name, it is ours, at the revision read, confirmed as of the
+        first unanswered send (the earliest it can have been stored)."""
         from nats.js.errors import KeyWrongLastSequenceError
 
-        sent = time.monotonic()
-        try:
-            part.revision = int(await self.leases.update(f"p.{part.number}", self.replica.encode(), last=part.revision))
-            part.confirmed = sent
-            return True
-        except KeyWrongLastSequenceError as exc:
-            log.warning("lease_lost", partition=part.number, error=f"{type(exc).__name__}: {exc}")
-            return False
-        except Exception as exc:  # no answer (a leader change, a node lost): try again next round
-            if not self.fenced(part) and time.monotonic() + RENEW_S - part.confirmed < self.lease_deadline():
-                log.warning("lease_renew_retry", partition=part.number, error=f"{type(exc).__name__}: {exc}")
+        first = time.monotonic()
+        while True:
+            sent = time.monotonic()
+            left = self.lease_deadline() - (sent - part.confirmed)
+            if left <= 0 or self.fenced(part):
+                log.warning("lease_lost", partition=part.number, error="no renewal answered before the fencing deadline")
+                return False
+            try:
+                async with asyncio.timeout(min(RENEW_TIMEOUT_S, left)):
+                    revision = await self.leases.update(f"p.{part.number}", self.replica.encode(), last=part.revision)
+                part.revision = int(revision)
+                part.confirmed = sent
                 return True
-            log.warning("lease_lost", partition=part.number, error=f"{type(exc).__name__}: {exc}")
-            return False
+            except KeyWrongLastSequenceError as exc:
+                try:
+                    async with asyncio.timeout(min(RENEW_TIMEOUT_S, max(0.1, left))):
+                        entry = await self.leases.get(f"p.{part.number}")
+                except Exception:
+                    entry = None
+                if entry is not None and entry.value == self.replica.encode() and sent > first:
+                    part.revision = int(entry.revision)
+                    part.confirmed = first
+                    return True
+                log.warning("lease_lost", partition=part.number, error=f"{type(exc).__name__}: {exc}")
+                return False
+            except Exception as exc:  # no answer (a leader change, a node lost): again soon
+                log.warning("lease_renew_retry", partition=part.number, error=f"{type(exc).__name__}: {exc}")
+                if await self.stopper.sleep(RETRY_S):
+                    return True  # stopping: `stop` gives the leases back
 
     async def release(self, part: Partition) -> None:
         try:
@@ -552,11 +614,55 @@ class PairingService:
             except subj.SubjectError as exc:  # never onto the wire: nats-server would close the connection
                 futures.append(await self.dead_letter_event(event, body, exc.reason, str(exc), msg))
                 continue
-            futures.append(await self.publisher.publish(subject, body, headers={"Nats-Msg-Id": event.id}))
+            futures.append(await self.send(subject, body, {"Nats-Msg-Id": event.id}))
             self.activity.seen(event)  # model calls, tokens, cost, tools, approvals, runs (bridge/runtime/activity.py)
             types = self._types_out  # added to the counter once per batch (handle_batch)
             types[event.type] = types.get(event.type, 0) + 1
         return futures
+
+    async def send(self, subject: str, body: bytes, headers: dict[str, str]) -> asyncio.Future:
+        """One acked publish, remembered until its batch is acked (`await_acks` sends it again)."""
+        future = await self.publisher.publish(subject, body, headers=headers)
+        self._outgoing[future] = (subject, body, headers)
+        return future
+
+    async def await_acks(self, part: Partition, futures: list[asyncio.Future]) -> None:
+        """Wait for the acks of a batch's publishes, in order. One that has not come within
+        ACK_RESEND_S, or failed as an outage (a 503 while its stream elects, a connection
+        between servers), is sent again, with the same ``Nats-Msg-Id`` (AEP_EVENTS drops a
+        second copy), with the others not acked yet, while the lease holds: a publish the
+        cut-off leader never acked is not lost with its partition (before: the batch waited
+        15 s, then the partition was dropped and restored from its checkpoint, a stall of 15 s
+        and more for every partition of the replica; issue 42). After PUBLISH_GIVE_UP_S the
+        last error propagates (the partition is dropped, as before). ``futures`` is updated in
+        place to the ones in flight (the caller cancels them on an error)."""
+        give_up = time.monotonic() + PUBLISH_GIVE_UP_S
+        while True:
+            try:
+                async with asyncio.timeout(max(0.05, min(ACK_RESEND_S, give_up - time.monotonic()))):
+                    for f in futures:
+                        await f
+                return
+            except Exception as exc:
+                if not outage(exc) or time.monotonic() >= give_up or self.stopper.stopping or self.fenced(part):
+                    raise
+                why = f"{type(exc).__name__}: {exc}"
+                answered = not isinstance(exc, TimeoutError)
+            if answered:  # an answer (503): the stream has no leader yet
+                await asyncio.sleep(RESEND_PAUSE_S)
+            again = [f for f in futures if not f.done() or f.cancelled() or f.exception() is not None]
+            if self.fenced(part):
+                raise TimeoutError(f"fenced while waiting for acks ({why})")
+            resent: list[asyncio.Future] = []
+            for f in again:
+                if not f.done():
+                    f.cancel()
+                subject, body, headers = self._outgoing.pop(f)
+                resent.append(await self.send(subject, body, headers))
+            acked = [f for f in futures if f not in again]
+            futures[:] = acked + resent
+            self.metrics.resent.inc(len(resent))
+            log.warning("publish_resent", partition=part.number, publishes=len(resent), error=why[:200])
 
     async def dead_letter_event(self, event: Any, body: bytes, reason: str, error: str, msg: Any = None) -> asyncio.Future:
         """An output that cannot be published: to the DLQ (`bridge.core.deadletter`, within the
@@ -573,7 +679,7 @@ class PairingService:
         limit = getattr(self.nc, "max_payload", 0) or 0
         if limit and len(body) + 1024 > limit:  # content at `full` can be as large as the event
             body = deadletter.build("pairing", reason, reason, error, original, CapturePolicy(default="metadata", overrides={})).body
-        return await self.publisher.publish(subj.dlq_subject(reason), body, headers=headers)
+        return await self.send(subj.dlq_subject(reason), body, headers)
 
     async def handle(self, part: Partition, msg: Any) -> tuple[list[asyncio.Future], int | None]:
         """Fold one message into the state and start publishing what it yields.
@@ -651,6 +757,10 @@ class PairingService:
                 futures.extend(fs)
                 if ts_ns:
                     receive_times.append(ts_ns)
+        except BaseException:
+            for f in futures:
+                self._outgoing.pop(f, None)
+            raise
         finally:
             self.metrics.count(self._types_out)
         if futures:
@@ -659,16 +769,17 @@ class PairingService:
                 # order, so after the first wait the rest are mostly done already, and a batch
                 # costs no gathering future, task or callback per future (uvloop, 3.11: 10 against
                 # 21 us for a batch of five).
-                async with asyncio.timeout(15):
-                    for f in futures:
-                        await f
+                await self.await_acks(part, futures)
             except BaseException:  # the partition is dropped: its other publishes are not waited for
                 for f in futures:
+                    self._outgoing.pop(f, None)
                     if not f.done():
                         f.cancel()  # (then swept by the publisher; a late ack finds nothing)
                     elif not f.cancelled():
                         f.exception()  # seen: asyncio logs a failure nobody retrieved
                 raise
+        for f in futures:
+            self._outgoing.pop(f, None)
         now = time.time_ns()
         observe_many(self.metrics.latency, [max(0, now - ts_ns) / 1e9 for ts_ns in receive_times])
         last = msgs[-1].metadata.sequence.stream
@@ -935,6 +1046,7 @@ class PairingService:
         read, KV reads), and a partition renewed after it could pass its fencing deadline
         (LEASE_TTL_S - FENCE_MARGIN_S since its last renewal) although its lease was fine."""
         dropped = set()
+        renewing: list[Partition] = []
         for n in sorted(self.partitions):
             part = self.partitions[n]
             # Fenced first, however its loop ended: after a pause past the lease a loop may
@@ -960,11 +1072,17 @@ class PairingService:
                 self.metrics.owned_by_partition.labels(partition=str(n)).set(0)
                 dropped.add(n)
                 continue
-            if not await self.renew(part):
-                part.lost = True
+            renewing.append(part)
+        # All renewals at once, each bounded (RENEW_TIMEOUT_S): none waits behind another's.
+        for part, kept in zip(renewing, await asyncio.gather(*(self.renew(p) for p in renewing))):
+            if not kept:
+                n = part.number
+                if not part.lost:
+                    part.lost = True
+                    self.release_now(part)  # (refused when it is another's already)
                 if part.task:
                     part.task.cancel()
-                del self.partitions[n]
+                self.partitions.pop(n, None)
                 self.metrics.owned_by_partition.labels(partition=str(n)).set(0)
                 dropped.add(n)
         # A reader failing for longer than a lease lives without a renewal: this replica cannot
@@ -1016,7 +1134,6 @@ class PairingService:
         # The readers read what is owned now: started again when that changed, or one ended.
         if {n for n, p in self.partitions.items() if not p.lost} != self.reading or ended or (self.partitions and not self.readers):
             self.restart_reader()
-        self.health.info["partitions"] = sorted(self.partitions)
         self.health.info["unowned"] = {str(n): why[:200] for n, why in sorted(self.unowned.items())}
         if self.unowned:
             self.health.set_ready(False, f"partitions {sorted(self.unowned)} should be owned here and are not")
@@ -1052,8 +1169,10 @@ class PairingService:
 
     async def bind(self) -> None:
         """The buckets and the object store it uses, and AEP_EVENTS' duplicate window."""
-        self.leases = await self.js.key_value(S.LEASES_BUCKET)
-        self.pairing_kv = await self.js.key_value(S.PAIRING_BUCKET)
+        # Read from the leaders, not any replica: a direct get can be lost to a replica cut off
+        # from its peers (bridge.nats.follow.leader_kv).
+        self.leases = await follow.leader_kv(self.js, S.LEASES_BUCKET)
+        self.pairing_kv = await follow.leader_kv(self.js, S.PAIRING_BUCKET)
         self.checkpoints = await self.js.object_store(S.CHECKPOINTS_BUCKET)
         try:
             window = getattr((await self.js.stream_info(S.AEP_EVENTS)).config, "duplicate_window", None)

@@ -1133,7 +1133,16 @@ def _ack_outcome(headers, payload):
         text = "%s %s %s" % (code, err.get("err_code", ""), err.get("description", ""))
     except Exception:
         return False
+    if err.get("err_code") == MSG_ID_IN_PROCESS:  # its first publish's fate is open: ask again later
+        return False
     return text if 400 <= code < 500 else False
+
+
+#: JetStream's 409 "duplicate message id is in process": a publish with this Nats-Msg-Id is
+#: being proposed and not yet stored. Not a rejection: that proposal can be lost with its
+#: leader (a partition healing), and a record set aside for it was lost (tests/cluster/
+#: test_partitions.py, 19 events of one instance, 2026-12-07). Transient: spooled, replayed.
+MSG_ID_IN_PROCESS = 10158
 
 
 def _wrap_tls(sock, host, cfg, deadline):

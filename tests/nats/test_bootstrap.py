@@ -145,7 +145,7 @@ def settings(**env: str) -> Settings:
 
 def test_connect_options_take_credentials_out_of_urls() -> None:
     opts = connect_options(settings(NATS_URL="nats://al%40ice:p%3Ass@h1:4222,nats://h2"))
-    assert opts["servers"] == ["nats://h1:4222", "nats://h2:4222"]
+    assert sorted(opts["servers"]) == ["nats://h1:4222", "nats://h2:4222"]  # from the one its name picks
     assert (opts["user"], opts["password"]) == ("al@ice", "p:ss")
     opts = connect_options(settings(NATS_URL="nats://tok@h1", NATS_USER="u", NATS_PASSWORD="p"))
     assert (opts["user"], opts["password"]) == ("u", "p") and "token" not in opts

@@ -19,7 +19,7 @@ from bridge.shim import hook
 from tests.clusterfixture import BlackHole, Cluster
 from tests.natsfixture import JetStreamClient, NatsServer, free_port
 from tests.support.mute import MuteServer
-from tests.support.partition import Partitions, partitioned_cluster
+from tests.support.partition import Partitioner, partitioned_cluster
 from tests.support.shim import dumps, envelope, run_hook, shim_env
 
 DEADLINE_MS = 1000  # roomy for a loaded machine: the assertions count connections, not time
@@ -290,7 +290,7 @@ def test_spool_drain_leaves_a_mute_server_for_the_next(
 
 
 @pytest.fixture
-def cut_cluster() -> Iterator[tuple[Cluster, Partitions]]:
+def cut_cluster() -> Iterator[tuple[Cluster, Partitioner]]:
     if os.geteuid() != 0:
         pytest.skip("partitions need root (cgroups and nftables); CI runs as root")
     with partitioned_cluster() as pair:
@@ -299,7 +299,7 @@ def cut_cluster() -> Iterator[tuple[Cluster, Partitions]]:
 
 @pytest.mark.slow
 def test_a_node_cut_off_from_its_peers_does_not_capture_the_shims(
-        cut_cluster: tuple[Cluster, Partitions], tmp_path: Path) -> None:
+        cut_cluster: tuple[Cluster, Partitioner], tmp_path: Path) -> None:
     """The real thing for issue 39: a three-node R3 cluster, one node's routes cut (nftables on
     its cgroup, tests/support/partition.py) while it still serves clients. It is a follower of
     HERMES_RAW and not the meta leader, so the majority keeps its leaders. Instances whose first

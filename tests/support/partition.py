@@ -1,23 +1,29 @@
-"""Network partitions between the nodes of the test cluster, on one machine (issues 39 and 42).
+"""Network partitions between the nodes of the cluster fixture (tests/clusterfixture.py), on one
+machine, as root, without Docker (issue 42).
 
-Each ``nats-server`` of a ``tests.clusterfixture.Cluster`` runs in a cgroup v2 of its own
-(a wrapper script writes its pid into ``cgroup.procs`` and execs the server, so every socket
-it opens belongs to that cgroup); nftables rules matching ``socket cgroupv2`` drop the route
-(cluster port) traffic of a cut link, both ways. Clients still reach every node: a cut-off
-node accepts connections, sends INFO and answers PINGs, but cannot reach its peers (what
-Jepsen's partitions look like to a client). Needs root, a cgroup2 mount under
-``/sys/fs/cgroup`` and the ``nft`` binary (Debian's ``nftables``; ``.ci/run`` installs it).
+Each nats-server is moved into a cgroup v2 of its own (``aep-part-<id>-<node>`` under the
+cgroup2 mount: ``/sys/fs/cgroup``, or ``/sys/fs/cgroup/unified`` on a hybrid host), and one
+nftables table of ours (``inet aep_part_<id>``) does the rest:
 
-    with partitioned_cluster() as (cluster, cuts):
-        cuts.isolate("n2")        # n2 cut from n1 and n3
-        cuts.cut("n1", "n3")      # one link
-        cuts.heal()               # every rule removed
+* ``output``: a packet sent by a socket of node X's cgroup (``socket cgroupv2``) gets X's mark
+  (``meta mark``; on loopback the mark stays with the packet into ``input``);
+* ``input``: a packet marked X whose receiving socket is in node Y's cgroup is dropped when
+  the link X-Y is cut, or dropped at random (``numgen random mod 100 < P``) when it is lossy.
 
-A link (a, b) is four rules: a's packets to b's cluster port and b's to a's (output, by the
-sending socket's cgroup: the connections each side dialed), and, on input, packets from b's
-cluster port to a socket of a and from a's to a socket of b (the answers on the connections
-the other side accepted). ``tc netem`` is not available in the CI kernel, so loss or delay is
-not offered here.
+Only packets from one node's process to another's match: the routes between the servers.
+Clients (the services, the test itself, a shim) are in no node's cgroup and reach every
+node all along: what a partition between the nodes of a real cluster looks like to a client
+whose own network is fine. ``tc`` qdiscs (netem) are not needed (nor in every kernel).
+
+A socket belongs to the cgroup its process was in when it was made: a server must be in its
+cgroup before it opens its routes. So ``Partitioner(cluster)`` takes a cluster not started
+yet and starts each node through a wrapper that enters the node's cgroup, then execs
+nats-server (a restart, ``node.start()``, goes through it again). Then ``cut(a, b)``,
+``lossy(a, b, percent)``, ``isolate(a)`` (cut from every other node), ``heal(a=None, b=None)``
+(one link, or all), ``close()`` (the table deleted, the cgroups removed once the nodes are
+gone). `unavailable()` says why it cannot run here (not root, no ``nft``, no cgroup2);
+`.ci/run` installs ``nftables``. `partitioned_cluster()`: a started cluster and its
+partitioner, closed together.
 """
 
 from __future__ import annotations
@@ -26,127 +32,146 @@ import contextlib
 import os
 import shutil
 import subprocess
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
+from typing import Any, Iterator
 
-from tests.clusterfixture import Cluster
-
-NFT_ROOT = Path("/sys/fs/cgroup")  # nft resolves a cgroupv2 path relative to this
+MARK_BASE = 0x4A420000  # the marks of our nodes: MARK_BASE + index
 
 
 def cgroup2_mount() -> Path | None:
-    """Where the cgroup2 hierarchy is mounted (``/sys/fs/cgroup`` or, hybrid, ``/sys/fs/cgroup/unified``)."""
     try:
-        lines = Path("/proc/self/mounts").read_text().splitlines()
+        for line in Path("/proc/self/mounts").read_text().splitlines():
+            parts = line.split()
+            if len(parts) >= 3 and parts[2] == "cgroup2":
+                return Path(parts[1])
     except OSError:
         return None
-    for line in lines:
-        parts = line.split()
-        if len(parts) >= 3 and parts[2] == "cgroup2":
-            return Path(parts[1])
     return None
 
 
 def unavailable() -> str | None:
     """Why partitions cannot be made here, or None."""
     if os.geteuid() != 0:
-        return "needs root (cgroups and nftables)"
+        return "not root (cgroups and nftables need it)"
     if shutil.which("nft") is None:
-        return "no nft binary (apt-get install nftables)"
-    mount = cgroup2_mount()
-    if mount is None:
+        return "no nft (apt-get install -y nftables; .ci/run does)"
+    if cgroup2_mount() is None:
         return "no cgroup2 mount"
-    if mount != NFT_ROOT and NFT_ROOT not in mount.parents:
-        return f"cgroup2 is mounted at {mount}, not under {NFT_ROOT} where nft looks"
     return None
 
 
-def nft(*args: str, stdin: str | None = None) -> str:
-    out = subprocess.run(["nft", *args], input=stdin, capture_output=True, text=True, timeout=30)
-    if out.returncode != 0:
-        raise RuntimeError(f"nft {' '.join(args)}: {out.stderr.strip()}")
-    return out.stdout
-
-
-class Partitions:
-    """The cgroups and the nftables table of one cluster (see the module docstring)."""
-
-    def __init__(self, cluster: Cluster) -> None:
+class Partitioner:
+    def __init__(self, cluster: Any) -> None:
         why = unavailable()
         if why:
             raise RuntimeError(f"cannot partition the cluster: {why}")
-        mount = cgroup2_mount()
-        assert mount is not None
         self.cluster = cluster
-        self.tag = f"aep-part-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-        self.table = self.tag.replace("-", "_")
-        self.cgroups: dict[str, Path] = {}
-        self.nft_paths: dict[str, str] = {}
-        self.links: set[frozenset[str]] = set()
-        for node in cluster.nodes:
-            cg = mount / f"{self.tag}-{node.name}"
-            cg.mkdir()
-            self.cgroups[node.name] = cg
-            self.nft_paths[node.name] = str(cg.relative_to(NFT_ROOT))
-            wrapper = node.dir / "in-cgroup.sh"
-            wrapper.write_text(f"#!/bin/sh\necho $$ > {cg / 'cgroup.procs'} || exit 97\nexec {node.binary} \"$@\"\n")
+        self.tag = f"{os.getpid()}-{id(self) % 10000}"
+        self.table = f"aep_part_{self.tag.replace('-', '_')}"
+        self.mount = cgroup2_mount()
+        assert self.mount is not None
+        # nft resolves a cgroupv2 path below /sys/fs/cgroup; level: the depth in the cgroup2 tree
+        self.rel = os.path.relpath(self.mount, "/sys/fs/cgroup")
+        self.names = [n.name for n in cluster.nodes]
+        self.links: dict[frozenset[str], int] = {}  # cut: 100; lossy: its percent
+        self._nft(f"add table inet {self.table}\n"
+                  f"add chain inet {self.table} output {{ type filter hook output priority -150; }}\n"
+                  f"add chain inet {self.table} input {{ type filter hook input priority -150; }}\n")
+        for i, node in enumerate(cluster.nodes):
+            if node.running:
+                raise RuntimeError("Partitioner takes a cluster not started yet (its routes would be outside the cgroups)")
+            self.cgroup(node.name).mkdir(exist_ok=True)
+            self._nft(f"add rule inet {self.table} output socket cgroupv2 level 1 \"{self.nft_path(node.name)}\" "
+                      f"meta mark set {MARK_BASE + i:#x}\n")
+            wrapper = node.dir / "nats-server-in-cgroup"
+            wrapper.write_text(f"#!/bin/sh\necho $$ > {self.cgroup(node.name) / 'cgroup.procs'}\nexec {node.binary} \"$@\"\n")
             wrapper.chmod(0o755)
             node.binary = str(wrapper)
-        nft("-f", "-", stdin=(
-            f"table inet {self.table} {{\n"
-            "  chain output { type filter hook output priority -10; policy accept; }\n"
-            "  chain input { type filter hook input priority -10; policy accept; }\n"
-            "}\n"))
 
-    def _rules(self, a: str, b: str) -> list[tuple[str, str]]:
-        na, nb = self.cluster.node(a), self.cluster.node(b)
-        pa, pb = self.nft_paths[a], self.nft_paths[b]
-        return [
-            ("output", f'socket cgroupv2 level 1 "{pa}" tcp dport {nb.cluster_port} drop'),
-            ("output", f'socket cgroupv2 level 1 "{pb}" tcp dport {na.cluster_port} drop'),
-            ("input", f'socket cgroupv2 level 1 "{pb}" tcp sport {na.cluster_port} drop'),
-            ("input", f'socket cgroupv2 level 1 "{pa}" tcp sport {nb.cluster_port} drop'),
-        ]
+    # ------------------------------------------------------------ plumbing
+
+    def __enter__(self) -> "Partitioner":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def cgroup(self, name: str) -> Path:
+        return self.mount / f"aep-part-{self.tag}-{name}"
+
+    def nft_path(self, name: str) -> str:
+        base = f"aep-part-{self.tag}-{name}"
+        return base if self.rel == "." else f"{self.rel}/{base}"
+
+    def _nft(self, script: str) -> None:
+        r = subprocess.run(["nft", "-f", "-"], input=script, text=True, capture_output=True)
+        if r.returncode != 0:
+            raise RuntimeError(f"nft failed: {r.stderr.strip()}\n{script}")
+
+    def _apply(self) -> None:
+        lines = [f"flush chain inet {self.table} input"]
+        for link, percent in sorted(self.links.items(), key=lambda kv: sorted(kv[0])):
+            a, b = sorted(link)
+            for x, y in ((a, b), (b, a)):
+                mark = MARK_BASE + self.names.index(x)
+                rule = f"add rule inet {self.table} input meta mark {mark:#x} socket cgroupv2 level 1 \"{self.nft_path(y)}\""
+                lines.append(rule + (" drop" if percent >= 100 else f" numgen random mod 100 < {percent} drop"))
+        self._nft("\n".join(lines) + "\n")
+
+    # ------------------------------------------------------------ what a test does
 
     def cut(self, a: str, b: str) -> None:
-        """Drop every route packet between nodes ``a`` and ``b`` (both ways)."""
-        link = frozenset((a, b))
-        if link in self.links or a == b:
-            return
-        script = "".join(f"add rule inet {self.table} {chain} {rule}\n" for chain, rule in self._rules(a, b))
-        nft("-f", "-", stdin=script)
-        self.links.add(link)
+        self.links[frozenset((a, b))] = 100
+        self._apply()
 
-    def isolate(self, name: str) -> None:
-        """Cut ``name`` from every other node; its clients still reach it."""
-        for other in self.cluster.nodes:
-            if other.name != name:
-                self.cut(name, other.name)
+    def lossy(self, a: str, b: str, percent: int) -> None:
+        self.links[frozenset((a, b))] = max(0, min(100, int(percent)))
+        self._apply()
 
-    def heal(self) -> None:
-        nft("flush", "table", "inet", self.table)
-        self.links.clear()
+    def isolate(self, a: str) -> None:
+        for b in self.names:
+            if b != a:
+                self.links[frozenset((a, b))] = 100
+        self._apply()
+
+    def heal(self, a: str | None = None, b: str | None = None) -> None:
+        if a is None:
+            self.links.clear()
+        elif b is None:
+            self.links = {k: v for k, v in self.links.items() if a not in k}
+        else:
+            self.links.pop(frozenset((a, b)), None)
+        self._apply()
 
     def close(self) -> None:
-        """Remove the table and the cgroups (call after the cluster's processes exited)."""
-        with contextlib.suppress(RuntimeError):
-            nft("delete", "table", "inet", self.table)
-        for cg in self.cgroups.values():
-            with contextlib.suppress(OSError):
+        """The table deleted; each cgroup moved out of (what is left in it) and removed."""
+        subprocess.run(["nft", "delete", "table", "inet", self.table], capture_output=True)
+        root = self.mount / "cgroup.procs"
+        for name in self.names:
+            cg = self.cgroup(name)
+            try:
+                for pid in (cg / "cgroup.procs").read_text().split():
+                    try:
+                        root.write_text(pid)
+                    except OSError:
+                        pass
                 cg.rmdir()
+            except OSError:
+                pass
 
 
 @contextlib.contextmanager
-def partitioned_cluster(size: int = 3, extra_config: str = "") -> Iterator[tuple[Cluster, Partitions]]:
-    """A started cluster whose nodes run in cgroups of their own, and its ``Partitions``."""
-    cluster = Cluster(size, extra_config)
-    cuts: Partitions | None = None
+def partitioned_cluster(extra_config: str = "") -> Iterator[tuple[Any, Partitioner]]:
+    """A three-node cluster started inside a `Partitioner`'s cgroups; both closed after."""
+    from tests.clusterfixture import Cluster
+
+    cluster = Cluster(extra_config=extra_config)
+    part: Partitioner | None = None
     try:
-        cuts = Partitions(cluster)
+        part = Partitioner(cluster)
         cluster.start()
-        yield cluster, cuts
+        yield cluster, part
     finally:
         cluster.close()
-        if cuts is not None:
-            cuts.close()
+        if part is not None:
+            part.close()

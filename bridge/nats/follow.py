@@ -1,0 +1,371 @@
+"""Follow the healthy majority (issue 42): where a service connects first, and when it leaves a
+server that cannot serve JetStream.
+
+The services' side of one rule the shim keeps too (docs/ARCHITECTURE.md "A server that
+cannot serve JetStream"): *a server that takes requests and gives no JetStream answer is left
+for the next one*. The shim gives each server's ack a share of its deadline and goes on to the
+next (bridge/shim/hook.py); a service, which holds one connection for hours, leaves its server
+after ``AEP_BRIDGE_NATS_LEAVE_AFTER_S`` seconds of JetStream failures with no answer between
+them. A node cut off from its peers looks exactly like that to a client: it still answers
+PINGs and accepts publishes, so nats-py's own reconnect (after failed PINGs) never comes.
+
+* `first_server_order`: a service instance's server list, rotated by a stable hash of its
+  identity (its connection name, which carries its replica or instance, and the pod's or
+  host's name), so the instances of a fleet spread over the servers and one node's trouble
+  reaches a fraction of them (before: ``dont_randomize`` and the list's order put every
+  service on the first URL). The rest of the list keeps its order: a reconnect takes the
+  next one.
+* `Follower`: one task per service connection (`start`, called by
+  ``bridge.nats.connection.connect_service``). It watches
+
+  - the connection's JetStream requests: nats-py sends publish acks of ``js.publish``, every
+    KV operation and every JetStream API call through ``Client.request``, which `watch`
+    wraps; a ``$JS.``, ``$KV.`` or ``$O.`` request that times out, finds no responders or
+    answers 503 is a failure (so is one its caller cancelled after a second unanswered), an
+    answer without an error a success (other error answers count neither way: a leader cut off
+    from its peers still refuses what it can check alone; direct gets count neither way: any
+    replica answers one, and one routed to the cut node is lost from any server);
+  - a probe of its own every `PROBE_S`: ``$JS.API.INFO``, which in a cluster only the meta
+    leader answers (a node cut off from its peers has none: 503 "JetStream system
+    temporarily unavailable", or nothing), so an idle service notices too.
+
+  - the acked publishes of an `AckPublisher` on the connection (the mapper's and pairing's
+    hot path, which does not go through ``request``): a publish sent after the last ack came
+    and still not acked is a failure since it was sent.
+
+  The three are judged apart (a meta leader cut off from its peers answers the probe for
+  ~10 s more, lostQuorumInterval, while no publish of the service is acked). When one of them
+  has failed for ``after_s`` with no success of its own since, while the connection is up, it
+  checks the other servers of the list with a side connection and the probe, and reconnects
+  to the first that answers (nats-py's ``force_reconnect()`` with that server first in the
+  pool; subscriptions and pull consumers are subscribed again there). None answers (the whole
+  cluster electing, as at a partition's heal): it stays (``nats_server_no_better``, once).
+  Moves come at most once per ``after_s``, twice as far apart after each move that brought
+  no answer, up to `MAX_SPACING_S`. Each is counted (``aep_bridge_nats_server_moves_total``)
+  and logged (``nats_server_left``: the server left, the one joined, for how long, why);
+  `/healthz` shows the server it is on (``nats_server``) and its moves. With one server in
+  the list there is nowhere to go: it only watches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import socket
+import time
+from typing import Any, Iterable
+
+import nats
+import nats.errors
+import nats.js.errors
+import structlog
+
+log = structlog.get_logger("aep_bridge.nats")
+
+#: seconds between two probes (``$JS.API.INFO``)
+PROBE_S = 1.0
+#: the longest spacing of moves that found no answer between them
+MAX_SPACING_S = 40.0
+#: the probe: account info, which only the meta leader answers in a cluster
+PROBE_SUBJECT = "$JS.API.INFO"
+#: direct gets count neither way: any replica answers one (a node cut off from its peers too), and
+#: during a partition the cut node stays in the replicas' queue group (its routes are not torn down
+#: for minutes), so a direct get sent from a healthy node can be lost there: moving would not help
+DIRECT_GET = "$JS.API.DIRECT.GET."
+#: a request its caller cancelled after this long unanswered counts as a failure
+CANCELLED_UNANSWERED_S = 1.0
+#: the subjects whose requests speak for the server's JetStream
+WATCHED_PREFIXES = ("$JS.", "$KV.", "$O.")
+#: the attribute of a nats-py Client that holds its `Follower`
+ATTR = "_aep_follower"
+
+
+def identity(name: str | None) -> str:
+    """What a service instance is: its connection name (which carries its replica or instance
+    name) and its pod's (``HOSTNAME``) or host's name."""
+    return f"{name or ''}|{os.environ.get('HOSTNAME') or socket.gethostname()}"
+
+
+def first_server_order(urls: list[str], ident: str) -> list[str]:
+    """``urls`` rotated to start at the one a stable hash of ``ident`` picks."""
+    if len(urls) < 2:
+        return list(urls)
+    k = int.from_bytes(hashlib.sha256(ident.encode()).digest()[:8], "big") % len(urls)
+    return urls[k:] + urls[:k]
+
+
+def _failed(exc: BaseException) -> bool:
+    """Does ``exc`` say the server could not serve JetStream (rather than what was asked)?"""
+    if isinstance(exc, (nats.errors.TimeoutError, asyncio.TimeoutError, nats.errors.NoRespondersError,
+                        nats.js.errors.ServiceUnavailableError, nats.js.errors.NoStreamResponseError)):
+        return True
+    return getattr(exc, "code", None) == 503
+
+
+class Follower:
+    """See the module docstring. ``clock``: monotonic seconds (tests)."""
+
+    def __init__(self, nc: Any, *, after_s: float, probe_s: float = PROBE_S, name: str = "",
+                 clock: Any = time.monotonic, options: dict[str, Any] | None = None) -> None:
+        self.nc = nc
+        #: what a side connection to a candidate server needs (credentials, TLS, inbox prefix)
+        self.options = {k: v for k, v in (options or {}).items()
+                        if k in ("user", "password", "token", "user_credentials", "nkeys_seed", "tls", "tls_hostname",
+                                 "inbox_prefix")}
+        self.after_s = after_s
+        self.probe_s = probe_s
+        self.name = name
+        self.clock = clock
+        self.bad_since: float | None = None  # the service's own requests: the first failure since the last success
+        self.probe_bad_since: float | None = None  # the same for the probe
+        self.publishers: list[Any] = []  # AckPublishers on the connection (`AckPublisher.start`)
+        self.last_failure = ""
+        self.moves = 0
+        self.last_move: float | None = None
+        self.moved_from: str | None = None
+        self.task: asyncio.Task | None = None
+        self.probe_refused = False  # the probe's subject is not allowed: it stops
+        self.waiting = False  # the last decision found no better server (logged once)
+        self.spacing = after_s  # the least time between two moves (`move` doubles it while nothing answers)
+        self.answered_since_move = True
+
+    # ------------------------------------------------------------ what the connection sees
+
+    def failure(self, what: str, probe: bool = False, since: float | None = None) -> None:
+        """A failure, which began at ``since`` (an unanswered request: when it was sent)."""
+        if self.nc.is_connected:
+            at = self.clock() if since is None else since
+            if probe and self.probe_bad_since is None:
+                self.probe_bad_since = at
+            elif not probe and self.bad_since is None:
+                self.bad_since = at
+        self.last_failure = what
+
+    def success(self, probe: bool = False) -> None:
+        if probe:
+            self.probe_bad_since = None
+        else:
+            self.bad_since = None
+        self.answered_since_move = True
+
+    def observe(self, subject: str, exc: BaseException | None, reply: Any = None, sent: float | None = None) -> None:
+        if not subject.startswith(WATCHED_PREFIXES):
+            return
+        probe = subject == PROBE_SUBJECT
+        if subject.startswith(DIRECT_GET):
+            return  # any replica answers a direct get, a node cut off from its peers too
+            data = getattr(reply, "data", b"") or b""
+            head = data[:200]
+            if b'"code":503' in head or (getattr(reply, "headers", None) or {}).get("Status") == "503":
+                self.failure(f"{subject}: 503", probe)
+            elif b'"error"' not in head:
+                self.success(probe)
+            # (another error answer says nothing either way: a leader cut off from its peers still
+            # refuses a lease create with "wrong last sequence", seen in the partition test)
+        elif _failed(exc):
+            unanswered = isinstance(exc, (nats.errors.TimeoutError, asyncio.TimeoutError))
+            self.failure(f"{subject}: {type(exc).__name__}: {exc}", probe, sent if unanswered else None)
+
+    def failing_since(self) -> float | None:
+        """The earliest start of a failure that has had no success of its kind since."""
+        starts = [t for t in (self.bad_since, self.probe_bad_since) if t is not None]
+        for publisher in self.publishers:
+            t = publisher.unacked_since()
+            if t is not None:
+                starts.append(t)
+        return min(starts) if starts else None
+
+    # ------------------------------------------------------------ the decision
+
+    def server(self) -> str | None:
+        url = getattr(self.nc, "connected_url", None)
+        return url.netloc if url is not None else None
+
+    def due(self) -> bool:
+        now = self.clock()
+        since = self.failing_since()
+        if since is None:
+            self.waiting = False
+        if self.after_s <= 0 or since is None or not self.nc.is_connected:
+            return False
+        if len({s.netloc for s in getattr(self.nc, "servers", [])}) < 2:
+            return False
+        if now - since < self.after_s:
+            return False
+        return self.last_move is None or now - self.last_move >= self.spacing
+
+    async def serves(self, url: str) -> bool:
+        """Does the server at ``url`` answer the probe (its meta leader reachable)? A side
+        connection of its own, closed at once."""
+        try:
+            nc = await nats.connect(servers=[url], name=f"{self.name}-probe", allow_reconnect=False,
+                                    connect_timeout=1.0, max_reconnect_attempts=0, **self.options)
+        except Exception:
+            return False
+        try:
+            reply = await nc.request(PROBE_SUBJECT, b"", timeout=max(0.5, min(2.0, self.after_s / 3)))
+            return b'"error"' not in (reply.data or b"")[:200]
+        except Exception:
+            return False
+        finally:
+            try:
+                await nc.close()
+            except Exception:
+                pass
+
+    async def candidate(self) -> Any:
+        """The first other server of the list that serves JetStream, or None: when none does
+        (the whole cluster electing a meta leader, e.g. at a partition's heal), a move would
+        gain nothing and cost a reconnect."""
+        current = self.server()
+        for srv in list(getattr(self.nc, "_server_pool", [])):
+            if srv.uri.netloc != current and await self.serves(srv.uri.geturl()):
+                return srv
+        return None
+
+    async def move(self) -> None:
+        target = await self.candidate()
+        if target is None:
+            if not self.waiting:
+                log.warning("nats_server_no_better", connection=self.name, server=self.server(),
+                            error=self.last_failure[:300], action="stay: no other server serves JetStream now")
+            self.waiting = True
+            return
+        self.waiting = False
+        pool = self.nc._server_pool  # the reconnect takes the pool's first server (nats-py 2.16)
+        pool.remove(target)
+        pool.insert(0, target)
+        now = self.clock()
+        left = self.server()
+        failing = round(now - (self.failing_since() or now), 1)
+        # Moves with no answer between them (what fails is a stream with no leader in the
+        # majority yet, not the server) come twice as far apart each time, up to MAX_SPACING_S.
+        self.spacing = self.after_s if self.answered_since_move or self.last_move is None else min(
+            MAX_SPACING_S, max(self.after_s, 2 * self.spacing))
+        self.answered_since_move = False
+        self.moves += 1
+        self.last_move = now
+        self.moved_from = left
+        self.bad_since = self.probe_bad_since = None
+        for publisher in self.publishers:
+            publisher.forget_unacked()
+        if not self.last_failure:
+            self.last_failure = "publishes not acked"
+        log.warning("nats_server_left", connection=self.name, server=left, to=target.uri.netloc, failing_for_s=failing,
+                    error=self.last_failure[:300], action="reconnect to a server that serves JetStream")
+        await self.nc.force_reconnect()
+
+    async def probe(self) -> None:
+        """Ask the meta leader (its answer, or none, reaches `observe` through the wrapped
+        request). A role whose user may not ask stops probing (its own requests still count)."""
+        try:
+            await self.nc.request(PROBE_SUBJECT, b"", timeout=max(0.2, min(2.0, self.after_s / 3)))
+        except Exception:
+            last = str(getattr(self.nc, "last_error", "") or "").lower()
+            if "permissions violation" in last and "$js.api.info" in last:
+                self.probe_refused = True
+                self.success(probe=True)
+                log.warning("nats_probe_refused", connection=self.name, error=last[:200],
+                            action="JetStream failures of the service's own requests are still watched")
+
+    async def run(self) -> None:
+        while not self.nc.is_closed:
+            try:
+                if self.nc.is_connected and not self.probe_refused:
+                    await self.probe()
+                if self.due():
+                    await self.move()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # never let the watch end the service
+                log.warning("nats_follow_failed", connection=self.name, error=f"{type(exc).__name__}: {exc}")
+            await asyncio.sleep(self.probe_s)
+
+    def stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"nats_server": self.server(), "nats_server_moves": self.moves}
+        if self.moved_from:
+            out["nats_server_left"] = self.moved_from
+        since = self.failing_since()
+        if since is not None:
+            out["nats_jetstream_failing_s"] = round(self.clock() - since, 1)
+        return out
+
+
+def watch(nc: Any, follower: Follower) -> None:
+    """Wrap ``nc.request`` so every JetStream request's outcome reaches ``follower``."""
+    inner = nc.request
+
+    async def request(subject: str, payload: bytes = b"", timeout: float = 0.5, *args: Any, **kwargs: Any) -> Any:
+        sent = time.monotonic()
+        try:
+            reply = await inner(subject, payload, timeout, *args, **kwargs)
+        except asyncio.CancelledError:
+            # The caller's own, shorter timeout (pairing's lease renewals): unanswered for a second
+            # or more is a failure too; a cancel at once (a shutdown) says nothing.
+            if time.monotonic() - sent >= CANCELLED_UNANSWERED_S:
+                follower.observe(subject, asyncio.TimeoutError(f"cancelled after {time.monotonic() - sent:.1f} s"),
+                                 sent=sent)
+            raise
+        except BaseException as exc:
+            follower.observe(subject, exc, sent=sent)
+            raise
+        follower.observe(subject, None, reply)
+        return reply
+
+    nc.request = request
+
+
+def start(nc: Any, *, after_s: float, name: str = "", probe_s: float = PROBE_S,
+          options: dict[str, Any] | None = None) -> Follower:
+    """A `Follower` for ``nc`` (a connected nats-py Client), its requests watched and its task
+    running until the connection closes. ``options``: its connect options (for the side
+    connections that check a server before a move)."""
+    follower = Follower(nc, after_s=after_s, probe_s=probe_s, name=name, options=options)
+    watch(nc, follower)
+    setattr(nc, ATTR, follower)
+    follower.task = asyncio.get_running_loop().create_task(follower.run())
+    return follower
+
+
+async def answers(nc: Any, timeout: float = 1.0) -> bool:
+    """Does the server ``nc`` is connected to answer the probe without an error?"""
+    try:
+        reply = await nc.request(PROBE_SUBJECT, b"", timeout=timeout)
+    except Exception:
+        return False
+    return b'"error"' not in (reply.data or b"")[:200]
+
+
+async def leader_kv(js: Any, bucket: str) -> Any:
+    """The KV bucket ``bucket`` (checked to exist), its gets answered by the stream's leader
+    (``STREAM.MSG.GET``) instead of any replica (``DIRECT.GET``). During a partition the cut
+    node stays in the replicas' queue group while its routes are up (minutes), so a direct get
+    from a healthy node can be routed there and lost: pairing's restores timed out one after
+    the other for the whole partition (issue 42). For the reads a takeover waits on."""
+    from nats.js.kv import KeyValue
+
+    await js.key_value(bucket)
+    return KeyValue(name=bucket, stream=f"KV_{bucket}", pre=f"$KV.{bucket}.", js=js, direct=False)
+
+
+def of(nc: Any) -> Follower | None:
+    return getattr(nc, ATTR, None) if nc is not None else None
+
+
+class MovesCollector:
+    """``aep_bridge_nats_server_moves_total`` of the connection ``connection()`` returns (a
+    prometheus collector for a service's registry)."""
+
+    def __init__(self, connection: Any) -> None:
+        self.connection = connection
+
+    def collect(self) -> Iterable[Any]:
+        from prometheus_client.core import CounterMetricFamily
+
+        f = of(self.connection())
+        family = CounterMetricFamily("aep_bridge_nats_server_moves",
+                                     "Times this service left a NATS server that could not serve JetStream "
+                                     "(AEP_BRIDGE_NATS_LEAVE_AFTER_S)")
+        family.add_metric([], f.moves if f is not None else 0)
+        yield family

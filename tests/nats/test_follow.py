@@ -1,0 +1,183 @@
+"""A service leaves a server that cannot serve JetStream, and a fleet spreads over the servers
+(bridge/nats/follow.py, issue 42). The cluster partition itself: tests/cluster/test_partitions.py."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import time
+from collections import Counter
+from urllib.parse import urlparse
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from bridge.config import Settings
+from bridge.nats import follow
+from bridge.nats.connection import connect_options, connect_service
+from bridge.runtime.health import Health, HttpServer
+from tests.natsfixture import free_port, nats_server_binary
+
+URLS = ["nats://n1:4222", "nats://n2:4222", "nats://n3:4222"]
+
+
+def test_first_server_is_a_stable_hash_of_the_identity_and_the_fleet_spreads():
+    names = [f"aep-bridge-{kind}-{i}" for kind in ("mapper", "pairing", "gate", "exporter", "relay") for i in range(6)]
+    firsts = Counter(follow.first_server_order(URLS, follow.identity(n))[0] for n in names)
+    assert set(firsts) == set(URLS), firsts  # every server takes some of the fleet
+    assert max(firsts.values()) <= len(names) * 0.6, firsts  # none takes (nearly) all
+    for n in names[:5]:
+        order = follow.first_server_order(URLS, follow.identity(n))
+        assert order == follow.first_server_order(URLS, follow.identity(n)), "stable"
+        k = URLS.index(order[0])
+        assert order == URLS[k:] + URLS[:k], "the rest keeps the list's order (the next server on a move)"
+    assert follow.first_server_order(URLS[:1], "x") == URLS[:1]
+
+
+def test_connect_options_start_each_service_on_its_own_server(monkeypatch):
+    monkeypatch.setenv("HOSTNAME", "pod-a")
+    settings = Settings(nats_url=",".join(URLS))
+    firsts = {connect_options(settings, name=f"aep-bridge-pairing-p{i}")["servers"][0] for i in range(12)}
+    assert len(firsts) >= 2, "not every service on the first URL"
+    opts = connect_options(settings, name="aep-bridge-gate-x")
+    assert opts["dont_randomize"] is True and sorted(opts["servers"]) == sorted(URLS)
+    monkeypatch.setenv("HOSTNAME", "pod-b")
+    pods = {connect_options(settings, name="aep-bridge-gate-x")["servers"][0] for _ in range(2)}
+    assert len(pods) == 1, "one pod: one stable choice"
+
+
+def start_plain_server() -> tuple[str, subprocess.Popen]:
+    """A nats-server without JetStream: it accepts, answers PINGs and takes publishes; every
+    JetStream request finds no responders (what a client sees of a node that cannot serve)."""
+    import socket
+
+    port = free_port()
+    proc = subprocess.Popen([nats_server_binary(), "-a", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            break
+        except OSError:
+            time.sleep(0.05)
+    return f"nats://127.0.0.1:{port}", proc
+
+
+@pytest.fixture
+def plain_server():
+    url, proc = start_plain_server()
+    try:
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def test_no_move_when_no_other_server_serves_jetstream(plain_server):
+    """Every server fails JetStream (a whole cluster electing, e.g. at a heal): moving gains
+    nothing, so the service stays where it is and says so once."""
+    other, proc = start_plain_server()
+    try:
+        async def run() -> tuple[int, bool, str | None]:
+            settings = Settings(nats_url=f"{plain_server},{other}", nats_leave_after_s=0.5)
+            nc = await connect_service(settings, name="aep-bridge-stay-put", wait_s=10)
+            try:
+                f = follow.of(nc)
+                first = f.server()
+                await asyncio.sleep(3.0)
+                return f.moves, f.waiting, first == f.server()
+            finally:
+                await nc.close()
+
+        moves, waiting, same = asyncio.run(run())
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    assert moves == 0 and waiting and same
+
+
+def test_a_service_leaves_a_server_that_cannot_serve_jetstream(plain_server, nats_server):
+    """Listed first (its name's hash picks it), the server without JetStream takes the
+    connection; within a few seconds of failed JetStream requests the service moves to the
+    next server, counts and logs the move, and /healthz and /metrics show it."""
+    good = urlparse(nats_server.url).netloc
+    bad = urlparse(plain_server).netloc
+    urls = [plain_server, nats_server.url]
+    name = next(n for n in (f"aep-bridge-test-{i}" for i in range(200))
+                if follow.first_server_order(urls, follow.identity(n))[0] == plain_server)
+
+    async def run() -> tuple[str | None, str | None, int, dict, float | None]:
+        settings = Settings(nats_url=",".join(urls), nats_leave_after_s=1.0)
+        nc = await connect_service(settings, name=name, wait_s=10)
+        try:
+            first = nc.connected_url.netloc
+            f = follow.of(nc)
+            assert f is not None
+            js = nc.jetstream(timeout=0.5)
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and f.server() != good:
+                try:
+                    await js.account_info()  # the service's own requests fail meanwhile
+                except Exception:
+                    pass
+                await asyncio.sleep(0.1)
+            await js.account_info()  # answered where it is now
+            health = Health("test")
+            health.connection = nc
+            registry = CollectorRegistry()
+            HttpServer(health, registry, host="127.0.0.1", port=0)._server.server_close()
+            moves = registry.get_sample_value("aep_bridge_nats_server_moves_total")
+            return first, f.server(), f.moves, health.healthz()[1], moves
+        finally:
+            await nc.close()
+
+    first, now, moves, healthz, metric = asyncio.run(run())
+    assert first == bad, "the name's hash started it on the server without JetStream"
+    assert now == good and moves == 1
+    assert healthz["nats_server"] == good and healthz["nats_server_moves"] == 1 and healthz["nats_server_left"] == bad
+    assert metric == 1
+
+
+def test_a_service_on_a_server_that_serves_jetstream_stays(nats_server):
+    """Its JetStream answers: no move, however long it runs (the probe's answers are successes)."""
+    async def run() -> tuple[int, str | None]:
+        settings = Settings(nats_url=f"{nats_server.url},nats://127.0.0.1:{free_port()}", nats_leave_after_s=0.5)
+        name = next(n for n in (f"aep-bridge-stay-{i}" for i in range(200))
+                    if follow.first_server_order(follow_urls(settings), follow.identity(n))[0].endswith(
+                        str(urlparse(nats_server.url).port)))
+        nc = await connect_service(settings, name=name, wait_s=10)
+        try:
+            f = follow.of(nc)
+            await asyncio.sleep(2.5)
+            return f.moves, f.server()
+        finally:
+            await nc.close()
+
+    moves, server = asyncio.run(run())
+    assert moves == 0 and server == urlparse(nats_server.url).netloc
+
+
+def follow_urls(settings: Settings) -> list[str]:
+    from bridge.nats.connection import server_list
+
+    return server_list(settings).urls
+
+
+def test_a_one_shot_command_skips_a_server_that_cannot_serve_jetstream(plain_server, nats_server):
+    """`quick_connect` (bootstrap, control) from a name whose hash starts it on the server
+    without JetStream ends on the one that answers."""
+    from bridge.nats.connection import quick_connect
+
+    urls = [plain_server, nats_server.url]
+    name = next(n for n in (f"aep-bridge-control-{i}" for i in range(200))
+                if follow.first_server_order(urls, follow.identity(n))[0] == plain_server)
+
+    async def run() -> str:
+        nc = await quick_connect(Settings(nats_url=",".join(urls)), name=name, role="operator")
+        try:
+            return nc.connected_url.netloc
+        finally:
+            await nc.close()
+
+    assert asyncio.run(run()) == urlparse(nats_server.url).netloc
