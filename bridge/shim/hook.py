@@ -415,7 +415,7 @@ class Config:
     """The shim's view of the ``AEP_BRIDGE_*`` settings."""
 
     __slots__ = (
-        "servers", "user", "password", "token", "tls_ca", "tls_cert", "tls_key", "instance",
+        "servers", "user", "password", "token", "jwt", "tls_ca", "tls_cert", "tls_key", "instance",
         "spool_dir", "deadline_ms", "max_field_bytes", "spool_max_bytes",
         "control", "instruct", "gate_tools", "hold_ms", "redact_values", "fallback_dir",
     )
@@ -440,6 +440,9 @@ class Config:
         self.user = get("NATS_USER")
         self.password = get("NATS_PASSWORD")
         self.token = get("NATS_TOKEN")
+        # A fleet's instance credential (`aep-bridge fleet issue`): a bearer user JWT, sent in
+        # CONNECT with no nonce signature (docs/THREAT_MODEL.md "A fleet's own identities").
+        self.jwt = get("NATS_JWT")
         self.tls_ca = get("TLS_CA")
         self.tls_cert = get("TLS_CERT")
         self.tls_key = get("TLS_KEY")
@@ -949,7 +952,9 @@ class NatsConnection:
                 "lang": "python-stdlib", "version": VERSION, "protocol": 1, "headers": True,
                 "no_responders": True,
             }
-            if user is not None:
+            if cfg.jwt:
+                opts["jwt"] = cfg.jwt
+            elif user is not None:
                 opts["user"] = user
                 opts["pass"] = password or ""
             elif tok is not None:
