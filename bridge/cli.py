@@ -31,6 +31,7 @@ COMMAND_MODULES = (
     "bridge.commands.sim",  # simulate, verify
     "bridge.commands.control",  # gate, control respond|instruct|hello|pending
     "bridge.commands.config",  # config: the effective settings and where each came from
+    "bridge.commands.fleet",  # fleet init|issue|revoke|list|push: per-instance NATS credentials
 )
 
 

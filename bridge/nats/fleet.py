@@ -163,7 +163,7 @@ class Fleet:
         fleet = cls(directory, keys)
         fleet.save()
         _private_dir(directory / "creds")
-        sys_user = fleet.sign_user(SYSTEM_ACCOUNT, "sys", _user_limits([">"], [">"]) | {"pub": {}, "sub": {}})
+        sys_user = fleet.sign_user(SYSTEM_ACCOUNT, "sys", dict(NO_USER_LIMITS))
         write_private(directory / "creds" / "sys.creds", sys_user)
         for user, perm in role_permissions().items():
             creds = fleet.sign_user(BRIDGE_ACCOUNT, user, _user_limits(perm["pub"], perm["sub"], perm["resp"]))
@@ -343,8 +343,13 @@ async def push(fleet: Fleet, urls: str, accounts: tuple[str, ...] = (FLEET_ACCOU
     if not servers:
         raise FleetError("no server to push to: give --nats URL[,URL...] (or set it at `fleet init --nats`)")
     want = len(servers) if expect is None else expect
+
+    async def quiet(exc: Exception) -> None:  # nats-py logs a traceback per failed server otherwise
+        pass
+
     nc = await nats.connect(servers=servers, user_credentials=str(fleet.creds_path("sys")), name="aep-bridge-fleet",
-                            connect_timeout=timeout, max_reconnect_attempts=1, allow_reconnect=False)
+                            connect_timeout=timeout, max_reconnect_attempts=1, allow_reconnect=False,
+                            error_cb=quiet)
     out: dict[str, list[str]] = {}
     try:
         for name in accounts:

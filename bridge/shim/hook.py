@@ -1272,6 +1272,11 @@ def publish_one(cfg, record, deadline, errors):
 # ---------------------------------------------------------------- the spool
 
 _fcntl = None
+# nats-server's words for a refused credential or subject ("Authorization Violation": revoked,
+# expired at connect, unknown; "Permissions Violation for Publish to ...": another instance's
+# subject; "User Authentication Expired/Revoked": a live connection dropped).
+_REFUSAL = "Violation"
+REFUSED_MAX_BYTES = 65536
 
 
 def _flock(fd, deadline=None, blocking=True):
@@ -1788,6 +1793,34 @@ class Spool:
             posix.close(out)
         _warn("spool line set aside in %s" % path)
 
+    def note_refused(self, reason):
+        """The server refused this instance's credential (revoked, expired, another instance's
+        subject): one line ``<unix s> <reason>`` appended to ``<token>.refused`` (kept under
+        64 KiB), which `spool status` counts and `hermes doctor` names. The failure path only."""
+        path = self.dir + "/" + self.name + ".refused"
+        try:
+            _makedirs(self.dir)
+            fd = _open_own(path, posix.O_WRONLY | posix.O_APPEND | posix.O_CREAT)
+            try:
+                if posix.fstat(fd).st_size < REFUSED_MAX_BYTES:
+                    _write_all(fd, ("%d %s\n" % (time.time(), reason.replace("\n", " ")[:300])).encode("utf-8", "replace"))
+            finally:
+                posix.close(fd)
+        except OSError:
+            pass
+
+    def refused(self):
+        """(count, last line) of ``<token>.refused``: (0, None) when none."""
+        try:
+            fd = _open_own(self.dir + "/" + self.name + ".refused", posix.O_RDONLY)
+        except OSError:
+            return 0, None
+        try:
+            lines = _pread_all(fd, REFUSED_MAX_BYTES + 512, 0).decode("utf-8", "replace").splitlines()
+        finally:
+            posix.close(fd)
+        return len(lines), (lines[-1] if lines else None)
+
     # -- inspection
 
     def status(self):
@@ -1829,7 +1862,7 @@ class Spool:
             "instance_token": self.name, "path": self.path, "pending_records": pending,
             "pending_bytes": pending_bytes, "file_bytes": size, "max_bytes": self.max_bytes,
             "dropped_records": dropped, "dropped_bytes": dropped_bytes, "torn_tail_bytes": torn_tail,
-            "set_aside_files": aside,
+            "set_aside_files": aside, "refused_runs": self.refused()[0],
         }
         if self.fallback is not None:  # drops are totals over both; pending records per spool
             fb = out["fallback"] = self.fallback.status()
@@ -1954,6 +1987,10 @@ def _deliver(record, cfg, started, deadline, spool, ctl):
         return "lost"
     if errors:
         _warn("event %s spooled: %s" % (record.id, "; ".join(errors)[:500]))
+        for e in errors:
+            if _REFUSAL in e or "Authentication" in e:  # the credential, not the network
+                spool.note_refused(e)
+                break
     return "dropped" if dropped else "spooled"
 
 

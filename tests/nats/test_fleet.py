@@ -1,0 +1,229 @@
+"""`aep-bridge fleet` (issue 41): per-instance credentials in NATS's decentralized JWT auth,
+checked against a real nats-server that trusts only the fleet's operator.
+
+One server for the module (a fleet made by ``Fleet.init``, the server's config its
+``resolver.conf`` and a JetStream block, the streams bootstrapped by the ``aep-bootstrap`` role's
+``.creds``). Each test issues its own instances, so the tests do not depend on each other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import stat
+import time
+from pathlib import Path
+
+import nats
+import pytest
+from nats.errors import TimeoutError as NatsTimeout
+
+from bridge.cli import main as cli
+from bridge.config import Settings
+from bridge.nats import jwt as J
+from bridge.nats.connection import connect
+from bridge.nats.fleet import Fleet, permissions_from_conf, push, role_permissions
+from tests.support.fleet import fleet_server, instance_client, issue_env, jwt_of, role_client
+from tests.support.shim import dumps, envelope, run_hook
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def fleet_nats(tmp_path_factory: pytest.TempPathFactory):
+    tmp = tmp_path_factory.mktemp("fleet")
+    with fleet_server(tmp) as (fleet, server):
+        yield fleet, server.url, tmp
+
+
+def raw_count(fleet: Fleet, url: str, instance: str) -> int:
+    async def count() -> int:
+        nc = await role_client(fleet, url, "mapper")
+        try:
+            info = await nc.jetstream().stream_info("HERMES_RAW", subjects_filter=f"hermes.raw.{instance}.>")
+            return sum((info.state.subjects or {}).values())
+        finally:
+            await nc.close()
+    return asyncio.run(count())
+
+
+def test_the_keys_directory_is_private_and_roles_have_the_sample_permissions(tmp_path: Path) -> None:
+    fleet = Fleet.init(tmp_path / "keys")
+    assert stat.S_IMODE(os.stat(fleet.dir).st_mode) == 0o700
+    files = [p for p in fleet.dir.rglob("*") if p.is_file()]
+    assert {p.name for p in files} >= {"keys.json", "registry.json", "resolver.conf", "sys.creds", "aep-mapper.creds"}
+    assert all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in files), [oct(p.stat().st_mode) for p in files]
+    # the role users carry exactly deploy/nats/nats.conf's rules (bridge/data/role_permissions.json)
+    sample = permissions_from_conf((ROOT / "deploy" / "nats" / "nats.conf").read_text())
+    assert role_permissions() == sample, "regenerate bridge/data/role_permissions.json from deploy/nats/nats.conf"
+    claims = J.decode(J.creds_jwt((fleet.creds_path("aep-mapper")).read_text()))
+    assert sorted(claims["nats"]["pub"]["allow"]) == sample["aep-mapper"]["pub"]
+    assert claims["iss"] == fleet.key("AEP").public  # signed by the bridge account itself
+
+
+def test_a_tampered_jwt_does_not_verify() -> None:
+    key = J.Key.new("account")
+    token = J.encode(J.claims("account", key.public, "x", {}), key)
+    assert J.decode(token)["sub"] == key.public
+    head, payload, sig = token.split(".")
+    forged = J.b64(json.dumps({**J.decode(token), "name": "y"}).encode())
+    with pytest.raises(J.JwtError):
+        J.decode(f"{head}.{forged}.{sig}")
+
+
+def test_services_connect_with_their_role_creds(fleet_nats) -> None:
+    """AEP_BRIDGE_NATS_CREDS (a standard .creds file) through the bridge's own connect()."""
+    fleet, url, _ = fleet_nats
+    settings = Settings(nats_url=url, nats_creds=str(fleet.creds_path("aep-mapper")))
+
+    async def go() -> str:
+        nc = await connect(settings, name="test", role="mapper")
+        try:
+            return (await nc.jetstream().stream_info("HERMES_RAW")).config.name
+        finally:
+            await nc.close()
+
+    assert asyncio.run(go()) == "HERMES_RAW"
+
+
+def test_an_instance_publishes_its_own_events_with_acks(fleet_nats) -> None:
+    fleet, url, tmp = fleet_nats
+    env = issue_env(fleet, "gw-pub", url, tmp / "pub")
+    run = run_hook(dumps(envelope()), env)
+    assert run.answered_empty_object, run.stderr
+    assert b"spooled" not in run.stderr, run.stderr
+    assert raw_count(fleet, url, "gw-pub") == 1
+
+
+def test_an_instance_cannot_publish_as_another_read_raw_or_touch_buckets(fleet_nats) -> None:
+    fleet, url, tmp = fleet_nats
+    env_a = issue_env(fleet, "gw-a", url, tmp / "a")
+    # A's credential, configured as instance B: refused by the server, counted, `{}` in time
+    spoof = dict(env_a, AEP_BRIDGE_INSTANCE="gw-b")
+    run = run_hook(dumps(envelope()), spoof)
+    assert run.answered_empty_object and run.elapsed < 2.0, (run.elapsed, run.stderr)
+    assert b"Permissions Violation" in run.stderr, run.stderr
+    refused = (tmp / "a" / "gw-b.refused").read_text().splitlines()
+    assert len(refused) == 1 and "Violation" in refused[0]
+    assert raw_count(fleet, url, "gw-b") == 0
+    assert (tmp / "a" / "gw-b.spool").stat().st_size > 0  # kept, not lost
+
+    async def probe() -> dict[str, str]:
+        errors: list[str] = []
+
+        async def on_error(exc: Exception) -> None:
+            errors.append(str(exc))
+
+        nc = await instance_client(url, jwt_of(env_a), "gw-a", error_cb=on_error)
+        out = {}
+        try:
+            js = nc.jetstream(timeout=1.0)
+            ack = await js.publish("hermes.raw.gw-a.pre_tool_call", b"{}")
+            out["own"] = ack.stream
+            await nc.publish("hermes.raw.gw-b.pre_tool_call", b"{}")
+            for what, call in (("stream_info", js.stream_info("HERMES_RAW")),
+                               ("kv", js.key_value("aep_lanes"))):
+                try:
+                    await call
+                    out[what] = "allowed"
+                except (NatsTimeout, nats.js.errors.Error, nats.errors.Error) as exc:
+                    out[what] = type(exc).__name__
+            try:
+                await nc.subscribe("hermes.raw.>")
+                await nc.flush(1)
+                await asyncio.sleep(0.3)
+            except Exception:
+                pass
+        finally:
+            await nc.close()
+        out["errors"] = " | ".join(errors)
+        return out
+
+    out = asyncio.run(probe())
+    assert out["own"] == "HERMES_RAW"
+    assert 'publish to "hermes.raw.gw-b.pre_tool_call"' in out["errors"], out
+    assert "$js.api.stream.info.hermes_raw" in out["errors"].lower() and out["stream_info"] != "allowed", out
+    assert out["kv"] != "allowed", out
+    assert 'subscription to "hermes.raw.>"' in out["errors"], out
+
+
+def test_revocation_closes_the_live_connection_and_the_spool_drains_after_reissue(fleet_nats) -> None:
+    fleet, url, tmp = fleet_nats
+    env_a = issue_env(fleet, "gw-r", url, tmp / "r")
+    env_b = issue_env(fleet, "gw-s", url, tmp / "s")
+    assert run_hook(dumps(envelope()), env_a).answered_empty_object
+
+    async def revoke_with_live() -> tuple[bool, float, list[str]]:
+        events: list[str] = []
+
+        async def on_error(exc: Exception) -> None:
+            events.append(str(exc))
+
+        async def on_closed() -> None:
+            events.append("closed")
+
+        nc = await instance_client(url, jwt_of(env_a), "gw-r", error_cb=on_error, closed_cb=on_closed,
+                                   allow_reconnect=False)
+        await nc.jetstream().publish("hermes.raw.gw-r.x", b"{}")
+        fleet.revoke("gw-r")
+        started = time.monotonic()
+        await push(fleet, url)
+        while not nc.is_closed and time.monotonic() - started < 5:
+            await asyncio.sleep(0.02)
+        return nc.is_closed, time.monotonic() - started, events
+
+    closed, took, events = asyncio.run(revoke_with_live())
+    assert closed and took < 5, (took, events)
+    # A's next runs: refused, `{}` in time, spooled and counted; B unaffected
+    for i in range(3):
+        run = run_hook(dumps(envelope(session=f"r{i}")), env_a)
+        assert run.answered_empty_object and run.elapsed < 2.0, run
+        assert b"Authorization Violation" in run.stderr, run.stderr
+    assert len((tmp / "r" / "gw-r.refused").read_text().splitlines()) == 3
+    assert run_hook(dumps(envelope()), env_b).answered_empty_object
+    assert raw_count(fleet, url, "gw-s") == 1
+    before = raw_count(fleet, url, "gw-r")
+    assert before == 2  # the first run and the live connection's publish
+    # re-issued: the spool drains with the next run; every spooled event lands exactly once
+    env_a2 = issue_env(fleet, "gw-r", url, tmp / "r")
+    run = run_hook(dumps(envelope(session="after")), env_a2)
+    assert run.answered_empty_object and b"Violation" not in run.stderr, run.stderr
+    assert raw_count(fleet, url, "gw-r") == before + 3 + 1
+    assert (tmp / "r" / "gw-r.spool").stat().st_size == 0
+    states = {(r["instance"], r["state"]) for r in fleet.listing()}
+    assert ("gw-r", "revoked") in states and ("gw-r", "issued") in states
+
+
+def test_an_expired_credential_is_refused_and_the_spool_drains_after_reissue(fleet_nats) -> None:
+    fleet, url, tmp = fleet_nats
+    env = issue_env(fleet, "gw-x", url, tmp / "x", expires_s=1)
+    time.sleep(2.1)  # a JWT's exp is in whole seconds
+    run = run_hook(dumps(envelope()), env)
+    assert run.answered_empty_object and b"Violation" in run.stderr, run.stderr
+    assert raw_count(fleet, url, "gw-x") == 0
+    assert [r["state"] for r in fleet.listing() if r["instance"] == "gw-x"] == ["expired"]
+    env2 = issue_env(fleet, "gw-x", url, tmp / "x")
+    assert run_hook(dumps(envelope(session="later")), env2).answered_empty_object
+    assert raw_count(fleet, url, "gw-x") == 2
+
+
+def test_the_commands_issue_list_revoke_and_push(fleet_nats, tmp_path: Path, capsys) -> None:
+    fleet, url, _ = fleet_nats
+    out = tmp_path / "gw-cli.env"
+    assert cli(["fleet", "issue", "--dir", str(fleet.dir), "--instance", "gw-cli", "--expires", "2h",
+                "--out", str(out), "--nats", url]) == 0
+    assert stat.S_IMODE(out.stat().st_mode) == 0o600
+    text = out.read_text()
+    assert "AEP_BRIDGE_INSTANCE=gw-cli" in text and f"AEP_BRIDGE_NATS_URL={url}" in text
+    claims = J.decode(next(ln.split("=", 1)[1] for ln in text.splitlines() if ln.startswith("AEP_BRIDGE_NATS_JWT=")))
+    assert claims["name"] == "gw-cli" and 7100 < claims["exp"] - claims["iat"] <= 7200
+    capsys.readouterr()
+    assert cli(["fleet", "list", "--dir", str(fleet.dir), "--json"]) == 0
+    rows = [r for r in json.loads(capsys.readouterr().out) if r["instance"] == "gw-cli"]
+    assert [r["state"] for r in rows] == ["issued"]
+    assert cli(["fleet", "revoke", "--dir", str(fleet.dir), "--instance", "gw-cli", "--nats", url]) == 0
+    assert "pushed account FLEET to 1 server(s)" in capsys.readouterr().out
+    assert cli(["fleet", "list", "--dir", str(fleet.dir)]) == 0
+    assert "revoked" in capsys.readouterr().out
+    assert cli(["fleet", "revoke", "--dir", str(fleet.dir), "--instance", "nobody", "--nats", url]) == 2
