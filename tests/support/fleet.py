@@ -39,7 +39,7 @@ async def role_client(fleet: Fleet, url: str, role: str, **kw: Any) -> nats.NATS
         pass
 
     kw.setdefault("error_cb", quiet)
-    return await nats.connect(url, user_credentials=str(fleet.creds_path(f"aep-{role}")),
+    return await nats.connect(url.split(","), user_credentials=str(fleet.creds_path(f"aep-{role}")),
                               inbox_prefix=f"_INBOX.aep-{role}", connect_timeout=5, **kw)
 
 
