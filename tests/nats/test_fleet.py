@@ -227,3 +227,23 @@ def test_the_commands_issue_list_revoke_and_push(fleet_nats, tmp_path: Path, cap
     assert cli(["fleet", "list", "--dir", str(fleet.dir)]) == 0
     assert "revoked" in capsys.readouterr().out
     assert cli(["fleet", "revoke", "--dir", str(fleet.dir), "--instance", "nobody", "--nats", url]) == 2
+
+
+def test_doctor_names_an_expired_or_revoked_credential(fleet_nats) -> None:
+    from bridge.hermes.doctor import credential_checks
+    from bridge.shim.hook import Config
+
+    fleet, url, tmp = fleet_nats
+    env = issue_env(fleet, "gw-doc", url, tmp / "doc")
+    checks = credential_checks(Config(environ=env))
+    assert [c.ok for c in checks] == [True] and "accepted, expires in 30.0 days" in checks[0].what, checks
+    # expired: read from the JWT itself (the clock moved past exp)
+    late = credential_checks(Config(environ=env), now=time.time() + 31 * 86400)
+    assert not late[0].ok and "EXPIRED" in late[0].what and "fleet issue --instance gw-doc" in late[0].what
+    # revoked: the server refuses it; the shim's recorded refusals are named too
+    fleet.revoke("gw-doc")
+    asyncio.run(push(fleet, url))
+    run_hook(dumps(envelope()), env)
+    checks = credential_checks(Config(environ=env))
+    assert not checks[0].ok and "REFUSED" in checks[0].what and "Authorization Violation" in checks[0].what, checks
+    assert "refused 1 time(s)" in checks[1].what
