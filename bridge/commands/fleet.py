@@ -19,7 +19,7 @@ def default_dir() -> str:
 def register(sub: argparse._SubParsersAction) -> None:
     f = sub.add_parser(
         "fleet",
-        help="per-instance NATS credentials (decentralized JWT auth): init, issue, revoke, list, push",
+        help="per-instance NATS credentials (decentralized JWT auth): init, issue, revoke, list, push, rotate",
         description="A fleet's own identities: an operator, the accounts AEP (the bridge's roles and streams) and "
                     "FLEET (one user per Hermes instance, bound to its own subjects by a scoped signing key), and a "
                     "`full` resolver block for nats-server. Issuing needs no server; revoking pushes the FLEET "
@@ -62,6 +62,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     common(p)
     p.add_argument("--nats", default=None, metavar="URL[,URL...]")
     p.set_defaults(func=cmd_push)
+
+    p = fs.add_parser("rotate", help="new signing keys for the instances (then re-issue; --retire drops the old ones)")
+    common(p)
+    p.add_argument("--retire", action="store_true",
+                   help="drop the signing keys a previous rotate set aside: what they signed stops working")
+    p.add_argument("--nats", default=None, metavar="URL[,URL...]", help="the servers to push to (default: init's)")
+    p.add_argument("--no-push", action="store_true")
+    p.set_defaults(func=cmd_rotate)
 
     p = fs.add_parser("list", help="the issued credentials: issued, revoked, expired")
     common(p)
@@ -171,3 +179,22 @@ def cmd_list(args: argparse.Namespace) -> int:
     counts = {s: sum(r["state"] == s for r in rows) for s in ("issued", "revoked", "expired")}
     print(", ".join(f"{n} {s}" for s, n in counts.items()))
     return 0
+
+
+def cmd_rotate(args: argparse.Namespace) -> int:
+    from bridge.nats.fleet import Fleet, FleetError
+
+    try:
+        fleet = Fleet.load(args.dir)
+        if args.retire:
+            done = fleet.retire()
+            print(f"retired the old signing keys: {len(done)} credential(s) signed by them no longer work")
+        else:
+            new = fleet.rotate()
+            print(f"new signing keys {', '.join(k[:12] + '…' for k in new)}: issues sign with them; credentials "
+                  "signed by the old ones work until `aep-bridge fleet rotate --retire`")
+    except FleetError as exc:
+        return _fail(str(exc))
+    if args.no_push:
+        return 0
+    return _push(fleet, _urls(args, fleet), ("FLEET",))

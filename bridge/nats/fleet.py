@@ -124,6 +124,7 @@ class Issued:
     expires: int  # 0: never
     scope: str
     revoked: int = 0
+    signer: str = ""  # the scoped signing key's public key
 
     def state(self, now: float | None = None) -> str:
         now = time.time() if now is None else now
@@ -234,14 +235,16 @@ class Fleet:
             ]
             nats["exports"] = [{"name": "shim-inboxes", "subject": "_INBOX.hermes.>", "type": "service",
                                 "response_type": "Singleton"}]
+            scoped = [(scope, k) for scope, k in acc["scoped"].items()]
+            scoped += [(k["scope"], k) for k in acc.get("retiring", [])]  # `rotate`: still valid until --retire
             nats["signing_keys"] = [
                 {"kind": "user_scope", "key": k["public"], "role": scope, "template": instance_template(scope != "instance")}
-                for scope, k in acc["scoped"].items()]
+                for scope, k in scoped]
             # Nobody else in this account: a user signed by the account's own key gets nothing.
             nats["default_permissions"] = {"pub": {"deny": [">"]}, "sub": {"deny": [">"]}}
         if acc.get("revocations"):
             nats["revocations"] = dict(acc["revocations"])
-        issued = max([self.keys["created"], *acc.get("revocations", {}).values()])
+        issued = max([self.keys["created"], acc.get("updated", 0), *acc.get("revocations", {}).values()])
         return J.encode(J.claims("account", pub, name, nats, issued=issued), self.operator)
 
     def sign_user(self, account: str, name: str, limits: dict[str, Any], expires: int = 0,
@@ -291,7 +294,7 @@ class Fleet:
         nats = {"issuer_account": self.key(FLEET_ACCOUNT).public}
         jwt = J.encode(J.claims("user", user.public, token(instance), nats, expires=expires, issued=now),
                        self.key(FLEET_ACCOUNT, scope))
-        rec = Issued(instance, user.public, now, expires, scope)
+        rec = Issued(instance, user.public, now, expires, scope, signer=self.key(FLEET_ACCOUNT, scope).public)
         self.issued.append(rec)
         if save:
             self.save()
@@ -323,9 +326,46 @@ class Fleet:
                 done.append(rec)
         if not done:
             raise FleetError(f"no credential of instance {instance!r} to revoke (see `aep-bridge fleet list`)")
+        self._bump()
         if save:
             self.save()
         return done
+
+    def rotate(self) -> list[str]:
+        """New scoped signing keys for the instances; the current ones keep signing nothing but
+        stay valid (``retiring``) until ``retire``: re-issue the fleet meanwhile. Returns the new keys.
+        ``push`` tells the servers."""
+        acc = self.keys["accounts"][FLEET_ACCOUNT]
+        retiring = acc.setdefault("retiring", [])
+        new = []
+        for scope, k in acc["scoped"].items():
+            retiring.append({"scope": scope, **k})
+            fresh = J.Key.new("account")
+            acc["scoped"][scope] = {"public": fresh.public, "seed": fresh.seed}
+            new.append(fresh.public)
+        self._bump()
+        self.save()
+        return new
+
+    def retire(self) -> list[Issued]:
+        """Drop the signing keys ``rotate`` set aside: every credential they signed stops working
+        (``push``: the servers close those connections). Returns the credentials retired."""
+        acc = self.keys["accounts"][FLEET_ACCOUNT]
+        old = {k["public"] for k in acc.pop("retiring", [])}
+        if not old:
+            raise FleetError("no signing key to retire (run `aep-bridge fleet rotate` first)")
+        now = int(time.time())
+        done = [r for r in self.issued if r.signer in old and not r.revoked]
+        for r in done:
+            r.revoked = now
+        self._bump()
+        self.save()
+        return done
+
+    def _bump(self) -> None:
+        """A new ``iat`` for FLEET's JWT (a server keeps the newest of an account's JWTs)."""
+        acc = self.keys["accounts"][FLEET_ACCOUNT]
+        acc["updated"] = max(int(time.time()), acc.get("updated", 0) + 1)
 
     def listing(self, now: float | None = None) -> list[dict[str, Any]]:
         return [{"instance": r.instance, "state": r.state(now), "user": r.user, "scope": r.scope,

@@ -247,3 +247,31 @@ def test_doctor_names_an_expired_or_revoked_credential(fleet_nats) -> None:
     checks = credential_checks(Config(environ=env))
     assert not checks[0].ok and "REFUSED" in checks[0].what and "Authorization Violation" in checks[0].what, checks
     assert "refused 1 time(s)" in checks[1].what
+
+
+def test_rotating_the_signing_keys_keeps_old_credentials_until_retired(fleet_nats) -> None:
+    fleet, url, tmp = fleet_nats
+    old = issue_env(fleet, "gw-rot-old", url, tmp / "rot")
+    fleet.rotate()
+    asyncio.run(push(fleet, url))
+    new = issue_env(fleet, "gw-rot-new", url, tmp / "rot")
+    assert J.decode(jwt_of(new))["iss"] != J.decode(jwt_of(old))["iss"]
+    for env in (old, new):  # both valid while the old key is retiring
+        run = run_hook(dumps(envelope()), env)
+        assert run.answered_empty_object and not run.stderr, run.stderr
+
+    async def retire_with_live() -> bool:
+        nc = await instance_client(url, jwt_of(old), "gw-rot-old", allow_reconnect=False)
+        retired = fleet.retire()
+        names = {r.instance for r in retired}  # every credential the old key signed (this module's too)
+        assert "gw-rot-old" in names and "gw-rot-new" not in names
+        await push(fleet, url)
+        started = time.monotonic()
+        while not nc.is_closed and time.monotonic() - started < 5:
+            await asyncio.sleep(0.02)
+        return nc.is_closed
+
+    assert asyncio.run(retire_with_live())
+    assert b"Authorization Violation" in run_hook(dumps(envelope()), old).stderr
+    run = run_hook(dumps(envelope()), new)
+    assert run.answered_empty_object and not run.stderr, run.stderr
