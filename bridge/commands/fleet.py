@@ -71,6 +71,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-push", action="store_true")
     p.set_defaults(func=cmd_rotate)
 
+    p = fs.add_parser("watch", help="count the instances the servers refuse (revoked, expired), as the system user")
+    common(p)
+    p.add_argument("--nats", default=None, metavar="URL[,URL...]", help="the servers (default: init's)")
+    p.add_argument("--seconds", type=float, default=0, help="stop after this long (default: until Ctrl-C)")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="serve aep_bridge_fleet_refused_connections_total{instance,reason} on this port (loopback)")
+    p.set_defaults(func=cmd_watch)
+
     p = fs.add_parser("list", help="the issued credentials: issued, revoked, expired")
     common(p)
     p.add_argument("--json", action="store_true")
@@ -198,3 +206,44 @@ def cmd_rotate(args: argparse.Namespace) -> int:
     if args.no_push:
         return 0
     return _push(fleet, _urls(args, fleet), ("FLEET",))
+
+
+def cmd_watch(args: argparse.Namespace) -> int:
+    from bridge.nats.fleet import Fleet, FleetError, watch_refusals
+    from bridge.runtime.labels import BoundedLabel
+
+    try:
+        fleet = Fleet.load(args.dir)
+    except FleetError as exc:
+        return _fail(str(exc))
+    counter = None
+    instances = BoundedLabel(cap=1000)
+    if args.metrics_port is not None:
+        from prometheus_client import Counter, start_http_server
+
+        counter = Counter("aep_bridge_fleet_refused_connections", "connections of fleet instances the servers "
+                          "refused (the system account's auth-error advisories)", ["instance", "reason"])
+        start_http_server(args.metrics_port, addr="127.0.0.1")
+    totals: dict[tuple[str, str], int] = {}
+
+    def on_refusal(instance: str, reason: str, server: str) -> None:
+        totals[(instance, reason)] = totals.get((instance, reason), 0) + 1
+        if counter is not None:
+            counter.labels(instances(instance), reason).inc()
+        print(f"{time.strftime('%H:%M:%S')} refused {instance} ({reason}) at {server}", flush=True)
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        if args.seconds:
+            asyncio.get_running_loop().call_later(args.seconds, stop.set)
+        await watch_refusals(fleet, _urls(args, fleet), on_refusal, stop)
+
+    try:
+        asyncio.run(main())
+    except KeyboardInterrupt:
+        pass
+    except Exception as exc:
+        return _fail(f"watch: {type(exc).__name__}: {exc}")
+    for (instance, reason), n in sorted(totals.items()):
+        print(f"{instance:<24} {reason:<8} {n}")
+    return 0

@@ -419,3 +419,64 @@ async def push(fleet: Fleet, urls: str, accounts: tuple[str, ...] = (FLEET_ACCOU
     finally:
         await nc.close()
     return out
+
+
+AUTH_ERRORS = "$SYS.SERVER.*.CLIENT.AUTH.ERR"
+
+
+def classify_refusal(fleet: Fleet, event: dict[str, Any]) -> tuple[str, str] | None:
+    """(instance, reason) of a server's ``CLIENT.AUTH.ERR`` advisory when the refused client
+    presented one of this fleet's instance JWTs: ``expired`` (its ``exp`` had passed), ``revoked``
+    (in FLEET's revocations or signed by a retired key), else ``refused``. None for anything else."""
+    client = event.get("client") or {}
+    token = client.get("jwt")
+    if not token:
+        return None
+    try:
+        claims = J.decode(token, verify=False)
+    except J.JwtError:
+        return None
+    if (claims.get("nats") or {}).get("issuer_account") != fleet.key(FLEET_ACCOUNT).public:
+        return None
+    by_user = {r.user: r for r in fleet.issued}
+    rec = by_user.get(claims.get("sub", ""))
+    instance = rec.instance if rec else str(claims.get("name", "?"))
+    exp = claims.get("exp")
+    if exp and exp <= time.time():
+        return instance, "expired"
+    if claims.get("sub") in fleet.keys["accounts"][FLEET_ACCOUNT].get("revocations", {}) or (rec and rec.revoked):
+        return instance, "revoked"
+    return instance, "refused"
+
+
+async def watch_refusals(fleet: Fleet, urls: str, on_refusal: Any, stop: asyncio.Event,
+                         ready: asyncio.Event | None = None) -> None:
+    """Call ``on_refusal(instance, reason, server)`` for every connection of this fleet's instances
+    that a server refuses (the system account's auth-error advisories: only the system user sees
+    them; the bridge's services, in account AEP, cannot)."""
+    import nats
+
+    async def quiet(exc: Exception) -> None:
+        pass
+
+    nc = await nats.connect(servers=[u.strip() for u in urls.split(",") if u.strip()],
+                            user_credentials=str(fleet.creds_path("sys")), name="aep-bridge-fleet-watch",
+                            error_cb=quiet)
+
+    async def handle(msg: Any) -> None:
+        try:
+            event = json.loads(msg.data)
+        except ValueError:
+            return
+        got = classify_refusal(fleet, event)
+        if got:
+            on_refusal(got[0], got[1], (event.get("server") or {}).get("name", "?"))
+
+    try:
+        await nc.subscribe(AUTH_ERRORS, cb=handle)
+        await nc.flush()
+        if ready is not None:
+            ready.set()
+        await stop.wait()
+    finally:
+        await nc.close()

@@ -249,7 +249,37 @@ def test_doctor_names_an_expired_or_revoked_credential(fleet_nats) -> None:
     assert "refused 1 time(s)" in checks[1].what
 
 
+def test_the_system_user_counts_refused_instances(fleet_nats) -> None:
+    """The servers' auth-error advisories name the refused instance's JWT: `fleet watch` counts
+    them per instance and reason (the services, in account AEP, cannot see them)."""
+    from bridge.nats.fleet import watch_refusals
+
+    fleet, url, tmp = fleet_nats
+    short = issue_env(fleet, "gw-w-exp", url, tmp / "w", expires_s=1)
+    gone = issue_env(fleet, "gw-w-rev", url, tmp / "w")
+    fleet.revoke("gw-w-rev")
+    asyncio.run(push(fleet, url))
+    seen: list[tuple[str, str]] = []
+
+    async def go() -> None:
+        stop, ready = asyncio.Event(), asyncio.Event()
+        task = asyncio.create_task(watch_refusals(fleet, url, lambda i, r, s: seen.append((i, r)), stop, ready))
+        await asyncio.wait_for(ready.wait(), 5)
+        await asyncio.to_thread(run_hook, dumps(envelope()), gone)
+        await asyncio.sleep(max(0.0, J.decode(jwt_of(short))["exp"] + 1.1 - time.time()))  # exp: whole seconds
+        await asyncio.to_thread(run_hook, dumps(envelope()), short)
+        deadline = time.monotonic() + 5
+        while len(seen) < 2 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        stop.set()
+        await task
+
+    asyncio.run(go())
+    assert seen == [("gw-w-rev", "revoked"), ("gw-w-exp", "expired")], seen
+
+
 def test_rotating_the_signing_keys_keeps_old_credentials_until_retired(fleet_nats) -> None:
+    """Last in the module: retiring the old key ends every credential it signed here."""
     fleet, url, tmp = fleet_nats
     old = issue_env(fleet, "gw-rot-old", url, tmp / "rot")
     fleet.rotate()
