@@ -274,7 +274,20 @@ class Fleet:
     def write_resolver_conf(self) -> Path:
         path = self.dir / "resolver.conf"
         write_private(path, self.resolver_conf())
+        write_private(self.dir / "helm-values.yaml", "# written by `aep-bridge fleet init`: the bundled NATS "
+                      "server's operator, system account and preloaded accounts\n# (with deploy/helm/aep-bridge/"
+                      "values-fleet.yaml; public JWTs, no secret).\n" + json.dumps(self.helm_values(), indent=1) + "\n")
         return path
+
+    def helm_values(self) -> dict[str, Any]:
+        """Chart values (the official NATS chart's ``config.merge``) that make the bundled server trust
+        this fleet: JSON is YAML, so ``helm -f`` takes it as is."""
+        return {"nats": {"config": {"merge": {
+            "operator": self.operator_jwt(),
+            "system_account": self.key(SYSTEM_ACCOUNT).public,
+            "resolver_preload": {self.key(n).public: self.account_jwt(n)
+                                 for n in (SYSTEM_ACCOUNT, BRIDGE_ACCOUNT, FLEET_ACCOUNT)},
+        }}}}
 
     def creds_path(self, user: str) -> Path:
         """``creds/<user>.creds``: ``sys``, ``aep-mapper``, ``aep-bootstrap``, ..."""
