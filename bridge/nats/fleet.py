@@ -43,6 +43,10 @@ ROLE_PERMISSIONS_FILE = Path(__file__).resolve().parent.parent / "data" / "role_
 FLEET_ACCOUNT, BRIDGE_ACCOUNT, SYSTEM_ACCOUNT = "FLEET", "AEP", "SYS"
 SCOPES = ("instance", "instance-control")
 DEFAULT_EXPIRES_S = 30 * 86400
+#: Roles that answer requests from FLEET: across accounts the reply subject is a ``_R_.…`` the
+#: server made, not the shim's inbox, so the gate (the instruction pull's answers) needs
+#: ``allow_responses`` (one reply per request it received) in this mode.
+ANSWERS_ACROSS_ACCOUNTS = ("aep-gate",)
 NO_USER_LIMITS = {"subs": -1, "data": -1, "payload": -1}
 
 
@@ -167,7 +171,8 @@ class Fleet:
         sys_user = fleet.sign_user(SYSTEM_ACCOUNT, "sys", dict(NO_USER_LIMITS))
         write_private(directory / "creds" / "sys.creds", sys_user)
         for user, perm in role_permissions().items():
-            creds = fleet.sign_user(BRIDGE_ACCOUNT, user, _user_limits(perm["pub"], perm["sub"], perm["resp"]))
+            resp = perm["resp"] or user in ANSWERS_ACROSS_ACCOUNTS
+            creds = fleet.sign_user(BRIDGE_ACCOUNT, user, _user_limits(perm["pub"], perm["sub"], resp))
             write_private(directory / "creds" / f"{user}.creds", creds)
         fleet.write_resolver_conf()
         return fleet

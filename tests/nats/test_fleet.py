@@ -278,6 +278,51 @@ def test_the_system_user_counts_refused_instances(fleet_nats) -> None:
     assert seen == [("gw-w-rev", "revoked"), ("gw-w-exp", "expired")], seen
 
 
+def test_the_control_scope_crosses_accounts_both_ways(fleet_nats) -> None:
+    """`fleet issue --control`: the gate (account AEP) reaches the shim's inbox (FLEET exports it)
+    and gets its confirmation; the shim pulls instructions (AEP exports the pull) and gets the
+    gate's answer. An observe-only instance can do neither."""
+    fleet, url, tmp = fleet_nats
+    ctl = issue_env(fleet, "gw-ctl", url, tmp / "ctl", control=True)
+    obs = issue_env(fleet, "gw-obs", url, tmp / "obs")
+
+    async def go() -> dict[str, object]:
+        c = await instance_client(url, jwt_of(ctl), "gw-ctl")
+        o = await instance_client(url, jwt_of(obs), "gw-obs")
+        gate = await role_client(fleet, url, "gate")
+        out: dict[str, object] = {}
+        try:
+            async def confirm(msg) -> None:
+                try:
+                    await msg.respond(b"confirmed")
+                except Exception:  # nats-py refuses nothing here; the server does
+                    pass
+
+            await c.subscribe("_INBOX.hermes.gw-ctl.x1.g", cb=confirm)
+            await o.subscribe("_INBOX.hermes.gw-obs.x1.g", cb=confirm)
+
+            async def serve(msg) -> None:
+                await msg.respond(b'{"context":"steer"}')
+
+            await gate.subscribe("aep.gate.instruct.*", queue="aep-gate", cb=serve)
+            for nc in (c, o, gate):
+                await nc.flush()
+            for name, nc, subject in (("release_ctl", gate, "_INBOX.hermes.gw-ctl.x1.g"),
+                                      ("release_obs", gate, "_INBOX.hermes.gw-obs.x1.g"),
+                                      ("pull_ctl", c, "aep.gate.instruct.s1"), ("pull_obs", o, "aep.gate.instruct.s1")):
+                try:
+                    out[name] = (await nc.request(subject, b"{}", timeout=1.0)).data
+                except (NatsTimeout, nats.errors.NoRespondersError):
+                    out[name] = None
+        finally:
+            for nc in (c, o, gate):
+                await nc.close()
+        return out
+
+    assert asyncio.run(go()) == {"release_ctl": b"confirmed", "release_obs": None,
+                                 "pull_ctl": b'{"context":"steer"}', "pull_obs": None}
+
+
 def test_rotating_the_signing_keys_keeps_old_credentials_until_retired(fleet_nats) -> None:
     """Last in the module: retiring the old key ends every credential it signed here."""
     fleet, url, tmp = fleet_nats
