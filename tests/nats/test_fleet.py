@@ -181,6 +181,9 @@ def test_revocation_closes_the_live_connection_and_the_spool_drains_after_reissu
         assert run.answered_empty_object and run.elapsed < 2.0, run
         assert b"Authorization Violation" in run.stderr, run.stderr
     assert len((tmp / "r" / "gw-r.refused").read_text().splitlines()) == 3
+    from bridge.shim.hook import Config, spool_for
+    st = spool_for(Config(environ=env_a)).status()  # what `aep-bridge spool status` prints
+    assert st["refused_runs"] == 3 and st["pending_records"] == 3
     assert run_hook(dumps(envelope()), env_b).answered_empty_object
     assert raw_count(fleet, url, "gw-s") == 1
     before = raw_count(fleet, url, "gw-r")
