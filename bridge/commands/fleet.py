@@ -111,12 +111,13 @@ def _urls(args: argparse.Namespace, fleet) -> str:
 
 
 def cmd_issue(args: argparse.Namespace) -> int:
-    from bridge.nats.fleet import Fleet, FleetError, parse_duration, write_private
+    from bridge.nats.fleet import Fleet, FleetError, locked, parse_duration, write_private
 
     try:
-        fleet = Fleet.load(args.dir)
-        text, rec = fleet.issue(args.instance, parse_duration(args.expires), control=args.control,
-                                urls=args.nats)
+        with locked(args.dir):
+            fleet = Fleet.load(args.dir)
+            text, rec = fleet.issue(args.instance, parse_duration(args.expires), control=args.control,
+                                    urls=args.nats)
     except FleetError as exc:
         return _fail(str(exc))
     if args.out:
@@ -143,11 +144,12 @@ def _push(fleet, urls: str, accounts: tuple[str, ...]) -> int:
 
 
 def cmd_revoke(args: argparse.Namespace) -> int:
-    from bridge.nats.fleet import Fleet, FleetError
+    from bridge.nats.fleet import Fleet, FleetError, locked
 
     try:
-        fleet = Fleet.load(args.dir)
-        done = fleet.revoke(args.instance)
+        with locked(args.dir):
+            fleet = Fleet.load(args.dir)
+            done = fleet.revoke(args.instance)
     except FleetError as exc:
         return _fail(str(exc))
     print(f"revoked {len(done)} credential(s) of {args.instance}")
@@ -190,15 +192,18 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def cmd_rotate(args: argparse.Namespace) -> int:
-    from bridge.nats.fleet import Fleet, FleetError
+    from bridge.nats.fleet import Fleet, FleetError, locked
 
     try:
-        fleet = Fleet.load(args.dir)
+        with locked(args.dir):
+            fleet = Fleet.load(args.dir)
+            if args.retire:
+                done = fleet.retire()
+            else:
+                new = fleet.rotate()
         if args.retire:
-            done = fleet.retire()
             print(f"retired the old signing keys: {len(done)} credential(s) signed by them no longer work")
         else:
-            new = fleet.rotate()
             print(f"new signing keys {', '.join(k[:12] + '…' for k in new)}: issues sign with them; credentials "
                   "signed by the old ones work until `aep-bridge fleet rotate --retire`")
     except FleetError as exc:

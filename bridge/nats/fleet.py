@@ -32,6 +32,8 @@ import json
 import os
 import re
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -87,6 +89,23 @@ def permissions_from_conf(text: str) -> dict[str, dict[str, Any]]:
         out[user] = {"pub": allowed(body, "publish"), "sub": allowed(body, "subscribe"),
                      "resp": bool(resp) and resp.group(1) == "true"}
     return out
+
+
+@contextmanager
+def locked(directory: str | Path) -> Iterator[None]:
+    """One `fleet` command at a time changes a keys directory (``.lock``, flock)."""
+    import fcntl
+
+    directory = Path(directory)
+    if not directory.is_dir():
+        yield
+        return
+    fd = os.open(directory / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def _private_dir(path: Path) -> None:
@@ -248,7 +267,13 @@ class Fleet:
             # Nobody else in this account: a user signed by the account's own key gets nothing.
             nats["default_permissions"] = {"pub": {"deny": [">"]}, "sub": {"deny": [">"]}}
         if acc.get("revocations"):
-            nats["revocations"] = dict(acc["revocations"])
+            # A revocation matters only until the credential's own expiry: past it, the server
+            # refuses it anyway, so the account JWT (pushed in one message) does not grow forever.
+            now = time.time()
+            ended = {r.user for r in self.issued if r.expires and r.expires < now}
+            kept = {u: t for u, t in acc["revocations"].items() if u not in ended}
+            if kept:
+                nats["revocations"] = kept
         issued = max([self.keys["created"], acc.get("updated", 0), *acc.get("revocations", {}).values()])
         return J.encode(J.claims("account", pub, name, nats, issued=issued), self.operator)
 

@@ -23,7 +23,7 @@ from bridge.cli import main as cli
 from bridge.config import Settings
 from bridge.nats import jwt as J
 from bridge.nats.connection import connect
-from bridge.nats.fleet import Fleet, permissions_from_conf, push, role_permissions
+from bridge.nats.fleet import Fleet, FleetError, parse_duration, permissions_from_conf, push, role_permissions
 from tests.support.fleet import fleet_server, instance_client, issue_env, jwt_of, role_client
 from tests.support.shim import dumps, envelope, run_hook
 
@@ -71,6 +71,24 @@ def test_a_tampered_jwt_does_not_verify() -> None:
     with pytest.raises(J.JwtError):
         J.decode(f"{head}.{forged}.{sig}")
 
+
+def test_revocations_of_expired_credentials_leave_the_account(tmp_path: Path) -> None:
+    """The account JWT is pushed in one message: a revocation is kept only while the revoked
+    credential could still be used (until its exp)."""
+    fleet = Fleet.init(tmp_path / "keys")
+    _, short = fleet.issue("gw-short", expires_s=3600)
+    _, lasting = fleet.issue("gw-long", expires_s=0)
+    fleet.revoke("gw-short")
+    fleet.revoke("gw-long")
+    revoked = J.decode(fleet.account_jwt("FLEET"))["nats"]["revocations"]
+    assert set(revoked) == {short.user, lasting.user}
+    short.expires = int(time.time()) - 1  # its exp has passed
+    assert set(J.decode(fleet.account_jwt("FLEET"))["nats"]["revocations"]) == {lasting.user}
+    with pytest.raises(FleetError, match="already holds a fleet"):
+        Fleet.init(tmp_path / "keys")
+    with pytest.raises(FleetError, match="not a duration"):
+        parse_duration("30 days")
+    assert parse_duration("30d") == 30 * 86400 and parse_duration("never") == 0
 
 def test_services_connect_with_their_role_creds(fleet_nats) -> None:
     """AEP_BRIDGE_NATS_CREDS (a standard .creds file) through the bridge's own connect()."""
