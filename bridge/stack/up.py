@@ -506,6 +506,9 @@ class Up:
         self.say(f"  revoke         aep-bridge fleet revoke --dir {d} --instance NAME   (pushed to every server: "
                  "its live connections close, its next hook runs are refused and spooled)")
         self.say(f"  list           aep-bridge fleet list --dir {d}")
+        if self.gate:
+            self.say(f"  control plane  the gate runs: issue with --control for a shim it may hold and steer "
+                     f"(`fleet issue --dir {d} --instance NAME --control`)")
 
     def control_banner(self, command: str, settings: str) -> None:
         control = self.control() or {}

@@ -229,6 +229,24 @@ def test_an_expired_credential_is_refused_and_the_spool_drains_after_reissue(fle
     assert raw_count(fleet, url, "gw-x") == 2
 
 
+def test_hermes_install_takes_the_issued_settings(fleet_nats, tmp_path: Path) -> None:
+    """`fleet issue`'s file, as `hermes install` reads it, becomes the installed shim's settings:
+    the hook run with `--config` publishes as the instance."""
+    from bridge.config import read_env_file
+    from bridge.hermes.install import ENV_FILENAME, install
+
+    fleet, url, _ = fleet_nats
+    issued = tmp_path / "gw-inst.env"
+    issued.write_text(fleet.issue("gw-inst", urls=url)[0])
+    home = tmp_path / "hermes"
+    home.mkdir()
+    install(home, settings={**read_env_file(issued), "AEP_BRIDGE_SPOOL_DIR": str(tmp_path / "spool")})
+    assert f"AEP_BRIDGE_NATS_JWT={jwt_of({'AEP_BRIDGE_CONFIG': str(issued)})}" in (home / ENV_FILENAME).read_text()
+    run = run_hook(dumps(envelope()), {"PATH": os.environ.get("PATH", ""), "HOME": str(tmp_path)},
+                   args=["--config", str(home / ENV_FILENAME)])
+    assert run.answered_empty_object and not run.stderr, run.stderr
+    assert raw_count(fleet, url, "gw-inst") == 1
+
 def test_the_commands_issue_list_revoke_and_push(fleet_nats, tmp_path: Path, capsys) -> None:
     fleet, url, _ = fleet_nats
     out = tmp_path / "gw-cli.env"
