@@ -1275,7 +1275,7 @@ _fcntl = None
 # nats-server's words for a refused credential or subject ("Authorization Violation": revoked,
 # expired at connect, unknown; "Permissions Violation for Publish to ...": another instance's
 # subject; "User Authentication Expired/Revoked": a live connection dropped).
-_REFUSAL = "Violation"
+_REFUSALS = ("Authorization Violation", "Permissions Violation", "User Authentication")
 REFUSED_MAX_BYTES = 65536
 
 
@@ -1988,7 +1988,7 @@ def _deliver(record, cfg, started, deadline, spool, ctl):
     if errors:
         _warn("event %s spooled: %s" % (record.id, "; ".join(errors)[:500]))
         for e in errors:
-            if _REFUSAL in e or "Authentication" in e:  # the credential, not the network
+            if any(r in e for r in _REFUSALS):  # the credential, not the network
                 spool.note_refused(e)
                 break
     return "dropped" if dropped else "spooled"
