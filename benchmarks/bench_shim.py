@@ -259,6 +259,9 @@ def jwt_main(args: argparse.Namespace) -> int:
         async def boot() -> None:
             from bridge.nats.bootstrap import bootstrap as do_bootstrap
 
+            from bridge.nats.fleet import push
+
+            await push(fleet, jwt_server.url, ("AEP", "FLEET"))
             for url, kw in ((pw_server.url, {"user": "bench", "password": password}),
                             (jwt_server.url, {"user_credentials": creds, "inbox_prefix": "_INBOX.aep-bootstrap"})):
                 nc = await nats.connect(url, **kw)

@@ -17,7 +17,9 @@
   and JetStream's PubAck travels back to the shim's inbox; FLEET exports ``_INBOX.hermes.>``
   to AEP (the gate's requests to a held call's shim);
 * ``resolver.conf``: the block a nats-server includes (operator, system account, a ``full``
-  resolver, the three accounts preloaded).
+  resolver, the system account preloaded). AEP and FLEET are pushed once the servers run
+  (``push``) and kept in each resolver's directory: a preloaded account JWT would replace a newer
+  pushed one at every restart, undoing revocations.
 
 ``issue`` signs an instance's user JWT offline (no server call) and returns the shim's
 settings; ``revoke`` adds the user keys of an instance to FLEET's revocations and ``push``
@@ -291,21 +293,23 @@ class Fleet:
     def resolver_conf(self, resolver_dir: str | None = None) -> str:
         """What a nats-server's config includes to trust this fleet (no users, no passwords)."""
         dir_ = resolver_dir or self.keys.get("resolver_dir") or "jwt"
-        preload = "\n".join(f"  {self.key(n).public}: {json.dumps(self.account_jwt(n))}"
-                            for n in (SYSTEM_ACCOUNT, BRIDGE_ACCOUNT, FLEET_ACCOUNT))
+        sys_pub = self.key(SYSTEM_ACCOUNT).public
         return ("# written by `aep-bridge fleet init`: the operator, its system account and a full resolver.\n"
-                "# Issuing and revoking instances never changes this file (accounts are pushed).\n"
+                "# Issuing and revoking instances never changes this file: the accounts AEP and FLEET are\n"
+                "# pushed (`aep-bridge fleet push` once after the first start, `fleet revoke` after that) and\n"
+                "# kept in the resolver's dir. (Preloaded, they would replace a newer pushed JWT at each restart:\n"
+                "# a revocation would be undone.)\n"
                 f"operator: {json.dumps(self.operator_jwt())}\n"
                 f"system_account: {self.key(SYSTEM_ACCOUNT).public}\n"
                 f"resolver {{\n  type: full\n  dir: {json.dumps(str(dir_))}\n  allow_delete: false\n"
                 f"  interval: \"2m\"\n  timeout: \"5s\"\n}}\n"
-                f"resolver_preload {{\n{preload}\n}}\n")
+                f"resolver_preload {{\n  {sys_pub}: {json.dumps(self.account_jwt(SYSTEM_ACCOUNT))}\n}}\n")
 
     def write_resolver_conf(self) -> Path:
         path = self.dir / "resolver.conf"
         write_private(path, self.resolver_conf())
         write_private(self.dir / "helm-values.yaml", "# written by `aep-bridge fleet init`: the bundled NATS "
-                      "server's operator, system account and preloaded accounts\n# (with deploy/helm/aep-bridge/"
+                      "server's operator, system account and resolver (then `aep-bridge fleet push`)\n# (with deploy/helm/aep-bridge/"
                       "values-fleet.yaml; public JWTs, no secret).\n" + json.dumps(self.helm_values(), indent=1) + "\n")
         return path
 
@@ -315,8 +319,7 @@ class Fleet:
         return {"nats": {"config": {"merge": {
             "operator": self.operator_jwt(),
             "system_account": self.key(SYSTEM_ACCOUNT).public,
-            "resolver_preload": {self.key(n).public: self.account_jwt(n)
-                                 for n in (SYSTEM_ACCOUNT, BRIDGE_ACCOUNT, FLEET_ACCOUNT)},
+            "resolver_preload": {self.key(SYSTEM_ACCOUNT).public: self.account_jwt(SYSTEM_ACCOUNT)},
         }}}}
 
     def creds_path(self, user: str) -> Path:

@@ -262,6 +262,23 @@ class Up:
         self.fleet.save()
         return url
 
+    async def push_fleet(self) -> None:
+        """`--fleet`: the accounts AEP and FLEET to every server (the resolver keeps a newer one:
+        a revocation pushed while `up` ran stays after a restart). A new cluster answers once its
+        servers see each other."""
+        from bridge.nats.fleet import FleetError, push
+
+        started = time.monotonic()
+        while True:
+            try:
+                took = await push(self.fleet, self.url, ("AEP", "FLEET"))
+                break
+            except (FleetError, OSError, asyncio.TimeoutError) as exc:
+                if time.monotonic() - started > CLUSTER_READY_S:
+                    raise RuntimeError(f"pushing the fleet's accounts: {exc}") from None
+                await asyncio.sleep(0.5)
+        self.say(f"aep-bridge up: fleet accounts AEP and FLEET pushed to {len(took['FLEET'])} server(s)")
+
     def start_cluster(self, port: int, auth: str, node_config: Any = None) -> str:
         """`--cluster N`: N servers on loopback, one JetStream cluster (``EmbeddedCluster``)."""
         cluster = EmbeddedCluster(self.state_dir / "cluster", size=self.cluster, first_port=port,
@@ -541,6 +558,8 @@ class Up:
             loop.add_signal_handler(sig, self.stop_event.set)
         try:
             self.url = self.start_server()
+            if self.fleet is not None:
+                await self.push_fleet()
             await self.bootstrap()
             self.start_workers()
             self.write_state()

@@ -42,6 +42,7 @@ def fleet_cluster(tmp_path_factory: pytest.TempPathFactory):
         node.write_config(routes, fleet.resolver_conf(str(node.dir / "jwt")))
     try:
         cluster.start()
+        asyncio.run(push(fleet, cluster.url, ("AEP", "FLEET")))  # every server takes both accounts
         asyncio.run(bootstrap(fleet, cluster.url, replicas=3))
         yield fleet, cluster, tmp
     finally:

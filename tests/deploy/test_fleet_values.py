@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from bridge.nats.fleet import Fleet
+from bridge.nats.fleet import Fleet, push
 from tests.support.chart import (ALL_SERVICES, CHART_DIR, any_secrets, ci_values, load_values, merged,
                                  render_manifests, validate_manifest, workload_env)
 from tests.support.fleet import bootstrap, issue_env
@@ -58,6 +58,7 @@ def test_the_bundled_server_config_trusts_the_fleet(tmp_path: Path) -> None:
             "resolver": {"dir": str(tmp_path / "resolver"), **config["resolver"]["merge"]},
             **config["merge"]}
     with configured_server(tmp_path, json.dumps(conf, indent=1)) as url:
+        asyncio.run(push(fleet, url, ("AEP", "FLEET")))  # the documented step after the first start
         asyncio.run(bootstrap(fleet, url))
         env = issue_env(fleet, "gw-chart", url, tmp_path / "spool")
         run = run_hook(dumps(envelope()), env)

@@ -362,6 +362,21 @@ def test_the_control_scope_crosses_accounts_both_ways(fleet_nats) -> None:
                                  "pull_ctl": b'{"context":"steer"}', "pull_obs": None}
 
 
+def test_a_revocation_survives_a_server_restart(tmp_path: Path) -> None:
+    """The servers keep pushed accounts in their resolver's directory and preload only the system
+    account: a preloaded FLEET (the state of `fleet init`) would replace the revoking JWT at the
+    next start and let the revoked instance in again."""
+    with fleet_server(tmp_path) as (fleet, server):
+        env = issue_env(fleet, "gw-restart", server.url, tmp_path / "spool")
+        assert not run_hook(dumps(envelope()), env).stderr
+        fleet.revoke("gw-restart")
+        asyncio.run(push(fleet, server.url))
+        server.stop()
+        server.start()
+        run = run_hook(dumps(envelope()), env)
+        assert run.answered_empty_object and b"Authorization Violation" in run.stderr, run.stderr
+
+
 def test_rotating_the_signing_keys_keeps_old_credentials_until_retired(fleet_nats) -> None:
     """Last in the module: retiring the old key ends every credential it signed here."""
     fleet, url, tmp = fleet_nats

@@ -11,7 +11,7 @@ from typing import Any
 
 import nats
 
-from bridge.nats.fleet import Fleet
+from bridge.nats.fleet import BRIDGE_ACCOUNT, FLEET_ACCOUNT, Fleet, push
 from bridge.stack.server import EmbeddedNats, jetstream_block
 from tests.support.shim import shim_env
 
@@ -28,6 +28,7 @@ def fleet_server(tmp: Path) -> Iterator[tuple[Fleet, EmbeddedNats]]:
     conf.write_text(server_conf(fleet, tmp / "jwt"))
     server = EmbeddedNats(tmp / "store", config_file=conf, log_file=tmp / "nats.log").start()
     try:
+        asyncio.run(push(fleet, server.url, (BRIDGE_ACCOUNT, FLEET_ACCOUNT)))
         asyncio.run(bootstrap(fleet, server.url))
         yield fleet, server
     finally:
