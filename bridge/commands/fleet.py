@@ -63,6 +63,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--nats", default=None, metavar="URL[,URL...]")
     p.set_defaults(func=cmd_push)
 
+    p = fs.add_parser("roles", help="new .creds for the bridge's roles; the old ones are revoked (pushed)")
+    common(p)
+    p.add_argument("--role", action="append", default=None, metavar="aep-ROLE",
+                   help="only this role (repeatable; default: every role)")
+    p.add_argument("--nats", default=None, metavar="URL[,URL...]", help="the servers to push to (default: init's)")
+    p.add_argument("--no-push", action="store_true")
+    p.set_defaults(func=cmd_roles)
+
     p = fs.add_parser("rotate", help="new signing keys for the instances (then re-issue; --retire drops the old ones)")
     common(p)
     p.add_argument("--retire", action="store_true",
@@ -252,3 +260,19 @@ def cmd_watch(args: argparse.Namespace) -> int:
     for (instance, reason), n in sorted(totals.items()):
         print(f"{instance:<24} {reason:<8} {n}")
     return 0
+
+
+def cmd_roles(args: argparse.Namespace) -> int:
+    from bridge.nats.fleet import Fleet, FleetError, locked
+
+    try:
+        with locked(args.dir):
+            fleet = Fleet.load(args.dir)
+            done = fleet.reissue_roles(args.role)
+    except FleetError as exc:
+        return _fail(str(exc))
+    print(f"new creds for {', '.join(done)} in {fleet.dir / 'creds'}: replace each service's file (the chart's "
+          "Secret), the old ones are revoked once pushed")
+    if args.no_push:
+        return 0
+    return _push(fleet, _urls(args, fleet), ("AEP",))

@@ -191,12 +191,35 @@ class Fleet:
         _private_dir(directory / "creds")
         sys_user = fleet.sign_user(SYSTEM_ACCOUNT, "sys", dict(NO_USER_LIMITS))
         write_private(directory / "creds" / "sys.creds", sys_user)
-        for user, perm in role_permissions().items():
-            resp = perm["resp"] or user in ANSWERS_ACROSS_ACCOUNTS
-            creds = fleet.sign_user(BRIDGE_ACCOUNT, user, _user_limits(perm["pub"], perm["sub"], resp))
-            write_private(directory / "creds" / f"{user}.creds", creds)
+        fleet.reissue_roles()
         fleet.write_resolver_conf()
         return fleet
+
+    def reissue_roles(self, roles: list[str] | None = None) -> list[str]:
+        """New ``creds/<role>.creds`` for ``roles`` (default: every role); the users they replace
+        are revoked in AEP (``push`` it: their connections close, and the services, restarted with
+        the new files, connect again). Returns the roles re-issued."""
+        perms = role_permissions()
+        unknown = sorted(set(roles or []) - set(perms))
+        if unknown:
+            raise FleetError(f"unknown role(s) {', '.join(unknown)} (one of {', '.join(sorted(perms))})")
+        acc = self.keys["accounts"][BRIDGE_ACCOUNT]
+        users = self.keys.setdefault("roles", {})
+        now = int(time.time())
+        done = []
+        for user in roles or sorted(perms):
+            perm = perms[user]
+            resp = perm["resp"] or user in ANSWERS_ACROSS_ACCOUNTS
+            creds = self.sign_user(BRIDGE_ACCOUNT, user, _user_limits(perm["pub"], perm["sub"], resp))
+            if users.get(user):
+                acc.setdefault("revocations", {})[users[user]] = now
+            users[user] = J.decode(J.creds_jwt(creds), verify=False)["sub"]
+            write_private(self.creds_path(user), creds)
+            done.append(user)
+        if any(v == now for v in acc.get("revocations", {}).values()):
+            acc["updated"] = max(now, acc.get("updated", 0) + 1)
+        self.save()
+        return done
 
     @classmethod
     def load(cls, directory: str | Path) -> "Fleet":
@@ -272,7 +295,7 @@ class Fleet:
             # A revocation matters only until the credential's own expiry: past it, the server
             # refuses it anyway, so the account JWT (pushed in one message) does not grow forever.
             now = time.time()
-            ended = {r.user for r in self.issued if r.expires and r.expires < now}
+            ended = {r.user for r in self.issued if r.expires and r.expires < now} if name == FLEET_ACCOUNT else set()
             kept = {u: t for u, t in acc["revocations"].items() if u not in ended}
             if kept:
                 nats["revocations"] = kept

@@ -377,6 +377,37 @@ def test_a_revocation_survives_a_server_restart(tmp_path: Path) -> None:
         assert run.answered_empty_object and b"Authorization Violation" in run.stderr, run.stderr
 
 
+def test_a_role_credential_is_reissued_and_the_old_one_revoked(fleet_nats) -> None:
+    """`fleet roles --role aep-consumer`: a stolen role credential ends like an instance's."""
+    fleet, url, _ = fleet_nats
+    old = fleet.creds_path("aep-consumer").read_text()
+
+    async def info(creds_text: str, path: Path, role: str = "consumer", stream: str = "AEP_EVENTS") -> str:
+        path.write_text(creds_text)
+        path.chmod(0o600)
+        try:
+            nc = await nats.connect(url, user_credentials=str(path), inbox_prefix=f"_INBOX.aep-{role}",
+                                    connect_timeout=2, max_reconnect_attempts=0, allow_reconnect=False)
+        except Exception as exc:  # nats-py: the server's refusal
+            return f"refused: {type(exc).__name__}"
+        try:
+            return (await nc.jetstream().stream_info(stream)).config.name
+        finally:
+            await nc.close()
+
+    tmp = fleet.dir.parent
+    assert asyncio.run(info(old, tmp / "old.creds")) == "AEP_EVENTS"
+    assert fleet.reissue_roles(["aep-consumer"]) == ["aep-consumer"]
+    asyncio.run(push(fleet, url, ("AEP",)))
+    assert asyncio.run(info(old, tmp / "old.creds")).startswith("refused")
+    assert asyncio.run(info(fleet.creds_path("aep-consumer").read_text(), tmp / "new.creds")) == "AEP_EVENTS"
+    # the other roles keep working
+    assert asyncio.run(info(fleet.creds_path("aep-mapper").read_text(), tmp / "mapper.creds", "mapper",
+                            "HERMES_RAW")) == "HERMES_RAW"
+    with pytest.raises(FleetError, match="unknown role"):
+        fleet.reissue_roles(["aep-nobody"])
+
+
 def test_rotating_the_signing_keys_keeps_old_credentials_until_retired(fleet_nats) -> None:
     """Last in the module: retiring the old key ends every credential it signed here."""
     fleet, url, tmp = fleet_nats
