@@ -108,7 +108,8 @@ def cmd_init(args: argparse.Namespace) -> int:
     d = fleet.dir
     print(f"fleet keys in {d} (0700; keys.json holds every seed: keep it offline and backed up)")
     print(f"  server config  include {d / 'resolver.conf'} in every nats-server's config (`include` or paste), "
-          f"with JetStream on")
+          f"with JetStream on; the chart: -f values-fleet.yaml -f {d / 'helm-values.yaml'}")
+    print(f"  accounts       once the servers run: aep-bridge fleet push --dir {d} --nats URL[,URL...]")
     print(f"  role creds     {d / 'creds'}/aep-<role>.creds: AEP_BRIDGE_NATS_CREDS of each service")
     print("  next           aep-bridge fleet issue --instance NAME --out NAME.env")
     return 0
