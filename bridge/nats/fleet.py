@@ -74,6 +74,14 @@ def role_permissions() -> dict[str, dict[str, Any]]:
     return json.loads(ROLE_PERMISSIONS_FILE.read_text())
 
 
+def write_role_permissions(conf: str | Path) -> None:
+    """Regenerate ``bridge/data/role_permissions.json`` from a nats.conf (deploy/nats/nats.conf)
+    after its roles' rules change: ``python -c 'from bridge.nats.fleet import *;
+    write_role_permissions("deploy/nats/nats.conf")'``."""
+    rules = permissions_from_conf(Path(conf).read_text())
+    ROLE_PERMISSIONS_FILE.write_text(json.dumps(rules, indent=1, sort_keys=True) + "\n")
+
+
 def permissions_from_conf(text: str) -> dict[str, dict[str, Any]]:
     """The ``aep-*`` users of a nats.conf written like deploy/nats/nats.conf (a ``NAME_PERMISSIONS``
     block per role, referenced as ``permissions: $NAME_PERMISSIONS``)."""

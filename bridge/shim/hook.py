@@ -66,7 +66,9 @@ Theory of operation
 Configuration: the ``AEP_BRIDGE_*`` variables of docs/ARCHITECTURE.md, from the
 environment (inherited from Hermes) over the optional ``KEY=VALUE`` file named by
 ``AEP_BRIDGE_CONFIG`` (default ``~/.config/aep-bridge/env``; ``aep-bridge hermes
-install`` writes it). Same names and precedence as ``bridge/config.py``. Odd values
+install`` writes it). Same names and precedence as ``bridge/config.py``. With
+``AEP_BRIDGE_NATS_JWT`` (a fleet instance's credential, `aep-bridge fleet issue`) CONNECT carries
+that bearer JWT and no user, password or signature. Odd values
 (out-of-range numbers, a settings file that is not a small regular file: ``/dev/zero``, a
 FIFO) are reported on stderr and replaced by the defaults; they never crash or hang the hook.
 

@@ -56,7 +56,8 @@ def test_the_keys_directory_is_private_and_roles_have_the_sample_permissions(tmp
     assert all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in files), [oct(p.stat().st_mode) for p in files]
     # the role users carry exactly deploy/nats/nats.conf's rules (bridge/data/role_permissions.json)
     sample = permissions_from_conf((ROOT / "deploy" / "nats" / "nats.conf").read_text())
-    assert role_permissions() == sample, "regenerate bridge/data/role_permissions.json from deploy/nats/nats.conf"
+    assert role_permissions() == sample, ("regenerate bridge/data/role_permissions.json: python -c 'from "
+                                          "bridge.nats.fleet import *; write_role_permissions(\"deploy/nats/nats.conf\")'")
     claims = J.decode(J.creds_jwt((fleet.creds_path("aep-mapper")).read_text()))
     assert sorted(claims["nats"]["pub"]["allow"]) == sample["aep-mapper"]["pub"]
     assert claims["iss"] == fleet.key("AEP").public  # signed by the bridge account itself
