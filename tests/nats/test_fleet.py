@@ -410,7 +410,8 @@ def test_a_role_credential_is_reissued_and_the_old_one_revoked(fleet_nats) -> No
 
 
 def test_rotating_the_signing_keys_keeps_old_credentials_until_retired(fleet_nats) -> None:
-    """Last in the module: retiring the old key ends every credential it signed here."""
+    """Retiring the old key ends every credential it signed (this module's earlier ones too: each
+    test issues its own credentials when it starts, so none spans it)."""
     fleet, url, tmp = fleet_nats
     old = issue_env(fleet, "gw-rot-old", url, tmp / "rot")
     fleet.rotate()
