@@ -31,6 +31,13 @@ cluster (tests/clusterfixture.py; streams at R3) instead, interleaved:
   node, where the ``cluster`` instance publishes too);
 * the ``{}`` baseline as above.
 
+``--jwt`` (issue 41) measures the compiled shim connecting with a fleet instance's bearer JWT
+(`aep-bridge fleet issue`; a nats-server in the fleet's operator mode with a full resolver)
+against the same shim connecting with a user and password (a nats-server with an
+``authorization`` block), both with JetStream acks, interleaved with the ``{}`` baseline; it
+prints the medians, p99s and the ratio jwt / password (target <= 1.1), and checks that every
+run was acked.
+
 The order of the three rotates every round (one run right after another program's is
 1-10 ms slower on the loaded 2-core machine, whichever it is). It prints the medians, p99s, the ratio blackhole / cluster (target <= 1.3), the first
 black-holed run's time, and checks every run was acked (nothing spooled).
@@ -230,6 +237,90 @@ def blackhole_main(args: argparse.Namespace) -> int:
         shutil.rmtree(work, ignore_errors=True)
 
 
+def jwt_main(args: argparse.Namespace) -> int:
+    """``--jwt``: the shim with its instance's bearer JWT vs with a password (module docstring)."""
+    import secrets
+
+    import nats
+
+    from bridge.nats.fleet import Fleet
+    from bridge.stack.server import EmbeddedNats, jetstream_block
+
+    work = Path(tempfile.mkdtemp(prefix="aep-bench-jwt-"))
+    fleet = Fleet.init(work / "keys")
+    password = secrets.token_urlsafe(16)
+    (work / "pw.conf").write_text(f"authorization {{ user: bench, password: {json.dumps(password)} }}\n"
+                                  + jetstream_block())
+    (work / "jwt.conf").write_text(fleet.resolver_conf(str(work / "jwt")) + jetstream_block())
+    pw_server = EmbeddedNats(work / "pw", config_file=work / "pw.conf").start()
+    jwt_server = EmbeddedNats(work / "jwtstore", config_file=work / "jwt.conf").start()
+    creds = str(fleet.creds_path("aep-bootstrap"))
+    try:
+        async def boot() -> None:
+            from bridge.nats.bootstrap import bootstrap as do_bootstrap
+
+            from bridge.nats.fleet import push
+
+            await push(fleet, jwt_server.url, ("AEP", "FLEET"))
+            for url, kw in ((pw_server.url, {"user": "bench", "password": password}),
+                            (jwt_server.url, {"user_credentials": creds, "inbox_prefix": "_INBOX.aep-bootstrap"})):
+                nc = await nats.connect(url, **kw)
+                await do_bootstrap(nc.jetstream(), None)
+                await nc.close()
+
+        asyncio.run(boot())
+        python = sys.executable
+        script = inst.compile_hook(python, target=work / "hook.pyc")
+        (work / "baseline.py").write_text(BASELINE)
+        (work / "password.env").write_text(
+            f"AEP_BRIDGE_NATS_URL={pw_server.url}\nAEP_BRIDGE_NATS_USER=bench\nAEP_BRIDGE_NATS_PASSWORD={password}\n"
+            f"AEP_BRIDGE_INSTANCE=bench-password\nAEP_BRIDGE_SPOOL_DIR={work / 'spool'}\n")
+        text, _ = fleet.issue("bench-jwt", urls=jwt_server.url)
+        (work / "jwt.env").write_text(text + f"AEP_BRIDGE_SPOOL_DIR={work / 'spool'}\n")
+        commands = {"baseline": shlex.join([python, "-I", "-S", str(work / "baseline.py")]),
+                    "password": inst.build_command(python, script, work / "password.env"),
+                    "jwt": inst.build_command(python, script, work / "jwt.env")}
+        stdin = envelope_1kb()
+        print_header(args, stdin, commands, f"password {pw_server.url}, jwt {jwt_server.url} (JetStream, file store)")
+        names = list(commands)
+        for _ in range(args.warmup):
+            for cmd in commands.values():
+                hermes_spawn(cmd, stdin)
+        times: dict[str, list[float]] = {name: [] for name in commands}
+        for i in range(args.runs):
+            for name in names[i % 3:] + names[:i % 3]:
+                times[name].append(hermes_spawn(commands[name], stdin))
+        med = {n: statistics.median(t) for n, t in times.items()}
+        print()
+        print(f"{'program':<11} {'median ms':>10} {'p99 ms':>8} {'/baseline':>9}")
+        for n in names:
+            print(f"{n:<11} {med[n]:>10.2f} {p99(times[n]):>8.2f} {med[n] / med['baseline']:>9.2f}")
+        ratio = med["jwt"] / med["password"]
+        ok = ratio <= 1.1
+        print(f"jwt / password median ratio {ratio:.3f} ({'meets' if ok else 'MISSES'} the target <= 1.1)")
+
+        async def stored(url: str, instance: str, kw: dict) -> int:
+            nc = await nats.connect(url, **kw)
+            info = await nc.jetstream().stream_info("HERMES_RAW", subjects_filter=f"hermes.raw.{instance}.>")
+            await nc.close()
+            return sum((info.state.subjects or {}).values())
+
+        expected = args.runs + args.warmup
+        got = {"password": asyncio.run(stored(pw_server.url, "bench-password", {"user": "bench", "password": password})),
+               "jwt": asyncio.run(stored(jwt_server.url, "bench-jwt",
+                                         {"user_credentials": str(fleet.creds_path("aep-mapper")),
+                                          "inbox_prefix": "_INBOX.aep-mapper"}))}
+        print(f"on HERMES_RAW: password {got['password']}/{expected}, jwt {got['jwt']}/{expected}")
+        if any(v != expected for v in got.values()):
+            print("  !! not every run was acked by JetStream")
+            return 1
+        return 1 if args.check and not ok else 0
+    finally:
+        pw_server.stop()
+        jwt_server.stop()
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-n", "--runs", type=int, default=300, help="spawns of each program (>= 200 for the record)")
@@ -239,9 +330,13 @@ def main() -> int:
     ap.add_argument("--check", action="store_true", help="exit 1 when the compiled shim misses a target")
     ap.add_argument("--blackhole", action="store_true",
                     help="a 3-node cluster whose first server is black-holed vs the healthy cluster (issue 23)")
+    ap.add_argument("--jwt", action="store_true",
+                    help="a fleet instance's JWT connect vs a password connect (issue 41)")
     args = ap.parse_args()
     if args.blackhole:
         return blackhole_main(args)
+    if args.jwt:
+        return jwt_main(args)
 
     work = Path(tempfile.mkdtemp(prefix="aep-bench-shim-"))
     nats_proc, url = start_nats(work)

@@ -33,6 +33,7 @@ COMMAND_MODULES = (
     "bridge.commands.control",  # gate, control respond|instruct|hello|pending
     "bridge.commands.config",  # config: the effective settings and where each came from
     "bridge.commands.status",  # status: the whole bridge on one screen
+    "bridge.commands.fleet",  # fleet init|issue|revoke|list|push: per-instance NATS credentials
 )
 
 

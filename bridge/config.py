@@ -168,6 +168,7 @@ FIELDS: tuple[Field, ...] = (
     _f("AEP_BRIDGE_NATS_USER", "str", None, _SHIM_NATS, "NATS user (overrides the URL's)"),
     _f("AEP_BRIDGE_NATS_PASSWORD", "str", None, _SHIM_NATS, "NATS password (overrides the URL's)", secret=True),
     _f("AEP_BRIDGE_NATS_TOKEN", "str", None, _SHIM_NATS, "NATS token", secret=True),
+    _f("AEP_BRIDGE_NATS_JWT", "str", None, {"shim"}, "shim: a fleet instance's bearer user JWT (`aep-bridge fleet issue`)", secret=True),
     _f("AEP_BRIDGE_NATS_CREDS", "path", None, NATS_ROLES, ".creds file (JWT + nkey seed)"),
     _f("AEP_BRIDGE_NATS_NKEY_SEED", "path", None, NATS_ROLES, "nkey seed file", secret=True),
     _f("AEP_BRIDGE_TLS_CA", "path", None, _SHIM_NATS, "TLS CA file (TLS on when set)"),

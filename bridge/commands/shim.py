@@ -121,6 +121,10 @@ def cmd_spool_status(args: argparse.Namespace) -> int:
     aside = st["set_aside_files"]
     if aside:
         print("set aside      " + ", ".join(f"{n} {k} file(s)" for k, n in sorted(aside.items())) + f" in {cfg.spool_dir}")
+    if st.get("refused_runs"):
+        last = hook.spool_for(cfg).refused()[1] or ""
+        print(f"refused        {st['refused_runs']} run(s) by the server (credential revoked, expired or for another "
+              f"instance; `aep-bridge hermes doctor`); last: {last[:200]}")
     return 0
 
 

@@ -31,6 +31,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     u.add_argument("--cluster", type=int, default=0, metavar="N",
                    help="N (>= 3) embedded nats-servers in one JetStream cluster on loopback, streams at R3, "
                         "every worker given all N; kill one and the rest go on")
+    u.add_argument("--fleet", action="store_true",
+                   help="the embedded server(s) in a fleet's operator mode (decentralized JWT auth, issue 41): each "
+                        "worker with its role's .creds, shims with their own `aep-bridge fleet issue` credential, "
+                        "`fleet revoke` pushes to every server; the fleet's keys stay in <state dir>/fleet")
     u.set_defaults(func=cmd_up)
 
     d = sub.add_parser("demo", help="replay real Hermes sessions through the shim into a running bridge and summarise")
@@ -104,6 +108,14 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(f"aep-bridge up: --cluster {args.cluster}: a JetStream cluster for R3 needs at least 3 servers",
               file=sys.stderr)
         return 2
+    if args.fleet and args.nats:
+        print("aep-bridge up: --fleet runs the embedded server(s) in the fleet's mode; it cannot be used with --nats "
+              "(for your own servers: `aep-bridge fleet init` and deploy/README.md)", file=sys.stderr)
+        return 2
+    if args.fleet and args.demo:
+        print("aep-bridge up: --demo replays through the shared local credential; not with --fleet "
+              "(issue an instance with `aep-bridge fleet issue` and run the shim with it)", file=sys.stderr)
+        return 2
     if args.export:
         from bridge.core.sinks import SinkConfigError, check_unique, sink_from_url
         from bridge.services.exporter import ClientMissing, require_clients
@@ -125,7 +137,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         return 2
     up = Up(settings, nats_url=args.nats, port=args.port, state_dir=state_dir,
             mapper_port=args.mapper_port, pairing_port=args.pairing_port, gate=args.gate, gate_port=args.gate_port,
-            export=args.export, export_port=args.export_port, relay_port=args.relay_port, cluster=args.cluster)
+            export=args.export, export_port=args.export_port, relay_port=args.relay_port, cluster=args.cluster,
+            fleet=args.fleet)
     try:
         return asyncio.run(up.run(demo=args.demo, follow=not args.no_follow, color=sys.stdout.isatty()))
     except Exception as exc:

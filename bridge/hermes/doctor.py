@@ -131,7 +131,60 @@ def _registered_events(home: Path, cfg: dict[str, Any], command: str) -> list[st
         reset_hermes_home_override(token)
 
 
+def credential_checks(cfg: Config, timeout: float = 2.0, now: float | None = None) -> list[Check]:
+    """A fleet instance's JWT (`aep-bridge fleet issue`): expired (read from the JWT itself), or
+    refused by the servers (revoked, or an account they do not know), probed the way the shim
+    connects (CONNECT + PING); and the refusals the shim recorded (``<token>.refused``)."""
+    import time
+
+    from bridge.nats.jwt import JwtError, decode
+    from bridge.shim.hook import NatsConnection, NatsError
+
+    checks: list[Check] = []
+    now = time.time() if now is None else now
+    try:
+        claims = decode(cfg.jwt or "", verify=False)
+    except JwtError as exc:
+        return [Check(False, f"AEP_BRIDGE_NATS_JWT is not a NATS JWT ({exc})")]
+    who = f"instance credential {claims.get('name', '?')!r} (user {str(claims.get('sub', '?'))[:12]}…)"
+    again = f"`aep-bridge fleet issue --instance {cfg.instance}` again"
+    exp = claims.get("exp")
+    if exp and exp <= now:
+        when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(exp))
+        checks.append(Check(False, f"NATS {who} EXPIRED at {when}: the shim is refused and spools; {again}"))
+    else:
+        left = f"expires in {(exp - now) / 86400:.1f} days" if exp else "never expires"
+        refusals = []
+        for server in cfg.servers:
+            deadline = time.monotonic() + timeout
+            try:
+                conn = NatsConnection.connect(server, cfg, deadline)
+                try:
+                    conn.send(conn.pending + b"PING\r\n", deadline)
+                    while conn._read_msg(deadline) is not None:
+                        pass
+                finally:
+                    conn.close()
+            except NatsError as exc:
+                if "Violation" in str(exc) or "Authentication" in str(exc):
+                    refusals.append(str(exc))
+            except OSError:
+                pass  # unreachable: the NATS check below says so
+        if refusals:
+            checks.append(Check(False, f"NATS {who} REFUSED ({'; '.join(refusals)}): revoked (`aep-bridge fleet "
+                                       f"list`) or not of this server's operator; {again}"))
+        else:
+            checks.append(Check(True, f"NATS {who}: accepted, {left}"))
+    count, last = spool_for(cfg).refused()
+    if count:
+        checks.append(Check(False, f"the shim was refused {count} time(s); last: {last}", warning=True))
+    return checks
+
+
 def _nats_checks(home: Path, timeout: float) -> list[Check]:
+    cfg = Config(os.environ, config_path=str(home / ENV_FILENAME))
+    if cfg.jwt:  # a fleet instance credential: nats-py's shim role does not carry it
+        return credential_checks(cfg, timeout) + _spool_checks(cfg)
     environ = dict(os.environ)
     environ["AEP_BRIDGE_CONFIG"] = str(home / ENV_FILENAME)
     settings = Settings.from_env(environ)
@@ -157,7 +210,12 @@ def _nats_checks(home: Path, timeout: float) -> list[Check]:
         asyncio.run(probe())
     except NatsConnectError as exc:
         checks.append(Check(False, str(exc) + " (events are spooled meanwhile)"))
-    st = spool_for(Config(os.environ, config_path=str(home / ENV_FILENAME))).status()  # the shim's own view
+    return checks + _spool_checks(cfg)
+
+
+def _spool_checks(cfg: Config) -> list[Check]:
+    checks: list[Check] = []
+    st = spool_for(cfg).status()  # the shim's own view
     pending = st["pending_records"] + st.get("fallback", {}).get("pending_records", 0)
     if pending or st["dropped_records"]:
         where = st["path"] + (f" (and {st['fallback']['path']})" if st.get("fallback", {}).get("pending_records") else "")

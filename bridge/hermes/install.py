@@ -73,6 +73,7 @@ ALL_EVENTS = (
 # The settings the shim reads; install copies those set in its own environment into the env file.
 SHIM_SETTINGS = (
     "AEP_BRIDGE_NATS_URL", "AEP_BRIDGE_NATS_USER", "AEP_BRIDGE_NATS_PASSWORD", "AEP_BRIDGE_NATS_TOKEN",
+    "AEP_BRIDGE_NATS_JWT",  # a fleet instance credential (`aep-bridge fleet issue`)
     "AEP_BRIDGE_TLS_CA", "AEP_BRIDGE_TLS_CERT", "AEP_BRIDGE_TLS_KEY", "AEP_BRIDGE_INSTANCE",
     "AEP_BRIDGE_SPOOL_DIR", "AEP_BRIDGE_DEADLINE_MS", "AEP_BRIDGE_MAX_FIELD_BYTES", "AEP_BRIDGE_SPOOL_MAX_BYTES",
     # the opt-in control plane (docs/ARCHITECTURE.md "Control plane")

@@ -66,7 +66,9 @@ Theory of operation
 Configuration: the ``AEP_BRIDGE_*`` variables of docs/ARCHITECTURE.md, from the
 environment (inherited from Hermes) over the optional ``KEY=VALUE`` file named by
 ``AEP_BRIDGE_CONFIG`` (default ``~/.config/aep-bridge/env``; ``aep-bridge hermes
-install`` writes it). Same names and precedence as ``bridge/config.py``. Odd values
+install`` writes it). Same names and precedence as ``bridge/config.py``. With
+``AEP_BRIDGE_NATS_JWT`` (a fleet instance's credential, `aep-bridge fleet issue`) CONNECT carries
+that bearer JWT and no user, password or signature. Odd values
 (out-of-range numbers, a settings file that is not a small regular file: ``/dev/zero``, a
 FIFO) are reported on stderr and replaced by the defaults; they never crash or hang the hook.
 
@@ -415,7 +417,7 @@ class Config:
     """The shim's view of the ``AEP_BRIDGE_*`` settings."""
 
     __slots__ = (
-        "servers", "user", "password", "token", "tls_ca", "tls_cert", "tls_key", "instance",
+        "servers", "user", "password", "token", "jwt", "tls_ca", "tls_cert", "tls_key", "instance",
         "spool_dir", "deadline_ms", "max_field_bytes", "spool_max_bytes",
         "control", "instruct", "gate_tools", "hold_ms", "redact_values", "fallback_dir",
     )
@@ -440,6 +442,9 @@ class Config:
         self.user = get("NATS_USER")
         self.password = get("NATS_PASSWORD")
         self.token = get("NATS_TOKEN")
+        # A fleet's instance credential (`aep-bridge fleet issue`): a bearer user JWT, sent in
+        # CONNECT with no nonce signature (docs/THREAT_MODEL.md "A fleet's own identities").
+        self.jwt = get("NATS_JWT")
         self.tls_ca = get("TLS_CA")
         self.tls_cert = get("TLS_CERT")
         self.tls_key = get("TLS_KEY")
@@ -968,7 +973,9 @@ class NatsConnection:
                 "lang": "python-stdlib", "version": VERSION, "protocol": 1, "headers": True,
                 "no_responders": True,
             }
-            if user is not None:
+            if cfg.jwt:
+                opts["jwt"] = cfg.jwt
+            elif user is not None:
                 opts["user"] = user
                 opts["pass"] = password or ""
             elif tok is not None:
@@ -1295,6 +1302,11 @@ def publish_one(cfg, record, deadline, errors):
 # ---------------------------------------------------------------- the spool
 
 _fcntl = None
+# nats-server's words for a refused credential or subject ("Authorization Violation": revoked,
+# expired at connect, unknown; "Permissions Violation for Publish to ...": another instance's
+# subject; "User Authentication Expired/Revoked": a live connection dropped).
+_REFUSALS = ("Authorization Violation", "Permissions Violation", "User Authentication")
+REFUSED_MAX_BYTES = 65536
 
 
 def _flock(fd, deadline=None, blocking=True):
@@ -1811,6 +1823,34 @@ class Spool:
             posix.close(out)
         _warn("spool line set aside in %s" % path)
 
+    def note_refused(self, reason):
+        """The server refused this instance's credential (revoked, expired, another instance's
+        subject): one line ``<unix s> <reason>`` appended to ``<token>.refused`` (kept under
+        64 KiB), which `spool status` counts and `hermes doctor` names. The failure path only."""
+        path = self.dir + "/" + self.name + ".refused"
+        try:
+            _makedirs(self.dir)
+            fd = _open_own(path, posix.O_WRONLY | posix.O_APPEND | posix.O_CREAT)
+            try:
+                if posix.fstat(fd).st_size < REFUSED_MAX_BYTES:
+                    _write_all(fd, ("%d %s\n" % (time.time(), reason.replace("\n", " ")[:300])).encode("utf-8", "replace"))
+            finally:
+                posix.close(fd)
+        except OSError:
+            pass
+
+    def refused(self):
+        """(count, last line) of ``<token>.refused``: (0, None) when none."""
+        try:
+            fd = _open_own(self.dir + "/" + self.name + ".refused", posix.O_RDONLY)
+        except OSError:
+            return 0, None
+        try:
+            lines = _pread_all(fd, REFUSED_MAX_BYTES + 512, 0).decode("utf-8", "replace").splitlines()
+        finally:
+            posix.close(fd)
+        return len(lines), (lines[-1] if lines else None)
+
     # -- inspection
 
     def status(self):
@@ -1852,7 +1892,7 @@ class Spool:
             "instance_token": self.name, "path": self.path, "pending_records": pending,
             "pending_bytes": pending_bytes, "file_bytes": size, "max_bytes": self.max_bytes,
             "dropped_records": dropped, "dropped_bytes": dropped_bytes, "torn_tail_bytes": torn_tail,
-            "set_aside_files": aside,
+            "set_aside_files": aside, "refused_runs": self.refused()[0],
         }
         if self.fallback is not None:  # drops are totals over both; pending records per spool
             fb = out["fallback"] = self.fallback.status()
@@ -1977,6 +2017,10 @@ def _deliver(record, cfg, started, deadline, spool, ctl):
         return "lost"
     if errors:
         _warn("event %s spooled: %s" % (record.id, "; ".join(errors)[:500]))
+        for e in errors:
+            if any(r in e for r in _REFUSALS):  # the credential, not the network
+                spool.note_refused(e)
+                break
     return "dropped" if dropped else "spooled"
 
 

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import sysconfig
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -164,7 +165,8 @@ class EmbeddedCluster:
 
     Each node is an :class:`EmbeddedNats` with its own client port, route port, store
     (``<root>/<name>``), log and ``server_name`` (``n1``, ``n2``, ...); all share
-    ``client_config`` (the client authorization block) and route to each other. The route
+    ``client_config`` (the client authorization block; ``node_config(name, store)``: a node's own
+    lines, e.g. a fleet's resolver with its own directory) and route to each other. The route
     port accepts only the cluster's own routes: a credential generated here, in the nodes'
     0600 config files, never on a command line (a route sees every message of the account).
     JetStream fsyncs every write (``sync_interval``, ``always`` as in production; ``None``:
@@ -176,7 +178,8 @@ class EmbeddedCluster:
     ROUTE_USER = "aep-route"
 
     def __init__(self, root: str | Path, size: int = 3, first_port: int | None = None, host: str = "127.0.0.1",
-                 client_config: str = "", log_dir: str | Path | None = None, sync_interval: str | None = "always") -> None:
+                 client_config: str = "", log_dir: str | Path | None = None, sync_interval: str | None = "always",
+                 node_config: "Callable[[str, Path], str] | None" = None) -> None:
         import secrets
 
         self.root = Path(root)
@@ -207,7 +210,8 @@ class EmbeddedCluster:
         # promises on a cluster: docs/ARCHITECTURE.md "High availability"); None: nats-server's 2m.
         jetstream = jetstream_block(sync_interval)
         self._configs = {
-            name: (f"server_name: {name}\n{client_config}\n{jetstream}"
+            name: (f"server_name: {name}\n{client_config}\n"
+                   + (node_config(name, self.root / name) if node_config else "") + f"\n{jetstream}"
                    f"cluster {{\n  name: {self.NAME}\n  listen: {json.dumps(f'{host}:{route_port}')}\n"
                    f"  authorization {{ user: {self.ROUTE_USER}, password: {json.dumps(self.route_password)} }}\n"
                    f"  routes: [{routes}]\n}}\n")

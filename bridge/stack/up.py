@@ -41,6 +41,14 @@ the same generated client credential on all, a route credential of their own), b
 every stream, bucket and object store at R3, and gives every worker (and the shim settings)
 all N URLs; ``up.json`` lists the servers (``nats_servers``: name, url, pid, store). A server
 that dies is reported and not restarted: the cluster goes on with the others, `tail` too.
+
+`--fleet` (issue 41) runs the embedded server (or each `--cluster` node) in a fleet's operator
+mode instead of with the generated local user: decentralized JWT auth with a `full` resolver
+(bridge/nats/fleet.py). The fleet's keys live in ``<state dir>/fleet`` (made on the first
+`up --fleet`, kept: the store's streams belong to its account), each worker connects with its
+role's ``.creds``, and the banner prints how to issue an instance's shim settings and how to
+revoke one (`aep-bridge fleet issue|revoke --dir <state dir>/fleet`), which pushes the account to
+every server: nothing in the servers' configuration changes.
 """
 
 from __future__ import annotations
@@ -209,7 +217,8 @@ class Up:
     def __init__(self, settings: Settings, *, nats_url: str | None, port: int | None, state_dir: Path,
                  out: TextIO = sys.stdout, mapper_port: int | None = None, pairing_port: int | None = None,
                  gate: bool = False, gate_port: int | None = None, export: list[str] | None = None,
-                 export_port: int | None = None, relay_port: int | None = None, cluster: int = 0) -> None:
+                 export_port: int | None = None, relay_port: int | None = None, cluster: int = 0,
+                 fleet: bool = False) -> None:
         self.settings = settings
         self.external_url = nats_url
         self.port = port
@@ -238,6 +247,8 @@ class Up:
         self.refused: Worker | None = None  # a worker that exited 2: restarting cannot help
         self.password: str | None = None  # of LOCAL_USER on the embedded server (generated at start)
         self.shim_passwords: dict[str, str] = {}  # SHIM_USER's and SHIM_CONTROL_USER's (generated at start)
+        self.fleet_mode = fleet  # --fleet: the embedded server(s) in a fleet's operator mode
+        self.fleet: Any = None  # its bridge.nats.fleet.Fleet once started
 
     def say(self, text: str) -> None:
         print(text, file=self.out, flush=True)
@@ -254,6 +265,8 @@ class Up:
         self.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         os.chmod(self.state_dir, 0o700)
         (self.state_dir / "logs").mkdir(parents=True, exist_ok=True)
+        if self.fleet_mode:
+            return self.start_fleet_server(port)
         # A credential of this run: only whoever can read the 0600 files below may connect.
         self.password = secrets.token_urlsafe(24)
         self.shim_passwords = {SHIM_USER: secrets.token_urlsafe(24), SHIM_CONTROL_USER: secrets.token_urlsafe(24)}
@@ -279,10 +292,53 @@ class Up:
                  f"(store {self.state_dir / 'nats'}, ready in {1000 * (time.monotonic() - started):.0f} ms)")
         return self.server.url
 
-    def start_cluster(self, port: int, auth: str) -> str:
+    def start_fleet_server(self, port: int) -> str:
+        """`--fleet`: the fleet in ``<state dir>/fleet`` (made once), its resolver block as each
+        server's authorization (a resolver store per server)."""
+        from bridge.nats.fleet import Fleet
+
+        fleet_dir = self.state_dir / "fleet"
+        self.fleet = Fleet.load(fleet_dir) if (fleet_dir / "keys.json").exists() else Fleet.init(fleet_dir)
+        if self.cluster:
+            url = self.start_cluster(port, "", node_config=lambda name, store: self.fleet.resolver_conf(str(store / "jwt")))
+        else:
+            conf = self.state_dir / "nats-fleet.conf"
+            fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(self.fleet.resolver_conf(str(self.state_dir / "nats" / "jwt")) + jetstream_block())
+            os.chmod(conf, 0o600)
+            self.server = EmbeddedNats(self.state_dir / "nats", port=port, config_file=conf,
+                                       log_file=self.state_dir / "logs" / "nats-server.log")
+            started = time.monotonic()
+            self.server.start()
+            url = self.server.url
+            self.say(f"aep-bridge up: embedded nats-server in the fleet's operator mode on {url} "
+                     f"(store {self.state_dir / 'nats'}, ready in {1000 * (time.monotonic() - started):.0f} ms)")
+        self.fleet.keys["urls"] = url  # what `fleet issue` writes and `fleet revoke` pushes to
+        self.fleet.save()
+        return url
+
+    async def push_fleet(self) -> None:
+        """`--fleet`: the accounts AEP and FLEET to every server (the resolver keeps a newer one:
+        a revocation pushed while `up` ran stays after a restart). A new cluster answers once its
+        servers see each other."""
+        from bridge.nats.fleet import FleetError, push
+
+        started = time.monotonic()
+        while True:
+            try:
+                took = await push(self.fleet, self.url, ("AEP", "FLEET"))
+                break
+            except (FleetError, OSError, asyncio.TimeoutError) as exc:
+                if time.monotonic() - started > CLUSTER_READY_S:
+                    raise RuntimeError(f"pushing the fleet's accounts: {exc}") from None
+                await asyncio.sleep(0.5)
+        self.say(f"aep-bridge up: fleet accounts AEP and FLEET pushed to {len(took['FLEET'])} server(s)")
+
+    def start_cluster(self, port: int, auth: str, node_config: Any = None) -> str:
         """`--cluster N`: N servers on loopback, one JetStream cluster (``EmbeddedCluster``)."""
         cluster = EmbeddedCluster(self.state_dir / "cluster", size=self.cluster, first_port=port,
-                                  client_config=auth, log_dir=self.state_dir / "logs")
+                                  client_config=auth, log_dir=self.state_dir / "logs", node_config=node_config)
         started = time.monotonic()
         self.server = cluster.start()
         self.say(f"aep-bridge up: embedded JetStream cluster of {self.cluster} nats-servers on "
@@ -304,7 +360,7 @@ class Up:
                          f"on its store)")
 
     async def bootstrap(self) -> None:
-        settings = self._settings()
+        settings = self._settings("bootstrap")
         nc = await connect(settings, name="aep-bridge-up", role="bootstrap")
         try:
             started = time.monotonic()
@@ -325,19 +381,26 @@ class Up:
         finally:
             await nc.close()
 
-    def _settings(self) -> Settings:
+    def _settings(self, role: str = "consumer") -> Settings:
         s = Settings.from_env()
         s.nats_url = self.url
-        if self.password is not None:
+        if self.fleet is not None:
+            s.nats_user, s.nats_password, s.nats_token, s.nats_creds, s.nats_nkey_seed = (
+                None, None, None, str(self.fleet.creds_path(f"aep-{role}")), None)
+        elif self.password is not None:
             s.nats_user, s.nats_password, s.nats_token, s.nats_creds, s.nats_nkey_seed = (
                 LOCAL_USER, self.password, None, None, None)
         return s
 
-    def credential_env(self) -> dict[str, str]:
+    def credential_env(self, role: str | None = None) -> dict[str, str]:
         """The NATS settings the operator's commands (tail, demo, control) and the workers use:
-        LOCAL_USER, every right. Never handed to a shim (``shim_credential_env``)."""
+        LOCAL_USER, every right, never handed to a shim (``shim_credential_env``); with --fleet,
+        a role's .creds (a shim gets its own from `aep-bridge fleet issue`)."""
         env = {"AEP_BRIDGE_NATS_URL": self.url}
-        if self.password is not None:
+        if self.fleet is not None:
+            if role:
+                env["AEP_BRIDGE_NATS_CREDS"] = str(self.fleet.creds_path(f"aep-{role}"))
+        elif self.password is not None:
             env.update(AEP_BRIDGE_NATS_USER=LOCAL_USER, AEP_BRIDGE_NATS_PASSWORD=self.password)
         return env
 
@@ -352,12 +415,12 @@ class Up:
             env.update(AEP_BRIDGE_NATS_USER=user, AEP_BRIDGE_NATS_PASSWORD=self.shim_passwords[user])
         return env
 
-    def _env(self) -> dict[str, str]:
+    def _env(self, role: str | None = None) -> dict[str, str]:
         env = dict(os.environ)
-        if self.password is not None:
+        if self.password is not None or self.fleet is not None:
             for key in CREDENTIAL_KEYS:
                 env.pop(key, None)
-        env.update(self.credential_env())
+        env.update(self.credential_env(role))
         env.setdefault("AEP_BRIDGE_LOG_FORMAT", "json")
         env["AEP_BRIDGE_METRICS_HOST"] = "127.0.0.1"  # the workers' HTTP ports: loopback only
         if self.cluster:  # what a worker creates itself (the gate's buckets) at R3 too
@@ -370,7 +433,7 @@ class Up:
 
     def _gate_env(self) -> dict[str, str]:
         """The gate accepts both commands unless the environment sets the switches itself."""
-        env = self._env()
+        env = self._env("gate")
         env.setdefault("AEP_HERMES_CONTROL", "1")
         env.setdefault("AEP_INSTRUCT", "1")
         return env
@@ -394,14 +457,14 @@ class Up:
         logs.mkdir(parents=True, exist_ok=True)
         base = [sys.executable, "-m", "bridge.cli"]
         self.workers = [
-            Worker("mapper", base + ["mapper", "--metrics-port", str(self.mapper_port)], logs / "mapper.log", self._env()),
+            Worker("mapper", base + ["mapper", "--metrics-port", str(self.mapper_port)], logs / "mapper.log", self._env("mapper")),
             Worker("pairing", base + ["pairing", "--metrics-port", str(self.pairing_port), "--replica", "up-pairing"],
-                   logs / "pairing.log", self._env()),
+                   logs / "pairing.log", self._env("pairing")),
         ]
         if self.gate:
             self.workers.append(Worker("gate", base + ["gate", "--metrics-port", str(self.gate_port)],
                                        logs / "gate.log", self._gate_env()))
-        relay_env = {**self._env(), "AEP_BRIDGE_RELAY_LISTEN": f"127.0.0.1:{self.relay_port}",
+        relay_env = {**self._env("relay"), "AEP_BRIDGE_RELAY_LISTEN": f"127.0.0.1:{self.relay_port}",
                      "AEP_BRIDGE_RELAY_TOKEN": self.relay_token}
         relay_env.pop("AEP_BRIDGE_RELAY_TOKENS_FILE", None)
         self.workers.append(Worker("relay", base + ["relay"], logs / "relay.log", relay_env))
@@ -415,7 +478,7 @@ class Up:
             os.chmod(sinks_file, 0o600)
             self.workers.append(Worker("exporter", base + ["exporter", "--metrics-port", str(self.export_port),
                                                            "--config", str(sinks_file)],
-                                       logs / "exporter.log", self._env()))
+                                       logs / "exporter.log", self._env("exporter")))
         for w in self.workers:
             w.start()
 
@@ -466,6 +529,8 @@ class Up:
             state["control"] = self.control()
         if self.export:
             metrics["exporter"] = f"http://127.0.0.1:{self.export_port}/metrics"
+        if self.fleet is not None:
+            state["fleet"] = {"dir": str(self.fleet.dir), "consumer_creds": str(self.fleet.creds_path("aep-consumer"))}
         if isinstance(self.server, EmbeddedCluster):
             state["nats_servers"] = [
                 {"name": name, "url": node.url, "pid": node.proc.pid if node.proc else None,
@@ -480,7 +545,7 @@ class Up:
     def banner(self) -> None:
         compiled = Path(importlib.util.cache_from_source(str(HOOK_SOURCE)))
         command = build_command(sys.executable, compiled, Path("~/.hermes/aep-bridge.env"))
-        settings = " ".join(f"{k}={v}" for k, v in self.credential_env().items())
+        settings = " ".join(f"{k}={v}" for k, v in self.credential_env("consumer" if self.fleet else None).items())
         cli = cli_command()  # full path: the commands work pasted into a fresh shell
         shim_settings = " ".join(f"{k}={v}" for k, v in self.shim_credential_env().items())
         self.say("")
@@ -506,6 +571,11 @@ class Up:
         # Every command is printed whole, with the settings it needs: it works pasted into any
         # shell (also one that cannot find up.json, e.g. after --state-dir, another XDG_STATE_HOME).
         self.say(f"  watch          {settings} {cli} tail   (--json: one event a line as JSON)")
+        if self.fleet is not None:
+            self.fleet_banner(command, cli)
+            self.say("  stop           Ctrl-C")
+            self.say("")
+            return
         self.say(f"  replay a demo  {settings} {cli} demo")
         self.say(f"  wire Hermes    {shim_settings} {cli} hermes install")
         if self.password is not None:
@@ -520,6 +590,18 @@ class Up:
             self.control_banner(command, settings, cli)
         self.say("  stop           Ctrl-C")
         self.say("")
+
+    def fleet_banner(self, command: str, cli: str) -> None:
+        d = self.fleet.dir
+        self.say(f"  fleet          decentralized JWT auth; keys in {d} (0700): each instance its own credential")
+        self.say(f"  issue          {cli} fleet issue --dir {d} --instance NAME --out NAME.env   (no server call)")
+        self.say(f"  wire Hermes    (set -a; . ./NAME.env; {cli} hermes install)   the settings carry the JWT")
+        self.say(f"  revoke         {cli} fleet revoke --dir {d} --instance NAME   (pushed to every server: "
+                 "its live connections close, its next hook runs are refused and spooled)")
+        self.say(f"  list           {cli} fleet list --dir {d}")
+        if self.gate:
+            self.say(f"  control plane  the gate runs: issue with --control for a shim it may hold and steer "
+                     f"(`fleet issue --dir {d} --instance NAME --control`)")
 
     def control_banner(self, command: str, settings: str, cli: str) -> None:
         control = self.control() or {}
@@ -552,6 +634,8 @@ class Up:
             loop.add_signal_handler(sig, self.stop_event.set)
         try:
             self.url = self.start_server()
+            if self.fleet is not None:
+                await self.push_fleet()
             await self.bootstrap()
             self.start_workers()
             self.write_state()
@@ -585,7 +669,7 @@ class Up:
         if not follow:
             return
         self.say("aep-bridge up: following AEP_EVENTS (Ctrl-C to stop) ...")
-        nc = await connect(self._settings(), name="aep-bridge-up-tail", role="consumer")
+        nc = await connect(self._settings("consumer"), name="aep-bridge-up-tail", role="consumer")
         try:
             await tail(nc, color=color, out=self.out, stop=self.stop_event)
         finally:
