@@ -336,7 +336,8 @@ def test_up_listens_on_loopback_only_and_requires_its_generated_credential(tmp_p
         banner = (tmp / "up.out").read_text()
         assert shim["AEP_BRIDGE_NATS_PASSWORD"] in banner
         assert (f"AEP_BRIDGE_NATS_URL={url} AEP_BRIDGE_NATS_USER={shim['AEP_BRIDGE_NATS_USER']} "
-                f"AEP_BRIDGE_NATS_PASSWORD={shim['AEP_BRIDGE_NATS_PASSWORD']} aep-bridge hermes install") in banner
+                f"AEP_BRIDGE_NATS_PASSWORD={shim['AEP_BRIDGE_NATS_PASSWORD']} {Path(sys.executable).parent / 'aep-bridge'} "
+                "hermes install") in banner  # the full path: works without the venv on PATH
 
         for name, metrics in info["metrics"].items():
             mport = int(metrics.split(":")[2].split("/")[0])
