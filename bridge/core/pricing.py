@@ -50,6 +50,14 @@ MILLION = Decimal(1_000_000)
 #: a price above this per 1,000,000 tokens is taken for a typo (and keeps the figures in range)
 MAX_PRICE = Decimal(1_000_000)
 MAX_MODELS = 10_000
+#: the most tokens one model call can report in one bucket (~1.1e12): no model call has that many
+#: (context windows are ~1e6-1e7); a count past it is a bad value, left out and counted, so no
+#: cost and no run sum (pairing, a sum of at most 2**53) is ever built from a hostile figure
+TOKEN_MAX = 2**40
+#: the largest cost one call is priced at, in nano-units (10**6 currency units, where the JSON
+#: number of a member is still exactly its 9-decimal value, `from_nanos`): 2**40 tokens at
+#: `MAX_PRICE` would be ~1.1e21 nano-units, past int64 and msgpack; such a call has no cost
+COST_NANOS_MAX = 10**15
 _CURRENCY = re.compile(r"^[A-Z]{3}$")
 
 
@@ -190,10 +198,12 @@ def from_nanos(nanos: int) -> float:
 
 __all__ = [
     "COST_MEMBERS",
+    "COST_NANOS_MAX",
     "PRICE_KEYS",
     "PriceTable",
     "PriceTableError",
     "Prices",
+    "TOKEN_MAX",
     "cost_nanos",
     "cost_of",
     "from_nanos",

@@ -295,3 +295,24 @@ def test_the_integer_arithmetic_is_the_decimal_arithmetic() -> None:
         want = {k: int((v.quantize(q, rounding=ROUND_HALF_EVEN) * 10**9)) for k, v in want.items()}
         want["total"] = sum(want.values())
         assert cost_nanos(prices, n) == want, (row, n)
+
+
+def test_a_count_past_the_token_bound_is_left_out_and_counted() -> None:
+    """No model call has 2**40 tokens; a count past that is a bad value, not a figure to sum."""
+    obj = _post_api_request()
+    obj["extra"]["usage"]["input_tokens"] = 2**40 + 1
+    r = _map(obj)
+    assert "gen_ai.usage.input_tokens" not in r.events[0].data and r.invalid == ["input_tokens"]
+    assert "cost" not in r.events[0].data
+    obj["extra"]["usage"]["input_tokens"] = 2**40
+    assert _map(obj).events[0].data["gen_ai.usage.input_tokens"] == 2**40
+
+
+def test_a_cost_past_the_bound_is_left_out_and_counted() -> None:
+    """2**40 tokens at the highest price the table takes is ~1.1e21 nano-units, past int64: such
+    a call is not priced (counted as a bad ``cost``), the counts still flow."""
+    obj = _post_api_request()
+    obj["extra"]["usage"]["input_tokens"] = 2**40
+    r = _map(obj, {"currency": "USD", "models": {"fake-model": {"input": 1_000_000, "output": 10}}})
+    assert "cost" not in r.events[0].data and r.invalid == ["cost"]
+    assert r.events[0].data["gen_ai.usage.input_tokens"] == 2**40
