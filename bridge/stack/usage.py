@@ -6,6 +6,12 @@ nothing acked), filtered on the subjects of the model-call types
 time the stream stored the event) or the start. It stops at the stream's last sequence at
 start: what arrives later is for the next run. A read that takes longer than a second says
 how far it got on ``progress`` (stderr) every second.
+
+Memory stays bounded however long the stream: the subscription's callback hands each message
+to the fold through a queue of at most `QUEUE_MAX` and waits while it is full, so nats-py stops
+answering the ordered consumer's flow control and the server holds the rest back (before, an
+unbounded queue held the whole stream: 400k events, 390 MB); the fold keeps counts, not lists
+(`bridge.core.usage`).
 """
 
 from __future__ import annotations
@@ -20,11 +26,17 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from bridge.core.usage import API_CALL, API_ERROR, Usage
 from bridge.nats import streams as S
+from bridge.nats.connection import ordered_subscribe
 from bridge.nats import subjects as subj
 
 #: Both model-call types share this subject tail; other `x.hermes.api.*` types are skipped in `Usage.add`.
 SUBJECT_FILTER = f"{subj.EVENTS_PREFIX}.*.x.hermes.api.*"
 STALL_S = 15.0  # no message for this long while the server says more are pending: an error, not a hang
+QUEUE_MAX = 1024  # messages between the subscription and the fold (~1 MB of events)
+
+
+def _inbox() -> asyncio.Queue:  # type: ignore[type-arg]
+    return asyncio.Queue(maxsize=QUEUE_MAX)
 
 
 class UsageReadError(RuntimeError):
@@ -48,12 +60,13 @@ async def read_usage(nc: Any, usage: Usage, *, since: datetime | None = None, pr
         kwargs: dict[str, Any] = {"config": config}
     else:
         kwargs = {"deliver_policy": DeliverPolicy.ALL}
-    queue: asyncio.Queue = asyncio.Queue()
+    queue = _inbox()
 
     async def cb(msg: Any) -> None:
-        queue.put_nowait(msg)
+        await queue.put(msg)  # back-pressure: waits while the fold is QUEUE_MAX behind
 
-    sub = await js.subscribe(SUBJECT_FILTER, cb=cb, stream=S.AEP_EVENTS, ordered_consumer=True, **kwargs)
+    # by name: the aep-consumer role may create no nameless consumer (bridge/nats/connection.py)
+    sub = await ordered_subscribe(js, SUBJECT_FILTER, S.AEP_EVENTS, cb=cb, **kwargs)
     read = 0
     started = time.monotonic()
     next_progress = started + progress_s

@@ -225,3 +225,40 @@ def test_a_long_read_shows_progress_on_stderr(stream: Stream) -> None:
     assert n == 10  # every x.hermes.api.* message up to the last sequence at start
     assert u.rows()[0] == FAKE
     assert "aep-bridge usage: read " in progress and "of ~10 model-call events" in progress
+
+
+def test_the_reader_holds_a_bounded_number_of_messages(stream: Stream, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The subscription hands messages to the fold through a queue of at most QUEUE_MAX (here
+    2): while the fold is behind, the callback waits (and the ordered consumer's flow control
+    holds the server back) instead of buffering the whole stream in memory (400k events were
+    390 MB before). The fold starts late on purpose: every message could be queued by then."""
+    import bridge.stack.usage as su
+    from bridge.core.usage import Usage
+
+    sizes: list[int] = []
+
+    class Watched(asyncio.Queue):  # type: ignore[type-arg]
+        async def get(self) -> Any:
+            if not sizes:
+                await asyncio.sleep(0.5)
+            sizes.append(self.qsize())
+            return await super().get()
+
+        def put_nowait(self, item: Any) -> None:
+            super().put_nowait(item)
+            sizes.append(self.qsize())
+
+    monkeypatch.setattr(su, "QUEUE_MAX", 2, raising=False)
+    monkeypatch.setattr(su, "_inbox", lambda: Watched(maxsize=su.QUEUE_MAX), raising=False)
+
+    async def read() -> tuple[int, Usage]:
+        nc = await nats.connect(stream.url)
+        u = Usage("model")
+        try:
+            return await su.read_usage(nc, u), u
+        finally:
+            await nc.close()
+
+    n, u = asyncio.run(read())
+    assert n == 10 and u.rows()[0] == FAKE
+    assert sizes and max(sizes) <= 2
