@@ -339,7 +339,12 @@ class _Usage(msgspec.Struct, array_like=True, gc=False):
     tokens: list[int] = msgspec.field(default_factory=lambda: [-1] * len(USAGE_MEMBERS))  # -1: no call had it
     currency: str = ""  # "" no call yet; NO_COST: a call without a cost, or in another currency
     cost: list[int] = msgspec.field(default_factory=lambda: [0] * len(COST_MEMBERS))  # nano-units
-    seqs: list[int] = msgspec.field(default_factory=list)  # the calls counted (raw position: dedupe)
+    #: the calls counted, by raw position alone: only in a checkpoint of the code before
+    #: ``keys`` (read, never added to; such a run's calls were all of one epoch)
+    seqs: list[int] = msgspec.field(default_factory=list)
+    #: the calls counted, (epoch, seq): a raw position is unique within its epoch only (a
+    #: HERMES_RAW recreated mid-run starts its positions again)
+    keys: list[tuple[int, int]] = msgspec.field(default_factory=list)
 
 
 NO_COST = "-"
@@ -1250,8 +1255,8 @@ class PairingState:
     # ------------------------------------------------------------ model calls: run totals (issue 40)
 
     def _call(self, lane: str, s: _Session, ev: Event) -> list[Event]:
-        """Count one ``x.hermes.api.call`` in its run's sums, once (known by its raw position,
-        ``seq``; the id ring drops nearer repeats). While the run is open the sums wait for its
+        """Count one ``x.hermes.api.call`` in its run's sums, once (known by its raw position in
+        its epoch, ``(epoch, seq)``; the id ring drops nearer repeats). While the run is open the sums wait for its
         end (`_settle`). A call that reaches pairing after its run's end (a mapper replica that
         died holding it: redelivered one ack wait later) amends them: right after the call goes
         ``x.hermes.run.usage`` with the run's new totals (``cause`` = the end), as long as the
@@ -1299,10 +1304,10 @@ class PairingState:
         return found
 
     def _add_call(self, u: _Usage, ev: Event) -> bool:
-        seq = _seq(ev)
-        if seq in u.seqs:
+        key = (_epoch(ev), _seq(ev))
+        if key in u.keys or (u.seqs and key[1] in u.seqs):
             return False
-        u.seqs.append(seq)
+        u.keys.append(key)
         u.calls += 1
         data = _data(ev)
         invalid = overflow = False
@@ -1348,6 +1353,9 @@ class PairingState:
                 for seq in u.seqs:
                     if seq not in p.use.seqs:
                         p.use.seqs.append(seq)
+                for key in u.keys:
+                    if key not in p.use.keys:
+                        p.use.keys.append(key)
                 p.use.calls += u.calls
                 p.use.tokens = [_sum_count(a, b) for a, b in zip(p.use.tokens, u.tokens)]
                 p.use.cost = [a + b for a, b in zip(p.use.cost, u.cost)]

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
+
 from bridge.core.aep import Event
+from bridge.core.identity import event_id
 from bridge.core.invariants import is_run_end
 from bridge.core.pairing import PairingState
 from tests.support.pairing import Mk
@@ -21,6 +24,13 @@ def _feed(state: PairingState, msgs: list[Any], start: int = 1) -> list[Event]:
     for pos, (ev, h) in enumerate(msgs, start=start):
         out += state.process(ev, h, pos)
     return out
+
+
+def _forgotten(msg: Any, n: int = 1) -> Any:
+    """The message again, past the id ring (``dedupe_ids``, the nearer repeats): another id, the
+    same raw position, so only the run's own dedupe knows it."""
+    ev, h = msg
+    return msgspec.structs.replace(ev, id=event_id(f"forgotten-{n}", 512, 1764500000000)), h
 
 
 def _end(out: list[Event]) -> Event:
@@ -62,3 +72,51 @@ def test_run_sums_that_would_pass_the_bound_are_left_out_counted_never_wrapped()
     assert INPUT not in end.data and "cost" not in end.data  # past the bound: left out
     assert end.data[OUTPUT] == n and end.data["model_calls"] == n
     assert state.counters["usage.overflow"] == 2  # the input sum and the cost sum, once each
+
+
+def test_calls_of_two_epochs_at_the_same_raw_position_are_both_counted() -> None:
+    """HERMES_RAW recreated mid-run (a new epoch): its raw positions start again, so a call of
+    the new epoch may have the seq of one already counted. A call is known by (epoch, seq)."""
+    a, b = Mk(epoch=1), Mk(epoch=2)
+    msgs = [a.started("S"), a.run_start("S", run=R), a.api_call("S", run=R, tokens=(100, 10, 0, 0, 0))]
+    b.raw = a.raw - 1  # b's next raw position is a's call's
+    again = _forgotten(b.api_call("S", run=R, tokens=(7, 7, 0, 0, 0)))
+    assert (again[0].seq, again[0].epoch) == (msgs[-1][0].seq, 2)
+    msgs += [again, _forgotten(again, 2), b.run_end("S", run=R)]
+    state = PairingState()
+    end = _end(_feed(state, msgs))
+    assert end.data[INPUT] == 107 and end.data["model_calls"] == 2
+    assert state.counters["usage.duplicates"] == 1
+
+
+# A checkpoint of the code before calls were known by (epoch, seq) (pairing at a3b92d5): session
+# S, run S:t:1 open with one call counted (100 input tokens, raw 3), run S:t:2 closed with one
+# call (5 input tokens, raw 5) on its pair.
+OLD_CHECKPOINT = bytes.fromhex(
+    "970206cf187cc366ba88cd8083a96576656e74735f696e06aa6576656e74735f6f757406aa75736167652e72756e730196ba"
+    "30314b424136414b383146424131333234564e33393831314a5aba30314b424136414b3832384d4d5145373633334d475a38"
+    "543156ba30314b424136414b3833574a323632575a515a50413530393332ba30314b424136414b38344b5159415133425139"
+    "4d413443434235ba30314b424136414b38355a4e4448414e38323252594b5a535034ba30314b424136414b38364a4a514e44"
+    "435954474e4339363653399081a15399d9206165703a2f2f6465762f6167656e742f6865726d65732f73657373696f6e2f53"
+    "cf187cc366ba88cd80a000c408c894ee70f6e7f7b992dc001100a5533a743a31ba30314b424136414b3832384d4d51453736"
+    "33334d475a38543156cd0a00cf187cc366ba4bc48000a5533a743a31a0a000a000c2c200a0c0dc001100a5533a743a32ba30"
+    "314b424136414b38344b51594151334251394d413443434235cd1200cf187cc366ba6a490000a5533a743a32a0a001ba3031"
+    "4b424136414b38364a4a514e44435954474e433936365339cf187cc366ba88cd80c2c200a09501950505000000a12d950000"
+    "00000091cd1600c0c081a5533a743a31950195640a000000a12d95000000000091cd0e00"
+)
+
+
+def test_a_checkpoint_written_before_calls_were_known_by_epoch_restores() -> None:
+    m = Mk()
+    feed = [m.started("S"), m.run_start("S", run="S:t:1"), m.api_call("S", run="S:t:1", tokens=(100, 10, 0, 0, 0)),
+            m.run_start("S", run="S:t:2"), m.api_call("S", run="S:t:2", tokens=(5, 5, 0, 0, 0)),
+            m.run_end("S", run="S:t:2")]  # the same messages the checkpoint was taken after
+    state = PairingState.restore(OLD_CHECKPOINT)
+    assert state.position == 6
+    out = _feed(state, [_forgotten(feed[2]), _forgotten(feed[4], 2), m.api_call("S", run="S:t:1", tokens=(1, 1, 0, 0, 0)),
+                        m.run_end("S", run="S:t:1")], start=7)
+    assert state.counters["usage.duplicates"] == 2  # both counted calls, redelivered: not again
+    end = next(e for e in out if e.type == "run.finished" and e.run == "S:t:1")
+    assert end.data[INPUT] == 101 and end.data["model_calls"] == 2
+    assert not [e for e in out if e.type == "x.hermes.run.usage"]
+    assert PairingState.restore(state.snapshot()).snapshot() == state.snapshot()
