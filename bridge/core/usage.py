@@ -40,6 +40,15 @@ def _count(value: Any) -> bool:
     return type(value) is int and 0 <= value <= _MAX
 
 
+def printable(text: str) -> str:
+    """``text`` with every character that is not printable (escape sequences, line breaks, bidi
+    overrides, NULs: what the wire may carry in a name) shown as its escape (``\\x1b``), so a
+    terminal gets only what it shows."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
 def percentile(ordered: list[int], p: float) -> int | None:
     """Nearest-rank percentile of an ascending list (an observed value, never interpolated)."""
     if not ordered:
@@ -214,10 +223,10 @@ def format_table(usage: Usage) -> str:
     header = [usage.by, *(title for _, title in COLUMNS), "cost"]
     lines = [header]
     for row in rows:
-        cells = [str(row["group"])]
+        cells = [printable(str(row["group"]))]
         for key, _ in COLUMNS:
             cells.append("" if row[key] is None else str(row[key]))
-        cost = format_cost(row["cost"])
+        cost = printable(format_cost(row["cost"]))
         if cost and row["unpriced_calls"]:
             cost += f" (+{row['unpriced_calls']} unpriced)"
         cells.append(cost)

@@ -79,3 +79,17 @@ def test_percentiles_of_counted_durations_are_the_nearest_rank_of_the_whole_list
         for p in (50, 99, 100):
             assert percentile_counted(Counter(values), p) == percentile(sorted(values), p)
     assert percentile_counted(Counter(), 50) is None
+
+
+def test_the_table_shows_no_control_character_from_the_wire() -> None:
+    """A model name (or instance, session, day, currency) is the wire's: an escape sequence in
+    it would reach the terminal; it is shown escaped."""
+    hostile = "evil\x1b]0;pwned\x07\x1b[2J\r\n\u202e\x00"
+    u = Usage("model")
+    u.add(event("x.hermes.api.call", data=api_call(hostile, duration_ms=5, input=1,
+                                                   cost={"currency": "US\x1bD", "total": 0.5})))
+    u.add(event("x.hermes.api.call", data=api_call("plain", duration_ms=5, input=1)))
+    text = format_table(u)
+    assert all(c == "\n" or c.isprintable() for c in text), repr(text)
+    assert len(text.splitlines()) == 4  # header, two groups, total
+    assert "evil\\x1b]0;pwned\\x07" in text
