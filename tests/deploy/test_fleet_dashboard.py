@@ -79,3 +79,18 @@ def test_no_token_panel_adds_reasoning_to_output_again() -> None:
                 assert 'kind!="reasoning"' in expr, (panel["title"], expr)
                 assert "reasoning" in panel["description"], panel["title"]
     assert checked >= 1  # the Tokens stat at least
+
+
+def test_the_metrics_contract_lists_the_mappers_usage_metrics() -> None:
+    """deploy/README section 6's table names what the mapper counts of model calls: the calls
+    the price table does not price and the numbers left out."""
+    from bridge.services.mapper import MapperMetrics
+
+    registry = CollectorRegistry()
+    MapperMetrics(registry)
+    usage = {m.name + "_total" for m in registry.collect() if m.type == "counter"
+             and ("model" in m.name or "usage" in m.name)}
+    assert usage == {"aep_bridge_model_unpriced_total", "aep_bridge_usage_invalid_total"}
+    documented = set(re.findall(r"^\| `(aep_bridge_[a-z_]+)` \| counter \| `(?:model|field)` \| mapper \|",
+                                DEPLOY_README.read_text(encoding="utf-8"), flags=re.M))
+    assert usage <= documented, usage - documented
