@@ -26,6 +26,7 @@ from typing import Any, TextIO
 import msgspec
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import ConsumerConfig, DeliverPolicy
+from nats.js.client import JetStreamContext
 
 from bridge.core.usage import API_CALL, API_ERROR, Usage
 from bridge.nats import streams as S
@@ -49,11 +50,38 @@ def _take(sub: Any) -> Any:
     return msg
 
 
-async def subscribe(js: Any, **kwargs: Any) -> Any:
+class _Created(JetStreamContext):
+    """``nc.jetstream()`` that keeps the server's answers to the consumer creations it sends
+    (nats-py does not keep them)."""
+
+    def __init__(self, nc: Any) -> None:
+        super().__init__(nc)
+        self.created: list[Any] = []
+
+    @property
+    def _jsm(self) -> Any:
+        jsm = JetStreamContext._jsm.fget(self)  # type: ignore[attr-defined]
+        add_consumer = jsm.add_consumer
+
+        async def recorded(*args: Any, **kw: Any) -> Any:
+            info = await add_consumer(*args, **kw)
+            self.created.append(info)
+            return info
+
+        jsm.add_consumer = recorded
+        return jsm
+
+
+async def subscribe(nc: Any, **kwargs: Any) -> tuple[Any, Any]:
     """The read's consumer: ordered, ephemeral, AckNone, created by name (the aep-consumer role
     may create no nameless consumer: bridge/nats/connection.py), and WITHOUT a callback, so
-    flow control holds the server back while the reader is behind (module docstring)."""
-    return await ordered_subscribe(js, SUBJECT_FILTER, S.AEP_EVENTS, **kwargs)
+    flow control holds the server back while the reader is behind (module docstring).
+
+    With the server's answer to the creation (its ``num_pending``: the matching events from
+    the start point): the role may not ask ``$JS.API.CONSUMER.INFO`` afterwards."""
+    js = _Created(nc)
+    sub = await ordered_subscribe(js, SUBJECT_FILTER, S.AEP_EVENTS, **kwargs)
+    return sub, (js.created[0] if js.created else None)
 
 
 class UsageReadError(RuntimeError):
@@ -77,14 +105,13 @@ async def read_usage(nc: Any, usage: Usage, *, since: datetime | None = None, pr
         kwargs: dict[str, Any] = {"config": config}
     else:
         kwargs = {"deliver_policy": DeliverPolicy.ALL}
-    sub = await subscribe(js, **kwargs)
+    sub, created = await subscribe(nc, **kwargs)
     read = 0
     started = time.monotonic()
     next_progress = started + progress_s
     last_msg = started
     try:
-        ci = await sub.consumer_info()
-        expected = (ci.num_pending or 0) + (ci.delivered.consumer_seq or 0)  # matching messages from the start point
+        expected = (created.num_pending or 0) if created is not None else 0  # matching messages from the start point
         if expected == 0:
             return 0
         while True:

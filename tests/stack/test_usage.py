@@ -258,7 +258,7 @@ def test_the_reader_holds_a_bounded_part_of_a_long_stream(nats_backend: str) -> 
                 await nc.flush()
                 while (await nc.jetstream().stream_info("AEP_EVENTS")).state.messages < n:
                     await asyncio.sleep(0.05)
-                sub = await su.subscribe(nc.jetstream(), deliver_policy=DeliverPolicy.ALL)
+                sub, _ = await su.subscribe(nc, deliver_policy=DeliverPolicy.ALL)
                 held = 0
                 for _ in range(20):  # nothing taken for 2 s: what the client holds stops growing
                     await asyncio.sleep(0.1)
@@ -275,3 +275,39 @@ def test_the_reader_holds_a_bounded_part_of_a_long_stream(nats_backend: str) -> 
     finally:
         client.close()
         server.close()
+
+
+def test_it_reads_with_the_consumer_roles_rights_only(tmp_path: Path) -> None:
+    """As aep-consumer (deploy/nats/nats.conf: create an ordered consumer BY NAME, stream info,
+    flow control; no consumer info): the read asked $JS.API.CONSUMER.INFO for the number of
+    events to expect, which the role may not, and failed with a timeout. The count now comes
+    from the creation's answer; an empty window still ends at once."""
+    from tests.support.nats_roles import Client, configured_server, ensure_streams, sample_nats_conf
+    from tests.support.api_calls import subject
+
+    from bridge.core.usage import Usage
+    from bridge.stack.usage import read_usage
+
+    with configured_server(tmp_path, sample_nats_conf(tmp_path / "js")) as url:
+        async def main() -> tuple[int, list[dict[str, Any]], int, list[str]]:
+            await ensure_streams(url)
+            writer = await Client.connect(url, "pairing")
+            try:
+                for ev in first_batch():
+                    await writer.js.publish(subject(ev), json.dumps(ev).encode())
+            finally:
+                await writer.close()
+            reader = await Client.connect(url, "consumer")
+            try:
+                u = Usage("model")
+                n = await asyncio.wait_for(read_usage(reader.nc, u, stall_s=5), 30)
+                later = datetime.now(timezone.utc)
+                empty = await asyncio.wait_for(read_usage(reader.nc, Usage("model"), since=later, stall_s=5), 30)
+                return n, u.rows(), empty, reader.errors
+            finally:
+                await reader.close()
+
+        n, rows, empty, errors = asyncio.run(main())
+    assert n == 9 and rows[0]["group"] == "fake-model" and rows[0]["calls"] == 4
+    assert empty == 0
+    assert not [e for e in errors if "permissions violation" in e.lower()], errors
