@@ -44,7 +44,7 @@ from bridge.core.digest import digest
 from bridge.core.envelope import EnvelopeError, HermesEnvelope
 from bridge.core.identity import MAPPED_SLOT, MAX_MAPPED, Origin, rfc3339, source_uri
 from bridge.core.lanes import UNKNOWN, LaneLookup, Learned, lane_of, learned_from
-from bridge.core.pricing import NANOS, PriceTable, cost_nanos
+from bridge.core.pricing import COST_NANOS_MAX, NANOS, TOKEN_MAX, PriceTable, cost_nanos
 
 Spec = tuple[str, aep._Payload, str | None]  # (type, payload, subject)
 Builder = Callable[[HermesEnvelope, "Ctx"], list[Spec]]
@@ -91,14 +91,14 @@ def _int(value: Any) -> int | Any:
 COUNT_MAX = 2**53
 
 
-def _count(value: Any) -> int | Any:
-    """A token count or call number from Hermes: an integer (or an integral float) in
-    0..2**53, else UNSET (negative, fractional, bool, string, NaN, huge, missing)."""
+def _count(value: Any, most: int = COUNT_MAX) -> int | Any:
+    """A token count (``most`` = `TOKEN_MAX`) or call number from Hermes: an integer (or an
+    integral float) in 0..most, else UNSET (negative, fractional, bool, string, NaN, huge, missing)."""
     if isinstance(value, bool):
         return UNSET
     if isinstance(value, int):
-        return value if 0 <= value <= COUNT_MAX else UNSET
-    if isinstance(value, float) and value.is_integer() and 0 <= value <= COUNT_MAX:  # NaN/inf: not integer
+        return value if 0 <= value <= most else UNSET
+    if isinstance(value, float) and value.is_integer() and 0 <= value <= most:  # NaN/inf: not integer
         return int(value)
     return UNSET
 
@@ -444,7 +444,7 @@ API_CALL_TYPE = aep.API_CALL_TYPE
 USAGE_BUCKETS = (("input_tokens", "input"), ("output_tokens", "output"), ("cache_read_tokens", "cache_read"),
                  ("cache_write_tokens", "cache_write"), ("reasoning_tokens", "reasoning"))
 #: every value `aep_bridge_usage_invalid_total{field}` can name (a bounded label set)
-INVALID_FIELDS = ("usage", *(name for name, _ in USAGE_BUCKETS), "api_duration", "api_call_count")
+INVALID_FIELDS = ("usage", *(name for name, _ in USAGE_BUCKETS), "api_duration", "api_call_count", "cost")
 
 
 def _api_call(env: HermesEnvelope, ctx: Ctx) -> list[Spec]:
@@ -459,7 +459,7 @@ def _api_call(env: HermesEnvelope, ctx: Ctx) -> list[Spec]:
             # buckets may leave those out (not reported: not counted, priced as 0)
             if name not in usage and name not in ("input_tokens", "output_tokens"):
                 continue
-            value = _count(usage.get(name))
+            value = _count(usage.get(name), TOKEN_MAX)
             if value is UNSET:
                 ctx.bad(name)
                 bad = True
@@ -485,9 +485,12 @@ def _api_call(env: HermesEnvelope, ctx: Ctx) -> list[Spec]:
             ctx.unpriced.append(model or response_model or "unknown")
         elif not bad:  # never the cost of a partial count
             n = cost_nanos(prices, {key: counts.get(name, 0) for name, key in USAGE_BUCKETS})
-            cost = aep.Cost(currency=ctx.prices.currency, total=n["total"] / NANOS, prompt=n["prompt"] / NANOS,
-                            completion=n["completion"] / NANOS, cache=n["cache"] / NANOS,
-                            reasoning=n["reasoning"] / NANOS)
+            if n["total"] > COST_NANOS_MAX:  # a cost no sum downstream could hold: left out, counted
+                ctx.bad("cost")
+            else:
+                cost = aep.Cost(currency=ctx.prices.currency, total=n["total"] / NANOS, prompt=n["prompt"] / NANOS,
+                                completion=n["completion"] / NANOS, cache=n["cache"] / NANOS,
+                                reasoning=n["reasoning"] / NANOS)
     payload = aep.HermesApiCall(
         request_model=model,
         response_model=response_model,

@@ -178,7 +178,7 @@ import msgspec
 from msgspec import UNSET
 
 from bridge.core.aep import API_CALL_TYPE, RUN_USAGE_TYPE, USAGE_MEMBERS, Event, Severity
-from bridge.core.pricing import COST_MEMBERS, from_nanos, to_nanos
+from bridge.core.pricing import COST_MEMBERS, COST_NANOS_MAX, TOKEN_MAX, from_nanos, to_nanos
 from bridge.core.identity import AFTER_SLOT, MAPPED_SLOT, SLOTS, event_id, rfc3339, ulid_time_ms
 from bridge.core.lanes import UNKNOWN
 
@@ -339,10 +339,35 @@ class _Usage(msgspec.Struct, array_like=True, gc=False):
     tokens: list[int] = msgspec.field(default_factory=lambda: [-1] * len(USAGE_MEMBERS))  # -1: no call had it
     currency: str = ""  # "" no call yet; NO_COST: a call without a cost, or in another currency
     cost: list[int] = msgspec.field(default_factory=lambda: [0] * len(COST_MEMBERS))  # nano-units
-    seqs: list[int] = msgspec.field(default_factory=list)  # the calls counted (raw position: dedupe)
+    #: the calls counted, by raw position alone: only in a checkpoint of the code before
+    #: ``keys`` (read, never added to; such a run's calls were all of one epoch)
+    seqs: list[int] = msgspec.field(default_factory=list)
+    #: the calls counted, (epoch, seq): a raw position is unique within its epoch only (a
+    #: HERMES_RAW recreated mid-run starts its positions again). Kept sorted: a lookup bisects
+    #: (a scan per call made a long run quadratic: 20,000 calls, 2.4 s), an insert is an
+    #: append in the usual order, and the checkpoint's bytes stay canonical
+    keys: list[tuple[int, int]] = msgspec.field(default_factory=list)
 
 
 NO_COST = "-"
+#: a run's sum (tokens of a member, nano-units of a cost member) never passes this (the largest
+#: integer a JSON number holds exactly): a call past it leaves that member out of the run's
+#: totals (``OVER`` for tokens, `NO_COST` for the cost; counted ``usage.overflow``), never a
+#: wrapped or rounded figure, and every sum stays far inside what a checkpoint encodes. A call's
+#: own count past `TOKEN_MAX` or cost past `COST_NANOS_MAX` (the mapper never makes one) is not
+#: summed either (counted ``usage.invalid``).
+RUN_SUM_MAX = 2**53
+OVER = -2
+
+
+def _sum_count(a: int, b: int) -> int:
+    """Two token sums (-1: no call had the member, `OVER`: past the bound) as one."""
+    if a == OVER or b == OVER:
+        return OVER
+    if a < 0 and b < 0:
+        return -1
+    total = max(a, 0) + max(b, 0)
+    return total if total <= RUN_SUM_MAX else OVER
 
 
 class _Pair(msgspec.Struct, array_like=True, gc=False):
@@ -435,7 +460,8 @@ class PairingInputError(ValueError):
 def check_input(event: Event, hints: dict[str, Any], ts: int) -> None:
     """Refuse what a checkpoint could not hold, before any of it enters the state: times,
     seqs and epochs outside int64, and anything msgpack cannot encode (integers past 64
-    bits deep in ``data``, lone surrogates)."""
+    bits deep in ``data``, lone surrogates). What the state derives from an input stays
+    encodable by construction: a run's sums are bounded (`RUN_SUM_MAX`, `_add_call`)."""
     if not 0 <= ts <= INT64_MAX:
         raise PairingInputError(f"receive time {ts} outside 0..2**63-1 ns")
     for name in ("seq", "epoch"):
@@ -1231,8 +1257,8 @@ class PairingState:
     # ------------------------------------------------------------ model calls: run totals (issue 40)
 
     def _call(self, lane: str, s: _Session, ev: Event) -> list[Event]:
-        """Count one ``x.hermes.api.call`` in its run's sums, once (known by its raw position,
-        ``seq``; the id ring drops nearer repeats). While the run is open the sums wait for its
+        """Count one ``x.hermes.api.call`` in its run's sums, once (known by its raw position in
+        its epoch, ``(epoch, seq)``; the id ring drops nearer repeats). While the run is open the sums wait for its
         end (`_settle`). A call that reaches pairing after its run's end (a mapper replica that
         died holding it: redelivered one ack wait later) amends them: right after the call goes
         ``x.hermes.run.usage`` with the run's new totals (``cause`` = the end), as long as the
@@ -1279,27 +1305,41 @@ class PairingState:
                 found = p
         return found
 
-    @staticmethod
-    def _add_call(u: _Usage, ev: Event) -> bool:
-        seq = _seq(ev)
-        if seq in u.seqs:
+    def _add_call(self, u: _Usage, ev: Event) -> bool:
+        key = (_epoch(ev), _seq(ev))
+        i = bisect_left(u.keys, key)
+        if (i < len(u.keys) and u.keys[i] == key) or (u.seqs and key[1] in u.seqs):
             return False
-        u.seqs.append(seq)
+        u.keys.insert(i, key)
         u.calls += 1
         data = _data(ev)
+        invalid = overflow = False
         for i, (member, _) in enumerate(USAGE_MEMBERS):
             v = data.get(member)
-            if isinstance(v, int) and not isinstance(v, bool) and v >= 0:
-                u.tokens[i] = max(u.tokens[i], 0) + v
+            if isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= TOKEN_MAX:
+                before = u.tokens[i]
+                u.tokens[i] = _sum_count(before, v)
+                overflow |= u.tokens[i] == OVER and before != OVER
+            elif v is not None:
+                invalid = True
         cost = data.get("cost")
         nanos = None
         if isinstance(cost, dict) and isinstance(cost.get("currency"), str):
             nanos = [to_nanos(cost.get(m, 0)) for m in COST_MEMBERS]
-        if nanos is None or None in nanos or (u.currency and u.currency != cost["currency"]):
+            if None in nanos or max(nanos) > COST_NANOS_MAX:  # type: ignore[type-var]
+                nanos, invalid = None, True
+        if nanos is None or (u.currency and u.currency != cost["currency"]):
             u.currency = NO_COST
         elif u.currency != NO_COST:
-            u.currency = cost["currency"]
-            u.cost = [a + b for a, b in zip(u.cost, nanos)]  # type: ignore[operator]
+            summed = [a + b for a, b in zip(u.cost, nanos)]  # type: ignore[operator]
+            if max(summed) > RUN_SUM_MAX:
+                u.currency, overflow = NO_COST, True
+            else:
+                u.currency, u.cost = cost["currency"], summed
+        if invalid:
+            self._count("usage.invalid")
+        if overflow:
+            self._count("usage.overflow")
         return True
 
     def _settle(self, s: _Session, p: _Pair, capture_none: bool) -> dict[str, Any]:
@@ -1316,10 +1356,16 @@ class PairingState:
                 for seq in u.seqs:
                     if seq not in p.use.seqs:
                         p.use.seqs.append(seq)
+                for key in u.keys:
+                    i = bisect_left(p.use.keys, key)
+                    if i == len(p.use.keys) or p.use.keys[i] != key:
+                        p.use.keys.insert(i, key)
                 p.use.calls += u.calls
-                p.use.tokens = [max(a, 0) + max(b, 0) if max(a, b) >= 0 else -1 for a, b in zip(p.use.tokens, u.tokens)]
+                p.use.tokens = [_sum_count(a, b) for a, b in zip(p.use.tokens, u.tokens)]
                 p.use.cost = [a + b for a, b in zip(p.use.cost, u.cost)]
                 p.use.currency = p.use.currency if p.use.currency == u.currency else NO_COST
+                if max(p.use.cost) > RUN_SUM_MAX:
+                    p.use.currency, p.use.cost = NO_COST, [0] * len(COST_MEMBERS)
         elif p.use is None:
             p.use = _Usage()
         if capture_none or not p.use.calls:

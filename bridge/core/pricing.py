@@ -50,6 +50,18 @@ MILLION = Decimal(1_000_000)
 #: a price above this per 1,000,000 tokens is taken for a typo (and keeps the figures in range)
 MAX_PRICE = Decimal(1_000_000)
 MAX_MODELS = 10_000
+#: a price has at most this many decimal places (trailing zeros aside): 1e-12 per 1,000,000
+#: tokens is far below a nano-unit; more is taken for a typo, and bounds the integer arithmetic
+#: (``'1E-30000000'`` passed the range check and then took 60 s at the first priced call)
+MAX_DECIMALS = 12
+#: the most tokens one model call can report in one bucket (~1.1e12): no model call has that many
+#: (context windows are ~1e6-1e7); a count past it is a bad value, left out and counted, so no
+#: cost and no run sum (pairing, a sum of at most 2**53) is ever built from a hostile figure
+TOKEN_MAX = 2**40
+#: the largest cost one call is priced at, in nano-units (10**6 currency units, where the JSON
+#: number of a member is still exactly its 9-decimal value, `from_nanos`): 2**40 tokens at
+#: `MAX_PRICE` would be ~1.1e21 nano-units, past int64 and msgpack; such a call has no cost
+COST_NANOS_MAX = 10**15
 _CURRENCY = re.compile(r"^[A-Z]{3}$")
 
 
@@ -101,6 +113,10 @@ def _price(value: Any, where: str) -> Decimal:
         raise PriceTableError(f"{where} must be a non-negative number, got {value!r}") from None
     if not price.is_finite() or price < 0 or price > MAX_PRICE:
         raise PriceTableError(f"{where} must be a non-negative number of at most {MAX_PRICE}, got {value!r}")
+    _, digits, exp = price.as_tuple()
+    zeros = len(digits) - len("".join(map(str, digits)).rstrip("0"))  # 2.50 has 1 decimal place
+    if exp + zeros < -MAX_DECIMALS:  # type: ignore[operator]
+        raise PriceTableError(f"{where} has more than {MAX_DECIMALS} decimal places, got {value!r}")
     return price
 
 
@@ -130,7 +146,9 @@ def parse_price_table(doc: Any, where: str = "price table") -> PriceTable:
             raise PriceTableError(f"{where}: models.{name}: unknown price {bad[0]!r} (expected {', '.join(PRICE_KEYS)})")
         if "input" not in row or "output" not in row:
             raise PriceTableError(f"{where}: models.{name} needs at least input and output")
-        table[name] = Prices(**{k: _price(v, f"{where}: models.{name}.{k}") for k, v in row.items()})
+        prices = Prices(**{k: _price(v, f"{where}: models.{name}.{k}") for k, v in row.items()})
+        _ = prices.scaled  # computed once here, at start, not at the first priced call
+        table[name] = prices
     return PriceTable(currency=currency, models=table)
 
 
@@ -190,10 +208,12 @@ def from_nanos(nanos: int) -> float:
 
 __all__ = [
     "COST_MEMBERS",
+    "COST_NANOS_MAX",
     "PRICE_KEYS",
     "PriceTable",
     "PriceTableError",
     "Prices",
+    "TOKEN_MAX",
     "cost_nanos",
     "cost_of",
     "from_nanos",

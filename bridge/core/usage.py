@@ -2,8 +2,9 @@
 
 Pure: `Usage.add` takes AEP events as the JSON objects they are on the wire and sums the
 `x.hermes.api.call` ones per group (model, instance, session or day): calls, the five
-`gen_ai.usage.*` token counts, the call durations (for exact p50/p99, nearest rank) and the
-`cost` per currency. `x.hermes.api.error` events count as errors of their group. A member that
+`gen_ai.usage.*` token counts, the call durations (a count per distinct ms: exact p50/p99,
+nearest rank) and the `cost` per currency (an integer sum of nano-units, exact). Its state does
+not grow with the number of calls read, only with the distinct groups and durations. `x.hermes.api.error` events count as errors of their group. A member that
 is not a count (negative, bool, fractional, a string, past 2**53) is left out, as the mapper
 leaves it out, and the event is counted in `skipped_members`.
 
@@ -14,11 +15,13 @@ emitter-asserted); a call without one is counted `unpriced`, never guessed.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote
 
 from bridge.core.aep import API_CALL_TYPE as API_CALL, API_ERROR_TYPE as API_ERROR
+from bridge.core.pricing import COST_NANOS_MAX, from_nanos, to_nanos
 
 GROUPINGS = ("model", "instance", "session", "day")
 
@@ -37,12 +40,35 @@ def _count(value: Any) -> bool:
     return type(value) is int and 0 <= value <= _MAX
 
 
+def printable(text: str) -> str:
+    """``text`` with every character that is not printable (escape sequences, line breaks, bidi
+    overrides, NULs: what the wire may carry in a name) shown as its escape (``\\x1b``), so a
+    terminal gets only what it shows."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
 def percentile(ordered: list[int], p: float) -> int | None:
     """Nearest-rank percentile of an ascending list (an observed value, never interpolated)."""
     if not ordered:
         return None
     rank = max(1, math.ceil(p / 100 * len(ordered)))
     return ordered[rank - 1]
+
+
+def percentile_counted(counts: Counter[int], p: float) -> int | None:
+    """`percentile` of the list a Counter of values stands for (value -> how many times)."""
+    n = sum(counts.values())
+    if not n:
+        return None
+    rank = max(1, math.ceil(p / 100 * n))
+    seen = 0
+    for value in sorted(counts):
+        seen += counts[value]
+        if seen >= rank:
+            return value
+    return None  # unreachable: seen ends at n >= rank
 
 
 def instance_of(source: Any) -> str:
@@ -80,20 +106,19 @@ class Group:
     calls: int = 0
     errors: int = 0
     tokens: dict[str, int] = field(default_factory=lambda: {column: 0 for _, column in TOKENS})
-    durations: list[int] = field(default_factory=list)
-    cost: dict[str, list[float]] = field(default_factory=dict)  # currency -> totals (summed with fsum)
+    durations: Counter[int] = field(default_factory=Counter)  # ms -> calls
+    cost: dict[str, int] = field(default_factory=dict)  # currency -> nano-units
     unpriced: int = 0
 
     def row(self, name: str) -> dict[str, Any]:
-        ordered = sorted(self.durations)
         return {
             "group": name,
             "calls": self.calls,
             "errors": self.errors,
             **{f"{column}_tokens": self.tokens[column] for _, column in TOKENS},
-            "p50_ms": percentile(ordered, 50),
-            "p99_ms": percentile(ordered, 99),
-            "cost": {currency: math.fsum(totals) for currency, totals in sorted(self.cost.items())},
+            "p50_ms": percentile_counted(self.durations, 50),
+            "p99_ms": percentile_counted(self.durations, 99),
+            "cost": {currency: from_nanos(nanos) for currency, nanos in sorted(self.cost.items())},
             "unpriced_calls": self.unpriced,
         }
 
@@ -134,15 +159,15 @@ class Usage:
                     bad = True
         if "duration_ms" in data:
             if _count(data["duration_ms"]):
-                g.durations.append(data["duration_ms"])
+                g.durations[data["duration_ms"]] += 1
             else:
                 bad = True
         cost = data.get("cost")
         total = cost.get("total") if isinstance(cost, dict) else None
         currency = cost.get("currency") if isinstance(cost, dict) else None
-        if isinstance(currency, str) and currency and isinstance(total, (int, float)) and not isinstance(total, bool) \
-                and math.isfinite(total) and total >= 0:
-            g.cost.setdefault(currency, []).append(float(total))
+        nanos = to_nanos(total) if isinstance(currency, str) and currency else None
+        if nanos is not None and nanos <= COST_NANOS_MAX:  # (the mapper prices no call past it)
+            g.cost[currency] = g.cost.get(currency, 0) + nanos
         else:
             g.unpriced += 1
             bad = bad or cost is not None
@@ -166,9 +191,9 @@ class Usage:
             all_.errors += g.errors
             for column in all_.tokens:
                 all_.tokens[column] += g.tokens[column]
-            all_.durations.extend(g.durations)
-            for currency, totals in g.cost.items():
-                all_.cost.setdefault(currency, []).extend(totals)
+            all_.durations.update(g.durations)
+            for currency, nanos in g.cost.items():
+                all_.cost[currency] = all_.cost.get(currency, 0) + nanos
             all_.unpriced += g.unpriced
         return all_.row("total")
 
@@ -198,10 +223,10 @@ def format_table(usage: Usage) -> str:
     header = [usage.by, *(title for _, title in COLUMNS), "cost"]
     lines = [header]
     for row in rows:
-        cells = [str(row["group"])]
+        cells = [printable(str(row["group"]))]
         for key, _ in COLUMNS:
             cells.append("" if row[key] is None else str(row[key]))
-        cost = format_cost(row["cost"])
+        cost = printable(format_cost(row["cost"]))
         if cost and row["unpriced_calls"]:
             cost += f" (+{row['unpriced_calls']} unpriced)"
         cells.append(cost)

@@ -18,6 +18,7 @@ import msgspec
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from bridge.core.lanes import UNKNOWN, UNKNOWN_TOKEN, lane_token
+from bridge.core.usage import printable
 from bridge.nats import streams as S
 from bridge.nats import subjects as subj
 from bridge.nats.connection import ordered_subscribe
@@ -73,12 +74,18 @@ def parse_since(value: str | None, now: datetime | None = None) -> datetime | No
     m = re.fullmatch(r"(\d+(?:\.\d+)?)([smhd])", value.strip())
     if m:
         unit = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days"}[m.group(2)]
-        return now - timedelta(**{unit: float(m.group(1))})
+        try:
+            return now - timedelta(**{unit: float(m.group(1))})
+        except OverflowError:  # before year 1 (1000000d): a one-line error, not a traceback
+            raise ValueError(f"--since {value!r}: too far back (at most {(now - datetime.min.replace(tzinfo=timezone.utc)).days}d)") from None
     try:
         dt = datetime.fromisoformat(value.replace("Z", "+00:00"))
     except ValueError:
         raise ValueError(f"--since {value!r}: expected a duration like 5m/2h/1d or an RFC 3339 time") from None
-    return dt if dt.tzinfo else dt.replace(tzinfo=timezone.utc)
+    try:
+        return dt.astimezone(timezone.utc) if dt.tzinfo else dt.replace(tzinfo=timezone.utc)
+    except OverflowError:  # 0001-01-01T00:00:00+01:00 is before year 1 in UTC
+        raise ValueError(f"--since {value!r}: too far back") from None
 
 
 class Formatter:
@@ -97,7 +104,7 @@ class Formatter:
         session = event.get("session", "")
         if event.get("lane") == UNKNOWN:
             return "unknown"
-        return session or "-"
+        return printable(str(session)) or "-"
 
     def line(self, event: dict[str, Any]) -> str:
         lane = self.lane_label(event)
@@ -106,16 +113,16 @@ class Formatter:
         else:
             color = self.lane_colors.setdefault(lane, _COLORS[len(self.lane_colors) % len(_COLORS)])
         parts = []
-        t = str(event.get("time", ""))
+        t = printable(str(event.get("time", "")))
         parts.append(t[11:23] if len(t) >= 23 else t)
         parts.append(self._c(color, f"[{lane[-22:]}]"))
-        run = str(event.get("run", ""))
+        run = printable(str(event.get("run", "")))
         parts.append(f"run={run.rsplit(':', 1)[-1]}" if run else "run=-")
-        etype = str(event.get("type", "?"))
+        etype = printable(str(event.get("type", "?")))
         type_color = 31 if etype.endswith((".failed", ".denied", ".error", ".timeout")) else 1
         parts.append(self._c(type_color, f"{etype:<28}"))
         if event.get("subject"):
-            parts.append(f"subject={str(event['subject'])[:40]}")
+            parts.append(f"subject={printable(str(event['subject'])[:40])}")
         data = event.get("data") or {}
         for name, getter in _KEY_FIELDS:
             try:
@@ -123,9 +130,9 @@ class Formatter:
             except AttributeError:
                 value = None
             if value is not None:
-                parts.append(f"{name}={value}")
+                parts.append(printable(f"{name}={value}"))
         if event.get("cause"):
-            parts.append(self._c(90, f"cause={str(event['cause'])[-8:]}"))
+            parts.append(self._c(90, f"cause={printable(str(event['cause'])[-8:])}"))
         return "  ".join(parts)
 
     def emit(self, event: dict[str, Any]) -> None:

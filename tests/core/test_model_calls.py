@@ -206,6 +206,9 @@ def test_every_real_post_api_request_maps_to_one_api_call() -> None:
         ({"currency": "USD", "models": {"m": {"input": True, "output": 1}}}, "models.m.input"),
         ({"currency": "USD", "models": {"m": {"input": float("nan"), "output": 1}}}, "models.m.input"),
         ({"currency": "USD", "models": {"m": {"input": 1e9, "output": 1}}}, "models.m.input"),
+        # a huge negative exponent passed the range check and stalled the first priced call (60 s)
+        ({"currency": "USD", "models": {"m": {"input": "1E-30000000", "output": 1}}}, "models.m.input.*decimal places"),
+        ({"currency": "USD", "models": {"m": {"input": 1, "output": "0.0000000000001"}}}, "models.m.output.*decimal places"),
         ({"currency": "USD", "models": {"m": {"input": 1}}}, "needs at least input and output"),
         ({"currency": "USD", "models": {"m": {"input": 1, "output": 1, "cache": 2}}}, "unknown price 'cache'"),
         ({"currency": "USD", "models": {"m": [1, 2]}}, "models.m must be an object"),
@@ -295,3 +298,33 @@ def test_the_integer_arithmetic_is_the_decimal_arithmetic() -> None:
         want = {k: int((v.quantize(q, rounding=ROUND_HALF_EVEN) * 10**9)) for k, v in want.items()}
         want["total"] = sum(want.values())
         assert cost_nanos(prices, n) == want, (row, n)
+
+
+def test_a_count_past_the_token_bound_is_left_out_and_counted() -> None:
+    """No model call has 2**40 tokens; a count past that is a bad value, not a figure to sum."""
+    obj = _post_api_request()
+    obj["extra"]["usage"]["input_tokens"] = 2**40 + 1
+    r = _map(obj)
+    assert "gen_ai.usage.input_tokens" not in r.events[0].data and r.invalid == ["input_tokens"]
+    assert "cost" not in r.events[0].data
+    obj["extra"]["usage"]["input_tokens"] = 2**40
+    assert _map(obj).events[0].data["gen_ai.usage.input_tokens"] == 2**40
+
+
+def test_a_cost_past_the_bound_is_left_out_and_counted() -> None:
+    """2**40 tokens at the highest price the table takes is ~1.1e21 nano-units, past int64: such
+    a call is not priced (counted as a bad ``cost``), the counts still flow."""
+    obj = _post_api_request()
+    obj["extra"]["usage"]["input_tokens"] = 2**40
+    r = _map(obj, {"currency": "USD", "models": {"fake-model": {"input": 1_000_000, "output": 10}}})
+    assert "cost" not in r.events[0].data and r.invalid == ["cost"]
+    assert r.events[0].data["gen_ai.usage.input_tokens"] == 2**40
+
+
+def test_prices_with_up_to_twelve_decimal_places_are_exact() -> None:
+    t = parse_price_table({"currency": "USD", "models": {"m": {"input": "0.000000000001", "output": "2.50000000000000000000"}}})
+    p = t.prices("m")
+    assert p.output == Decimal("2.5") and p.input == Decimal("1e-12")
+    assert cost_of(p, {"input": 10**12, "output": 10**6}) == {
+        "total": Decimal("2.500001000"), "prompt": Decimal("0.000001000"), "completion": Decimal("2.500000000"),
+        "cache": Decimal(0), "reasoning": Decimal(0)}

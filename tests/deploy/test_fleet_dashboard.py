@@ -57,3 +57,40 @@ def test_it_reads_the_documented_activity_metrics_with_bounded_labels() -> None:
             assert not re.search(r"\b(session|run|call_id|instance)\b", expr), expr
     variables = {v["name"] for v in dashboard["templating"]["list"]}
     assert {"datasource", "namespace", "pairing_job", "model"} <= variables
+
+
+def test_no_token_panel_adds_reasoning_to_output_again() -> None:
+    """Hermes's output_tokens include the reasoning tokens (kind="reasoning" is their breakdown,
+    bridge/core/pricing.py), so a panel that adds the kinds together leaves reasoning out: a
+    total over every kind counted each reasoning token twice."""
+    dashboard = json.loads(FILE.read_text())
+    checked = 0
+    for panel in dashboard["panels"]:
+        stacked = panel.get("fieldConfig", {}).get("defaults", {}).get("custom", {}).get("stacking", {}).get("mode",
+                                                                                                               "none")
+        for target in panel.get("targets", []):
+            expr = target["expr"]
+            if "aep_bridge_model_tokens_total" not in expr:
+                continue
+            by_kind = re.search(r"by \([^)]*\bkind\b", expr) is not None
+            adds_kinds = not by_kind or (panel["type"] == "timeseries" and stacked != "none")
+            if adds_kinds:
+                checked += 1
+                assert 'kind!="reasoning"' in expr, (panel["title"], expr)
+                assert "reasoning" in panel["description"], panel["title"]
+    assert checked >= 1  # the Tokens stat at least
+
+
+def test_the_metrics_contract_lists_the_mappers_usage_metrics() -> None:
+    """deploy/README section 6's table names what the mapper counts of model calls: the calls
+    the price table does not price and the numbers left out."""
+    from bridge.services.mapper import MapperMetrics
+
+    registry = CollectorRegistry()
+    MapperMetrics(registry)
+    usage = {m.name + "_total" for m in registry.collect() if m.type == "counter"
+             and ("model" in m.name or "usage" in m.name)}
+    assert usage == {"aep_bridge_model_unpriced_total", "aep_bridge_usage_invalid_total"}
+    documented = set(re.findall(r"^\| `(aep_bridge_[a-z_]+)` \| counter \| `(?:model|field)` \| mapper \|",
+                                DEPLOY_README.read_text(encoding="utf-8"), flags=re.M))
+    assert usage <= documented, usage - documented

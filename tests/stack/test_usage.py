@@ -225,3 +225,89 @@ def test_a_long_read_shows_progress_on_stderr(stream: Stream) -> None:
     assert n == 10  # every x.hermes.api.* message up to the last sequence at start
     assert u.rows()[0] == FAKE
     assert "aep-bridge usage: read " in progress and "of ~10 model-call events" in progress
+
+
+
+@pytest.mark.slow
+def test_the_reader_holds_a_bounded_part_of_a_long_stream(nats_backend: str) -> None:
+    """While the fold does not take messages, the read's subscription holds a bounded part of
+    the stream (flow control stops the server), not all of it: with a callback, nats-py
+    answered flow control on arrival and the callback's queue took everything (400k events,
+    390 MB). Then the read still gets every message."""
+    if nats_backend == "external":
+        pytest.skip("needs a stream of its own")
+    from nats.js.api import DeliverPolicy
+
+    import bridge.stack.usage as su
+    from bridge.core.usage import Usage
+    from tests.support.api_calls import subject
+
+    n = 8000
+    server = make_server(backend=nats_backend)
+    client = JetStreamClient(server.url)
+    try:
+        client.bootstrap()
+
+        async def run() -> tuple[int, int, int]:
+            nc = await nats.connect(server.url)
+            try:
+                for _ in range(n):  # ~0.9 KB each, ~7 MB
+                    ev = event("x.hermes.api.call", data=api_call(duration_ms=5, input=1, cost=usd(0.5)))
+                    ev["data"]["x-pad"] = "p" * 600
+                    await nc.publish(subject(ev), json.dumps(ev).encode())
+                await nc.flush()
+                while (await nc.jetstream().stream_info("AEP_EVENTS")).state.messages < n:
+                    await asyncio.sleep(0.05)
+                sub, _ = await su.subscribe(nc, deliver_policy=DeliverPolicy.ALL)
+                held = 0
+                for _ in range(20):  # nothing taken for 2 s: what the client holds stops growing
+                    await asyncio.sleep(0.1)
+                    held = max(held, sub.pending_msgs)
+                await sub.unsubscribe()
+                u = Usage("model")
+                return held, await su.read_usage(nc, u), u.rows()[0]["calls"]
+            finally:
+                await nc.close()
+
+        held, read, calls = asyncio.run(run())
+        assert 0 < held < n // 2
+        assert read == calls == n
+    finally:
+        client.close()
+        server.close()
+
+
+def test_it_reads_with_the_consumer_roles_rights_only(tmp_path: Path) -> None:
+    """As aep-consumer (deploy/nats/nats.conf: create an ordered consumer BY NAME, stream info,
+    flow control; no consumer info): the read asked $JS.API.CONSUMER.INFO for the number of
+    events to expect, which the role may not, and failed with a timeout. The count now comes
+    from the creation's answer; an empty window still ends at once."""
+    from tests.support.nats_roles import Client, configured_server, ensure_streams, sample_nats_conf
+    from tests.support.api_calls import subject
+
+    from bridge.core.usage import Usage
+    from bridge.stack.usage import read_usage
+
+    with configured_server(tmp_path, sample_nats_conf(tmp_path / "js")) as url:
+        async def main() -> tuple[int, list[dict[str, Any]], int, list[str]]:
+            await ensure_streams(url)
+            writer = await Client.connect(url, "pairing")
+            try:
+                for ev in first_batch():
+                    await writer.js.publish(subject(ev), json.dumps(ev).encode())
+            finally:
+                await writer.close()
+            reader = await Client.connect(url, "consumer")
+            try:
+                u = Usage("model")
+                n = await asyncio.wait_for(read_usage(reader.nc, u, stall_s=5), 30)
+                later = datetime.now(timezone.utc)
+                empty = await asyncio.wait_for(read_usage(reader.nc, Usage("model"), since=later, stall_s=5), 30)
+                return n, u.rows(), empty, reader.errors
+            finally:
+                await reader.close()
+
+        n, rows, empty, errors = asyncio.run(main())
+    assert n == 9 and rows[0]["group"] == "fake-model" and rows[0]["calls"] == 4
+    assert empty == 0
+    assert not [e for e in errors if "permissions violation" in e.lower()], errors
