@@ -66,3 +66,36 @@ def test_no_test_module_imports_another() -> None:
     pattern = re.compile(r"^\s*(?:from|import)\s+tests\.(?:\w+\.)*test_\w+", re.M)
     offenders = [rel(p) for p in sorted((ROOT / "tests").rglob("*.py")) if pattern.search(p.read_text())]
     assert not offenders, f"import another test module (move the helper to tests/support/): {offenders}"
+
+
+TESTS = ROOT / "tests"
+SERVICE_FOLDERS = sorted(p.name for p in (ROOT / "bridge" / "services").iterdir() if (p / "__init__.py").exists())
+
+
+def test_the_service_tests_mirror_the_service_folders() -> None:
+    """Issue 38: a service that is a folder in bridge/services/ (relay, gate, exporter) has its
+    tests in tests/services/<name>/, never flat in tests/services/; the runtime's tests live in
+    tests/runtime/ and the commands' in tests/commands/."""
+    assert SERVICE_FOLDERS, "bridge/services has no service folders"
+    flat = sorted(p.name for p in (TESTS / "services").glob("test_*.py"))
+    misplaced = [f"tests/services/{name} -> tests/services/{folder}/" for name in flat for folder in SERVICE_FOLDERS
+                 if name == f"test_{folder}.py" or name.startswith(f"test_{folder}_")]
+    runtime = sorted(p.stem for p in (ROOT / "bridge" / "runtime").glob("*.py") if p.name != "__init__.py")
+    misplaced += [f"tests/services/{name} -> tests/runtime/" for name in flat
+                  if name.startswith(("test_runtime", "test_profiler", "test_hostile_health"))
+                  or any(name.startswith(f"test_{module}") for module in runtime)]
+    assert not misplaced, f"tests outside the folder of the code they test: {misplaced}"
+    for folder in SERVICE_FOLDERS:
+        assert list((TESTS / "services" / folder).glob("test_*.py")), f"tests/services/{folder}/ holds no tests"
+    for folder in ("runtime", "commands"):
+        assert list((TESTS / folder).glob("test_*.py")), f"tests/{folder}/ holds no tests"
+
+
+def test_one_cli_and_one_free_port_for_every_test() -> None:
+    """Issue 38: the tests run the CLI and pick ports through tests/support/cli.py only (the suite
+    had `cli()` eight times and `free_port` six times); a module that needs other defaults wraps
+    that one with functools.partial or a short function under another name."""
+    one = TESTS / "support" / "cli.py"
+    pattern = re.compile(r"^\s*def (cli|free_port)\(", re.M)
+    offenders = [rel(p) for p in sorted(TESTS.rglob("*.py")) if p != one and pattern.search(p.read_text())]
+    assert not offenders, f"define their own cli()/free_port() (use tests/support/cli.py): {offenders}"
