@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from bridge.sim.fleet import Fleet, FleetConfig
-from bridge.sim.harness import Pipeline, Worker
+from tests.support.pipeline import Pipeline, Worker
 from bridge.sim.verify import Report, StreamReader
 from tests.clusterfixture import Cluster
 from tests.support.cli import free_port

@@ -12,7 +12,7 @@ import pytest
 from bridge.core.aep import decode_event, encode_event
 from bridge.core.invariants import check_invariants
 from bridge.core.pairing import PairingState
-from bridge.sim.harness import Pipeline
+from tests.support.pipeline import Pipeline
 from bridge.sim.sessions import realistic_envelopes
 from bridge.sim.verify import StreamReader
 from tests.corpus import envelopes

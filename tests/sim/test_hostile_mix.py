@@ -19,7 +19,7 @@ from pathlib import Path
 
 
 from bridge.sim.fleet import Fleet, FleetConfig
-from bridge.sim.harness import Pipeline
+from tests.support.pipeline import Pipeline
 from bridge.sim.instances import HOSTILE_MIX
 from bridge.sim.verify import read_manifest, verify
 from tests.natsfixture import JetStreamClient

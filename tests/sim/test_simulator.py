@@ -29,7 +29,7 @@ from bridge.core.pipeline import map_record, record_from_raw
 from bridge.shim import hook
 from bridge.sim.fleet import MARKER_KEY, Fleet, FleetConfig
 from bridge.sim.instances import Canaries, envelopes
-from bridge.sim.harness import Pipeline
+from tests.support.pipeline import Pipeline
 from bridge.sim.verify import verify
 from tests.natsfixture import JetStreamClient
 from tests.support.faults import SHORT_WINDOWS
