@@ -83,19 +83,11 @@ def _common(p: argparse.ArgumentParser, session_required: bool = False) -> None:
     p.add_argument("--json", action="store_true", help="print the ack event")
 
 
-def _settings(args: argparse.Namespace, use_up: bool = True):  # type: ignore[no-untyped-def]
-    """--nats, else the environment; for an operator's commands, else the running `aep-bridge up`
-    (its URL and generated credential, from up.json)."""
-    from bridge.config import Settings
-    from bridge.stack.up import apply_up_credentials, read_state
+def _settings(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    """--nats, else the environment, else the running `aep-bridge up` (bridge/stack/up.py client_settings)."""
+    from bridge.stack.up import client_settings
 
-    s = Settings.from_env()
-    state = read_state() if use_up else None
-    if getattr(args, "nats", None):
-        s.nats_url = args.nats
-    elif state and "AEP_BRIDGE_NATS_URL" not in os.environ:
-        s.nats_url = state["nats_url"]
-    return apply_up_credentials(s, state)  # up's generated credential, for up's server
+    return client_settings(getattr(args, "nats", None))
 
 
 # ---------------------------------------------------------------- gate

@@ -156,6 +156,20 @@ def lock_state_dir(state_dir: Path) -> int:
     return fd
 
 
+def client_settings(nats: str | None = None, environ: dict[str, str] | None = None,
+                    state: dict[str, Any] | None = None, use_up: bool = True) -> Settings:
+    """The settings of an operator's command (tail, demo, simulate, usage, status, control): the NATS
+    URL is ``nats`` (--nats), else AEP_BRIDGE_NATS_URL, else the running `aep-bridge up`'s
+    (up.json, with its generated credential), else the settings file's or the default. The one
+    place this precedence is written (issue 38)."""
+    env = os.environ if environ is None else environ
+    if use_up and state is None:
+        state = read_state()
+    url = nats or (state["nats_url"] if state and "AEP_BRIDGE_NATS_URL" not in env else None)
+    settings = Settings.from_env(environ, flags={"AEP_BRIDGE_NATS_URL": url} if url else None)
+    return apply_up_credentials(settings, state, environ)
+
+
 def read_state(state_dir: Path | None = None) -> dict[str, Any] | None:
     path = state_file(state_dir or default_state_dir())
     try:
