@@ -60,14 +60,17 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from bridge.config import (
+    BY_NAME,
     EXPORTER_METRICS_PORT,
     GATE_METRICS_PORT,
     MAPPER_METRICS_PORT,
     PAIRING_METRICS_PORT,
+    Layers,
     Settings,
     default_state_dir,
+    resolve_field,
 )
-from bridge.core.control import DEFAULT_HOLD_MS, accepted_verbs
+from bridge.core.control import accepted_verbs
 from bridge.hermes.install import HOOK_SOURCE, build_command, gate_timeout_s
 from bridge.nats.bootstrap import bootstrap
 from bridge.nats.connection import connect
@@ -394,9 +397,9 @@ class Up:
         if not self.gate:
             return None
 
-        env = self._gate_env()
-        on = {k: env[k].strip().lower() in ("1", "true", "yes", "on") for k in ("AEP_HERMES_CONTROL", "AEP_INSTRUCT")}
-        hold = os.environ.get("AEP_HERMES_HOLD_MS") or str(DEFAULT_HOLD_MS)
+        layers = Layers.load(self._gate_env())  # the switches and the hold as the gate and the shim read them
+        on = {k: resolve_field(BY_NAME[k], layers).value for k in ("AEP_HERMES_CONTROL", "AEP_INSTRUCT")}
+        hold = str(resolve_field(BY_NAME["AEP_HERMES_HOLD_MS"], layers).value)
         return {
             "accepts": accepted_verbs(on["AEP_HERMES_CONTROL"], on["AEP_INSTRUCT"]),
             "shim_env": {**self.shim_credential_env(control=True), "AEP_HERMES_CONTROL": "1", "AEP_HERMES_HOLD_MS": hold,
