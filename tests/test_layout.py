@@ -99,3 +99,33 @@ def test_one_cli_and_one_free_port_for_every_test() -> None:
     pattern = re.compile(r"^\s*def (cli|free_port)\(", re.M)
     offenders = [rel(p) for p in sorted(TESTS.rglob("*.py")) if p != one and pattern.search(p.read_text())]
     assert not offenders, f"define their own cli()/free_port() (use tests/support/cli.py): {offenders}"
+
+
+def test_the_readme_can_be_read_in_one_sitting() -> None:
+    """Issue 38: the README was 454+ lines (55 KB), one table row 4,087 characters, with benchmark
+    history. It stays under 250 lines, no line over 300 characters outside code blocks; the rest
+    lives in docs/ARCHITECTURE.md ("Reference"), docs/BENCHMARKS.md and deploy/README.md."""
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) < 250, f"README.md has {len(lines)} lines: move details to docs/ and link them"
+    long, code = [], False
+    for n, line in enumerate(lines, 1):
+        if line.startswith("```"):
+            code = not code
+        elif not code and len(line) > 300:
+            long.append(f"line {n}: {len(line)} characters")
+    assert not long, f"README.md lines over 300 characters outside code blocks: {long}"
+
+
+def test_the_readme_links_resolve() -> None:
+    """Every local link of the README names a file that exists and, with an anchor, a heading there."""
+    def anchors(path: Path) -> set[str]:
+        return {re.sub(r"[^a-z0-9 _-]", "", h.lower()).replace(" ", "-")
+                for h in re.findall(r"^#+ (.+)$", path.read_text(), flags=re.M)}
+    broken = []
+    for target in re.findall(r"\]\(([^)#\s]+)(?:#([^)\s]+))?\)", (ROOT / "README.md").read_text()):
+        path, anchor = ROOT / target[0], target[1]
+        if target[0].startswith("http"):
+            continue
+        if not path.exists() or (anchor and anchor not in anchors(path)):
+            broken.append("#".join(t for t in target if t))
+    assert not broken, f"README.md links to what does not exist: {broken}"
