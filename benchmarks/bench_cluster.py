@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bridge.sim.fleet import Fleet, FleetConfig  # noqa: E402
-from bridge.sim.harness import Pipeline  # noqa: E402
+from tests.support.pipeline import Pipeline  # noqa: E402
 from bridge.sim.sessions import realistic_envelopes  # noqa: E402
 from soak import observe, pct  # noqa: E402  # the soak's e2e observer and percentiles
 from tests.clusterfixture import Cluster  # noqa: E402

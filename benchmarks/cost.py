@@ -6,7 +6,7 @@ bare two-relay chain measured in the same run (issue 24).
     .venv/bin/python benchmarks/cost.py --rates 250,1000 --seconds 20 --warmup 5   # a smoke run
 
 Pipeline: an embedded nats-server, `aep-bridge mapper` and `aep-bridge pairing` (one of each,
-`bridge.sim.harness.Pipeline`), `aep-bridge relay` with 10 SSE subscribers (one process of
+`tests/support/pipeline.py`'s `Pipeline`), `aep-bridge relay` with 10 SSE subscribers (one process of
 their own, `--sse-worker`), `aep-bridge exporter` with one Kafka sink (a Tansu broker), and
 the fleet simulator (`bridge.sim.fleet.Fleet`, 1,000 instances, in-process shims) publishing
 at each rate for ``--warmup`` + ``--seconds`` seconds; an observer process (soak.py's) measures
@@ -58,7 +58,8 @@ from soak import cpu_s, observe, pct  # noqa: E402
 from bridge.nats import streams as S  # noqa: E402
 from bridge.runtime.profiling import rss_kb  # noqa: E402
 from bridge.sim.fleet import Fleet, FleetConfig  # noqa: E402
-from bridge.sim.harness import Pipeline, free_port  # noqa: E402
+from tests.support.cli import free_port  # noqa: E402
+from tests.support.pipeline import Pipeline  # noqa: E402
 from bridge.stack.server import EmbeddedNats  # noqa: E402
 
 HERE = Path(__file__).resolve().parent

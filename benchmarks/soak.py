@@ -50,7 +50,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from bridge.stack.server import EmbeddedNats  # noqa: E402
 from bridge.sim.fleet import Fleet, FleetConfig  # noqa: E402
-from bridge.sim.harness import Pipeline, rss_kb  # noqa: E402
+from tests.support.pipeline import Pipeline, rss_kb  # noqa: E402
 
 TICK = os.sysconf("SC_CLK_TCK")
 

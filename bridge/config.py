@@ -235,6 +235,12 @@ FIELDS: tuple[Field, ...] = (
 BY_NAME = {f.name: f for f in FIELDS if not f.prefix}
 
 
+def flag_fields() -> list[tuple[str, str, str]]:
+    """(flag, argparse dest, variable) of every setting a command takes as a flag: the one
+    flag -> variable map (FIELDS' ``flag``), which the services' commands and `config` read."""
+    return [(f.flag, f.flag.lstrip("-").replace("-", "_"), f.name) for f in FIELDS if f.flag]
+
+
 def fields_for(role: str | None) -> list[Field]:
     """The fields ``role`` reads (every field when None)."""
     if role is not None and role not in ROLES:

@@ -46,7 +46,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from bridge.stack.server import jetstream_block
-from tests.natsfixture import JetStreamClient, NatsBackendError, free_port, nats_server_binary
+from tests.natsfixture import JetStreamClient, NatsBackendError, nats_server_binary
+from tests.support.cli import free_port
 
 T = TypeVar("T")
 

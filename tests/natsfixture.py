@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from bridge.stack.server import jetstream_block
+from tests.support.cli import free_port
 
 BACKENDS = ("docker", "process", "external")
 DEFAULT_IMAGE = "nats:2.11-alpine"
@@ -48,12 +49,6 @@ DEFAULT_IMAGE = "nats:2.11-alpine"
 
 class NatsBackendError(RuntimeError):
     """The requested NATS backend cannot run here (reported as a test error, never a skip)."""
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def docker_available(timeout: float = 3.0) -> tuple[bool, str]:

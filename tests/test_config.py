@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +14,7 @@ import pytest
 from bridge import cli
 from bridge import config as bridge_config
 from bridge.shim import hook
+from tests.support.cli import cli as support_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -199,7 +199,7 @@ def test_a_secret_bad_value_is_not_echoed() -> None:
 def run_cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     full = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": str(ROOT), "AEP_BRIDGE_CONFIG": os.devnull,
             "HOME": os.environ.get("HOME", "/tmp"), **env}
-    return subprocess.run([sys.executable, "-m", "bridge.cli", *args], env=full, capture_output=True, text=True, timeout=120)
+    return support_cli(*args, env=full, inherit=False)
 
 
 @pytest.mark.parametrize("command", [["mapper"], ["pairing"], ["exporter", "--sink", "kafka://k:9092/t"]])

@@ -66,3 +66,66 @@ def test_no_test_module_imports_another() -> None:
     pattern = re.compile(r"^\s*(?:from|import)\s+tests\.(?:\w+\.)*test_\w+", re.M)
     offenders = [rel(p) for p in sorted((ROOT / "tests").rglob("*.py")) if pattern.search(p.read_text())]
     assert not offenders, f"import another test module (move the helper to tests/support/): {offenders}"
+
+
+TESTS = ROOT / "tests"
+SERVICE_FOLDERS = sorted(p.name for p in (ROOT / "bridge" / "services").iterdir() if (p / "__init__.py").exists())
+
+
+def test_the_service_tests_mirror_the_service_folders() -> None:
+    """Issue 38: a service that is a folder in bridge/services/ (relay, gate, exporter) has its
+    tests in tests/services/<name>/, never flat in tests/services/; the runtime's tests live in
+    tests/runtime/ and the commands' in tests/commands/."""
+    assert SERVICE_FOLDERS, "bridge/services has no service folders"
+    flat = sorted(p.name for p in (TESTS / "services").glob("test_*.py"))
+    misplaced = [f"tests/services/{name} -> tests/services/{folder}/" for name in flat for folder in SERVICE_FOLDERS
+                 if name == f"test_{folder}.py" or name.startswith(f"test_{folder}_")]
+    runtime = sorted(p.stem for p in (ROOT / "bridge" / "runtime").glob("*.py") if p.name != "__init__.py")
+    misplaced += [f"tests/services/{name} -> tests/runtime/" for name in flat
+                  if name.startswith(("test_runtime", "test_profiler", "test_hostile_health"))
+                  or any(name.startswith(f"test_{module}") for module in runtime)]
+    assert not misplaced, f"tests outside the folder of the code they test: {misplaced}"
+    for folder in SERVICE_FOLDERS:
+        assert list((TESTS / "services" / folder).glob("test_*.py")), f"tests/services/{folder}/ holds no tests"
+    for folder in ("runtime", "commands"):
+        assert list((TESTS / folder).glob("test_*.py")), f"tests/{folder}/ holds no tests"
+
+
+def test_one_cli_and_one_free_port_for_every_test() -> None:
+    """Issue 38: the tests run the CLI and pick ports through tests/support/cli.py only (the suite
+    had `cli()` eight times and `free_port` six times); a module that needs other defaults wraps
+    that one with functools.partial or a short function under another name."""
+    one = TESTS / "support" / "cli.py"
+    pattern = re.compile(r"^\s*def (cli|free_port)\(", re.M)
+    offenders = [rel(p) for p in sorted(TESTS.rglob("*.py")) if p != one and pattern.search(p.read_text())]
+    assert not offenders, f"define their own cli()/free_port() (use tests/support/cli.py): {offenders}"
+
+
+def test_the_readme_can_be_read_in_one_sitting() -> None:
+    """Issue 38: the README was 454+ lines (55 KB), one table row 4,087 characters, with benchmark
+    history. It stays under 250 lines, no line over 300 characters outside code blocks; the rest
+    lives in docs/ARCHITECTURE.md ("Reference"), docs/BENCHMARKS.md and deploy/README.md."""
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) < 250, f"README.md has {len(lines)} lines: move details to docs/ and link them"
+    long, code = [], False
+    for n, line in enumerate(lines, 1):
+        if line.startswith("```"):
+            code = not code
+        elif not code and len(line) > 300:
+            long.append(f"line {n}: {len(line)} characters")
+    assert not long, f"README.md lines over 300 characters outside code blocks: {long}"
+
+
+def test_the_readme_links_resolve() -> None:
+    """Every local link of the README names a file that exists and, with an anchor, a heading there."""
+    def anchors(path: Path) -> set[str]:
+        return {re.sub(r"[^a-z0-9 _-]", "", h.lower()).replace(" ", "-")
+                for h in re.findall(r"^#+ (.+)$", path.read_text(), flags=re.M)}
+    broken = []
+    for target in re.findall(r"\]\(([^)#\s]+)(?:#([^)\s]+))?\)", (ROOT / "README.md").read_text()):
+        path, anchor = ROOT / target[0], target[1]
+        if target[0].startswith("http"):
+            continue
+        if not path.exists() or (anchor and anchor not in anchors(path)):
+            broken.append("#".join(t for t in target if t))
+    assert not broken, f"README.md links to what does not exist: {broken}"

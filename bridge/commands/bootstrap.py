@@ -43,13 +43,13 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _replicas(raw: str) -> int:
+    """--replicas, parsed and checked as AEP_BRIDGE_STREAM_REPLICAS is (bridge/config.py FIELDS: 1-5)."""
+    from bridge.config import BY_NAME, SettingError
+
     try:
-        n = int(raw)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {raw!r}") from None
-    if not 1 <= n <= 5:
-        raise argparse.ArgumentTypeError(f"must be between 1 and 5 (JetStream's limit), got {n}")
-    return n
+        return int(BY_NAME["AEP_BRIDGE_STREAM_REPLICAS"].parse(raw))
+    except SettingError:
+        raise argparse.ArgumentTypeError(f"must be an integer in 1-5 (JetStream's limit), got {raw!r}") from None
 
 
 def cmd_bootstrap(args: argparse.Namespace) -> int:

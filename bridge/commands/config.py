@@ -6,18 +6,14 @@ import argparse
 import json
 import sys
 
-#: the flags `config` takes, as the services take them: flag, argparse dest, variable
-CONFIG_FLAGS = (
-    ("--nats", "nats", "AEP_BRIDGE_NATS_URL"),
-    ("--partitions", "partitions", "AEP_BRIDGE_PARTITIONS"),
-    ("--metrics-port", "metrics_port", "AEP_BRIDGE_METRICS_PORT"),
-    ("--log-format", "log_format", "AEP_BRIDGE_LOG_FORMAT"),
-    ("--capture", "capture", "AEP_BRIDGE_CAPTURE"),
-    ("--tick-s", "tick_s", "AEP_BRIDGE_TICK_S"),
-    ("--probe-ms", "probe_ms", "AEP_GATE_PROBE_MS"),
-    ("--listen", "listen", "AEP_BRIDGE_RELAY_LISTEN"),
-    ("--export-config", "export_config", "AEP_BRIDGE_EXPORT_CONFIG"),
-)
+
+def config_flags() -> list[tuple[str, str, str]]:
+    """The flags `config` takes, as the services take them (flag, argparse dest, variable), from
+    FIELDS' ``flag``; the exporter's --config is --export-config here (--config is the settings file)."""
+    from bridge.config import flag_fields
+
+    return [("--export-config", "export_config", var) if flag == "--config" else (flag, dest, var)
+            for flag, dest, var in flag_fields()]
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -34,7 +30,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--role", choices=ROLES, default=None, help="only the settings this role reads")
     p.add_argument("--config", default=None, metavar="FILE", help="settings file (default: AEP_BRIDGE_CONFIG, else ~/.config/aep-bridge/env)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    for flag, dest, var in CONFIG_FLAGS:
+    for flag, dest, var in config_flags():
         p.add_argument(flag, dest=dest, default=None, help=f"as the command's {flag} (overrides {var})")
     p.set_defaults(func=cmd_config)
 
@@ -72,7 +68,7 @@ def cmd_config(args: argparse.Namespace) -> int:
     if args.config is not None and not os.path.exists(args.config):  # asked for by name: not "defaults"
         print(f"aep-bridge config: --config {args.config}: no such file", file=sys.stderr)
         return 2
-    flags = {var: getattr(args, dest) for _, dest, var in CONFIG_FLAGS if getattr(args, dest, None) is not None}
+    flags = {var: getattr(args, dest) for _, dest, var in config_flags() if getattr(args, dest, None) is not None}
     out = effective(args.role, flags, args.config)
     if args.json:
         print(json.dumps(out, indent=2))

@@ -83,39 +83,34 @@ def _common(p: argparse.ArgumentParser, session_required: bool = False) -> None:
     p.add_argument("--json", action="store_true", help="print the ack event")
 
 
-def _settings(args: argparse.Namespace, use_up: bool = True):  # type: ignore[no-untyped-def]
-    """--nats, else the environment; for an operator's commands, else the running `aep-bridge up`
-    (its URL and generated credential, from up.json)."""
-    from bridge.config import Settings
-    from bridge.stack.up import apply_up_credentials, read_state
+def _settings(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    """--nats, else the environment, else the running `aep-bridge up` (bridge/stack/up.py client_settings)."""
+    from bridge.stack.up import client_settings
 
-    s = Settings.from_env()
-    state = read_state() if use_up else None
-    if getattr(args, "nats", None):
-        s.nats_url = args.nats
-    elif state and "AEP_BRIDGE_NATS_URL" not in os.environ:
-        s.nats_url = state["nats_url"]
-    return apply_up_credentials(s, state)  # up's generated credential, for up's server
+    return client_settings(getattr(args, "nats", None))
 
 
 # ---------------------------------------------------------------- gate
 
 
-def cmd_gate(args: argparse.Namespace) -> int:
+def gate_settings(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    """The gate's Settings and GateConfig, every flag through the one resolver (flag > environment
+    > settings file > default), each checked first: a bad one is a SettingError (exit 2)."""
     from bridge.commands.mapping import policy_from_args
+    from bridge.commands.services import flag_values, settings_from_args
+    from bridge.services.gate import GateConfig
+
+    settings = settings_from_args(args, "gate")
+    return settings, GateConfig.from_env(policy=policy_from_args(args, settings), flags=flag_values(args))
+
+
+def cmd_gate(args: argparse.Namespace) -> int:
     from bridge.commands.services import run_service
     from bridge.runtime import configure_logging
-    from bridge.services.gate import Gate, GateConfig
+    from bridge.services.gate import Gate
 
-    settings = _settings(args, use_up=False)
-    if args.metrics_port is not None:
-        settings.metrics_port = args.metrics_port
-    if args.log_format:
-        settings.log_format = args.log_format
+    settings, config = gate_settings(args)
     configure_logging(settings.log_format, settings.log_level, component="gate", replica=settings.instance)
-    config = GateConfig.from_env(policy=policy_from_args(args, settings))
-    if args.probe_ms:
-        config.probe_ms = args.probe_ms
     return run_service(Gate(settings, config).run())
 
 

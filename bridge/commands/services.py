@@ -59,17 +59,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.set_defaults(func=cmd_relay)
 
 
-#: service flag (argparse dest) -> the variable it overrides (bridge/config.py FIELDS)
-FLAG_VARIABLES = {
-    "nats": "AEP_BRIDGE_NATS_URL", "partitions": "AEP_BRIDGE_PARTITIONS", "metrics_port": "AEP_BRIDGE_METRICS_PORT",
-    "log_format": "AEP_BRIDGE_LOG_FORMAT", "tick_s": "AEP_BRIDGE_TICK_S", "listen": "AEP_BRIDGE_RELAY_LISTEN",
-    "probe_ms": "AEP_GATE_PROBE_MS", "capture": "AEP_BRIDGE_CAPTURE",
-}
-
-
 def flag_values(args: argparse.Namespace) -> dict[str, object]:
-    """The flags given on the command line, by the variable each overrides."""
-    return {var: getattr(args, dest) for dest, var in FLAG_VARIABLES.items() if getattr(args, dest, None) is not None}
+    """The flags given on the command line, by the variable each overrides (bridge/config.py
+    FIELDS' ``flag``: the one map)."""
+    from bridge.config import flag_fields
+
+    return {var: getattr(args, dest) for _, dest, var in flag_fields() if getattr(args, dest, None) is not None}
 
 
 def settings_from_args(args: argparse.Namespace, role: str | None = None):  # type: ignore[no-untyped-def]

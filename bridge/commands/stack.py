@@ -58,16 +58,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def settings_for(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     """Settings whose NATS URL is `--nats`, else the running `aep-bridge up`'s, else AEP_BRIDGE_NATS_URL."""
-    from bridge.config import Settings
-    from bridge.stack.up import apply_up_credentials, read_state
+    from bridge.stack.up import client_settings
 
-    settings = Settings.from_env()
-    state = read_state()
-    if args.nats:
-        settings.nats_url = args.nats
-    elif state and "AEP_BRIDGE_NATS_URL" not in os.environ:
-        settings.nats_url = state["nats_url"]
-    return apply_up_credentials(settings, state)  # up's generated credential, for up's server
+    return client_settings(args.nats)
 
 
 #: up's port flags (argparse dest, flag)

@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import os
 import time
 from typing import Any, Callable
 
 from nats.js.errors import APIError, NotFoundError, ServiceUnavailableError
 
-from bridge.config import Settings, load_environ
+from bridge.config import BY_NAME, Layers, SettingError, Settings, resolve_field
 from bridge.nats import streams as S
 from bridge.nats.connection import UNANSWERED, transient
 
@@ -98,16 +97,10 @@ def configured_replicas(settings: Settings | None = None, environ: dict[str, str
     value = getattr(settings, "stream_replicas", None)
     if value:
         return int(value)
-    raw = load_environ(environ if environ is not None else dict(os.environ)).get("AEP_BRIDGE_STREAM_REPLICAS")
-    if not raw:
-        return None
-    try:
-        n = int(raw)
-    except ValueError:
-        raise BootstrapError(f"AEP_BRIDGE_STREAM_REPLICAS must be an integer, got {raw!r}") from None
-    if not 1 <= n <= 5:
-        raise BootstrapError(f"AEP_BRIDGE_STREAM_REPLICAS must be between 1 and 5, got {n}")
-    return n
+    try:  # the one resolver (bridge/config.py FIELDS): environment > settings file, range 1-5
+        return resolve_field(BY_NAME["AEP_BRIDGE_STREAM_REPLICAS"], Layers.load(environ)).value  # type: ignore[no-any-return]
+    except SettingError as exc:
+        raise BootstrapError(str(exc)) from None
 
 
 def default_replicas(settings: Settings | None = None, environ: dict[str, str] | None = None) -> int:

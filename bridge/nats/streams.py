@@ -32,7 +32,17 @@ from nats.js.api import (
     StreamConfig,
 )
 
-from bridge.nats.subjects import DLQ_PREFIX, EVENTS_PREFIX, INGEST_PREFIX, MAPPED_PREFIX, RAW_PREFIX, kv_subject, object_store_subjects
+from bridge.nats.subjects import (
+    COMMAND_FILTERS,
+    DLQ_PREFIX,
+    EVENTS_PREFIX,
+    INGEST_PREFIX,
+    MAPPED_PREFIX,
+    RAW_PREFIX,
+    kv_subject,
+    object_store_subjects,
+    raw_filter,
+)
 
 DAY = 24 * 3600.0
 GiB = 1024**3
@@ -249,52 +259,81 @@ def all_stream_configs(replicas: int = 1, duplicate_window_s: float | None = Non
             + [o.config(replicas) for o in OBJECT_STORES])
 
 
-def mapper_consumer_config(durable: str = MAPPER_DURABLE, ack_wait: float = MAPPER_ACK_WAIT_S) -> Any:
-    """The mapper's shared durable pull consumer on HERMES_RAW (``ack_wait``:
-    AEP_BRIDGE_MAPPER_ACK_WAIT_S).
+@dataclass(frozen=True)
+class Consumer:
+    """A durable pull consumer of the bridge, declared as data beside the streams (issue 38):
+    the stream it reads, its subjects, where it starts, how long a message may stay
+    unacknowledged, how many may be outstanding. ``config()`` builds its ConsumerConfig; a
+    service names its durable (one per exporter sink or partition) and may narrow the filters.
+    Every one acknowledges explicitly; the readers that do not (pairing's, the relay's, tail,
+    demo, usage, verify) are ephemeral ordered reads, not durables."""
 
-    The mapper dead-letters a message that fails by itself on its MAPPER_MAX_DELIVER-th
-    delivery, and retries one that met an outage (a leader election, a lost server) every 5 s
-    at most for as long as it lasts; the consumer's own ``max_deliver`` is only a backstop
-    (MAPPER_MAX_DELIVER_BACKSTOP, over an hour of retries) for a message that can be neither
-    published nor dead-lettered: the server gives it up then with a MAX_DELIVERIES advisory.
-    """
-    return ConsumerConfig(
-        durable_name=durable,
-        description="aep-bridge mapper (shared by every replica)",
-        deliver_policy=DeliverPolicy.ALL,
-        ack_policy=AckPolicy.EXPLICIT,
-        ack_wait=ack_wait,
-        max_deliver=MAPPER_MAX_DELIVER_BACKSTOP,
-        max_ack_pending=MAPPER_MAX_ACK_PENDING,
-        filter_subject=RAW_SUBJECTS,
-    )
+    name: str  # the durable name (a prefix for the exporter's: export-<sink>)
+    stream: str
+    filters: tuple[str, ...]
+    description: str
+    deliver: DeliverPolicy = DeliverPolicy.ALL
+    ack_wait_s: float = 30.0
+    max_deliver: int | None = None  # None: the server's default (unlimited)
+    max_ack_pending: int | None = None  # None: the server's default
+    one_filter: bool = False  # filter_subject (one subject) rather than filter_subjects
+
+    def config(self, durable: str | None = None, *, description: str | None = None, filters: list[str] | None = None,
+               ack_wait_s: float | None = None, max_ack_pending: int | None = None) -> Any:
+        subjects = list(filters or self.filters)
+        return ConsumerConfig(
+            durable_name=durable or self.name,
+            description=description or self.description,
+            deliver_policy=self.deliver,
+            ack_policy=AckPolicy.EXPLICIT,
+            ack_wait=self.ack_wait_s if ack_wait_s is None else ack_wait_s,
+            max_deliver=self.max_deliver,
+            max_ack_pending=self.max_ack_pending if max_ack_pending is None else max_ack_pending,
+            filter_subject=subjects[0] if self.one_filter else None,
+            filter_subjects=None if self.one_filter else subjects,
+        )
 
 
 EXPORT_DURABLE_PREFIX = "export-"  # one durable consumer per exporter sink: export-<sink name>
 EXPORT_ACK_WAIT_S = 60.0  # the exporter reports progress (+WPI) while a sink holds a batch
 EXPORT_MAX_ACK_PENDING = 4096
+GATE_HOOKS = ("pre_tool_call", "pre_llm_call", "on_session_start", "on_session_finalize")  # what the gate reads
+
+#: The mapper dead-letters a message that fails by itself on its MAPPER_MAX_DELIVER-th delivery,
+#: and retries one that met an outage (a leader election, a lost server) every 5 s at most for as
+#: long as it lasts; the consumer's own ``max_deliver`` is only a backstop
+#: (MAPPER_MAX_DELIVER_BACKSTOP, over an hour of retries) for a message that can be neither
+#: published nor dead-lettered: the server gives it up then with a MAX_DELIVERIES advisory.
+MAPPER_CONSUMER = Consumer(MAPPER_DURABLE, HERMES_RAW, (RAW_SUBJECTS,), "aep-bridge mapper (shared by every replica)",
+                           ack_wait_s=MAPPER_ACK_WAIT_S, max_deliver=MAPPER_MAX_DELIVER_BACKSTOP,
+                           max_ack_pending=MAPPER_MAX_ACK_PENDING, one_filter=True)
+GATE_RAW_CONSUMER = Consumer("gate", HERMES_RAW, tuple(raw_filter(hook=h) for h in GATE_HOOKS),
+                             "aep-bridge gate: held calls and session boundaries", deliver=DeliverPolicy.NEW)
+GATE_COMMAND_CONSUMER = Consumer("gate-commands", AEP_EVENTS, COMMAND_FILTERS, "aep-bridge gate: control commands",
+                                 deliver=DeliverPolicy.NEW)
+#: An exporter sink's (one per sink: a slow sink never stalls another). Every event from the start
+#: of the stream; acked only once the sink confirmed delivery, so ``max_deliver`` is unlimited: an
+#: event waits for its sink, it is never dropped by the server. The bridge's own events and those
+#: other AEP emitters post to the relay (aep.ingest.>) alike: a sink's filter may leave some out.
+#: A partitioned sink's replicas read AEP_EXPORT the same way, one durable per partition.
+EXPORT_CONSUMER = Consumer(EXPORT_DURABLE_PREFIX, AEP_EVENTS, (EVENTS_SUBJECTS, INGEST_SUBJECTS),
+                           "aep-bridge exporter sink", ack_wait_s=EXPORT_ACK_WAIT_S, max_deliver=-1,
+                           max_ack_pending=EXPORT_MAX_ACK_PENDING)
+CONSUMERS = (MAPPER_CONSUMER, GATE_RAW_CONSUMER, GATE_COMMAND_CONSUMER, EXPORT_CONSUMER)
+
+
+def mapper_consumer_config(durable: str = MAPPER_DURABLE, ack_wait: float = MAPPER_ACK_WAIT_S) -> Any:
+    """The mapper's shared durable pull consumer on HERMES_RAW (``ack_wait``:
+    AEP_BRIDGE_MAPPER_ACK_WAIT_S): MAPPER_CONSUMER's."""
+    return MAPPER_CONSUMER.config(durable, ack_wait_s=ack_wait)
 
 
 def exporter_consumer_config(durable: str, description: str = "", max_ack_pending: int = EXPORT_MAX_ACK_PENDING,
                              filter_subjects: list[str] | None = None, ack_wait: float = EXPORT_ACK_WAIT_S) -> Any:
-    """An exporter sink's durable pull consumer on AEP_EVENTS (one per sink: a slow sink
-    never stalls another). Every event from the start of the stream; acked only once the
-    sink confirmed delivery, so ``max_deliver`` is unlimited: an event waits for its sink,
-    it is never dropped by the server. The bridge's own events and those other AEP emitters
-    post to the relay (aep.ingest.>) alike: a sink's filter may leave some out."""
-    from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-
-    return ConsumerConfig(
-        durable_name=durable,
-        description=description or f"aep-bridge exporter sink {durable}",
-        deliver_policy=DeliverPolicy.ALL,
-        ack_policy=AckPolicy.EXPLICIT,
-        ack_wait=ack_wait,  # AEP_BRIDGE_EXPORT_ACK_WAIT_S
-        max_deliver=-1,
-        max_ack_pending=max_ack_pending,
-        filter_subjects=filter_subjects or [EVENTS_SUBJECTS, INGEST_SUBJECTS],
-    )
+    """An exporter sink's durable pull consumer on AEP_EVENTS (EXPORT_CONSUMER's; ``ack_wait``:
+    AEP_BRIDGE_EXPORT_ACK_WAIT_S)."""
+    return EXPORT_CONSUMER.config(durable, description=description or f"aep-bridge exporter sink {durable}",
+                                  filters=filter_subjects, ack_wait_s=ack_wait, max_ack_pending=max_ack_pending)
 
 
 #: the partitioned sinks' work-queue stream (one source of AEP_EVENTS per sink with replicas > 1);

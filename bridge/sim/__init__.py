@@ -1,1 +1,1 @@
-"""The simulated fleet: what an instance plays, how the fleet publishes, verify, the test harness."""
+"""The simulated fleet: what an instance plays, how the fleet publishes, verify."""

@@ -68,14 +68,17 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from bridge.config import (
+    BY_NAME,
     EXPORTER_METRICS_PORT,
     GATE_METRICS_PORT,
     MAPPER_METRICS_PORT,
     PAIRING_METRICS_PORT,
+    Layers,
     Settings,
     default_state_dir,
+    resolve_field,
 )
-from bridge.core.control import DEFAULT_HOLD_MS, accepted_verbs
+from bridge.core.control import accepted_verbs
 from bridge.hermes.install import HOOK_SOURCE, build_command, gate_timeout_s
 from bridge.nats.bootstrap import bootstrap
 from bridge.nats.connection import connect
@@ -162,6 +165,20 @@ def lock_state_dir(state_dir: Path) -> int:
     os.ftruncate(fd, 0)
     os.write(fd, f"{os.getpid()}\n".encode())
     return fd
+
+
+def client_settings(nats: str | None = None, environ: dict[str, str] | None = None,
+                    state: dict[str, Any] | None = None, use_up: bool = True) -> Settings:
+    """The settings of an operator's command (tail, demo, simulate, usage, status, control): the NATS
+    URL is ``nats`` (--nats), else AEP_BRIDGE_NATS_URL, else the running `aep-bridge up`'s
+    (up.json, with its generated credential), else the settings file's or the default. The one
+    place this precedence is written (issue 38)."""
+    env = os.environ if environ is None else environ
+    if use_up and state is None:
+        state = read_state()
+    url = nats or (state["nats_url"] if state and "AEP_BRIDGE_NATS_URL" not in env else None)
+    settings = Settings.from_env(environ, flags={"AEP_BRIDGE_NATS_URL": url} if url else None)
+    return apply_up_credentials(settings, state, environ)
 
 
 def read_state(state_dir: Path | None = None) -> dict[str, Any] | None:
@@ -443,9 +460,9 @@ class Up:
         if not self.gate:
             return None
 
-        env = self._gate_env()
-        on = {k: env[k].strip().lower() in ("1", "true", "yes", "on") for k in ("AEP_HERMES_CONTROL", "AEP_INSTRUCT")}
-        hold = os.environ.get("AEP_HERMES_HOLD_MS") or str(DEFAULT_HOLD_MS)
+        layers = Layers.load(self._gate_env())  # the switches and the hold as the gate and the shim read them
+        on = {k: resolve_field(BY_NAME[k], layers).value for k in ("AEP_HERMES_CONTROL", "AEP_INSTRUCT")}
+        hold = str(resolve_field(BY_NAME["AEP_HERMES_HOLD_MS"], layers).value)
         return {
             "accepts": accepted_verbs(on["AEP_HERMES_CONTROL"], on["AEP_INSTRUCT"]),
             "shim_env": {**self.shim_credential_env(control=True), "AEP_HERMES_CONTROL": "1", "AEP_HERMES_HOLD_MS": hold,

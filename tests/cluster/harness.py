@@ -22,10 +22,10 @@ from pathlib import Path
 from typing import Any
 
 from bridge.sim.fleet import Fleet, FleetConfig
-from bridge.sim.harness import Pipeline, Worker
+from tests.support.pipeline import Pipeline, Worker
 from bridge.sim.verify import Report, StreamReader
 from tests.clusterfixture import Cluster
-from tests.natsfixture import free_port
+from tests.support.cli import free_port
 from tests.support.faults import PRICED, assert_clean, finish
 from tests.support.tansu import Tansu, consume
 

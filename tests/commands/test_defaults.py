@@ -6,7 +6,8 @@ import json
 import subprocess
 import sys
 
-from bridge.stack.server import free_port, terminate
+from bridge.stack.server import terminate
+from tests.support.cli import free_port
 from tests.support.up import ROOT, cli
 
 

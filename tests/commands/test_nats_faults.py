@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from bridge.stack.server import free_port, terminate
+from bridge.stack.server import terminate
+from tests.support.cli import free_port
 from tests.support.auth_server import USER, AuthServer
 from tests.support.services import http_json, wait_for
 from tests.support.up import ROOT, cli

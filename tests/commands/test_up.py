@@ -17,7 +17,8 @@ from typing import Any
 
 import pytest
 
-from bridge.stack.server import free_port, terminate
+from bridge.stack.server import terminate
+from tests.support.cli import free_port
 from tests.support.services import http_json, wait_for
 from tests.support.up import ROOT, cli, running_up
 

@@ -5,7 +5,6 @@ the events it builds (schema-valid, capture honoured), and the shim's copies of 
 from __future__ import annotations
 
 import json
-from functools import lru_cache
 
 import jsonschema
 import msgspec
@@ -15,8 +14,8 @@ from bridge.core import aep
 from bridge.core import control as C
 from bridge.core.ceiling import CapturePolicy
 from bridge.core.identity import SLOTS
-from bridge.core.schemas import generate
 from bridge.shim import hook
+from tests.support.validators import validators
 
 D = C.DEFAULT_DENY_MESSAGE
 
@@ -270,14 +269,6 @@ def test_gate_slots_stay_clear_of_pairing_and_mapper() -> None:
 
 
 # ---------------------------------------------------------------- events: schema-valid, capture honoured
-
-@lru_cache(maxsize=1)
-def validators():
-    docs = generate()
-    env = jsonschema.Draft202012Validator(docs["aep-event.schema.json"], format_checker=jsonschema.FormatChecker())
-    types = {n[len("types/"):-len(".schema.json")]: jsonschema.Draft202012Validator(d) for n, d in docs.items() if n.startswith("types/")}
-    return env, types
-
 
 def events_at(level: str) -> list[aep.Event]:
     policy = CapturePolicy(default=level, overrides={"attention": level})

@@ -10,12 +10,12 @@ import sys
 from functools import lru_cache
 from pathlib import Path
 
-import jsonschema
 import pytest
 
 from bridge.core.ceiling import LEVEL_RANK
 from bridge.core.schemas import generate, render
 from tests.corpus import corpus_path, envelopes
+from tests.support.validators import validators
 
 ROOT = Path(__file__).resolve().parents[2]
 LEVELS = ["none", "metadata", "redacted", "full"]
@@ -43,10 +43,8 @@ def corpus_at(level: str, attention: str) -> tuple[dict, ...]:
 
 @lru_cache(maxsize=1)
 def schemas():
-    docs = generate()
-    envelope = jsonschema.Draft202012Validator(docs["aep-event.schema.json"], format_checker=jsonschema.FormatChecker())
-    types = {name[len("types/"):-len(".schema.json")]: jsonschema.Draft202012Validator(doc) for name, doc in docs.items() if name.startswith("types/")}
-    return envelope, types, docs
+    envelope, types = validators()
+    return envelope, types, generate()
 
 
 def test_committed_schemas_match_the_generator():

@@ -11,18 +11,17 @@ import random
 from functools import lru_cache
 from typing import Any
 
-import jsonschema
 import msgspec
 import pytest
 
 from bridge.core.aep import Event, encode_event
+from tests.support.validators import validators
 from bridge.core.ceiling import CapturePolicy, parse_overrides
 from bridge.core.redaction import Redactor
 from bridge.core.lanes import MemoryLanes, lane_token, partition_of
 from bridge.core.invariants import check_invariants
 from bridge.core.pairing import HOUR, PairingState
 from bridge.core.pipeline import map_record, record_from_line
-from bridge.core.schemas import generate
 from tests.corpus import corpus_path
 
 BASE_NS = 1_764_543_353_000 * 1_000_000
@@ -61,18 +60,6 @@ def run_partitions(parts: dict[int, list[Message] | tuple[Message, ...]]) -> dic
         got += state.tick(BASE_NS + 24 * HOUR, position + 1)
         out[part] = got
     return out
-
-
-@lru_cache(maxsize=None)
-def validators() -> tuple[Any, dict[str, Any]]:
-    schemas = generate()
-    envelope = jsonschema.Draft202012Validator(schemas["aep-event.schema.json"])
-    payloads = {
-        name[len("types/") : -len(".schema.json")]: jsonschema.Draft202012Validator(doc)
-        for name, doc in schemas.items()
-        if name.startswith("types/")
-    }
-    return envelope, payloads
 
 
 def assert_schema_valid(events: list[Event]) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.natsfixture import free_port
+from tests.support.cli import free_port
 from tests.support.nats_roles import configured_server, sample_nats_conf, values_nats_conf
 
 

@@ -774,7 +774,7 @@ def test_the_values_server_has_the_file_store_the_chart_gives_it(tmp_path: Path)
     the machine: CI, 2026-12-05, "insufficient storage resources available" creating AEP_EXPORT."""
     import urllib.request
 
-    from tests.natsfixture import free_port
+    from tests.support.cli import free_port
     from tests.support.chart import chart_max_file_store
 
     port = free_port()

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from bridge.stack.server import free_port
+from tests.support.cli import free_port
 from tests.corpus import envelopes
 from tests.natsfixture import JetStreamClient
 from tests.support.services import http_json as http_status, wait_for

@@ -7,18 +7,12 @@ nats-server with the sample nats.conf."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 from tests.support.nats_roles import USERS, configured_server, ensure_streams, sample_nats_conf
+from tests.support.cli import cli
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "bridge.cli", *args], env={**os.environ, **env},
-                          capture_output=True, text=True, timeout=60, cwd=ROOT)
 
 
 def test_doctor_with_a_shim_user_that_may_only_publish(tmp_path: Path) -> None:

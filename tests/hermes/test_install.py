@@ -13,8 +13,10 @@ from pathlib import Path
 import pytest
 
 from bridge.hermes import install as inst
-from tests.natsfixture import JetStreamClient, NatsServer, free_port
+from tests.natsfixture import JetStreamClient, NatsServer
+from tests.support.cli import free_port
 from tests.support.shim import dumps, envelope
+from tests.support.cli import cli
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -196,11 +198,6 @@ def test_installed_command_runs_and_answers(tmp_path: Path) -> None:
 
 
 # ---------------------------------------------------------------- the CLI, doctor included
-
-
-def cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "bridge.cli", *args], env={**os.environ, **env},
-                          capture_output=True, text=True, timeout=60, cwd=ROOT)
 
 
 def test_cli_install_doctor_uninstall(nats_server: NatsServer, jetstream: JetStreamClient, tmp_path: Path) -> None:

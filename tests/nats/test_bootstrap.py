@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -16,21 +15,20 @@ from bridge.nats import streams as S
 from bridge.nats.bootstrap import bootstrap
 from bridge.nats.connection import NatsConnectError, connect_options, quick_connect, server_list
 from tests.natsfixture import JetStreamClient
+from tests.support.cli import cli
 
 ROOT = Path(__file__).resolve().parents[2]
 ALL = ["HERMES_RAW", "BRIDGE_MAPPED", "BRIDGE_DLQ", "AEP_EVENTS", "KV_aep_lanes", "KV_aep_pairing", "KV_aep_leases",
        "KV_aep_relay", "KV_aep_lane_facts", "OBJ_aep_checkpoints"]
 
 
-def cli(*args: str, url: str, **env: str) -> subprocess.CompletedProcess[str]:
-    full = {**os.environ, "AEP_BRIDGE_CONFIG": os.devnull, "AEP_BRIDGE_NATS_URL": url, **env}
-    return subprocess.run([sys.executable, "-m", "bridge.cli", *args], env=full, capture_output=True, text=True,
-                          timeout=60, cwd=ROOT)
+def bridge_cli(*args: str, url: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return cli(*args, env={"AEP_BRIDGE_CONFIG": os.devnull, "AEP_BRIDGE_NATS_URL": url, **env}, timeout=60)
 
 
 def test_bootstrap_creates_everything_with_explicit_limits(nats_factory) -> None:  # type: ignore[no-untyped-def]
     server = nats_factory()
-    first = cli("bootstrap", url=server.url)
+    first = bridge_cli("bootstrap", url=server.url)
     assert first.returncode == 0, first.stderr
     assert [line.split()[:2] for line in first.stdout.splitlines()] == [[name, "created"] for name in ALL]
     js = JetStreamClient(server.url)
@@ -79,7 +77,7 @@ def test_bootstrap_creates_everything_with_explicit_limits(nats_factory) -> None
         assert info.config.max_deliver == S.MAPPER_MAX_DELIVER_BACKSTOP and info.config.ack_wait == S.MAPPER_ACK_WAIT_S
     finally:
         js.close()
-    again = cli("bootstrap", url=server.url)
+    again = bridge_cli("bootstrap", url=server.url)
     assert again.returncode == 0
     assert [line.split()[:2] for line in again.stdout.splitlines()] == [[name, "unchanged"] for name in ALL]
 
@@ -111,18 +109,18 @@ def test_bootstrap_keeps_messages(nats_server, jetstream: JetStreamClient) -> No
 
 def test_bootstrap_reports_auth_failure_clearly(nats_factory) -> None:  # type: ignore[no-untyped-def]
     server = nats_factory('authorization { user: bob, password: right }')
-    out = cli("bootstrap", url=server.url_with("bob:wrong"))
+    out = bridge_cli("bootstrap", url=server.url_with("bob:wrong"))
     assert out.returncode == 1
     assert "Authorization Violation" in out.stderr and "AEP_BRIDGE_NATS_USER" in out.stderr
     assert "wrong" not in out.stderr  # never print the secret
-    ok = cli("bootstrap", url=server.url, AEP_BRIDGE_NATS_USER="bob", AEP_BRIDGE_NATS_PASSWORD="right")
+    ok = bridge_cli("bootstrap", url=server.url, AEP_BRIDGE_NATS_USER="bob", AEP_BRIDGE_NATS_PASSWORD="right")
     assert ok.returncode == 0, ok.stderr
 
 
 def test_bootstrap_unreachable_fails_fast() -> None:
-    from tests.natsfixture import free_port
+    from tests.support.cli import free_port
 
-    out = cli("bootstrap", "--timeout", "1", url=f"nats://127.0.0.1:{free_port()}")
+    out = bridge_cli("bootstrap", "--timeout", "1", url=f"nats://127.0.0.1:{free_port()}")
     assert out.returncode == 1 and "cannot connect to NATS" in out.stderr
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -13,17 +12,16 @@ import nats.errors
 
 from bridge.nats import streams as S
 from tests.clusterfixture import Cluster
+from tests.support.cli import cli
 
 ROOT = Path(__file__).resolve().parents[2]
 ALL = [c.name for c in S.all_stream_configs()]
 
 
-def cli(*args: str, url: str, **env: str) -> subprocess.CompletedProcess[str]:
+def bridge_cli(*args: str, url: str, **env: str) -> subprocess.CompletedProcess[str]:
     full = {**os.environ, "AEP_BRIDGE_CONFIG": os.devnull, "AEP_BRIDGE_NATS_URL": url}
     full.pop("AEP_BRIDGE_STREAM_REPLICAS", None)
-    full.update(env)
-    return subprocess.run([sys.executable, "-m", "bridge.cli", *args], env=full, capture_output=True, text=True,
-                          timeout=60, cwd=ROOT)
+    return cli(*args, env={**full, **env}, inherit=False, timeout=60)
 
 
 def replicas_of(cluster: Cluster) -> dict[str, tuple[int, int]]:
@@ -55,17 +53,17 @@ def wait_replicas(cluster: Cluster, want: tuple[int, int], timeout: float = 30.0
 
 
 def test_bootstrap_replicas_3_gives_r3_everywhere(nats_cluster: Cluster) -> None:
-    out = cli("bootstrap", "--replicas", "3", url=nats_cluster.url)
+    out = bridge_cli("bootstrap", "--replicas", "3", url=nats_cluster.url)
     assert out.returncode == 0, out.stderr
     assert [line.split()[:2] for line in out.stdout.splitlines()] == [[name, "created"] for name in ALL]
     assert wait_replicas(nats_cluster, (3, 2)) == {name: (3, 2) for name in ALL}
-    again = cli("bootstrap", url=nats_cluster.url, AEP_BRIDGE_STREAM_REPLICAS="3")
+    again = bridge_cli("bootstrap", url=nats_cluster.url, AEP_BRIDGE_STREAM_REPLICAS="3")
     assert again.returncode == 0, again.stderr
     assert [line.split()[:2] for line in again.stdout.splitlines()] == [[name, "unchanged"] for name in ALL]
 
 
 def test_bootstrap_scales_r1_streams_to_r3_in_place(nats_cluster: Cluster) -> None:
-    first = cli("bootstrap", url=nats_cluster.url)
+    first = bridge_cli("bootstrap", url=nats_cluster.url)
     assert first.returncode == 0, first.stderr
     assert set(replicas_of(nats_cluster).values()) == {(1, 0)}
     c = nats_cluster.client()
@@ -76,7 +74,7 @@ def test_bootstrap_scales_r1_streams_to_r3_in_place(nats_cluster: Cluster) -> No
         c.run(c.js.add_consumer(S.HERMES_RAW, S.mapper_consumer_config()))  # the mapper's, made at R1
     finally:
         c.close()
-    scaled = cli("bootstrap", "--replicas", "3", url=nats_cluster.url)
+    scaled = bridge_cli("bootstrap", "--replicas", "3", url=nats_cluster.url)
     assert scaled.returncode == 0, scaled.stderr
     lines = scaled.stdout.splitlines()
     assert [line.split()[:2] for line in lines] == [[name, "updated"] for name in ALL]
@@ -102,7 +100,7 @@ def test_bootstrap_scales_r1_streams_to_r3_in_place(nats_cluster: Cluster) -> No
 
 
 def test_more_replicas_than_servers_fails_fast_and_clearly(nats_cluster: Cluster) -> None:
-    out = cli("bootstrap", "--replicas", "5", url=nats_cluster.url)  # a hang would end in cli()'s timeout
+    out = bridge_cli("bootstrap", "--replicas", "5", url=nats_cluster.url)  # a hang would end in cli()'s timeout
     assert out.returncode == 2, (out.stdout, out.stderr)
     assert "5 replicas" in out.stderr and "3 servers" in out.stderr, out.stderr
     assert "Traceback" not in out.stderr
@@ -115,27 +113,27 @@ def test_more_replicas_than_servers_fails_fast_and_clearly(nats_cluster: Cluster
 
 def test_replicas_3_on_a_single_server_fails_clearly(nats_factory) -> None:  # type: ignore[no-untyped-def]
     server = nats_factory()
-    out = cli("bootstrap", "--replicas", "3", url=server.url)
+    out = bridge_cli("bootstrap", "--replicas", "3", url=server.url)
     assert out.returncode == 2, (out.stdout, out.stderr)
     assert "3 replicas" in out.stderr and "1 server" in out.stderr and "not a cluster" in out.stderr, out.stderr
     assert "Traceback" not in out.stderr
-    env = cli("bootstrap", url=server.url, AEP_BRIDGE_STREAM_REPLICAS="3")
+    env = bridge_cli("bootstrap", url=server.url, AEP_BRIDGE_STREAM_REPLICAS="3")
     assert env.returncode == 2 and "3 replicas" in env.stderr, env.stderr
 
 
 def test_replicas_out_of_range_is_a_usage_error(nats_factory) -> None:  # type: ignore[no-untyped-def]
-    out = cli("bootstrap", "--replicas", "0", url="nats://127.0.0.1:1")
+    out = bridge_cli("bootstrap", "--replicas", "0", url="nats://127.0.0.1:1")
     assert out.returncode == 2 and "--replicas" in out.stderr, out.stderr
 
 
 def test_bootstrap_without_a_replicas_setting_never_scales_down(nats_cluster: Cluster) -> None:
-    assert cli("bootstrap", "--replicas", "3", url=nats_cluster.url).returncode == 0
+    assert bridge_cli("bootstrap", "--replicas", "3", url=nats_cluster.url).returncode == 0
     wait_replicas(nats_cluster, (3, 2))
-    plain = cli("bootstrap", url=nats_cluster.url)  # a deploy that forgot AEP_BRIDGE_STREAM_REPLICAS
+    plain = bridge_cli("bootstrap", url=nats_cluster.url)  # a deploy that forgot AEP_BRIDGE_STREAM_REPLICAS
     assert plain.returncode == 0, plain.stderr
     assert [line.split()[:2] for line in plain.stdout.splitlines()] == [[name, "unchanged"] for name in ALL]
     assert {r for r, _ in replicas_of(nats_cluster).values()} == {3}
-    down = cli("bootstrap", "--replicas", "1", url=nats_cluster.url)  # asked for: done, and said
+    down = bridge_cli("bootstrap", "--replicas", "1", url=nats_cluster.url)  # asked for: done, and said
     assert down.returncode == 0, down.stderr
     assert all("scaled from 3 to 1 replicas" in line for line in down.stdout.splitlines()), down.stdout
     assert wait_replicas(nats_cluster, (1, 0)) == {name: (1, 0) for name in ALL}

@@ -27,7 +27,7 @@ import structlog
 
 from bridge.config import Settings
 from bridge.runtime import Health, Loop, Stopper, configure_logging, lifecycle, profiling, serve
-from bridge.stack.server import free_port
+from tests.support.cli import free_port
 from tests.natsfixture import JetStreamClient
 from tests.support.auth_server import accepts_connections
 from tests.support.services import Service, wait_for

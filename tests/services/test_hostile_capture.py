@@ -330,7 +330,7 @@ def test_metric_labels_stay_bounded_whatever_the_raw_stream_holds(nats_server_fn
     admitted, the rest `other`)."""
     from bridge.core.aep import PAYLOAD_TYPES
     from bridge.core.mapping import HOOKS
-    from bridge.stack.server import free_port
+    from tests.support.cli import free_port
     from bridge.services import mapper as mapper_service
     from tests.natsfixture import JetStreamClient
     from tests.support.services import Service, wait_for

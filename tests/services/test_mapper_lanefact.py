@@ -28,7 +28,7 @@ from bridge.core.ceiling import CapturePolicy
 from bridge.core.lanes import UNKNOWN_TOKEN, lane_token, partition_of
 from bridge.nats import streams as S
 from bridge.services.mapper import Mapper
-from bridge.sim.harness import Pipeline
+from tests.support.pipeline import Pipeline
 from tests.support.streams import stored_ids
 from tests.support.services import publish_all, raw_records, wait_for
 

@@ -5,17 +5,14 @@ from __future__ import annotations
 import json
 import time
 from collections import defaultdict
-from functools import lru_cache
 
-import jsonschema
 import msgspec
 import pytest
 
 from bridge.core.aep import decode_event, encode_event
 from bridge.core.invariants import check_invariants
 from bridge.core.pairing import PairingState
-from bridge.core.schemas import generate
-from bridge.sim.harness import Pipeline
+from tests.support.pipeline import Pipeline
 from bridge.sim.sessions import realistic_envelopes
 from bridge.sim.verify import StreamReader
 from tests.corpus import envelopes
@@ -23,14 +20,7 @@ from tests.natsfixture import JetStreamClient
 from tests.support.services import Service, publish_all, raw_records, wait_for
 from tests.support.shim import compiled_hook, run_hook, shim_env
 from tests.support.streams import count, quiet
-
-
-@lru_cache(maxsize=1)
-def validators():
-    docs = generate()
-    env = jsonschema.Draft202012Validator(docs["aep-event.schema.json"])
-    types = {n[6:-12]: jsonschema.Draft202012Validator(d) for n, d in docs.items() if n.startswith("types/")}
-    return env, types
+from tests.support.validators import validators
 
 
 def replay_clean(mapped) -> list[bytes]:  # type: ignore[no-untyped-def]

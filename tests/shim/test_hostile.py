@@ -21,8 +21,10 @@ from bridge.core.envelope import decode_raw
 from bridge.core.lanes import MemoryLanes
 from bridge.core.pipeline import map_record, record_from_raw
 from bridge.shim import hook
-from tests.natsfixture import JetStreamClient, NatsServer, free_port
+from tests.natsfixture import JetStreamClient, NatsServer
+from tests.support.cli import free_port
 from tests.support.shim import compiled_hook, dumps, envelope, run_hook, shim_env
+from tests.support.cli import cli
 
 ROOT = Path(__file__).resolve().parents[2]
 # What Hermes gives a hook (`timeout:` in config.yaml; the installer writes deadline + 2 s, the
@@ -32,11 +34,6 @@ HERMES_TIMEOUT_S = 3.0
 
 def unique(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:10]}"
-
-
-def cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "bridge.cli", *args], env={**os.environ, **env}, capture_output=True,
-                          text=True, timeout=120, cwd=ROOT)
 
 
 def raw_messages(js: JetStreamClient, instance: str, expected: int, timeout: float = 10.0) -> list:

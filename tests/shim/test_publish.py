@@ -270,7 +270,7 @@ def test_token_auth(nats_factory, tmp_path: Path) -> None:  # type: ignore[no-un
 
 
 def test_servers_are_tried_in_order(nats_server: NatsServer, jetstream: JetStreamClient, tmp_path: Path) -> None:
-    from tests.natsfixture import free_port
+    from tests.support.cli import free_port
 
     instance = unique("failover")
     urls = f"nats://127.0.0.1:{free_port()}, {nats_server.url}"

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from bridge.shim import hook
-from tests.natsfixture import free_port
+from tests.support.cli import free_port
 from tests.support.nats_roles import configured_server, sample_nats_conf
 
 ROOT = Path(__file__).resolve().parents[2]

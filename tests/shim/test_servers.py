@@ -17,7 +17,8 @@ import pytest
 
 from bridge.shim import hook
 from tests.clusterfixture import BlackHole, Cluster
-from tests.natsfixture import JetStreamClient, NatsServer, free_port
+from tests.natsfixture import JetStreamClient, NatsServer
+from tests.support.cli import free_port
 from tests.support.mute import MuteServer
 from tests.support.partition import Partitioner, partitioned_cluster
 from tests.support.shim import dumps, envelope, run_hook, shim_env

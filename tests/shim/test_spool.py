@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from bridge.shim import hook
-from tests.natsfixture import JetStreamClient, NatsServer, free_port
+from tests.natsfixture import JetStreamClient, NatsServer
+from tests.support.cli import cli, free_port
 from tests.support.shim import dumps, envelope, run_hook, shim_env
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -30,11 +31,6 @@ NOISE_S = 0.15
 
 def unique(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:10]}"
-
-
-def cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "bridge.cli", *args], env=env, capture_output=True, text=True,
-                          timeout=60, cwd=ROOT)
 
 
 def numbered(i: int) -> bytes:

@@ -29,7 +29,7 @@ import pytest
 from bridge.services.pairing import POLL_S
 from bridge.shim import hook
 from bridge.sim.fleet import Fleet, FleetConfig
-from bridge.sim.harness import Pipeline
+from tests.support.pipeline import Pipeline
 from tests.support.faults import PRICED, SHORT_WINDOWS, assert_clean, finish
 from tests.support.shim import run_hook, shim_env
 

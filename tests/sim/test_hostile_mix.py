@@ -14,26 +14,23 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
 
 from bridge.sim.fleet import Fleet, FleetConfig
-from bridge.sim.harness import Pipeline
+from tests.support.pipeline import Pipeline
 from bridge.sim.instances import HOSTILE_MIX
 from bridge.sim.verify import read_manifest, verify
 from tests.natsfixture import JetStreamClient
 from tests.support.faults import SHORT_WINDOWS
+from tests.support.cli import cli as support_cli
+from functools import partial
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def cli(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "AEP_BRIDGE_CONFIG": os.devnull}
-    return subprocess.run([sys.executable, "-m", "bridge.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=ROOT)
+cli = partial(support_cli, env={"AEP_BRIDGE_CONFIG": os.devnull}, timeout=180)
 
 
 def test_simulate_with_the_hostile_mix_and_verify(nats_server_fn, tmp_path):

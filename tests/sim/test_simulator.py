@@ -16,8 +16,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import subprocess
-import sys
 from collections import Counter, defaultdict
 from pathlib import Path
 
@@ -31,12 +29,14 @@ from bridge.core.pipeline import map_record, record_from_raw
 from bridge.shim import hook
 from bridge.sim.fleet import MARKER_KEY, Fleet, FleetConfig
 from bridge.sim.instances import Canaries, envelopes
-from bridge.sim.harness import Pipeline
+from tests.support.pipeline import Pipeline
 from bridge.sim.verify import verify
 from tests.natsfixture import JetStreamClient
 from tests.support.faults import SHORT_WINDOWS
 from tests.support.services import publish_all, raw_records
 from tests.support.shim import run_hook, shim_env
+from tests.support.cli import cli as support_cli
+from functools import partial
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -196,10 +196,7 @@ def test_in_process_and_real_shim_put_the_same_bytes_on_hermes_raw(nats_server, 
 # ---------------------------------------------------------------- end to end, and a verifier that can fail
 
 
-def cli(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "AEP_BRIDGE_CONFIG": os.devnull}
-    return subprocess.run([sys.executable, "-m", "bridge.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=ROOT)
+cli = partial(support_cli, env={"AEP_BRIDGE_CONFIG": os.devnull}, timeout=180)
 
 
 @pytest.mark.slow

@@ -8,7 +8,8 @@ import urllib.request
 from pathlib import Path
 
 from bridge.nats.streams import reserved_bytes
-from bridge.stack.server import MAX_FILE_STORE, EmbeddedNats, free_port
+from bridge.stack.server import MAX_FILE_STORE, EmbeddedNats
+from tests.support.cli import free_port
 from tests.natsfixture import JetStreamClient
 
 

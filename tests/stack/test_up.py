@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from bridge.stack.server import free_port, terminate
+from bridge.stack.server import terminate
+from tests.support.cli import free_port
 from tests.corpus import records
 from tests.support.services import http_json as http_get, wait_for
 from tests.support.up import cli, expected_summary, pid_alive, running_up, totals

@@ -20,7 +20,8 @@ from typing import Any
 import pytest
 
 from bridge.nats.streams import BUCKETS, OBJECT_STORES, STREAMS
-from bridge.stack.server import EmbeddedCluster, EmbeddedNats, free_port, terminate
+from bridge.stack.server import EmbeddedCluster, EmbeddedNats, terminate
+from tests.support.cli import free_port
 from tests.support.up import ROOT, cli, expected_summary, pid_alive, running_up, totals
 from tests.support.services import wait_for
 

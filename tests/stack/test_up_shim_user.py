@@ -20,7 +20,7 @@ from bridge.commands.control import build_command
 from bridge.core import control as C
 from bridge.core.aep import encode_event
 from bridge.core.lanes import lane_token
-from bridge.stack.server import free_port
+from tests.support.cli import free_port
 from tests.support.services import http_json as http_get, wait_for
 from tests.support.shim import compiled_hook, dumps, envelope, run_hook, shim_env
 from tests.support.up import cli, running_up

@@ -17,7 +17,7 @@ from typing import Any, Iterator
 import nats
 import pytest
 
-from bridge.stack.server import free_port
+from tests.support.cli import free_port
 from tests.natsfixture import JetStreamClient, make_server
 from tests.support.api_calls import api_call, event, publish_events
 from tests.support.auth_server import USER, AuthServer

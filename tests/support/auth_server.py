@@ -9,7 +9,8 @@ import socket
 import subprocess
 from pathlib import Path
 
-from bridge.stack.server import find_nats_server, free_port, terminate
+from bridge.stack.server import find_nats_server, terminate
+from tests.support.cli import free_port
 from tests.support.services import wait_for
 
 USER = "svc"

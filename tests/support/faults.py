@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from bridge.sim.fleet import Fleet
-from bridge.sim.harness import Pipeline
+from tests.support.pipeline import Pipeline
 from bridge.sim.verify import Report, verify
 
 #: The fault runs' windows, shorter than production's by configuration (the suite's time):

@@ -23,7 +23,8 @@ import pytest
 
 from bridge.config import Settings
 from bridge.nats.bootstrap import bootstrap as bridge_bootstrap
-from tests.natsfixture import free_port, nats_server_binary
+from tests.natsfixture import nats_server_binary
+from tests.support.cli import free_port
 from tests.support.chart import CHART_DIR, REPO, chart_max_file_store, load_values
 
 

@@ -20,7 +20,7 @@ import nats
 
 from bridge.core.lanes import lane_token
 from bridge.nats.subjects import events_subject
-from tests.natsfixture import free_port
+from tests.support.cli import free_port
 
 OPERATOR = "op-token-0123456789abcdef"
 CONSUMER = "consumer-token-0123456789ab"

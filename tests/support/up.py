@@ -13,11 +13,13 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from bridge.stack.server import free_port, terminate
+from bridge.stack.server import terminate
+from tests.support.cli import free_port
 from tests.corpus import records
 from tests.support.services import wait_for
+from tests.support.cli import ROOT, cli as support_cli
+from functools import partial
 
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def pid_alive(pid: int) -> bool:
@@ -32,8 +34,8 @@ def pid_alive(pid: int) -> bool:
         return False
 
 
-def cli(*args: str, env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "bridge.cli", *args], env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+#: up's tests give the whole environment (running_up removed the variables up must not see)
+cli = partial(support_cli, inherit=False)
 
 
 @contextlib.contextmanager

@@ -56,7 +56,6 @@ import structlog
 
 from bridge.core.sinks import PARTITIONS, SinkConfig
 from bridge.nats import streams as S
-from bridge.services.exporter.service import SinkWorker, bind_or_wait
 from bridge.services.exporter.sinks import make_sink
 
 log = structlog.get_logger("aep_bridge.exporter")
@@ -88,13 +87,30 @@ class Owned:
         self.lost = False
 
 
+async def bind_or_wait(owner: Any, bind: Any) -> bool:
+    """``bind()`` and mark ``owner`` (a SinkWorker, a PartitionedSink) bound; or say why not
+    (its state, a log line) and wait 2 s. True when bound."""
+    try:
+        await bind()
+    except Exception as exc:
+        owner.state = f"bind failed: {exc}"
+        log.warning("bind_failed", sink=owner.cfg.name, error=f"{type(exc).__name__}: {exc}")
+        await owner.service.stopper.sleep(2.0)
+        return False
+    owner.bound = True
+    return True
+
+
 class PartitionedSink:
     """The sink's part in this replica: its leases, and a `SinkWorker` per owned partition.
     Looks like a `SinkWorker` to the `Exporter` (cfg, sink, bound, state, run, watch)."""
 
     def __init__(self, service: Any, cfg: SinkConfig, partitions: int = PARTITIONS, renew_s: float = RENEW_S,
-                 lease_ttl_s: float | None = None) -> None:
+                 lease_ttl_s: float | None = None, worker: Any = None) -> None:
         self.service = service
+        # what serves one owned partition: service.SinkWorker, given by the Exporter (partitions.py
+        # does not import service.py, which imports this module: no cycle)
+        self.worker = worker
         self.cfg = cfg
         self.sink = make_sink(cfg)
         self.partitions = partitions
@@ -294,7 +310,7 @@ class PartitionedSink:
                 revision = int(await self.leases.create(self.lease_key(n), self.replica.encode()))
             except Exception:  # held by another replica (KeyWrongLastSequenceError), or no answer
                 continue
-            worker = SinkWorker(self.service, self.cfg, sink=self.sink, partition=n)
+            worker = self.worker(self.service, self.cfg, sink=self.sink, partition=n)
             own = Owned(n, worker, revision, sent)
             worker.fence = lambda own=own: self.fenced(own)  # type: ignore[misc]
             own.task = asyncio.create_task(worker.run())

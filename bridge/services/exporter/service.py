@@ -52,6 +52,7 @@ from bridge.core.bridges import BridgeError, project
 from bridge.core.ceiling import LEVELS, CapturePolicy, configure
 from bridge.core.redaction import Redactor
 from bridge.services.exporter.delivery import kafka_record
+from bridge.services.exporter.partitions import PartitionedSink, bind_or_wait
 from bridge.core.sinks import PROJECTION, SinkConfig, check_unique, sink_from_url, sinks_from_document
 from bridge.nats import streams as S
 from bridge.nats.connection import connect_service, server_list
@@ -357,20 +358,6 @@ class SinkWorker:
                 return
 
 
-async def bind_or_wait(owner: Any, bind: Any) -> bool:
-    """``bind()`` and mark ``owner`` (a SinkWorker, a PartitionedSink) bound; or say why not
-    (its state, a log line) and wait 2 s. True when bound."""
-    try:
-        await bind()
-    except Exception as exc:
-        owner.state = f"bind failed: {exc}"
-        log.warning("bind_failed", sink=owner.cfg.name, error=f"{type(exc).__name__}: {exc}")
-        await owner.service.stopper.sleep(2.0)
-        return False
-    owner.bound = True
-    return True
-
-
 class Exporter:
     def __init__(self, settings: Settings, sinks: list[SinkConfig], registry: CollectorRegistry | None = None) -> None:
         if not sinks:
@@ -385,9 +372,7 @@ class Exporter:
         self.stopper = Stopper()
         self.nc: Any = None
         self.js: Any = None
-        from bridge.services.exporter.partitions import PartitionedSink
-
-        self.workers: list[Any] = [PartitionedSink(self, cfg) if cfg.partitioned else SinkWorker(self, cfg)
+        self.workers: list[Any] = [PartitionedSink(self, cfg, worker=SinkWorker) if cfg.partitioned else SinkWorker(self, cfg)
                                    for cfg in sinks]
 
     async def connect(self) -> None:

@@ -39,8 +39,9 @@ class GateConfig:
         return accepted_verbs(self.control, self.instruct)
 
     @classmethod
-    def from_env(cls, environ: dict[str, str] | None = None, policy: CapturePolicy | None = None) -> "GateConfig":
-        v = {name: value.value for name, value in resolve("gate", environ).items()}  # bridge/config.py FIELDS
+    def from_env(cls, environ: dict[str, str] | None = None, policy: CapturePolicy | None = None,
+                 flags: dict[str, Any] | None = None) -> "GateConfig":
+        v = {name: value.value for name, value in resolve("gate", environ, flags=flags).items()}  # bridge/config.py FIELDS
         senders = v["AEP_CONTROL_SENDERS"]
         return cls(
             control=v["AEP_HERMES_CONTROL"],

@@ -12,7 +12,6 @@ import msgspec
 import nats.errors
 import nats.js.errors
 import structlog
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from bridge.config import GATE_METRICS_PORT
 from bridge.core import deadletter
@@ -36,6 +35,8 @@ from bridge.nats.streams import (
     AEP_EVENTS,
     CONTROL_BUCKET,
     CONTROL_BUCKETS,
+    GATE_COMMAND_CONSUMER,
+    GATE_RAW_CONSUMER,
     HERMES_RAW,
     INSTRUCT_BUCKET,
     LANES_BUCKET,
@@ -48,7 +49,6 @@ from bridge.services.gate.config import (
     MAX_HOLD_MS,
     QUEUE_GROUP,
     RAW_DURABLE,
-    RAW_HOOKS,
     SWEEP_S,
 )
 from bridge.runtime import Loop, close_connection, serve
@@ -187,16 +187,10 @@ class Gate(Commands):
         return new
 
     async def bind_raw(self) -> Any:
-        return await self.js.pull_subscribe("", durable=RAW_DURABLE, stream=HERMES_RAW, config=ConsumerConfig(
-            durable_name=RAW_DURABLE, description="aep-bridge gate: held calls and session boundaries",
-            deliver_policy=DeliverPolicy.NEW, ack_policy=AckPolicy.EXPLICIT, ack_wait=30.0,
-            filter_subjects=[subj.raw_filter(hook=h) for h in RAW_HOOKS]))
+        return await self.js.pull_subscribe("", durable=RAW_DURABLE, stream=HERMES_RAW, config=GATE_RAW_CONSUMER.config(RAW_DURABLE))
 
     async def bind_commands(self) -> Any:
-        return await self.js.pull_subscribe("", durable=COMMAND_DURABLE, stream=AEP_EVENTS, config=ConsumerConfig(
-            durable_name=COMMAND_DURABLE, description="aep-bridge gate: control commands",
-            deliver_policy=DeliverPolicy.NEW, ack_policy=AckPolicy.EXPLICIT, ack_wait=30.0,
-            filter_subjects=list(subj.COMMAND_FILTERS)))
+        return await self.js.pull_subscribe("", durable=COMMAND_DURABLE, stream=AEP_EVENTS, config=GATE_COMMAND_CONSUMER.config(COMMAND_DURABLE))
 
     async def sweep_loop(self) -> None:
         while not self.stopper.stopping:

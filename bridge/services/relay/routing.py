@@ -2,7 +2,7 @@
 session, a WebSocket emitter for its own sessions), and of the claimant's ack back to the
 command's sender(s), once; a retry after the decision gets the recorded ack.
 
-The rules come first, as pure functions (no I/O: ``tests/services/test_relay_routing.py``
+The rules come first, as pure functions (no I/O: ``tests/services/relay/test_relay_routing.py``
 checks them alone); ``Router`` applies them with the hub, presence, claims and NATS.
 """
 

@@ -25,7 +25,7 @@ from tests.support.relay import CONSUMER, OPERATOR
 from tests.support.services import wait_for
 from tests.support.shim import dumps, run_hook
 
-OBSERVED = Path(__file__).resolve().parents[3] / "shared" / "hermes" / "observed_envelopes.jsonl"
+OBSERVED = Path(__file__).resolve().parents[4] / "shared" / "hermes" / "observed_envelopes.jsonl"
 if not OBSERVED.exists():  # the worktree sits next to shared/
     OBSERVED = Path("/work/shared/hermes/observed_envelopes.jsonl")
 

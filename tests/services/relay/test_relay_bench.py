@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_relay.py"
+SCRIPT = Path(__file__).resolve().parents[3] / "benchmarks" / "bench_relay.py"
 
 
 def test_the_relay_benchmark_runs_both_paths_and_counts_every_delivery() -> None:

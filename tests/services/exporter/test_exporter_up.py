@@ -10,7 +10,8 @@ import sys
 import urllib.request
 from pathlib import Path
 
-from bridge.stack.server import free_port, terminate
+from bridge.stack.server import terminate
+from tests.support.cli import free_port
 from tests.support.services import http_json, wait_for
 from tests.support.otlp import Receiver
 from tests.support.up import cli, pid_alive, running_up
@@ -77,7 +78,7 @@ def test_up_export_without_the_kafka_client_fails_at_start_with_the_install_comm
     confluent_kafka, and nothing said so until Kafka stayed empty. A `confluent_kafka` that
     cannot be imported (first on PYTHONPATH, as when the `export` extra is missing) must stop
     `up` at start, with the command that installs it, and leave no process behind."""
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     shadow = tmp_path / "shadow"
     shadow.mkdir()
     (shadow / "confluent_kafka.py").write_text("raise ImportError('no confluent_kafka here (test)')\n")

@@ -1,4 +1,5 @@
-"""Run the bridge's services as real processes around a NATS server, for fault tests and the soak.
+"""Run the bridge's services as real processes around a NATS server, for fault tests, the soak and
+the cost benchmark (test machinery: it lived in bridge/sim/harness.py, inside the shipped package).
 
 ``Pipeline(url, workdir)`` bootstraps the streams (optionally with a shorter duplicate
 window) and starts ``aep-bridge mapper`` / ``aep-bridge pairing`` workers as child
@@ -15,7 +16,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -29,14 +29,8 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from bridge.nats import streams as S
 from bridge.nats.bootstrap import bootstrap
 from bridge.runtime.profiling import rss_kb
+from tests.support.cli import ROOT, free_port
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 _SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([-+0-9.eE]+|NaN|[+-]Inf)\s*$')

@@ -25,7 +25,8 @@ from pathlib import Path
 
 
 from bridge.nats.streams import MAPPER_DURABLE
-from bridge.stack.server import free_port, terminate
+from bridge.stack.server import terminate
+from tests.support.cli import free_port
 from tests.natsfixture import JetStreamClient
 from tests.support.auth_server import USER, AuthServer
 from tests.support.services import Service, http_json, wait_for

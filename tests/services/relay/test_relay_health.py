@@ -15,11 +15,12 @@ import nats
 
 from bridge.services.relay.config import RelayConfig
 from bridge.services.relay.service import Relay
-from bridge.stack.server import free_port, terminate
+from bridge.stack.server import terminate
+from tests.support.cli import free_port
 from tests.support.auth_server import USER, AuthServer
 from tests.support.services import http_json, wait_for
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_credentials_refused_on_reconnect_make_the_relay_exit_1(tmp_path: Path) -> None:

@@ -26,7 +26,7 @@ import pytest
 
 from tests.support.relay import CONSUMER, RelayProcess, auth, encode, event
 
-SLOWLORIS = Path(__file__).resolve().parents[1] / "support" / "slowloris.py"
+SLOWLORIS = Path(__file__).resolve().parents[2] / "support" / "slowloris.py"
 
 
 def sid() -> str:

@@ -27,8 +27,9 @@ from bridge.services.gate.config import COMMAND_DURABLE
 from tests.support.plane import Plane, new_session, ready, start_plane, start_session, stop_plane, types
 from tests.support.services import wait_for
 from tests.support.shim import envelope
+from tests.support.cli import cli
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(scope="module")
@@ -394,20 +395,19 @@ def test_the_cli_lists_and_answers_held_calls(plane: Plane) -> None:
     shim = plane.held(session, "call-cli")
     req = plane.request_of(session, "call-cli")
 
-    def cli(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "bridge.cli", "control", *args, "--nats", plane.url],
-                              capture_output=True, text=True, cwd=ROOT, timeout=30)
+    def control(*args: str) -> subprocess.CompletedProcess[str]:
+        return cli("control", *args, "--nats", plane.url, timeout=30)
 
-    pending = cli("pending")
+    pending = control("pending")
     assert pending.returncode == 0 and req["id"] in pending.stdout and session in pending.stdout
-    denied = cli("respond", req["id"], "deny", "--reason", "ask me tomorrow")  # the session is looked up
+    denied = control("respond", req["id"], "deny", "--reason", "ask me tomorrow")  # the session is looked up
     assert denied.returncode == 0 and denied.stdout.startswith("accepted"), denied.stderr
     assert json.loads(shim.communicate(timeout=10)[0]) == {"action": "block", "message": "ask me tomorrow"}
-    again = cli("respond", req["id"], "allow", "--session", session)
+    again = control("respond", req["id"], "allow", "--session", session)
     assert again.returncode == 1 and "rejected (refused)" in again.stdout
-    steer = cli("instruct", "--session", session, "--json", "mind the budget")
+    steer = control("instruct", "--session", session, "--json", "mind the budget")
     assert steer.returncode == 0 and json.loads(steer.stdout)["type"] == C.ACCEPTED
-    assert cli("instruct", "--session", session, "").returncode == 1  # invalid
+    assert control("instruct", "--session", session, "").returncode == 1  # invalid
 
 
 def test_the_gate_buckets_take_the_stream_replicas_setting(nats_server_fn, monkeypatch) -> None:

@@ -103,7 +103,7 @@ def test_kafka_sink_outcomes_without_a_broker():
 
     from bridge.core.sinks import sink_from_url
     from bridge.services.exporter.sinks import KafkaSink
-    from tests.support.tansu import free_port
+    from tests.support.cli import free_port
 
     async def run():
         sink = KafkaSink(sink_from_url(f"kafka://127.0.0.1:{free_port()}/t?message.max.bytes=1000&message.timeout.ms=500"))

@@ -1,0 +1,1 @@
+"""Tests of bridge/services/gate: the control plane (held calls, instructions, cards) on a real nats-server."""
