@@ -264,9 +264,12 @@ def test_simulate_and_verify_from_the_command_line_and_a_verifier_that_fails(nat
     assert report.canary_count >= 1 and canary in "".join(report.canary_hits)
     assert report.schema_count == 1
     assert not report.ok
+    # the reused run.finished states its run's totals in a session where none of its calls are
+    assert report.usage_count >= 1 and any("tamper1" in p or "01ZZZZZZZZZZZZZZZZZZZZZZZZ" in p for p in report.usage_problems), \
+        report.usage_problems
     assert report.violations == {"lost": 1, "duplicates": 1, "seq_reused": report.seq_reused,
                                  "pairing_invariants": report.invariant_count, "approvals": 0, "schema": 1,
-                                 "canaries": report.canary_count, "hostile": 0}
+                                 "canaries": report.canary_count, "hostile": 0, "usage": report.usage_count}
 
 
 def test_verifier_reads_incrementally_and_finds_shim_sent_messages_by_marker(nats_server, jetstream, tmp_path):
