@@ -119,6 +119,11 @@ class SinkWorker:
         self._decode = msgspec.json.Decoder().decode
         self.delivered: OrderedDict[int, None] = OrderedDict()  # AEP_EVENTS sequences the sink confirmed
 
+    def unsure(self) -> str | None:
+        """Why readiness waits on a lease: never for a sink's one durable (a partition's worker is
+        fenced by its `PartitionedSink`, whose ``unsure`` says it)."""
+        return None
+
     # ------------------------------------------------------------ setup
 
     async def bind(self) -> None:
@@ -382,7 +387,7 @@ class Exporter:
     def _readiness(self) -> None:
         bound = all(w.bound for w in self.workers)
         connected = self.nc is not None and self.nc.is_connected
-        unsure = [f"{w.cfg.name}: {why}" for w in self.workers if (why := getattr(w, "unsure", lambda: None)())]
+        unsure = [f"{w.cfg.name}: {why}" for w in self.workers if (why := w.unsure())]
         ready = bound and connected and not unsure
         self.health.set_ready(ready, "" if ready else ("NATS disconnected" if not connected else "binding sink consumers"
                                                        if not bound else f"lease unsure: {'; '.join(unsure)}"[:300]))
