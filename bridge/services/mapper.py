@@ -44,6 +44,10 @@ Theory of operation
   `bad_hook`, an event over max_payload `too_large`. Every subject comes from
   `bridge.nats.subjects` (bounded): nothing a message contains can make the server
   close the connection.
+* A session belongs to the first instance seen for it (`KvLanes.session_owner`: `o.<lane
+  token>` in `aep_lane_facts`, a KV create, so every replica agrees). A raw message of another
+  instance filed under that session, by its id or a look-up, is not mapped: pairing keys
+  sessions by id and would end or sweep the owner's session (`instance_conflict`).
 * What cannot be decoded or mapped goes to `bridge.dlq.<reason>`, then the raw message
   is acked. The dead letter (`bridge.core.deadletter`) carries no more than the capture
   policy lets through: the reason, the error's type, the raw message's position
@@ -444,6 +448,11 @@ class Mapper:
                     self.metrics.lane_facts.labels(outcome="recorded").inc()
         except (EnvelopeError, subj.SubjectError) as exc:
             return [await self.dead_letter(msg, exc.reason, exc)], 0
+        if result.events and not result.unknown:
+            owner = await self.lanes.session_owner(result.lane, raw.instance)
+            if owner is not None and owner != raw.instance:  # another instance's session: it changes nothing
+                return [await self.dead_letter(msg, "instance_conflict", f"session of instance {owner[:100]!r}, "
+                                                                         f"message from {raw.instance[:100]!r}")], 0
         futures = await self.lanes.learn(result, self.publisher.publish) if self.lanes.needs_learning(result) else []
         if result.drift:
             self.metrics.drift_seen(result.drift).inc()
