@@ -36,6 +36,9 @@ Theory of operation
   session's end published by the other replica: pairing's late starts handle that. A
   message held back by a retry or a dead replica's ack_wait does not stall the
   batch longer; counted in `aep_bridge_mapper_lane_wait_timeouts_total`).
+* The shared durable deleted under a running mapper (issue 44) is created again after the
+  raw messages already mapped (`durable_gone`), not from the stream's start; /healthz is
+  503 until it is back (`aep_bridge_mapper_consumers_recreated_total`).
 * `epoch` = the creation time of HERMES_RAW (milliseconds): it changes, upward, only
   when the stream is recreated, and every replica reads the same value.
 * Every raw message is checked first (`check_raw`: `bad_raw`), its body's instance
@@ -82,6 +85,8 @@ from typing import Any, Callable, NamedTuple
 
 import msgspec
 import nats.errors
+import nats.js.errors
+from nats.js.api import DeliverPolicy
 import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -173,6 +178,8 @@ class MapperMetrics:
         self.floor_reads = Counter(
             f"{ns}_ack_floor_reads_total", "Lane waits that asked the server for the consumer's ack floor", registry=registry,
         )
+        self.recreated = Counter(f"{ns}_consumers_recreated_total",
+                                 "The shared durable on HERMES_RAW found gone and created again", registry=registry)
         self.lane_facts = Counter(
             f"{ns}_lane_facts_total",
             "Lanes of look-up raw messages: recorded by a first attempt, reused from an earlier one, or failed to record",
@@ -310,6 +317,7 @@ class Mapper:
         self._batch_pending: list[tuple[Any, list[asyncio.Future], int]] = []
         self._batch_done: set[int] = set()
         self._floor = 0  # the consumer's ack floor (stream seq) as last read
+        self._server_floor = 0  # the same, as `watch_consumer` last read it (kept across binds)
         self._floor_at = 0.0  # monotonic time that read was answered
         self._stuck_floor = -1  # an ack floor a wait already gave up on (a dead replica's messages)
         # Raw messages above `_floor` this replica has finished (acked or dead-lettered after
@@ -345,9 +353,14 @@ class Mapper:
         self.js = self.nc.jetstream(publish_async_max_pending=4096)
         self.publisher = await AckPublisher(self.nc).start()  # the events' publishes (bridge.nats.publish)
 
-    async def bind(self) -> Any:
+    async def bind(self, start_after: int = 0) -> Any:
+        """Bind the shared durable (created when missing: from the stream's start, or, when it
+        disappeared under a running mapper, after ``start_after``, the raw messages already
+        mapped: `durable_gone`; from the start again when the stream itself is new)."""
         info = await self.js.stream_info(S.HERMES_RAW)
         created = info.created
+        if start_after and epoch_of(created) != self.epoch:  # a new stream, not only a new durable: all of it
+            start_after = 0
         self.epoch = epoch_of(created)
         window = getattr(info.config, "duplicate_window", None)
         if window:
@@ -371,6 +384,8 @@ class Mapper:
             facts = None
         self.lanes = KvLanes(kv, facts=facts)
         config = S.mapper_consumer_config(self.durable, self.settings.mapper_ack_wait_s)
+        if start_after:
+            config.deliver_policy, config.opt_start_seq = DeliverPolicy.BY_START_SEQUENCE, start_after + 1
         sub = await self.js.pull_subscribe(S.RAW_SUBJECTS, durable=self.durable, stream=S.HERMES_RAW, config=config)
         await self._keep_consumer(sub, config)
         self.sub, self._floor, self._floor_at = sub, 0, 0.0
@@ -837,10 +852,32 @@ class Mapper:
         except Exception:
             pass
 
+    async def durable_gone(self) -> int:
+        """After a failed fetch: 0 when the shared durable is there (or the server cannot
+        tell: another failure, waited out). When it is gone (deleted by hand, or by a role
+        that should not have been able to: issue 44) the mapper is not healthy until it is
+        back (/healthz 503), and it is created again after the raw messages already mapped
+        (this replica's floor, or the server's as last read): returns that floor (at least
+        1). A replica that binds first creates it; the others bind to that one."""
+        try:
+            await self.js.consumer_info(S.HERMES_RAW, self.durable)
+            return 0
+        except nats.js.errors.NotFoundError:
+            pass
+        except Exception:
+            return 0
+        self.metrics.recreated.inc()
+        self.health.failed = f"consumer {self.durable} on {S.HERMES_RAW} is gone: recreating it"
+        floor = max(self._floor, self._server_floor)
+        log.error("consumer_gone", stream=S.HERMES_RAW, durable=self.durable, after_seq=floor)
+        return max(floor, 1) if floor else 0
+
     async def watch_consumer(self, sub: Any) -> None:
         while not self.stopper.stopping:
             try:
+                sub = self.sub or sub  # (the one bound last)
                 info = await sub.consumer_info()
+                self._server_floor = max(self._server_floor, int(getattr(info.ack_floor, "stream_seq", 0) or 0))
                 labels = {"stream": S.HERMES_RAW, "consumer": self.durable}
                 self.metrics.pending.labels(**labels).set(info.num_pending or 0)
                 self.metrics.ack_pending.labels(**labels).set(info.num_ack_pending or 0)
@@ -877,11 +914,14 @@ class Mapper:
                 log.warning("fetch_failed", error=f"{type(exc).__name__}: {exc}")
                 await self.stopper.sleep(1.0)
                 # The consumer or the stream may be gone (HERMES_RAW recreated, a server that
-                # lost its store): bind again, which also re-reads the epoch.
+                # lost its store, the durable deleted): bind again, which also re-reads the epoch.
                 try:
-                    sub = await self.bind()
+                    sub = await self.bind(await self.durable_gone())
                     puller = Puller(sub, burst=True)
                     self.health.set_ready(True)  # bound: the server answers (not only once a message comes)
+                    if self.health.failed and self.health.failed.startswith("consumer"):
+                        self.health.failed = None
+                        log.warning("consumer_recreated", stream=S.HERMES_RAW, durable=self.durable)
                     log.info("mapper_rebound", epoch=self.epoch)
                 except Exception as bind_exc:
                     log.warning("rebind_failed", error=f"{type(bind_exc).__name__}: {bind_exc}")
