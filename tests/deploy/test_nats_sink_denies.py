@@ -19,8 +19,8 @@ from pathlib import Path
 import nats
 import pytest
 
-from tests.deploy.test_nats_permissions_matrix import ADMIN, FILTERS, Prober, with_admin
 from tests.support.chart import ci_values, render_chart
+from tests.support.nats_probe import ADMIN, FILTERS, Prober, with_admin
 from tests.support.nats_roles import USERS, configured_server, ensure_streams, values_nats_conf
 
 SINKS = ("siem", "audit-2")

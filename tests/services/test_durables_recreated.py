@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,22 +24,10 @@ import nats
 import pytest
 
 from tests.corpus import envelopes
-from tests.support.nats_roles import INBOX, USERS, configured_server, ensure_streams, sample_nats_conf, values_nats_conf
+from tests.support.nats_probe import ADMIN, with_admin
+from tests.support.nats_roles import USERS, configured_server, ensure_streams, sample_nats_conf, values_nats_conf
 from tests.support.otlp import Receiver, to_id
 from tests.support.services import Service, http_json, raw_records, wait_for
-
-ADMIN = ("aep-test-admin", "admin-pw")
-
-
-def with_admin(text: str, kind: str) -> str:
-    """The configuration with one more user of the account, without permissions (setup only)."""
-    if kind == "sample":
-        new, n = re.subn(r"(\n\s*users: \[\n)", r'\1      { user: %s, password: %s }\n' % ADMIN, text, count=1)
-    else:
-        new, n = re.subn(r'("users": \[)', r'\1 {"user": "%s", "password": "%s"},' % ADMIN, text, count=1)
-    assert n == 1
-    return new
-
 
 def as_user(role: str) -> dict[str, str]:
     user, password = USERS[role]
