@@ -119,3 +119,60 @@ def test_an_instance_cannot_end_another_instances_session_in_the_pipeline(server
         mapper.terminate()
         pairing.terminate()
     assert "Traceback" not in mapper.log() + pairing.log()
+
+
+def test_the_gate_and_the_mapper_agree_on_a_sessions_instance(server: dict, tmp_path: Path) -> None:
+    """One record for both: the gate started after B's session began (its raw durable
+    delivers new messages only), so the first message of that session it sees is A's
+    finalize. Before, the gate had no record of its own and took A's finalize for the
+    session's (ended it, and would have refused B's held calls as another instance's),
+    while the mapper dead-lettered it: the two disagreed. Now the gate reads the instance the
+    mapper recorded (``o.<lane token>`` in aep_lane_facts)."""
+    url = server["url"]
+    a_role, a_instance = ("gateway-0", "gateway-0") if server["kind"] == "sample" else ("shim", "gw-a")
+    mapper = Service("mapper", url, tmp_path, env=as_user("mapper")).start()
+    session = f"s-{time.time_ns()}"
+    gate = None
+    try:
+        wait_for(lambda: "mapper_ready" in mapper.log(), 20, what=f"the mapper ready:\n{mapper.log()}")
+        hook(url, tmp_path, "shim", "gw-b", envelope("on_session_start", session=session))
+        wait_for(lambda: metric_sum(mapper.metrics_text(), "aep_bridge_mapper_raw_messages_total") >= 1, 20,
+                 what=f"B's start mapped:\n{mapper.log()}")
+        gate = Service("gate", url, tmp_path, "--probe-ms", "300",
+                       env={**as_user("gate"), "AEP_HERMES_CONTROL": "1", "AEP_INSTRUCT": "1"}).start()
+        wait_for(lambda: "gate_ready" in gate.log(), 20, what=f"the gate ready:\n{gate.log()}")
+        hook(url, tmp_path, a_role, a_instance, envelope("on_session_finalize", session=session, reason="shutdown"))
+        # (before: no foreign_instance, the gate finalized the session as A's)
+        wait_for(lambda: "foreign_instance" in gate.log(), 20, what=f"the gate to refuse A's finalize:\n{gate.log()}")
+        assert "aep_bridge_gate_foreign_instance_total 1.0" in gate.metrics_text(), gate.log()
+        assert 'aep_bridge_dead_letters_total{reason="instance_conflict"} 1.0' in mapper.metrics_text()
+        assert not [line for line in server["log"].read_text().splitlines() if "Violation" in line and "aep-gate" in line]
+    finally:
+        mapper.terminate()
+        if gate is not None:
+            gate.terminate()
+    assert "Traceback" not in mapper.log() + (gate.log() if gate else "")
+
+
+def metric_sum(text: str, name: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+
+
+def test_the_gate_may_touch_the_sessions_instances_only(server: dict) -> None:
+    """The aep-gate user reads and creates `o.<lane token>` of aep_lane_facts and nothing
+    else of that bucket (the raw messages' lanes, `r.*`, are the mapper's)."""
+    from tests.support.nats_roles import Client, expect_api_refused, expect_publish_refused
+
+    async def run() -> None:
+        c = await Client.connect(server["url"], "gate")
+        try:
+            facts = await c.js.key_value("aep_lane_facts")
+            key = f"o.gate-probe-{time.time_ns()}"
+            await facts.create(key, b"gw-z")
+            assert (await facts.get(key)).value == b"gw-z"
+            await expect_publish_refused(c, "$KV.aep_lane_facts.r.gw-1.x")
+            await expect_api_refused(c, facts.get("r.gw-1.x"), "KV_aep_lane_facts")
+        finally:
+            await c.close()
+
+    asyncio.run(run())
