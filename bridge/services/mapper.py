@@ -359,8 +359,8 @@ class Mapper:
         mapped: `durable_gone`; from the start again when the stream itself is new)."""
         info = await self.js.stream_info(S.HERMES_RAW)
         created = info.created
-        if start_after and epoch_of(created) != self.epoch:  # a new stream, not only a new durable: all of it
-            start_after = 0
+        if epoch_of(created) != self.epoch:  # a new stream (or the first bind): its sequences start again
+            start_after = self._server_floor = 0
         self.epoch = epoch_of(created)
         window = getattr(info.config, "duplicate_window", None)
         if window:
@@ -857,8 +857,8 @@ class Mapper:
         tell: another failure, waited out). When it is gone (deleted by hand, or by a role
         that should not have been able to: issue 44) the mapper is not healthy until it is
         back (/healthz 503), and it is created again after the raw messages already mapped
-        (this replica's floor, or the server's as last read): returns that floor (at least
-        1). A replica that binds first creates it; the others bind to that one."""
+        (this replica's floor, or the server's as last read): returns that floor (0: from the
+        start). A replica that binds first creates it; the others bind to that one."""
         try:
             await self.js.consumer_info(S.HERMES_RAW, self.durable)
             return 0
@@ -870,7 +870,7 @@ class Mapper:
         self.health.failed = f"consumer {self.durable} on {S.HERMES_RAW} is gone: recreating it"
         floor = max(self._floor, self._server_floor)
         log.error("consumer_gone", stream=S.HERMES_RAW, durable=self.durable, after_seq=floor)
-        return max(floor, 1) if floor else 0
+        return floor
 
     async def watch_consumer(self, sub: Any) -> None:
         while not self.stopper.stopping:

@@ -149,8 +149,8 @@ class SinkWorker:
         config = S.exporter_consumer_config(self.cfg.durable, f"aep-bridge exporter sink {self.cfg.name}",
                                             ack_wait=self.service.settings.export_ack_wait_s)
         created = (await self.service.js.stream_info(S.AEP_EVENTS)).created
-        if self.start_after and created != self.stream_created:  # a new stream, not only a new durable: all of it
-            self.start_after = self.replay_upto = 0
+        if created != self.stream_created:  # a new stream (or the first bind): its sequences start again
+            self.start_after = self.replay_upto = self.server_floor = 0
         self.stream_created = created
         if self.start_after:  # it disappeared: from the ack floor on, not from the stream's start
             config.deliver_policy, config.opt_start_seq = DeliverPolicy.BY_START_SEQUENCE, self.start_after + 1
