@@ -19,7 +19,7 @@ import time
 from collections import OrderedDict
 from typing import Any
 
-from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
+from nats.js.errors import APIError, KeyNotFoundError, KeyWrongLastSequenceError
 
 from bridge.core.lanes import MemoryLanes, lane_candidates, lane_of, lane_token
 from bridge.core.mapping import MapResult
@@ -168,22 +168,38 @@ class KvLanes:
                 raise
             return recorded
 
-    async def session_owner(self, session: str, instance: str) -> str | None:
-        """The instance ``session`` belongs to: the first one seen for it, recorded as
-        ``o.<lane token>`` in aep_lane_facts by a KV create (the first wins; every replica,
-        and every later attempt, reads the same), ``instance`` when this is the first.
-        Cached (bounded). None when lane facts are not there (a release before them)."""
+    def cached_owner(self, session: str) -> str | None:
+        """`session_owner` when this process knows it already (no await: the hot path)."""
         owner = self._owners.get(session)
         if owner is not None:
             self._owners.move_to_end(session)
+        return owner
+
+    async def session_owner(self, session: str, instance: str, publish: Any = None) -> str | None:
+        """The instance ``session`` belongs to: the first one seen for it, recorded as
+        ``o.<lane token>`` in aep_lane_facts by a KV create (the first wins; every replica,
+        and every later attempt, reads the same), ``instance`` when this is the first.
+        Cached (bounded). None when lane facts are not there (a release before them).
+        ``publish``: an `AckPublisher.publish` to send the create with (cheaper than nats-py's
+        KV create: the mapper's hot path); else the bucket's own create."""
+        owner = self.cached_owner(session)
+        if owner is not None:
             return owner
         if self.facts is None:
             return None
         key = OWNER_PREFIX + lane_token(session)
+        value = instance.encode("utf-8", "surrogatepass")
         try:
-            await self.facts.create(key, instance.encode("utf-8", "surrogatepass"))
+            if publish is None:
+                await self.facts.create(key, value)
+            else:
+                sent = await publish(subj.kv_subject(S.LANE_FACTS_BUCKET, key), value,
+                                     headers={"Nats-Expected-Last-Subject-Sequence": "0"})
+                await asyncio.wait_for(sent, FACT_TIMEOUT_S)
             owner = instance
-        except KeyWrongLastSequenceError:  # recorded first by another message (or replica)
+        except (KeyWrongLastSequenceError, APIError) as exc:  # recorded first by another message (or replica)
+            if not isinstance(exc, KeyWrongLastSequenceError) and getattr(exc, "err_code", None) != WRONG_LAST_SEQUENCE:
+                raise
             entry = await self.facts.get(key)
             owner = (entry.value or b"").decode("utf-8", "surrogatepass")
         self._owners[session] = owner

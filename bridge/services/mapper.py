@@ -464,7 +464,8 @@ class Mapper:
         except (EnvelopeError, subj.SubjectError) as exc:
             return [await self.dead_letter(msg, exc.reason, exc)], 0
         if result.events and not result.unknown:
-            owner = await self.lanes.session_owner(result.lane, raw.instance)
+            owner = self.lanes.cached_owner(result.lane) or \
+                await self.lanes.session_owner(result.lane, raw.instance, self.publisher.publish)
             if owner is not None and owner != raw.instance:  # another instance's session: it changes nothing
                 return [await self.dead_letter(msg, "instance_conflict", f"session of instance {owner[:100]!r}, "
                                                                          f"message from {raw.instance[:100]!r}")], 0
