@@ -48,9 +48,11 @@ Theory of operation
   `bridge.nats.subjects` (bounded): nothing a message contains can make the server
   close the connection.
 * A session belongs to the first instance seen for it (`KvLanes.session_owner`: `o.<lane
-  token>` in `aep_lane_facts`, a KV create, so every replica agrees). A raw message of another
-  instance filed under that session, by its id or a look-up, is not mapped: pairing keys
-  sessions by id and would end or sweep the owner's session (`instance_conflict`).
+  token>` in `aep_lane_facts`, a KV create, so every replica and the gate agree). A raw
+  message of another instance filed under that session, by its id or a look-up, is not
+  mapped: pairing keys sessions by id and would end or sweep the owner's session
+  (`instance_conflict`). A session not known here yet: its record's create is sent and its
+  messages held until the batch's end, with the lane facts' (`release_held`, `owner_allows`).
 * What cannot be decoded or mapped goes to `bridge.dlq.<reason>`, then the raw message
   is acked. The dead letter (`bridge.core.deadletter`) carries no more than the capture
   policy lets through: the reason, the error's type, the raw message's position
@@ -289,6 +291,12 @@ class Held(NamedTuple):
     hints: str
     bodies: list[bytes]
     stored: set[str] | frozenset[str] = frozenset()  # (a later message: its events already stored)
+    # A message of a session whose instance is not known here yet: the record's create (or
+    # read) under way, shared by the batch's messages of that session (`session_owner`), the
+    # message's instance and the message (dead-lettered if the session is another instance's).
+    owner: asyncio.Future | None = None
+    instance: str = ""
+    msg: Any = None
 
 
 class Mapper:
@@ -342,6 +350,7 @@ class Mapper:
         # First attempts of look-up raw messages whose lane facts are sent and whose events wait
         # for those acks (`release_held`), and the later messages of the batch behind them.
         self._held: list[Held] = []
+        self._owner_sends: dict[str, asyncio.Future] = {}  # session -> its instance record's create, this batch
         # This batch's tallies for the hook and type counters, added once per batch (`count`).
         self._hooks_in: dict[str, int] = {}
         self._types_out: dict[str, int] = {}
@@ -463,12 +472,16 @@ class Mapper:
                     self.metrics.lane_facts.labels(outcome="recorded").inc()
         except (EnvelopeError, subj.SubjectError) as exc:
             return [await self.dead_letter(msg, exc.reason, exc)], 0
-        if result.events and not result.unknown:
-            owner = self.lanes.cached_owner(result.lane) or \
-                await self.lanes.session_owner(result.lane, raw.instance, self.publisher.publish)
+        owner_wait = None
+        if result.events and not result.unknown and self.lanes.facts is not None:
+            owner = self.lanes.cached_owner(result.lane)
             if owner is not None and owner != raw.instance:  # another instance's session: it changes nothing
-                return [await self.dead_letter(msg, "instance_conflict", f"session of instance {owner[:100]!r}, "
-                                                                         f"message from {raw.instance[:100]!r}")], 0
+                return [await self.foreign(msg, owner, raw.instance)], 0
+            if owner is None:  # its record's create sent now, answered with the batch (`release_held`)
+                owner_wait = self._owner_sends.get(result.lane)
+                if owner_wait is None:
+                    owner_wait = self._owner_sends[result.lane] = asyncio.ensure_future(
+                        self.lanes.session_owner(result.lane, raw.instance, self.publisher.publish))
         futures = await self.lanes.learn(result, self.publisher.publish) if self.lanes.needs_learning(result) else []
         if result.drift:
             self.metrics.drift_seen(result.drift).inc()
@@ -482,19 +495,22 @@ class Mapper:
             chosen = PinnedLane.of(result)
             created = self.lanes.send_lane(self.nc, fact, chosen)
             futures.append(created)
-            self._held.append(Held(created, futures, record, raw_seq, fact, chosen, result, subject, hints, bodies))
+            self._held.append(Held(created, futures, record, raw_seq, fact, chosen, result, subject, hints, bodies,
+                                   owner=owner_wait, instance=raw.instance, msg=msg))
             return futures, record.ts_ns
         # `_unknown` is looked at too only for a look-up lane that no earlier attempt recorded
         # (one made by a release before lane facts may have filed it there).
         stored = await self.already_mapped(msg, subject, result.events,
                                            None if result.unknown or pinned is not None else env) \
             if meta.num_delivered > 1 else frozenset()  # (a first delivery is never looked up: no await)
-        if self._held:
+        if self._held or owner_wait is not None:
             # Behind a held first attempt, published after it (`release_held`): its lane is
             # known only from its fact's ack, and may be this message's (a fact an attempt the
             # server forgot recorded), whose events reach BRIDGE_MAPPED in raw order. Still
-            # one round trip per batch: the batch's end waits for the facts' acks anyway.
-            self._held.append(Held(None, futures, record, raw_seq, "", PinnedLane(None), result, subject, hints, bodies, stored))
+            # one round trip per batch: the batch's end waits for the facts' acks anyway. So
+            # does a message whose session's instance is being recorded.
+            self._held.append(Held(None, futures, record, raw_seq, "", PinnedLane(None), result, subject, hints, bodies,
+                                   stored, owner=owner_wait, instance=raw.instance, msg=msg))
             return futures, record.ts_ns
         await self.publish_events(futures, subject, result, bodies, hints, stored)
         return futures, record.ts_ns
@@ -518,12 +534,15 @@ class Mapper:
         not count) is read and the events filed on its lane; a fact that failed otherwise
         publishes nothing: the message is retried (`flush_pending` sees the failed create)."""
         held, self._held = self._held, []
+        owners, self._owner_sends = self._owner_sends, {}
         if not held:
             return
-        facts = [h.created for h in held if h.created is not None]
+        facts = [h.created for h in held if h.created is not None] + list(owners.values())
         if facts:
             await asyncio.wait(facts, timeout=10)
         for h in held:
+            if h.owner is not None and not await self.owner_allows(h):
+                continue
             created = h.created
             if created is None:  # a later message of the batch: after the held ones before it
                 try:
@@ -565,6 +584,35 @@ class Mapper:
                 failed = asyncio.get_running_loop().create_future()
                 failed.set_exception(exc)
                 h.futures.append(failed)
+
+    async def owner_allows(self, h: Held) -> bool:
+        """Whether a held message's session is its instance's (its record's create answered):
+        if another instance's, the message is dead-lettered; unanswered, it is retried."""
+        owner_wait = h.owner
+        assert owner_wait is not None
+        error: BaseException | None = None
+        if not owner_wait.done():
+            owner_wait.cancel()
+            error = TimeoutError("the session's instance record was not answered")
+        elif owner_wait.cancelled():
+            error = TimeoutError("the session's instance record was not answered")
+        else:
+            error = owner_wait.exception()
+        if error is None:
+            owner = owner_wait.result()
+            if owner is None or owner == h.instance:
+                return True
+            h.futures.append(await self.foreign(h.msg, owner, h.instance))
+            return False
+        failed = asyncio.get_running_loop().create_future()  # retried, like a failed publish ack
+        failed.set_exception(error)
+        h.futures.append(failed)
+        return False
+
+    async def foreign(self, msg: Any, owner: str, instance: str) -> asyncio.Future:
+        """A raw message of another instance than its session's: dead-lettered (`instance_conflict`)."""
+        return await self.dead_letter(msg, "instance_conflict", f"session of instance {owner[:100]!r}, "
+                                                                f"message from {instance[:100]!r}")
 
     def count_usage_notes(self, result: Any) -> None:
         m = self.metrics
@@ -763,7 +811,7 @@ class Mapper:
         self.metrics.batch.observe(len(msgs))
         self._batch_pending, self._batch_done = [], set()
         self._late_scans, self._late_budget = {}, LATE_SCAN_BUDGET
-        self._held = []
+        self._held, self._owner_sends = [], {}
         for msg in msgs:
             try:
                 futures, ts_ns = await self.handle(msg)
