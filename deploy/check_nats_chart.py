@@ -10,7 +10,8 @@ the one Chart.yaml depends on), renders `values-production.yaml` plus the gate, 
 exporter ci values, and checks: every object valid (kubernetes-validate --strict), a
 StatefulSet of 3 with the required anti-affinity selecting its own pods, its PDB at
 `maxUnavailable: 1`, routes between the same three pod names the services are given, our
-`sync_interval` in its jetstream block; and, with the default values, one server whose client
+`sync_interval` in its jetstream block, the deny lines of each exporter sink's durable
+(rendered by its `$tplYamlSpread` from `global.aepBridge.exporterSinks`); and, with the default values, one server whose client
 Service URL the services are given. Exit 0 when all hold, 1 with the first that does not.
 """
 
@@ -127,6 +128,11 @@ def check(chart: Path) -> list[str]:
         require(f"nats://{p}:6222" in conf, f"no route to {p} in nats.conf")
     require(re.search(r'"jetstream": \{[^}]*"sync_interval": "always"', conf), "our sync_interval is not in the jetstream block")
     held.append("routes between the same three pods; sync_interval always in the jetstream block")
+    # each exporter sink's durable denied to the readers, rendered from global.aepBridge.exporterSinks
+    for sink in ("siem", "otel"):
+        line = f'"$JS.API.CONSUMER.*.AEP_EVENTS.export-{sink}"'
+        require(conf.count(line) == 2, f"{line} is not in aep-consumer's and aep-relay's deny lists of nats.conf")
+    held.append("each exporter sink's durable denied to aep-consumer and aep-relay")
 
     single = render_with_nats(chart, {})
     replicas = [s["spec"]["replicas"] for s in nats_objects(single, "StatefulSet")]

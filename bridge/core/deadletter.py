@@ -43,7 +43,7 @@ FORMAT = 1
 #: metric labels these by name and folds others (bounded)
 KNOWN_REASONS = ("not_json", "not_object", "no_hook", "bad_raw", "shim_empty", "shim_not_json", "shim_not_object",
                  "shim_not_utf8", "shim_invalid", "max_deliver", "bad_mapped", "pairing_error", "bad_hook",
-                 "instance_mismatch", "too_large")
+                 "instance_mismatch", "too_large", "instance_conflict")
 _PLAIN_ID = re.compile(r"[0-9A-Za-z_-]{1,64}")
 _REPLY_NAME = re.compile(r"reply|inbox", re.I)
 _METADATA_HEADERS = frozenset({"Aep-Gate-Hold-Ms"})

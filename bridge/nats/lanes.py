@@ -19,7 +19,7 @@ import time
 from collections import OrderedDict
 from typing import Any
 
-from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
+from nats.js.errors import APIError, KeyNotFoundError, KeyWrongLastSequenceError
 
 from bridge.core.lanes import MemoryLanes, lane_candidates, lane_of, lane_token
 from bridge.core.mapping import MapResult
@@ -35,6 +35,7 @@ NEGATIVE_MAX = 4096  # misses remembered at most
 # by ~0.8 KiB per new session for ~26 minutes of such a fleet (tracemalloc, 2026-12-01).
 LANE_CACHE_ENTRIES = 8192
 FACT_PREFIX = "r."  # + <raw subject's instance token>.<lane_token(raw id)>: a raw message's lane
+OWNER_PREFIX = "o."  # + <lane_token(session)>: the instance the session belongs to (its first)
 FACT_UNKNOWN = b"?"  # the fact "filed under the unknown lane"; a session is b"=" + its UTF-8
 WRONG_LAST_SEQUENCE = 10071  # JetStream's err_code when a create finds the key there already
 FACT_TIMEOUT_S = 5.0
@@ -106,6 +107,7 @@ class KvLanes:
         # Negative cache: key -> monotonic time the look-up that found nothing was SENT, oldest
         # first (one TTL for all: insertion order is expiry order).
         self._missing: OrderedDict[str, float] = OrderedDict()
+        self._owners: OrderedDict[str, str] = OrderedDict()  # session -> its instance (`session_owner`)
 
     async def _get(self, key: str, since: float | None = None) -> bytes | None:
         """The KV value of ``key``; a miss is remembered for NEGATIVE_TTL_S, and trusted only
@@ -165,6 +167,45 @@ class KvLanes:
             if recorded is None:
                 raise
             return recorded
+
+    def cached_owner(self, session: str) -> str | None:
+        """`session_owner` when this process knows it already (no await: the hot path)."""
+        owner = self._owners.get(session)
+        if owner is not None:
+            self._owners.move_to_end(session)
+        return owner
+
+    async def session_owner(self, session: str, instance: str, publish: Any = None) -> str | None:
+        """The instance ``session`` belongs to: the first one seen for it, recorded as
+        ``o.<lane token>`` in aep_lane_facts by a KV create (the first wins; every replica,
+        and every later attempt, reads the same), ``instance`` when this is the first.
+        Cached (bounded). None when lane facts are not there (a release before them).
+        ``publish``: an `AckPublisher.publish` to send the create with (cheaper than nats-py's
+        KV create: the mapper's hot path); else the bucket's own create."""
+        owner = self.cached_owner(session)
+        if owner is not None:
+            return owner
+        if self.facts is None:
+            return None
+        key = OWNER_PREFIX + lane_token(session)
+        value = instance.encode("utf-8", "surrogatepass")
+        try:
+            if publish is None:
+                await self.facts.create(key, value)
+            else:
+                sent = await publish(subj.kv_subject(S.LANE_FACTS_BUCKET, key), value,
+                                     headers={"Nats-Expected-Last-Subject-Sequence": "0"})
+                await asyncio.wait_for(sent, FACT_TIMEOUT_S)
+            owner = instance
+        except (KeyWrongLastSequenceError, APIError) as exc:  # recorded first by another message (or replica)
+            if not isinstance(exc, KeyWrongLastSequenceError) and getattr(exc, "err_code", None) != WRONG_LAST_SEQUENCE:
+                raise
+            entry = await self.facts.get(key)
+            owner = (entry.value or b"").decode("utf-8", "surrogatepass")
+        self._owners[session] = owner
+        while len(self._owners) > self.cache.max_entries:
+            self._owners.popitem(last=False)
+        return owner
 
     async def prefetch(self, env: Any, since: float | None = None) -> bool:
         """Load what `resolve_lane` may ask about this envelope into the cache. Returns

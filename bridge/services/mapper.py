@@ -36,6 +36,9 @@ Theory of operation
   session's end published by the other replica: pairing's late starts handle that. A
   message held back by a retry or a dead replica's ack_wait does not stall the
   batch longer; counted in `aep_bridge_mapper_lane_wait_timeouts_total`).
+* The shared durable deleted under a running mapper (issue 44) is created again after the
+  raw messages already mapped (`durable_gone`), not from the stream's start; /healthz is
+  503 until it is back (`aep_bridge_mapper_consumers_recreated_total`).
 * `epoch` = the creation time of HERMES_RAW (milliseconds): it changes, upward, only
   when the stream is recreated, and every replica reads the same value.
 * Every raw message is checked first (`check_raw`: `bad_raw`), its body's instance
@@ -44,6 +47,12 @@ Theory of operation
   `bad_hook`, an event over max_payload `too_large`. Every subject comes from
   `bridge.nats.subjects` (bounded): nothing a message contains can make the server
   close the connection.
+* A session belongs to the first instance seen for it (`KvLanes.session_owner`: `o.<lane
+  token>` in `aep_lane_facts`, a KV create, so every replica and the gate agree). A raw
+  message of another instance filed under that session, by its id or a look-up, is not
+  mapped: pairing keys sessions by id and would end or sweep the owner's session
+  (`instance_conflict`). A session not known here yet: its record's create is sent and its
+  messages held until the batch's end, with the lane facts' (`release_held`, `owner_allows`).
 * What cannot be decoded or mapped goes to `bridge.dlq.<reason>`, then the raw message
   is acked. The dead letter (`bridge.core.deadletter`) carries no more than the capture
   policy lets through: the reason, the error's type, the raw message's position
@@ -78,6 +87,8 @@ from typing import Any, Callable, NamedTuple
 
 import msgspec
 import nats.errors
+import nats.js.errors
+from nats.js.api import DeliverPolicy
 import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -169,6 +180,8 @@ class MapperMetrics:
         self.floor_reads = Counter(
             f"{ns}_ack_floor_reads_total", "Lane waits that asked the server for the consumer's ack floor", registry=registry,
         )
+        self.recreated = Counter(f"{ns}_consumers_recreated_total",
+                                 "The shared durable on HERMES_RAW found gone and created again", registry=registry)
         self.lane_facts = Counter(
             f"{ns}_lane_facts_total",
             "Lanes of look-up raw messages: recorded by a first attempt, reused from an earlier one, or failed to record",
@@ -278,6 +291,12 @@ class Held(NamedTuple):
     hints: str
     bodies: list[bytes]
     stored: set[str] | frozenset[str] = frozenset()  # (a later message: its events already stored)
+    # A message of a session whose instance is not known here yet: the record's create (or
+    # read) under way, shared by the batch's messages of that session (`session_owner`), the
+    # message's instance and the message (dead-lettered if the session is another instance's).
+    owner: asyncio.Future | None = None
+    instance: str = ""
+    msg: Any = None
 
 
 class Mapper:
@@ -306,6 +325,7 @@ class Mapper:
         self._batch_pending: list[tuple[Any, list[asyncio.Future], int]] = []
         self._batch_done: set[int] = set()
         self._floor = 0  # the consumer's ack floor (stream seq) as last read
+        self._server_floor = 0  # the same, as `watch_consumer` last read it (kept across binds)
         self._floor_at = 0.0  # monotonic time that read was answered
         self._stuck_floor = -1  # an ack floor a wait already gave up on (a dead replica's messages)
         # Raw messages above `_floor` this replica has finished (acked or dead-lettered after
@@ -330,6 +350,7 @@ class Mapper:
         # First attempts of look-up raw messages whose lane facts are sent and whose events wait
         # for those acks (`release_held`), and the later messages of the batch behind them.
         self._held: list[Held] = []
+        self._owner_sends: dict[str, asyncio.Future] = {}  # session -> its instance record's create, this batch
         # This batch's tallies for the hook and type counters, added once per batch (`count`).
         self._hooks_in: dict[str, int] = {}
         self._types_out: dict[str, int] = {}
@@ -341,9 +362,14 @@ class Mapper:
         self.js = self.nc.jetstream(publish_async_max_pending=4096)
         self.publisher = await AckPublisher(self.nc).start()  # the events' publishes (bridge.nats.publish)
 
-    async def bind(self) -> Any:
+    async def bind(self, start_after: int = 0) -> Any:
+        """Bind the shared durable (created when missing: from the stream's start, or, when it
+        disappeared under a running mapper, after ``start_after``, the raw messages already
+        mapped: `durable_gone`; from the start again when the stream itself is new)."""
         info = await self.js.stream_info(S.HERMES_RAW)
         created = info.created
+        if epoch_of(created) != self.epoch:  # a new stream (or the first bind): its sequences start again
+            start_after = self._server_floor = 0
         self.epoch = epoch_of(created)
         window = getattr(info.config, "duplicate_window", None)
         if window:
@@ -367,6 +393,8 @@ class Mapper:
             facts = None
         self.lanes = KvLanes(kv, facts=facts)
         config = S.mapper_consumer_config(self.durable, self.settings.mapper_ack_wait_s)
+        if start_after:
+            config.deliver_policy, config.opt_start_seq = DeliverPolicy.BY_START_SEQUENCE, start_after + 1
         sub = await self.js.pull_subscribe(S.RAW_SUBJECTS, durable=self.durable, stream=S.HERMES_RAW, config=config)
         await self._keep_consumer(sub, config)
         self.sub, self._floor, self._floor_at = sub, 0, 0.0
@@ -444,6 +472,16 @@ class Mapper:
                     self.metrics.lane_facts.labels(outcome="recorded").inc()
         except (EnvelopeError, subj.SubjectError) as exc:
             return [await self.dead_letter(msg, exc.reason, exc)], 0
+        owner_wait = None
+        if result.events and not result.unknown and self.lanes.facts is not None:
+            owner = self.lanes.cached_owner(result.lane)
+            if owner is not None and owner != raw.instance:  # another instance's session: it changes nothing
+                return [await self.foreign(msg, owner, raw.instance)], 0
+            if owner is None:  # its record's create sent now, answered with the batch (`release_held`)
+                owner_wait = self._owner_sends.get(result.lane)
+                if owner_wait is None:
+                    owner_wait = self._owner_sends[result.lane] = asyncio.ensure_future(
+                        self.lanes.session_owner(result.lane, raw.instance, self.publisher.publish))
         futures = await self.lanes.learn(result, self.publisher.publish) if self.lanes.needs_learning(result) else []
         if result.drift:
             self.metrics.drift_seen(result.drift).inc()
@@ -457,19 +495,22 @@ class Mapper:
             chosen = PinnedLane.of(result)
             created = self.lanes.send_lane(self.nc, fact, chosen)
             futures.append(created)
-            self._held.append(Held(created, futures, record, raw_seq, fact, chosen, result, subject, hints, bodies))
+            self._held.append(Held(created, futures, record, raw_seq, fact, chosen, result, subject, hints, bodies,
+                                   owner=owner_wait, instance=raw.instance, msg=msg))
             return futures, record.ts_ns
         # `_unknown` is looked at too only for a look-up lane that no earlier attempt recorded
         # (one made by a release before lane facts may have filed it there).
         stored = await self.already_mapped(msg, subject, result.events,
                                            None if result.unknown or pinned is not None else env) \
             if meta.num_delivered > 1 else frozenset()  # (a first delivery is never looked up: no await)
-        if self._held:
+        if self._held or owner_wait is not None:
             # Behind a held first attempt, published after it (`release_held`): its lane is
             # known only from its fact's ack, and may be this message's (a fact an attempt the
             # server forgot recorded), whose events reach BRIDGE_MAPPED in raw order. Still
-            # one round trip per batch: the batch's end waits for the facts' acks anyway.
-            self._held.append(Held(None, futures, record, raw_seq, "", PinnedLane(None), result, subject, hints, bodies, stored))
+            # one round trip per batch: the batch's end waits for the facts' acks anyway. So
+            # does a message whose session's instance is being recorded.
+            self._held.append(Held(None, futures, record, raw_seq, "", PinnedLane(None), result, subject, hints, bodies,
+                                   stored, owner=owner_wait, instance=raw.instance, msg=msg))
             return futures, record.ts_ns
         await self.publish_events(futures, subject, result, bodies, hints, stored)
         return futures, record.ts_ns
@@ -493,12 +534,15 @@ class Mapper:
         not count) is read and the events filed on its lane; a fact that failed otherwise
         publishes nothing: the message is retried (`flush_pending` sees the failed create)."""
         held, self._held = self._held, []
+        owners, self._owner_sends = self._owner_sends, {}
         if not held:
             return
-        facts = [h.created for h in held if h.created is not None]
+        facts = [h.created for h in held if h.created is not None] + list(owners.values())
         if facts:
             await asyncio.wait(facts, timeout=10)
         for h in held:
+            if h.owner is not None and not await self.owner_allows(h):
+                continue
             created = h.created
             if created is None:  # a later message of the batch: after the held ones before it
                 try:
@@ -540,6 +584,35 @@ class Mapper:
                 failed = asyncio.get_running_loop().create_future()
                 failed.set_exception(exc)
                 h.futures.append(failed)
+
+    async def owner_allows(self, h: Held) -> bool:
+        """Whether a held message's session is its instance's (its record's create answered):
+        if another instance's, the message is dead-lettered; unanswered, it is retried."""
+        owner_wait = h.owner
+        assert owner_wait is not None
+        error: BaseException | None = None
+        if not owner_wait.done():
+            owner_wait.cancel()
+            error = TimeoutError("the session's instance record was not answered")
+        elif owner_wait.cancelled():
+            error = TimeoutError("the session's instance record was not answered")
+        else:
+            error = owner_wait.exception()
+        if error is None:
+            owner = owner_wait.result()
+            if owner is None or owner == h.instance:
+                return True
+            h.futures.append(await self.foreign(h.msg, owner, h.instance))
+            return False
+        failed = asyncio.get_running_loop().create_future()  # retried, like a failed publish ack
+        failed.set_exception(error)
+        h.futures.append(failed)
+        return False
+
+    async def foreign(self, msg: Any, owner: str, instance: str) -> asyncio.Future:
+        """A raw message of another instance than its session's: dead-lettered (`instance_conflict`)."""
+        return await self.dead_letter(msg, "instance_conflict", f"session of instance {owner[:100]!r}, "
+                                                                f"message from {instance[:100]!r}")
 
     def count_usage_notes(self, result: Any) -> None:
         m = self.metrics
@@ -738,7 +811,7 @@ class Mapper:
         self.metrics.batch.observe(len(msgs))
         self._batch_pending, self._batch_done = [], set()
         self._late_scans, self._late_budget = {}, LATE_SCAN_BUDGET
-        self._held = []
+        self._held, self._owner_sends = [], {}
         for msg in msgs:
             try:
                 futures, ts_ns = await self.handle(msg)
@@ -828,10 +901,32 @@ class Mapper:
         except Exception:
             pass
 
+    async def durable_gone(self) -> int:
+        """After a failed fetch: 0 when the shared durable is there (or the server cannot
+        tell: another failure, waited out). When it is gone (deleted by hand, or by a role
+        that should not have been able to: issue 44) the mapper is not healthy until it is
+        back (/healthz 503), and it is created again after the raw messages already mapped
+        (this replica's floor, or the server's as last read): returns that floor (0: from the
+        start). A replica that binds first creates it; the others bind to that one."""
+        try:
+            await self.js.consumer_info(S.HERMES_RAW, self.durable)
+            return 0
+        except nats.js.errors.NotFoundError:
+            pass
+        except Exception:
+            return 0
+        self.metrics.recreated.inc()
+        self.health.failed = f"consumer {self.durable} on {S.HERMES_RAW} is gone: recreating it"
+        floor = max(self._floor, self._server_floor)
+        log.error("consumer_gone", stream=S.HERMES_RAW, durable=self.durable, after_seq=floor)
+        return floor
+
     async def watch_consumer(self, sub: Any) -> None:
         while not self.stopper.stopping:
             try:
+                sub = self.sub or sub  # (the one bound last)
                 info = await sub.consumer_info()
+                self._server_floor = max(self._server_floor, int(getattr(info.ack_floor, "stream_seq", 0) or 0))
                 labels = {"stream": S.HERMES_RAW, "consumer": self.durable}
                 self.metrics.pending.labels(**labels).set(info.num_pending or 0)
                 self.metrics.ack_pending.labels(**labels).set(info.num_ack_pending or 0)
@@ -868,11 +963,14 @@ class Mapper:
                 log.warning("fetch_failed", error=f"{type(exc).__name__}: {exc}")
                 await self.stopper.sleep(1.0)
                 # The consumer or the stream may be gone (HERMES_RAW recreated, a server that
-                # lost its store): bind again, which also re-reads the epoch.
+                # lost its store, the durable deleted): bind again, which also re-reads the epoch.
                 try:
-                    sub = await self.bind()
+                    sub = await self.bind(await self.durable_gone())
                     puller = Puller(sub, burst=True)
                     self.health.set_ready(True)  # bound: the server answers (not only once a message comes)
+                    if self.health.failed and self.health.failed.startswith("consumer"):
+                        self.health.failed = None
+                        log.warning("consumer_recreated", stream=S.HERMES_RAW, durable=self.durable)
                     log.info("mapper_rebound", epoch=self.epoch)
                 except Exception as bind_exc:
                     log.warning("rebind_failed", error=f"{type(bind_exc).__name__}: {bind_exc}")

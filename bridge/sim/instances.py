@@ -279,7 +279,9 @@ HOSTILE_MIX: dict[str, str | None] = {
     "long_session_id": None,  # 5,000 characters: a bounded hashed lane token
     "long_hook_name": "bad_hook",  # 'a_' * 3000: no type within the grammar's cap
     "newline_session_id": None,  # "nl-...\n": not plain, hashed
-    "session_unknown": None,  # a real session named `unknown`, not the unknown lane
+    "session_unknown": None,  # a real session named `unknown`, not the unknown lane; one id in every
+    # instance that draws it: the first instance seen for it owns it, the others' are instance_conflict
+    # (the verifier tells them by HERMES_RAW order)
     "nonfinite": None,  # NaN / Infinity: null at the edge (edge.nonfinite)
     "secret_keys": None,  # secrets under secret-named keys and in `curl -u user:PASS`
     "huge_envelope": None,  # over a megabyte: stubbed at the edge

@@ -623,6 +623,13 @@ class Verifier:
         kinds: Counter[str] = Counter()
         in_dlq: Counter[str] = Counter()
         mapped = awaited = 0
+        # `session_unknown` is one session id, `unknown`, in every instance that draws it: it
+        # belongs to the first instance seen for it (HERMES_RAW order), the others' are
+        # dead-lettered as instance_conflict (docs/ARCHITECTURE.md, a session's instance).
+        firsts = [(min(raw.seqs), e.get("i")) for e in self.entries
+                  if e.get("x") == "session_unknown" and e.get("o") in DELIVERED
+                  and (raw := self.raw.get(e.get("id") or self.marker_to_id.get(e.get("m") or "") or "")) and raw.seqs]
+        unknown_owner = min(firsts)[1] if firsts else None
         for e in self.entries:
             kind = e.get("x")
             if not kind or e.get("o") not in DELIVERED:
@@ -637,6 +644,8 @@ class Verifier:
                 awaited += 1
                 continue
             core = raw.k if isinstance(raw.k, str) else None
+            if kind == "session_unknown" and e.get("i") != unknown_owner:
+                owed = core = "instance_conflict"  # the core maps one message; the session is another instance's
             if core != owed:
                 problems.append(f"{what} (seq {raw.seqs}): the core gives it {core or 'a mapping'}, "
                                 f"the manifest owes it {owed or 'a mapping'}")

@@ -224,6 +224,7 @@ def test_replicas_per_sink_and_otlp_headers_from_a_secret():
         {"name": "otel", "url": "otlp+http://otel-collector.observability:4318/v1/logs",
          "headersSecret": {"existingSecret": "otel-auth", "headers": [{"header": "authorization", "key": "token"}]}},
     ]
+    values["global"]["aepBridge"]["exporterSinks"] = ["siem", "audit", "otel"]
     manifests = render_manifests(values)
     assert [p for m in manifests for p in validate_manifest(m)] == []
     deployments = {d["metadata"]["name"]: d for d in select(manifests, "Deployment") if component_of(d) == "exporter"}

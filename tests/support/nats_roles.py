@@ -17,6 +17,7 @@ import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import nats
 import pytest
@@ -75,21 +76,85 @@ INBOX = {
 DENY_WAIT = 0.3  # seconds to wait for a refused request (the server refuses at once)
 
 
-def values_merge() -> dict:
-    """`nats.config.merge` of values.yaml: what the chart adds to the bundled server's config."""
-    return load_values(CHART_DIR / "values.yaml")["nats"]["config"]["merge"]
+def values_merge(sinks: tuple[str, ...] = ("siem",)) -> dict:
+    """`nats.config.merge` of values.yaml: what the chart adds to the bundled server's config,
+    its templated items rendered for the exporter sinks ``sinks`` (`render_spreads`; by
+    default the sample's one sink, siem)."""
+    return render_spreads(load_values(CHART_DIR / "values.yaml")["nats"]["config"]["merge"], sinks)
 
 
-def values_nats_conf(store_dir: Path) -> str:
+def render_spreads(doc: Any, sinks: tuple[str, ...]) -> Any:
+    """``doc`` with its templated values rendered as the NATS chart renders its values (its
+    README, "Templating Values"): a ``{$tplYaml: <template>}`` replaced by what the template
+    renders to, a ``{$tplYamlSpread: <template>}`` item of a list by the items it renders to.
+    The templates are rendered by Helm's own engine (helm_python) with
+    ``global.aepBridge.exporterSinks`` = ``sinks``, as a subchart sees the parent's globals."""
+    import tempfile
+
+    import helm_python as helm
+    import yaml
+
+    keys = ("$tplYaml", "$tplYamlSpread")
+    templates: list[str] = []
+
+    def templated(node: Any) -> str | None:
+        return next(iter(node)) if isinstance(node, dict) and len(node) == 1 and next(iter(node)) in keys else None
+
+    def collect(node: Any) -> None:
+        if templated(node):
+            templates.append(next(iter(node.values())))
+        elif isinstance(node, dict):
+            for v in node.values():
+                collect(v)
+        elif isinstance(node, list):
+            for v in node:
+                collect(v)
+
+    collect(doc)
+    if not templates:
+        return doc
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp) / "spreads"
+        (root / "templates").mkdir(parents=True)
+        (root / "Chart.yaml").write_text("apiVersion: v2\nname: spreads\nversion: 0.1.0\n")
+        for i, text in enumerate(templates):
+            (root / "templates" / f"t{i}.yaml").write_text(text)
+        with helm.Chart.load(root) as chart:
+            out = chart.render({"global": {"aepBridge": {"exporterSinks": list(sinks)}}}, name="t", namespace="t",
+                               is_install=True)
+    rendered = [yaml.safe_load(out[f"spreads/templates/t{i}.yaml"]) for i in range(len(templates))]
+    n = iter(rendered)
+
+    def render(node: Any) -> Any:
+        if templated(node) == "$tplYaml":
+            return next(n)
+        if isinstance(node, dict):
+            return {k: render(v) for k, v in node.items()}
+        if isinstance(node, list):
+            items: list[Any] = []
+            for v in node:
+                if templated(v) == "$tplYamlSpread":
+                    items.extend(next(n) or [])
+                else:
+                    items.append(render(v))
+            return items
+        return node
+
+    return render(doc)
+
+
+def values_nats_conf(store_dir: Path, sinks: tuple[str, ...] = ("siem",)) -> str:
     """A nats.conf holding values.yaml's `nats.config.merge` (JSON is valid nats.conf),
     with JetStream on in ``store_dir`` and `nats.config.jetstream.merge` (sync_interval) in
     its jetstream block, where the NATS chart puts it. ``<< $VAR >>`` (a value the NATS chart leaves
-    unquoted) becomes ``$VAR``, which nats-server reads from its environment."""
+    unquoted) becomes ``$VAR``, which nats-server reads from its environment. Its templated
+    items (``$tplYamlSpread``: each exporter sink's deny lines) are rendered with the exporter
+    sinks ``sinks`` (`render_spreads`)."""
     merge = load_values(CHART_DIR / "values.yaml")["nats"]["config"]["jetstream"].get("merge", {})
     # max_file_store as the NATS chart renders it (left out, nats-server takes 75 % of the free
     # disk, and the reservations fit or not by machine)
     jetstream = {"store_dir": str(store_dir), "max_file_store": chart_max_file_store(), **merge}
-    conf = {"server_name": "aep-test-values", "jetstream": jetstream, **values_merge()}
+    conf = {"server_name": "aep-test-values", "jetstream": jetstream, **values_merge(sinks)}
     text, n = re.subn(r'"<< (\$[A-Z0-9_]+) >>"', r"\1", json.dumps(conf, indent=2))
     assert n == len(USERS) - 1, "one password variable per user of the merge block"
     assert "<<" not in text

@@ -44,6 +44,7 @@ import msgspec
 import nats.errors
 import nats.js.errors
 import structlog
+from nats.js.api import DeliverPolicy
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from bridge.config import EXPORTER_METRICS_PORT, Settings
@@ -83,6 +84,8 @@ class ExporterMetrics:
                          "a sink with replicas > 1: of this replica's partitions)", ["sink"], registry=registry)
         self.partitions = Gauge(p + "partitions_owned", "partitions of the sink this replica owns (replicas > 1)",
                                 ["sink"], registry=registry)
+        self.recreated = Counter(p + "consumers_recreated", "a sink's (or partition's) durable found gone and "
+                                 "created again", ["sink"], registry=registry)
         self.fenced = Counter(p + "fenced", "partitions dropped because their lease may have lapsed (replicas > 1): "
                               "nothing more fetched or sent", ["sink"], registry=registry)
 
@@ -118,6 +121,10 @@ class SinkWorker:
         self.state = "starting"
         self._decode = msgspec.json.Decoder().decode
         self.delivered: OrderedDict[int, None] = OrderedDict()  # AEP_EVENTS sequences the sink confirmed
+        self.server_floor = 0  # the durable's ack floor (stream seq) as `watch` last read it
+        self.start_after = 0  # a durable found gone: created again after this sequence (`gone`)
+        self.replay_upto = 0  # ... and the sequences up to this one it delivers again are checked against `delivered`
+        self.stream_created: Any = None  # AEP_EVENTS's creation time at the last bind
 
     def unsure(self) -> str | None:
         """Why readiness waits on a lease: never for a sink's one durable (a partition's worker is
@@ -145,9 +152,18 @@ class SinkWorker:
             return
         # Create the durable, or update one an earlier release made for aep.hermes.> alone
         # (it then takes aep.ingest.> from its position on), then bind to it.
-        await self.service.js.add_consumer(
-            S.AEP_EVENTS, S.exporter_consumer_config(self.cfg.durable, f"aep-bridge exporter sink {self.cfg.name}",
-                                                     ack_wait=self.service.settings.export_ack_wait_s))
+        config = S.exporter_consumer_config(self.cfg.durable, f"aep-bridge exporter sink {self.cfg.name}",
+                                            ack_wait=self.service.settings.export_ack_wait_s)
+        created = (await self.service.js.stream_info(S.AEP_EVENTS)).created
+        if created != self.stream_created:  # a new stream (or the first bind): its sequences start again
+            self.start_after = self.replay_upto = self.server_floor = 0
+        self.stream_created = created
+        if self.start_after:  # it disappeared: from the ack floor on, not from the stream's start
+            config.deliver_policy, config.opt_start_seq = DeliverPolicy.BY_START_SEQUENCE, self.start_after + 1
+        await self.service.js.add_consumer(S.AEP_EVENTS, config)
+        if self.start_after:
+            self.start_after, self.state = 0, "delivering"
+            log.warning("consumer_recreated", sink=self.cfg.name, durable=self.cfg.durable)
         self.sub = await self.service.js.pull_subscribe_bind(durable=self.cfg.durable, stream=S.AEP_EVENTS)
         self.bound = True
 
@@ -183,7 +199,8 @@ class SinkWorker:
     async def handle(self, msgs: list[Any]) -> None:
         items: list[Item] = []
         for msg in msgs:
-            if (getattr(msg.metadata, "num_delivered", 1) or 1) > 1 and msg.metadata.sequence.stream in self.delivered:
+            seq = msg.metadata.sequence.stream
+            if ((getattr(msg.metadata, "num_delivered", 1) or 1) > 1 or seq <= self.replay_upto) and seq in self.delivered:
                 self.metrics.skipped.labels(sink=self.cfg.name, reason="redelivered").inc()
                 await self.ack([msg])  # its first ack was lost: the sink has it already
                 continue
@@ -343,13 +360,37 @@ class SinkWorker:
                 continue
             except Exception as exc:  # connection trouble, consumer gone: bind again
                 log.warning("fetch_failed", sink=self.cfg.name, error=f"{type(exc).__name__}: {exc}")
+                await self.gone()
                 self.bound = False
                 await stopper.sleep(1.0)
                 continue
             await self.handle(msgs)
 
+    async def gone(self) -> None:
+        """After a failed fetch: is the durable gone (deleted by hand, or by a role that should
+        not have been able to: issue 44)? Then it is created again by the next bind (not ready
+        meanwhile: /readyz 503), a sink's after its ack floor as last read, the events between
+        that and what the sink confirmed checked against `delivered` (not sent twice); a
+        partition's from its work queue's first unacked message, as at every acquisition."""
+        stream, durable = (S.EXPORT_STREAM, self.cfg.partition_durable(self.partition)) if self.partition is not None \
+            else (S.AEP_EVENTS, self.cfg.durable)
+        try:
+            await self.service.js.consumer_info(stream, durable)
+            return
+        except nats.js.errors.NotFoundError:
+            pass
+        except Exception:  # cannot tell: bound again as before
+            return
+        self.metrics.recreated.labels(sink=self.cfg.name).inc()
+        self.state = f"consumer {durable} gone: recreating it"
+        log.error("consumer_gone", sink=self.cfg.name, stream=stream, durable=durable, after_seq=self.server_floor)
+        if self.partition is None:
+            self.start_after = self.server_floor
+            self.replay_upto = max(self.delivered, default=0)
+
     async def lag(self) -> int:
         info = await self.sub.consumer_info()
+        self.server_floor = max(self.server_floor, int(getattr(info.ack_floor, "stream_seq", 0) or 0))
         return int((info.num_pending or 0) + (info.num_ack_pending or 0))
 
     async def watch(self) -> None:

@@ -39,6 +39,7 @@ from bridge.nats.streams import (
     GATE_RAW_CONSUMER,
     HERMES_RAW,
     INSTRUCT_BUCKET,
+    LANE_FACTS_BUCKET,
     LANES_BUCKET,
 )
 from bridge.services.gate.commands import Commands
@@ -80,7 +81,7 @@ class Gate(Commands):
             log.warning("raw_skipped", subject=msg.subject, reason=exc.reason)
             return
         source = result.events[0].source
-        if not result.unknown and await self.foreign_instance(msg, token, raw.instance or "", raw_seq):
+        if not result.unknown and await self.foreign_instance(msg, token, raw.instance or "", raw_seq, result.lane):
             return  # another instance's session: never its state (issue 44 item 3)
         if hook == "on_session_finalize":
             await self.finalize(token, result.lane, source, raw.instance or "", raw_seq)
@@ -101,19 +102,29 @@ class Gate(Commands):
                 hold_ms = DEFAULT_HOLD_MS
             await self.open_card(token, result.lane, tool_event, raw.id, raw_seq, raw.ts, hold_ms, reply)
 
-    async def foreign_instance(self, msg: Any, token: str, instance: str, raw_seq: int) -> bool:
+    async def foreign_instance(self, msg: Any, token: str, instance: str, raw_seq: int, session: str = "") -> bool:
         """Whether the raw message comes from another instance than the one the session
-        belongs to: the first instance the gate saw for it, recorded in ``sess.<token>`` of
-        aep_control. Such a message changes nothing (no finalize, no card, no record): it is
-        counted and dead-lettered (``bridge.dlq.instance_conflict``)."""
-        info, _ = await self.kv_get(self.kv, f"sess.{token}", SessionInfo)
+        belongs to: the first instance seen for it, the record the mapper keeps too
+        (``o.<token>`` in aep_lane_facts, a KV create: whichever of the two sees the session
+        first records it, both read the same), else (that bucket not there) the first the gate
+        saw, in ``sess.<token>`` of aep_control. Such a message changes nothing (no finalize,
+        no card, no record): it is counted and dead-lettered (``bridge.dlq.instance_conflict``)."""
+        owner = None
+        if session and self.lanes.facts is not None:
+            try:
+                owner = await self.lanes.session_owner(session, subj.token(instance))
+            except Exception as exc:  # cannot tell now: the gate's own record decides
+                log.warning("session_owner_failed", raw_seq=raw_seq, error=f"{type(exc).__name__}: {exc}")
+        if owner is None:
+            info, _ = await self.kv_get(self.kv, f"sess.{token}", SessionInfo)
+            owner = info.instance if info is not None else None
         # compared as subject tokens: a record written before names became their token (6c) still matches
-        if info is None or not info.instance or subj.token(info.instance) == subj.token(instance):
+        if not owner or subj.token(owner) == subj.token(instance):
             return False
         self.metrics.foreign.inc()
         reason = "instance_conflict"
-        detail = f"session of instance {info.instance[:100]!r}, message from {instance[:100]!r}"
-        log.warning("foreign_instance", subject=msg.subject, raw_seq=raw_seq, owner=info.instance[:100],
+        detail = f"session of instance {owner[:100]!r}, message from {instance[:100]!r}"
+        log.warning("foreign_instance", subject=msg.subject, raw_seq=raw_seq, owner=owner[:100],
                     instance=instance[:100])
         original = deadletter.Original(HERMES_RAW, raw_seq, msg.subject, msg.data, msg.headers)
         letter = deadletter.build("gate", reason, reason, detail, original, self.config.policy)
@@ -209,7 +220,12 @@ class Gate(Commands):
             await ensure_stream(self.js, spec.config(replicas or 1), keep_more_replicas=replicas is None)
         self.kv = await self.js.key_value(CONTROL_BUCKET.bucket)
         self.queues = await self.js.key_value(INSTRUCT_BUCKET.bucket)
-        self.lanes = KvLanes(await self.js.key_value(LANES_BUCKET))
+        try:  # the sessions' instances, shared with the mapper (o.<lane token>: `foreign_instance`)
+            facts = await self.js.key_value(LANE_FACTS_BUCKET)
+        except Exception as exc:  # not there (a release before it) or not granted: the gate's own record only
+            log.warning("lane_facts_unavailable", error=f"{type(exc).__name__}: {exc}")
+            facts = None
+        self.lanes = KvLanes(await self.js.key_value(LANES_BUCKET), facts=facts)
         info = await self.js.stream_info(HERMES_RAW)
         self.epoch = epoch_of(info.created)  # the mapper's rule: the session's events share one epoch
         raw = await self.bind_raw()
