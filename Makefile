@@ -29,9 +29,12 @@ run: $(STAMP)
 # partition runs, each timing-sensitive) one at a time. `make test PYTEST_ARGS=...` applies to both;
 # `make test WORKERS=0` runs the fast part serially too.
 WORKERS ?= 2
+# Both parts always run; the first non-zero exit code is the verdict.
 test: $(STAMP)
-	$(BIN)/python -m pytest -m "not slow" $(if $(filter-out 0,$(WORKERS)),-n $(WORKERS) --dist loadfile) $(PYTEST_ARGS)
-	$(BIN)/python -m pytest -m slow $(PYTEST_ARGS)
+	@status=0; \
+	$(BIN)/python -m pytest -m "not slow" $(if $(filter-out 0,$(WORKERS)),-n $(WORKERS) --dist loadfile) $(PYTEST_ARGS) || status=$$?; \
+	$(BIN)/python -m pytest -m slow $(PYTEST_ARGS) || { s=$$?; [ $$status -ne 0 ] || status=$$s; }; \
+	exit $$status
 
 # The edit loop: everything but the tests marked slow (end-to-end and fault runs).
 test-fast: $(STAMP)

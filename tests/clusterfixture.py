@@ -185,6 +185,12 @@ class ClusterNode:
         with urllib.request.urlopen(f"http://{self.host}:{self.monitor_port}/jsz", timeout=1) as r:
             return json.loads(r.read())
 
+    def connect_urls(self) -> list[str]:
+        """The client URLs this node advertises in its INFO (``/varz``): its own and its routed
+        peers'. A route made after the meta group formed is gossiped a moment later."""
+        with urllib.request.urlopen(f"http://{self.host}:{self.monitor_port}/varz", timeout=1) as r:
+            return list(json.loads(r.read()).get("connect_urls") or [])
+
     def held_stream(self, name: str) -> dict[str, Any] | None:
         """This node's own copy of a stream (``/jsz?streams=true``: name, state, cluster), or None."""
         with urllib.request.urlopen(f"http://{self.host}:{self.monitor_port}/jsz?streams=true", timeout=1) as r:

@@ -100,6 +100,12 @@ def test_bootstrap_scales_r1_streams_to_r3_in_place(nats_cluster: Cluster) -> No
 
 
 def test_more_replicas_than_servers_fails_fast_and_clearly(nats_cluster: Cluster) -> None:
+    # the count comes from the connected server's INFO (connect_urls): wait until every node advertises
+    # all three (a route made after the meta group formed is gossiped a moment later; CI of c26f3f8 saw 2)
+    deadline = time.monotonic() + 15
+    while not all(len(n.connect_urls()) == len(nats_cluster.nodes) for n in nats_cluster.nodes):
+        assert time.monotonic() < deadline, {n.name: n.connect_urls() for n in nats_cluster.nodes}
+        time.sleep(0.1)
     out = bridge_cli("bootstrap", "--replicas", "5", url=nats_cluster.url)  # a hang would end in cli()'s timeout
     assert out.returncode == 2, (out.stdout, out.stderr)
     assert "5 replicas" in out.stderr and "3 servers" in out.stderr, out.stderr
