@@ -11,7 +11,7 @@ import time
 import pytest
 
 from bridge.config import Settings
-from tests.corpus import envelopes
+from bridge.sim.sessions import renamed_corpus
 from tests.natsfixture import JetStreamClient
 from tests.support.services import Service, publish_all, raw_records, wait_for
 from tests.support.streams import count
@@ -39,7 +39,9 @@ def trickle(client: JetStreamClient, url: str, tmp_path, linger_ms: str, instanc
         wait_for(lambda: "mapper_ready" in mapper.log() and "reader_started" in pairing.log(), 30, what="services up")
         before = count(client, "AEP_EVENTS")
         mapped_before = count(client, "BRIDGE_MAPPED")
-        records = raw_records(envelopes()[:TRICKLE], instance=instance)
+        # each trickle its own sessions: a session belongs to the first instance that names it (issue 44),
+        # so the corpus's ids under a second instance would be dead-lettered, not mapped
+        records = raw_records(renamed_corpus(f"-{instance}")[:TRICKLE], instance=instance)
         for record in records:
             client.run(publish_all(client.js, [record]))
             time.sleep(GAP_S)
