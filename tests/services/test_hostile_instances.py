@@ -26,50 +26,10 @@ import pytest
 from bridge.commands.control import build_command, send_command
 from bridge.core import control as C
 from bridge.core.lanes import lane_token
-from bridge.nats.connection import ordered_subscribe
-from tests.support.nats_roles import (INBOX, USERS, configured_server, ensure_streams, role_settings, sample_nats_conf,
-                                      values_nats_conf)
+from tests.support.nats_roles import (INBOX, USERS, as_user, configured_server, dlq_subjects, ensure_streams, read_as,
+                                      role_hook, role_settings, sample_nats_conf, values_nats_conf)
 from tests.support.services import Service, wait_for
-from tests.support.shim import dumps, envelope, run_hook, shim_env
-
-
-def as_user(role: str) -> dict[str, str]:
-    user, password = USERS[role]
-    return {"AEP_BRIDGE_NATS_USER": user, "AEP_BRIDGE_NATS_PASSWORD": password}
-
-
-def hook(url: str, tmp: Path, role: str, instance: str, data: dict[str, Any], **extra: str) -> bytes:
-    env = shim_env(url, tmp / f"spool-{instance}", instance, DEADLINE_MS="3000")
-    env.update(as_user(role), **extra)
-    run = run_hook(dumps(data), env)
-    assert run.returncode == 0, run.stderr
-    assert not any(p.stat().st_size for p in (tmp / f"spool-{instance}").glob("*.spool")), run.stderr
-    return run.stdout
-
-
-async def read(url: str, role: str, stream: str, filt: str, settle: float = 0.5) -> list[Any]:
-    """Every message of ``stream`` under ``filt``, as ``role`` (an ordered consumer)."""
-    user, password = USERS[role]
-    nc = await nats.connect(url, user=user, password=password, inbox_prefix=INBOX[role])
-    got: list[Any] = []
-    try:
-        sub = await ordered_subscribe(nc.jetstream(), filt, stream, deliver_policy=nats.js.api.DeliverPolicy.ALL)
-        while True:
-            try:
-                got.append(await sub.next_msg(timeout=settle))
-            except Exception:
-                return got
-    finally:
-        await nc.close()
-
-
-async def dlq_subjects(url: str) -> dict[str, int]:
-    user, password = USERS["bootstrap"]
-    nc = await nats.connect(url, user=user, password=password, inbox_prefix=INBOX["bootstrap"])
-    try:
-        return dict((await nc.jetstream().stream_info("BRIDGE_DLQ", subjects_filter=">")).state.subjects or {})
-    finally:
-        await nc.close()
+from tests.support.shim import envelope
 
 
 async def control_entries(url: str, *keys: str) -> dict[str, Any]:
@@ -113,8 +73,8 @@ def test_an_instance_cannot_end_another_instances_session(server: dict, tmp_path
         wait_for(lambda: "gate_ready" in gate.log(), 20, what=f"the gate ready:\n{gate.log()}")
         session = f"s-{time.time_ns()}"
         token = lane_token(session)
-        hook(url, tmp_path, "shim-control", "gw-b", envelope("on_session_start", session=session))
-        hook(url, tmp_path, "shim-control", "gw-b", envelope("pre_llm_call", session=session, turn_id=f"{session}:t:1"))
+        role_hook(url, tmp_path, "shim-control", "gw-b", envelope("on_session_start", session=session))
+        role_hook(url, tmp_path, "shim-control", "gw-b", envelope("pre_llm_call", session=session, turn_id=f"{session}:t:1"))
         wait_for(lambda: asyncio.run(control_entries(url, f"live.{token}"))[f"live.{token}"] is not None, 10,
                  what="the gate to learn B's session")
         kind, data = asyncio.run(send_command(role_settings(url, "operator"),
@@ -123,7 +83,7 @@ def test_an_instance_cannot_end_another_instances_session(server: dict, tmp_path
         assert kind == "accepted", (kind, data, gate.log())
 
         # A names B's session.
-        hook(url, tmp_path, a_role, a_instance, envelope("on_session_finalize", session=session, reason="shutdown"))
+        role_hook(url, tmp_path, a_role, a_instance, envelope("on_session_finalize", session=session, reason="shutdown"))
         wait_for(lambda: "bridge.dlq.instance_conflict" in asyncio.run(dlq_subjects(url))
                  or asyncio.run(control_entries(url, f"live.{token}"))[f"live.{token}"] is None, 10,
                  what=f"the gate to handle A's finalize:\n{gate.log()}")
@@ -131,10 +91,10 @@ def test_an_instance_cannot_end_another_instances_session(server: dict, tmp_path
         entries = asyncio.run(control_entries(url, f"live.{token}", f"sess.{token}"))
         assert entries[f"live.{token}"] is not None and entries[f"live.{token}"]["instance"] == "gw-b", entries
         assert entries[f"sess.{token}"]["instance"] == "gw-b" and not entries[f"sess.{token}"].get("ended"), entries
-        out = hook(url, tmp_path, "shim-control", "gw-b",
+        out = role_hook(url, tmp_path, "shim-control", "gw-b",
                    envelope("pre_llm_call", session=session, turn_id=f"{session}:t:2"), AEP_INSTRUCT="1")
         assert json.loads(out) == {"context": "for B only"}
-        events = [json.loads(m.data) for m in asyncio.run(read(url, "consumer", "AEP_EVENTS", f"aep.hermes.{token}.>"))]
+        events = [json.loads(m.data) for m in asyncio.run(read_as(url, "consumer", "AEP_EVENTS", f"aep.hermes.{token}.>"))]
         assert "x.hermes.instruction.dropped" not in [e["type"] for e in events], events
         assert "x.hermes.instruction.delivered" in [e["type"] for e in events], events
         # Counted and dead-lettered with the reason.
@@ -142,7 +102,7 @@ def test_an_instance_cannot_end_another_instances_session(server: dict, tmp_path
         assert "aep_bridge_gate_foreign_instance_total 1.0" in gate.metrics_text()
 
         # B's own finalize still ends it.
-        hook(url, tmp_path, "shim-control", "gw-b", envelope("on_session_finalize", session=session, reason="shutdown"))
+        role_hook(url, tmp_path, "shim-control", "gw-b", envelope("on_session_finalize", session=session, reason="shutdown"))
         wait_for(lambda: asyncio.run(control_entries(url, f"live.{token}"))[f"live.{token}"] is None, 10,
                  what="B's own finalize to end B's session")
         assert not [line for line in server["log"].read_text().splitlines() if "Violation" in line and "aep-gate" in line]
@@ -161,10 +121,10 @@ def test_one_subject_speaks_for_one_instance(server: dict, tmp_path: Path) -> No
     names = ["gw.1", "gw 1", "gw/1", "gw@1", "gw_1"]
     try:
         for i, name in enumerate(names):
-            hook(url, tmp_path, "shim", name, envelope("on_session_start", session=f"s6c-{i}"))
+            role_hook(url, tmp_path, "shim", name, envelope("on_session_start", session=f"s6c-{i}"))
 
         def sources() -> dict[str, str]:
-            evs = [json.loads(m.data) for m in asyncio.run(read(url, "consumer", "AEP_EVENTS", "aep.hermes.>", 0.3))]
+            evs = [json.loads(m.data) for m in asyncio.run(read_as(url, "consumer", "AEP_EVENTS", "aep.hermes.>", 0.3))]
             return {e["session"]: e["source"] for e in evs if e["session"].startswith("s6c-")}
 
         wait_for(lambda: len(sources()) == len(names), 30, what=f"the sessions mapped:\n{mapper.log()}")

@@ -26,47 +26,10 @@ import nats
 import pytest
 
 from bridge.core.lanes import lane_token
-from bridge.nats.connection import ordered_subscribe
-from tests.support.nats_roles import INBOX, USERS, configured_server, ensure_streams, sample_nats_conf, values_nats_conf
+from tests.support.nats_roles import (as_user, configured_server, dlq_subjects, ensure_streams, read_as, role_hook,
+                                      sample_nats_conf, values_nats_conf)
 from tests.support.services import Service, wait_for
-from tests.support.shim import dumps, envelope, run_hook, shim_env
-
-
-def as_user(role: str) -> dict[str, str]:
-    user, password = USERS[role]
-    return {"AEP_BRIDGE_NATS_USER": user, "AEP_BRIDGE_NATS_PASSWORD": password}
-
-
-def hook(url: str, tmp: Path, role: str, instance: str, data: dict[str, Any]) -> None:
-    env = shim_env(url, tmp / f"spool-{instance}", instance, DEADLINE_MS="3000")
-    env.update(as_user(role))
-    run = run_hook(dumps(data), env)
-    assert run.returncode == 0, run.stderr
-    assert not any(p.stat().st_size for p in (tmp / f"spool-{instance}").glob("*.spool")), run.stderr
-
-
-async def read(url: str, role: str, stream: str, filt: str, settle: float = 0.4) -> list[Any]:
-    user, password = USERS[role]
-    nc = await nats.connect(url, user=user, password=password, inbox_prefix=INBOX[role])
-    got: list[Any] = []
-    try:
-        sub = await ordered_subscribe(nc.jetstream(), filt, stream, deliver_policy=nats.js.api.DeliverPolicy.ALL)
-        while True:
-            try:
-                got.append(await sub.next_msg(timeout=settle))
-            except Exception:
-                return got
-    finally:
-        await nc.close()
-
-
-async def dlq_subjects(url: str) -> dict[str, int]:
-    user, password = USERS["bootstrap"]
-    nc = await nats.connect(url, user=user, password=password, inbox_prefix=INBOX["bootstrap"])
-    try:
-        return dict((await nc.jetstream().stream_info("BRIDGE_DLQ", subjects_filter=">")).state.subjects or {})
-    finally:
-        await nc.close()
+from tests.support.shim import envelope
 
 
 @pytest.fixture(scope="module", params=["sample", "values"])
@@ -87,21 +50,21 @@ def test_an_instance_cannot_end_another_instances_session_in_the_pipeline(server
     token = lane_token(session)
 
     def events() -> list[dict]:
-        return [json.loads(m.data) for m in asyncio.run(read(url, "consumer", "AEP_EVENTS", f"aep.hermes.{token}.>"))]
+        return [json.loads(m.data) for m in asyncio.run(read_as(url, "consumer", "AEP_EVENTS", f"aep.hermes.{token}.>"))]
 
     try:
         # B: a session with a tool open
-        hook(url, tmp_path, "shim", "gw-b", envelope("on_session_start", session=session))
-        hook(url, tmp_path, "shim", "gw-b", envelope("pre_tool_call", session=session, tool_call_id="call_1"))
+        role_hook(url, tmp_path, "shim", "gw-b", envelope("on_session_start", session=session))
+        role_hook(url, tmp_path, "shim", "gw-b", envelope("pre_tool_call", session=session, tool_call_id="call_1"))
         wait_for(lambda: "tool.requested" in [e["type"] for e in events()], 30,
                  what=f"B's tool on the stream:\n{mapper.log()}\n{pairing.log()}")
         # A names B's session: its finalize, and a tool result of B's open call
-        hook(url, tmp_path, a_role, a_instance, envelope("post_tool_call", session=session, tool_call_id="call_1"))
-        hook(url, tmp_path, a_role, a_instance, envelope("on_session_finalize", session=session, reason="shutdown"))
+        role_hook(url, tmp_path, a_role, a_instance, envelope("post_tool_call", session=session, tool_call_id="call_1"))
+        role_hook(url, tmp_path, a_role, a_instance, envelope("on_session_finalize", session=session, reason="shutdown"))
         wait_for(lambda: asyncio.run(dlq_subjects(url)).get("bridge.dlq.instance_conflict", 0) >= 2
                  or "session.ended" in [e["type"] for e in events()], 30, what=f"A's messages handled:\n{mapper.log()}")
         # B ends its own session
-        hook(url, tmp_path, "shim", "gw-b", envelope("on_session_finalize", session=session, reason="shutdown"))
+        role_hook(url, tmp_path, "shim", "gw-b", envelope("on_session_finalize", session=session, reason="shutdown"))
         wait_for(lambda: any(e["type"] == "session.ended" and "gw-b" in e["source"] for e in events()), 30,
                  what=f"B's own session.ended:\n{mapper.log()}\n{pairing.log()}")
         got = events()
@@ -135,13 +98,13 @@ def test_the_gate_and_the_mapper_agree_on_a_sessions_instance(server: dict, tmp_
     gate = None
     try:
         wait_for(lambda: "mapper_ready" in mapper.log(), 20, what=f"the mapper ready:\n{mapper.log()}")
-        hook(url, tmp_path, "shim", "gw-b", envelope("on_session_start", session=session))
+        role_hook(url, tmp_path, "shim", "gw-b", envelope("on_session_start", session=session))
         wait_for(lambda: metric_sum(mapper.metrics_text(), "aep_bridge_mapper_raw_messages_total") >= 1, 20,
                  what=f"B's start mapped:\n{mapper.log()}")
         gate = Service("gate", url, tmp_path, "--probe-ms", "300",
                        env={**as_user("gate"), "AEP_HERMES_CONTROL": "1", "AEP_INSTRUCT": "1"}).start()
         wait_for(lambda: "gate_ready" in gate.log(), 20, what=f"the gate ready:\n{gate.log()}")
-        hook(url, tmp_path, a_role, a_instance, envelope("on_session_finalize", session=session, reason="shutdown"))
+        role_hook(url, tmp_path, a_role, a_instance, envelope("on_session_finalize", session=session, reason="shutdown"))
         # (before: no foreign_instance, the gate finalized the session as A's)
         wait_for(lambda: "foreign_instance" in gate.log(), 20, what=f"the gate to refuse A's finalize:\n{gate.log()}")
         assert "aep_bridge_gate_foreign_instance_total 1.0" in gate.metrics_text(), gate.log()

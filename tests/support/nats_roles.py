@@ -281,3 +281,52 @@ async def ensure_streams(url: str) -> None:
         await bridge_bootstrap(c.js, replicas=1)
     finally:
         await c.close()
+
+
+# ---------------------------------------------------------------- a role's shim runs and reads (issue 44)
+
+
+def as_user(role: str) -> dict[str, str]:
+    """The shim settings of ``role``'s user."""
+    user, password = USERS[role]
+    return {"AEP_BRIDGE_NATS_USER": user, "AEP_BRIDGE_NATS_PASSWORD": password}
+
+
+def role_hook(url: str, tmp: Path, role: str, instance: str, data: dict[str, Any], **extra: str) -> bytes:
+    """One real hook run of ``instance`` as ``role``'s user: answered, nothing spooled."""
+    from tests.support.shim import dumps, run_hook, shim_env
+
+    env = shim_env(url, tmp / f"spool-{instance}", instance, DEADLINE_MS="3000")
+    env.update(as_user(role), **extra)
+    run = run_hook(dumps(data), env)
+    assert run.returncode == 0, run.stderr
+    assert not any(p.stat().st_size for p in (tmp / f"spool-{instance}").glob("*.spool")), run.stderr
+    return run.stdout
+
+
+async def read_as(url: str, role: str, stream: str, filt: str, settle: float = 0.5) -> list[Any]:
+    """Every message of ``stream`` under ``filt``, as ``role`` (an ordered consumer)."""
+    from bridge.nats.connection import ordered_subscribe
+
+    user, password = USERS[role]
+    nc = await nats.connect(url, user=user, password=password, inbox_prefix=INBOX[role])
+    got: list[Any] = []
+    try:
+        sub = await ordered_subscribe(nc.jetstream(), filt, stream, deliver_policy=nats.js.api.DeliverPolicy.ALL)
+        while True:
+            try:
+                got.append(await sub.next_msg(timeout=settle))
+            except Exception:
+                return got
+    finally:
+        await nc.close()
+
+
+async def dlq_subjects(url: str) -> dict[str, int]:
+    """BRIDGE_DLQ's message count per subject (as the bootstrap user)."""
+    user, password = USERS["bootstrap"]
+    nc = await nats.connect(url, user=user, password=password, inbox_prefix=INBOX["bootstrap"])
+    try:
+        return dict((await nc.jetstream().stream_info("BRIDGE_DLQ", subjects_filter=">")).state.subjects or {})
+    finally:
+        await nc.close()
