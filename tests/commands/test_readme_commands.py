@@ -16,7 +16,10 @@ fails when that text is no longer printed, so it cannot rot:
 Everything else must exit 0 with output on stdout and no traceback. A README block is one shell
 session in a fresh HOME (whose state directory is the running up's, as on the machine that ran
 `make run`); its setup lines (assignments, `export`, `. FILE`) and those of every block above it
-run before each command, as in a reader's terminal.
+run before each command, as in a reader's terminal. The banner is one session too, without any
+of the README's setup. The sessions run at once (module fixture `sessions`), each test reports
+one. What the test adds to a clean shell: a ~/.curlrc that makes an HTTP error fail a `curl`,
+and for the exporter lines (LONG) ports of their own.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,6 +47,7 @@ FRESH_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"  # a
 TRACEBACK = "Traceback (most recent call last)"
 FIRST_OUTPUT_S = 30.0  # how long a long-running command may take to print what it should
 STOP_S = 15.0  # ... and to end after SIGTERM
+MIN_RUN_S = 3.0  # ... and runs at least this long before it is stopped (a crash just after its first line shows)
 
 # -- what a test cannot run, keyed by the command's text (README code blocks) ---------------------
 
@@ -73,7 +78,7 @@ BANNER_NOT_RUN: dict[str, str] = {
 @dataclass(frozen=True)
 class Long:
     """A command that runs until stopped: `first` (a regex) must show in its output within
-    FIRST_OUTPUT_S, then SIGTERM must end it within STOP_S."""
+    FIRST_OUTPUT_S, it must not fail before MIN_RUN_S, then SIGTERM must end it within STOP_S."""
     first: str
     why: str
     env: Callable[[], dict[str, str]] = dict  # isolation only: ports of its own on a shared machine
@@ -89,11 +94,11 @@ def exporter_alone() -> dict[str, str]:
 EXPORTER = "a service (runs until SIGTERM) against a Kafka or a collector this machine does not have"
 LONG: dict[str, Long] = {
     "aep-bridge exporter --sink 'kafka://kafka-0:9092,kafka-1:9092/aep-ocsf?format=ocsf'":
-        Long(r'"event": "exporter_starting"', EXPORTER, exporter_alone),
+        Long(r"exporter_starting", EXPORTER, exporter_alone),
     "aep-bridge exporter --sink 'kafka://kafka-0:9092/aep-events'":
-        Long(r'"event": "exporter_starting"', EXPORTER, exporter_alone),
+        Long(r"exporter_starting", EXPORTER, exporter_alone),
     "aep-bridge exporter --sink 'otlp+http://otel-collector:4318/v1/logs'":
-        Long(r'"event": "exporter_starting"', EXPORTER, exporter_alone),
+        Long(r"exporter_starting", EXPORTER, exporter_alone),
     """curl -gN -H "Authorization: Bearer $T" 'http://127.0.0.1:8787/stream?filter={"type":["attention.*","tool.denied"]}&capture=metadata'""":
         Long(r": aep-bridge relay", "SSE, live: the stream stays open"),
     "aep-bridge tail --all --type 'x.hermes.api.call'":
@@ -285,6 +290,9 @@ class Background:
             if time.monotonic() - self.started > FIRST_OUTPUT_S:
                 break
             time.sleep(0.2)
+        # it printed what it should; it must keep running (or end well) a little beyond that
+        while self.proc.poll() is None and time.monotonic() - self.started < MIN_RUN_S:
+            time.sleep(0.2)
         early = self.proc.poll()
         try:
             os.killpg(self.proc.pid, signal.SIGTERM)
@@ -353,19 +361,25 @@ def run_session(runs: list[Run], home: Path, tmp: Path) -> list[str]:
     others ran. Returns every failure, each naming its command."""
     failures: list[str] = []
     background: list[tuple[Run, Background]] = []
-    for i, run in enumerate(runs):
-        if isinstance(run.spec, Long):
-            background.append((run, Background(clean_shell(home, run.script, run.spec.env()), tmp, f"long{i}")))
-            continue
-        done = finish(clean_shell(home, run.script), run.stdin)
-        why = done if isinstance(done, str) else checked(done, run.spec)
-        if why:
-            failures.append(f"{run.where}: `{run.key}`: {why}")
-    for run, bg in background:
-        assert isinstance(run.spec, Long)
-        why = bg.check(run.spec)
-        if why:
-            failures.append(f"{run.where}: `{run.key}`: {why}")
+    try:
+        for i, run in enumerate(runs):
+            if isinstance(run.spec, Long):
+                background.append((run, Background(clean_shell(home, run.script, run.spec.env()), tmp, f"long{i}")))
+                continue
+            done = finish(clean_shell(home, run.script), run.stdin)
+            why = done if isinstance(done, str) else checked(done, run.spec)
+            if why:
+                failures.append(f"{run.where}: `{run.key}`: {why}")
+        for run, bg in background:
+            assert isinstance(run.spec, Long)
+            why = bg.check(run.spec)
+            if why:
+                failures.append(f"{run.where}: `{run.key}`: {why}")
+    finally:  # nothing left running, whatever happened
+        for _, bg in background:
+            if bg.proc.poll() is None:
+                os.killpg(bg.proc.pid, signal.SIGKILL)
+                bg.proc.wait()
     return failures
 
 
@@ -413,10 +427,9 @@ def spec_of(text: str) -> Long | Expect:
 RUNNABLE = [i for i, b in enumerate(BLOCKS) if any(not c.setup and c.text not in NOT_RUN for c in b.commands)]
 
 
-@pytest.mark.parametrize("index", RUNNABLE, ids=[BLOCKS[i].where for i in RUNNABLE])
-def test_readme_block(index: int, up: Up, tmp_path: Path) -> None:
-    """One code block of the README, as a reader runs it: in order, in one shell, after the setup
-    lines above it (this block's and every block's before it)."""
+def readme_runs(index: int, up: Up) -> list[Run]:
+    """One code block of the README as a reader runs it: in order, in one shell, each command
+    after the setup lines above it (this block's and every block's before it)."""
     setup = [substituted(c.text, up) for b in BLOCKS[:index] for c in b.commands if c.setup and c.text not in NOT_RUN]
     runs = []
     for c in BLOCKS[index].commands:
@@ -426,22 +439,44 @@ def test_readme_block(index: int, up: Up, tmp_path: Path) -> None:
             setup.append(substituted(c.text, up))
             continue
         runs.append(Run(c.text, "\n".join([*setup, substituted(c.text, up)]), spec_of(c.text), c.where))
-    failures = run_session(runs, fresh_home(tmp_path, up), tmp_path)
+    return runs
+
+
+def banner_runs(commands: list[tuple[str, Command]]) -> list[Run]:
+    """The banner's commands pasted into a fresh shell as printed (nothing from the README done
+    there first); the hook command gets a real envelope on stdin."""
+    envelope = json.dumps(next(r["envelope"] for r in records() if r["envelope"]["hook_event_name"] == "pre_tool_call"))
+    return [Run(key, c.text, BANNER_LONG.get(key) or BANNER_EXPECT.get(key) or Expect(), c.where,
+                envelope if key == HOOK_KEY else None)
+            for key, c in commands if key not in BANNER_NOT_RUN]
+
+
+@pytest.fixture(scope="module")
+def sessions(up: Up, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Future[list[str]]]]:
+    """Every README block's session and the banner's, all at once (each in its own HOME, each in
+    order within itself): the module takes its longest session, not their sum. Each test below
+    reports one session's failures."""
+    def session(runs: list[Run], name: str) -> list[str]:
+        tmp = tmp_path_factory.mktemp(name)
+        return run_session(runs, fresh_home(tmp, up), tmp)
+
+    with ThreadPoolExecutor(max_workers=len(RUNNABLE) + 1) as pool:
+        futures = {BLOCKS[i].where: pool.submit(session, readme_runs(i, up), f"block{i}") for i in RUNNABLE}
+        futures["banner"] = pool.submit(session, banner_runs(banner_commands(up.out.read_text())), "banner")
+        yield futures
+
+
+@pytest.mark.parametrize("where", [BLOCKS[i].where for i in RUNNABLE])
+def test_readme_block(where: str, sessions: dict[str, Future[list[str]]]) -> None:
+    failures = sessions[where].result(timeout=600)
     assert not failures, "\n\n".join(failures)
 
 
-def test_banner_commands(up: Up, tmp_path: Path) -> None:
-    """Every command `up --demo --gate` prints, pasted into a fresh shell as printed (nothing
-    from the README is done there first)."""
-    commands = banner_commands(up.out.read_text())
-    keys = [key for key, _ in commands]
+def test_banner_commands(up: Up, sessions: dict[str, Future[list[str]]]) -> None:
+    keys = [key for key, _ in banner_commands(up.out.read_text())]
     for key in ["aep-bridge demo", "aep-bridge hermes install", *BANNER_NOT_RUN, *BANNER_LONG, *BANNER_EXPECT]:
         assert key in keys, f"the banner no longer prints `{key}` (found: {keys}): update this test"
-    envelope = json.dumps(next(r["envelope"] for r in records() if r["envelope"]["hook_event_name"] == "pre_tool_call"))
-    runs = [Run(key, c.text, BANNER_LONG.get(key) or BANNER_EXPECT.get(key) or Expect(), c.where,
-                envelope if key == HOOK_KEY else None)
-            for key, c in commands if key not in BANNER_NOT_RUN]
-    failures = run_session(runs, fresh_home(tmp_path, up), tmp_path)
+    failures = sessions["banner"].result(timeout=600)
     assert not failures, "\n\n".join(failures)
 
 
