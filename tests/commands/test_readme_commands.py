@@ -13,7 +13,7 @@ fails when that text is no longer printed, so it cannot rot:
 * SUBSTITUTE: where the README names a value its reader fills in (the token `up` printed; up's
   default relay port, free ports here).
 
-Everything else must exit 0 with output on stdout and no traceback. A README block is one shell
+Everything else must exit 0 with some output and no traceback. A README block is one shell
 session in a fresh HOME (whose state directory is the running up's, as on the machine that ran
 `make run`); its setup lines (assignments, `export`, `. FILE`) and those of every block above it
 run before each command, as in a reader's terminal. The banner is one session too, without any
@@ -25,7 +25,6 @@ and for the exporter lines (LONG) ports of their own.
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import subprocess
@@ -40,14 +39,11 @@ import pytest
 from bridge.stack.server import terminate
 from tests.corpus import records
 from tests.support.cli import ROOT, free_port
+from tests.support.pasted import (FRESH_PATH, HOOK_KEY, Command, Expect, Long, Run, banner_commands, clean_shell,
+                                  run_session)
 
 README = ROOT / "README.md"
 VENV_BIN = ROOT / ".venv" / "bin"  # where `make run` / `make test` install (Makefile VENV)
-FRESH_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"  # a fresh Debian/Ubuntu login
-TRACEBACK = "Traceback (most recent call last)"
-FIRST_OUTPUT_S = 30.0  # how long a long-running command may take to print what it should
-STOP_S = 15.0  # ... and to end after SIGTERM
-MIN_RUN_S = 3.0  # ... and runs at least this long before it is stopped (a crash just after its first line shows)
 
 # -- what a test cannot run, keyed by the command's text (README code blocks) ---------------------
 
@@ -75,15 +71,6 @@ BANNER_NOT_RUN: dict[str, str] = {
 }
 
 
-@dataclass(frozen=True)
-class Long:
-    """A command that runs until stopped: `first` (a regex) must show in its output within
-    FIRST_OUTPUT_S, it must not fail before MIN_RUN_S, then SIGTERM must end it within STOP_S."""
-    first: str
-    why: str
-    env: Callable[[], dict[str, str]] = dict  # isolation only: ports of its own on a shared machine
-
-
 def exporter_alone() -> dict[str, str]:
     # no Kafka, no OTel Collector and no NATS of its own here: it must take the README's sink,
     # start, say so and obey SIGTERM; its own metrics port and a closed NATS port keep parallel
@@ -108,14 +95,6 @@ BANNER_LONG: dict[str, Long] = {
     # started first, it sees the events of the banner's `demo` (run after it, as in a second terminal)
     "aep-bridge tail": Long(r"── lane \S+", "follows the stream"),
 }
-
-
-@dataclass(frozen=True)
-class Expect:
-    output: str = r"\S"  # a regex the output (stdout, then stderr) must match
-    code: int = 0
-    forbid: str | None = None  # a regex it must not match
-    why: str = ""
 
 
 EXPECT: dict[str, Expect] = {
@@ -149,13 +128,6 @@ SUBSTITUTE: dict[str, Callable[[Up], str]] = {
 }
 
 # -- parsing -----------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Command:
-    text: str  # as printed: continuation lines joined, its comment dropped
-    where: str
-    setup: bool = False  # changes the shell: runs before every command after it
 
 
 @dataclass
@@ -214,43 +186,7 @@ def readme_blocks(text: str) -> list[Block]:
     return [b for b in blocks if b.commands]
 
 
-# settings, then the CLI as up prints it (a path, `python -m bridge.cli`, or bare), then its
-# arguments up to the end or a `   (comment)`
-BANNER_COMMAND = re.compile(r"(?<!\S)(?:[A-Z][A-Z0-9_]*=\S+ )*(?P<cli>(?:\S*/)?aep-bridge|\S+ -m bridge\.cli)(?= |$)(?: \S.*?)?(?=\s{3}\(|$)")
-HOOK = re.compile(r'^\s*- command: "(?P<command>.+)"$')
-HOOK_KEY = "hooks: - command"
-
-
-def banner_commands(out: str) -> list[tuple[str, Command]]:
-    """The commands in up's banner (from its first blank line to `stop`), each with its key: a
-    line's command with its settings (key: without them, up's path to the CLI written
-    `aep-bridge`), the hook command it writes into config.yaml, and the `...` templates."""
-    lines = out.splitlines()
-    commands = []
-    label = ""
-    for line in lines[lines.index("") + 1:]:
-        if line.startswith("  stop "):
-            break
-        if line[2:3].strip():
-            label = line[2:17].strip()
-        hook = HOOK.match(line)
-        if hook:
-            commands.append((HOOK_KEY, Command(hook["command"], f"banner: {label}: hooks")))
-            continue
-        for m in BANNER_COMMAND.finditer(line):
-            commands.append(("aep-bridge" + line[m.end("cli"):m.end()], Command(m.group(0), f"banner: {label}")))
-        for span in re.findall(r"`([^`]+ [^`]+)`", line):
-            commands.append((span, Command(span, f"banner: {label}")))
-    return commands
-
-
 # -- running -------------------------------------------------------------------------------------
-
-
-def clean_shell(home: Path, script: str, extra: dict[str, str] | None = None) -> list[str]:
-    """`script` in bash in a clean environment: PATH and HOME as a fresh machine has them."""
-    env = [f"PATH={FRESH_PATH}", f"HOME={home}", *(f"{k}={v}" for k, v in (extra or {}).items())]
-    return ["env", "-i", *env, "bash", "-ec", script]
 
 
 def fresh_home(tmp: Path, up: Up) -> Path:
@@ -269,118 +205,6 @@ def substituted(text: str, up: Up) -> str:
         if key in text:
             text = text.replace(key, value(up))
     return text
-
-
-class Background:
-    """A long-running command: its output in files, read as it comes."""
-
-    def __init__(self, argv: list[str], tmp: Path, name: str) -> None:
-        self.out, self.err = tmp / f"{name}.out", tmp / f"{name}.err"
-        with self.out.open("wb") as out, self.err.open("wb") as err:
-            self.proc = subprocess.Popen(argv, stdout=out, stderr=err, stdin=subprocess.DEVNULL, cwd=ROOT,
-                                         start_new_session=True)
-        self.started = time.monotonic()
-
-    def output(self) -> str:
-        return self.out.read_text(errors="replace") + self.err.read_text(errors="replace")
-
-    def check(self, spec: Long) -> str | None:
-        """Why it failed (no first output in time, an early exit, a traceback, no end on SIGTERM)."""
-        while not re.search(spec.first, self.output()) and self.proc.poll() is None:
-            if time.monotonic() - self.started > FIRST_OUTPUT_S:
-                break
-            time.sleep(0.2)
-        # it printed what it should; it must keep running (or end well) a little beyond that
-        while self.proc.poll() is None and time.monotonic() - self.started < MIN_RUN_S:
-            time.sleep(0.2)
-        early = self.proc.poll()
-        try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-        try:
-            self.proc.wait(STOP_S)
-            stopped = True
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-            stopped = False
-        text = self.output()
-        if not re.search(spec.first, text):
-            return (f"no /{spec.first}/ in its output within {FIRST_OUTPUT_S:.0f} s"
-                    + (f" (it exited with code {early})" if early is not None else "") + f":\n{text[-2000:]}")
-        if early not in (None, 0):
-            return f"exited with code {early}:\n{text[-2000:]}"
-        if TRACEBACK in text:
-            return f"a traceback:\n{text[-2000:]}"
-        if not stopped:
-            return f"still running {STOP_S:.0f} s after SIGTERM"
-        return None
-
-
-def checked(done: subprocess.CompletedProcess[str], expect: Expect) -> str | None:
-    text = done.stdout + done.stderr
-    if done.returncode != expect.code:
-        return f"exit code {done.returncode}, expected {expect.code}:\n{text[-2000:]}"
-    if TRACEBACK in text:
-        return f"a traceback:\n{text[-2000:]}"
-    if not done.stdout.strip():
-        return f"no output on stdout:\n{text[-2000:]}"
-    if not re.search(expect.output, done.stdout) and not re.search(expect.output, done.stderr):
-        return f"no /{expect.output}/ in its output:\n{text[-2000:]}"
-    if expect.forbid and re.search(expect.forbid, text):
-        return f"/{expect.forbid}/ in its output:\n{text[-2000:]}"
-    return None
-
-
-def finish(argv: list[str], stdin: str | None, timeout: float = 60) -> subprocess.CompletedProcess[str] | str:
-    """Run to its end (its whole process group killed after `timeout`: a command that does not
-    end is a failure, or belongs in LONG)."""
-    proc = subprocess.Popen(argv, stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, start_new_session=True)
-    try:
-        out, err = proc.communicate(stdin, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        return f"still running after {timeout:.0f} s (if it runs until stopped, list it in LONG):\n{(out + err)[-2000:]}"
-    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
-
-
-@dataclass(frozen=True)
-class Run:
-    key: str  # how the tables above name it
-    script: str  # what the shell runs: the setup lines before it, then the command, substituted
-    spec: Long | Expect
-    where: str
-    stdin: str | None = None
-
-
-def run_session(runs: list[Run], home: Path, tmp: Path) -> list[str]:
-    """Run each in order in one HOME; a Long starts in the background and is checked once the
-    others ran. Returns every failure, each naming its command."""
-    failures: list[str] = []
-    background: list[tuple[Run, Background]] = []
-    try:
-        for i, run in enumerate(runs):
-            if isinstance(run.spec, Long):
-                background.append((run, Background(clean_shell(home, run.script, run.spec.env()), tmp, f"long{i}")))
-                continue
-            done = finish(clean_shell(home, run.script), run.stdin)
-            why = done if isinstance(done, str) else checked(done, run.spec)
-            if why:
-                failures.append(f"{run.where}: `{run.key}`: {why}")
-        for run, bg in background:
-            assert isinstance(run.spec, Long)
-            why = bg.check(run.spec)
-            if why:
-                failures.append(f"{run.where}: `{run.key}`: {why}")
-    finally:  # nothing left running, whatever happened
-        for _, bg in background:
-            if bg.proc.poll() is None:
-                os.killpg(bg.proc.pid, signal.SIGKILL)
-                bg.proc.wait()
-    return failures
 
 
 # -- the running up ----------------------------------------------------------------------------------
@@ -456,13 +280,14 @@ def sessions(up: Up, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[
     """Every README block's session and the banner's, all at once (each in its own HOME, each in
     order within itself): the module takes its longest session, not their sum. Each test below
     reports one session's failures."""
-    def session(runs: list[Run], name: str) -> list[str]:
+    def session(runs: list[Run], name: str, in_clone: bool) -> list[str]:
         tmp = tmp_path_factory.mktemp(name)
-        return run_session(runs, fresh_home(tmp, up), tmp)
+        # the README is read in the clone (`. .venv/bin/activate`); the banner pasted anywhere
+        return run_session(runs, fresh_home(tmp, up), tmp, cwd=ROOT if in_clone else tmp)
 
     with ThreadPoolExecutor(max_workers=len(RUNNABLE) + 1) as pool:
-        futures = {BLOCKS[i].where: pool.submit(session, readme_runs(i, up), f"block{i}") for i in RUNNABLE}
-        futures["banner"] = pool.submit(session, banner_runs(banner_commands(up.out.read_text())), "banner")
+        futures = {BLOCKS[i].where: pool.submit(session, readme_runs(i, up), f"block{i}", True) for i in RUNNABLE}
+        futures["banner"] = pool.submit(session, banner_runs(banner_commands(up.out.read_text())), "banner", False)
         yield futures
 
 
