@@ -109,7 +109,8 @@ BANNER_EXPECT: dict[str, Expect] = {
     "aep-bridge demo": Expect(r"shim answered \{\} (\d+)/\1 times"),
     "aep-bridge control hello": Expect(r'"type": "hello"'),
     "aep-bridge control pending": Expect(r"no held calls"),
-    "hooks: - command": Expect(r"^\{\}\s*$"),
+    # with the settings the banner's `wire Hermes` wrote (run before it): published, not spooled
+    "hooks: - command": Expect(r"^\{\}\s*$", forbid="spooled"),
 }
 
 
