@@ -30,11 +30,10 @@ STOP_S = 15.0  # ... and must end this soon after SIGTERM
 @dataclass(frozen=True)
 class Long:
     """A command that runs until stopped: `first` (a regex) must show in its output within
-    FIRST_OUTPUT_S, it must not fail before `min_run_s`, then SIGTERM must end it within STOP_S."""
-    first: str  # "": nothing to wait for (it must still live min_run_s)
+    FIRST_OUTPUT_S, it must not fail before MIN_RUN_S, then SIGTERM must end it within STOP_S."""
+    first: str  # "": nothing to wait for (it must still live MIN_RUN_S)
     why: str
     env: Callable[[], dict[str, str]] = dict  # isolation only: ports of its own on a shared machine
-    min_run_s: float = MIN_RUN_S
 
 
 @dataclass(frozen=True)
@@ -133,7 +132,7 @@ class Background:
                 break
             time.sleep(0.2)
         # it printed what it should; it must keep running (or end well) a little beyond that
-        while self.proc.poll() is None and time.monotonic() - self.started < spec.min_run_s:
+        while self.proc.poll() is None and time.monotonic() - self.started < MIN_RUN_S:
             time.sleep(0.2)
         early = self.proc.poll()
         try:
