@@ -321,6 +321,6 @@ def test_make_run_is_the_up_this_module_runs() -> None:
     """NOT_RUN["make run"] says the module runs what it runs: `make -n run` (what make would do,
     nothing done) ends with `.venv/bin/aep-bridge up --demo`."""
     done = subprocess.run(["make", "-n", "run"], cwd=ROOT, capture_output=True, text=True, timeout=30,
-                          env={"PATH": FRESH_PATH, "HOME": str(ROOT)})
+                          env={"PATH": FRESH_PATH})
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == ".venv/bin/aep-bridge up --demo", done.stdout
