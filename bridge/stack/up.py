@@ -612,7 +612,7 @@ class Up:
         d = self.fleet.dir
         self.say(f"  fleet          decentralized JWT auth; keys in {d} (0700): each instance its own credential")
         self.say(f"  issue          {cli} fleet issue --dir {d} --instance NAME --out NAME.env   (no server call)")
-        self.say(f"  wire Hermes    (set -a; . ./NAME.env; {cli} hermes install)   the settings carry the JWT")
+        self.say(f"  wire Hermes    (set -a; . ./NAME.env; {cli} hermes install)   (the settings carry the JWT)")
         self.say(f"  revoke         {cli} fleet revoke --dir {d} --instance NAME   (pushed to every server: "
                  "its live connections close, its next hook runs are refused and spooled)")
         self.say(f"  list           {cli} fleet list --dir {d}")

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.fleet import role_client
+from tests.support.pasted import Expect, Long, Run, banner_commands, run_session
 from tests.support.services import wait_for
 from tests.support.shim import dumps, envelope, run_hook, shim_env
 from tests.support.up import cli, running_up
@@ -59,4 +60,29 @@ def test_up_fleet_issues_and_revokes_without_touching_the_server(tmp_path: Path)
         assert [r["state"] for r in json.loads(listed.stdout)] == ["revoked"]
         assert hashlib.sha256(conf.read_bytes()).hexdigest() == before
         assert "Reloaded" not in (tmp / "state" / "aep-bridge" / "logs" / "nats-server.log").read_text()
+        failures = fleet_banner_as_printed(tmp, tmp / "state" / "aep-bridge")
+        assert not failures, "\n\n".join(failures)
     assert proc.returncode == 0
+
+
+#: what `up --fleet`'s banner prints (keys: tests/support/pasted.banner_key), in its order
+FLEET_BANNER = {
+    # no event comes while it runs: it must connect with the consumer's .creds and keep following
+    "aep-bridge tail": Long("", "follows the stream"),
+    "aep-bridge fleet issue --dir STATE/fleet --instance NAME --out NAME.env": Expect(),
+    "(set -a; . ./NAME.env; aep-bridge hermes install)": Expect(r"config +\S+config\.yaml: added \d+ event"),
+    "aep-bridge fleet revoke --dir STATE/fleet --instance NAME": Expect(r"pushed account FLEET to 1 server"),
+    "aep-bridge fleet list --dir STATE/fleet": Expect(r"gw-banner"),
+}
+
+
+def fleet_banner_as_printed(tmp: Path, state_dir: Path) -> list[str]:
+    """Issue 38: every command of up --fleet's banner pasted into a fresh shell (PATH and HOME
+    only, in a directory of its own) as printed, with the instance's NAME filled in."""
+    commands = banner_commands((tmp / "up.out").read_text(), state_dir)
+    runs = [Run(key, c.text.replace("NAME", "gw-banner"), FLEET_BANNER.get(key, Expect()), c.where) for key, c in commands]
+    (tmp / "fresh" / "home").mkdir(parents=True)
+    failures = run_session(runs, tmp / "fresh" / "home", tmp / "fresh", cwd=tmp / "fresh")
+    printed = [key for key, _ in commands]
+    return failures + [f"FLEET_BANNER lists `{key}`, which the banner no longer prints ({printed})"
+                       for key in FLEET_BANNER if key not in printed]
