@@ -635,6 +635,11 @@ class Up:
                  " `control instruct --session SESSION TEXT`")
 
     def shutdown(self) -> None:
+        # Every worker is told at once, then each is waited for: one at a time, a stop took the
+        # sum of the workers' stops (3-9 s for a `up --demo --gate` under load), now their longest.
+        for w in self.workers:
+            if w.proc is not None and w.proc.poll() is None:
+                w.proc.send_signal(signal.SIGTERM)
         for w in self.workers:
             w.stop()
         if self.server is not None:
