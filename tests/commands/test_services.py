@@ -1,0 +1,62 @@
+"""The five services through one doorway (issue 38): one command path (`cmd_service`), one
+`Service` shape that `serve` runs, and every flag a setting of the table (bridge/config.py
+FIELDS) but for a command's own few. Before, each command had its own `cmd_*` (the gate's in
+another module) calling its own `run()` with its own keywords, the relay was a function with
+closures, and the flags were written by hand per command (the exporter took a --partitions
+that no exporter setting reads)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import pytest
+
+from bridge.cli import build_parser
+from bridge.config import ROLE_METRICS_PORT, fields_for
+
+NAMES = ("mapper", "pairing", "gate", "exporter", "relay")
+#: the flags a service command takes beyond its role's settings
+OWN = {"mapper": {"--capture-override", "--batch"}, "pairing": {"--replica"}, "gate": {"--capture-override"},
+       "exporter": {"--sink"}, "relay": set()}
+ARGS = {"exporter": ["--sink", "otlp+http://127.0.0.1:9/v1/logs"]}
+
+
+def subparser(name: str) -> argparse.ArgumentParser:
+    parser = build_parser()
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return action.choices[name]
+
+
+def test_every_service_command_resolves_to_the_one_path() -> None:
+    from bridge.commands.services import cmd_service
+
+    funcs = {name: build_parser().parse_args([name, *ARGS.get(name, [])]).func for name in NAMES}
+    assert funcs == {name: cmd_service for name in NAMES}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_service_commands_flags_are_its_roles_settings_and_its_own(name: str) -> None:
+    flags = {s for a in subparser(name)._actions for s in a.option_strings if s.startswith("--") and s != "--help"}
+    table = {f.flag for f in fields_for(name) if f.flag}
+    assert flags == table | OWN[name], (sorted(flags - table - OWN[name]), sorted(table | OWN[name] - flags))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_service_has_the_one_shape(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each command builds a `Service`: its name, settings, health, stopper, registry, the port
+    of the table (none for the relay: its own), uvloop for the mapper and pairing, and no
+    `close` or `run` of its own (the runtime's)."""
+    from bridge.commands.services import COMMANDS, settings_from_args
+    from bridge.runtime import Health, Service, Stopper
+
+    monkeypatch.setenv("AEP_BRIDGE_CONFIG", os.devnull)
+    args = build_parser().parse_args([name, "--nats", "nats://127.0.0.1:9", *ARGS.get(name, [])])
+    service = COMMANDS[name].build(args, settings_from_args(args, name))
+    assert isinstance(service, Service) and service.name == name
+    assert isinstance(service.health, Health) and isinstance(service.stopper, Stopper)
+    assert service.registry is not None and service.settings.nats_url == "nats://127.0.0.1:9"
+    assert service.default_port == ROLE_METRICS_PORT.get(name)
+    assert service.fast_loop == (name in ("mapper", "pairing"))
+    assert type(service).close is Service.close and not hasattr(service, "run")
+    assert service.connection() is None  # not connected yet
