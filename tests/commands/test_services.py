@@ -60,3 +60,21 @@ def test_every_service_has_the_one_shape(name: str, monkeypatch: pytest.MonkeyPa
     assert service.fast_loop == (name in ("mapper", "pairing"))
     assert type(service).close is Service.close and not hasattr(service, "run")
     assert service.connection() is None  # not connected yet
+
+
+def test_every_service_logs_under_its_name_with_snake_case_events() -> None:
+    """One logging shape: loggers ``aep_bridge.<service>``, event names in snake case (the relay
+    had its own logger ``relay`` and spaced names such as ``relay listening``)."""
+    import re
+    from pathlib import Path
+
+    import bridge.services
+
+    root = Path(bridge.services.__file__).parent
+    loggers, events = set(), []
+    for path in sorted(root.rglob("*.py")):
+        text = path.read_text()
+        loggers.update(re.findall(r'get_logger\("([^"]*)"\)', text))
+        events += [(path.name, e) for e in re.findall(r'\blog\.(?:debug|info|warning|error|exception)\(f?"([^"]*)"', text)]
+    assert loggers == {f"aep_bridge.{name}" for name in NAMES}, loggers
+    assert len(events) > 50 and [e for e in events if not re.fullmatch(r"[a-z0-9_{}.]+", e[1])] == [], events

@@ -29,10 +29,10 @@ from bridge.core.control import (
     next_seq,
     restamp,
 )
-from bridge.runtime import subjects as subj
-from bridge.runtime import streams as S
-from bridge.services.gate.config import GateConfig, GateMetrics
 from bridge.runtime import Health, Service, Settings, Stopper
+from bridge.runtime import streams as S
+from bridge.runtime import subjects as subj
+from bridge.services.gate.config import GateConfig, GateMetrics
 
 log = structlog.get_logger("aep_bridge.gate")
 

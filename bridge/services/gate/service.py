@@ -26,8 +26,9 @@ from bridge.core.control import (
 from bridge.core.envelope import EnvelopeError, decode_raw
 from bridge.core.lanes import event_lane_token
 from bridge.core.pipeline import map_record, record_from_raw
-from bridge.runtime import subjects as subj
+from bridge.runtime import KvLanes, Loop, configured_replicas, connect_service, ensure_stream, epoch_of
 from bridge.runtime import streams as S
+from bridge.runtime import subjects as subj
 from bridge.services.gate.commands import Commands
 from bridge.services.gate.config import (
     COMMAND_DURABLE,
@@ -38,7 +39,6 @@ from bridge.services.gate.config import (
     RAW_DURABLE,
     SWEEP_S,
 )
-from bridge.runtime import KvLanes, Loop, configured_replicas, connect_service, ensure_stream, epoch_of
 
 log = structlog.get_logger("aep_bridge.gate")
 

@@ -400,7 +400,7 @@ class Hub:
             try:
                 done = not sub.overflowed and sub.idle and sub.direct is not None and sub.direct(sub)
             except Exception as exc:  # noqa: BLE001 - what it took may be lost: end the stream, resumable
-                log.warning("direct write failed", error=str(exc))
+                log.warning("direct_write_failed", error=str(exc))
                 sub.overflowed = True
                 done = False
             if not done:

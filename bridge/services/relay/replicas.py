@@ -159,7 +159,7 @@ class SharedClaims:
                 elif key in self.mine:  # not released meanwhile
                     await self.js.publish(subject, value, headers=self._headers)
             except Exception as exc:  # noqa: BLE001 - NATS away: the renewal writes it again
-                log.warning("shared claim not written", error=type(exc).__name__)
+                log.warning("shared_claim_not_written", error=type(exc).__name__)
             finally:
                 self._writes.task_done()
 
@@ -170,7 +170,7 @@ class SharedClaims:
                 try:  # core publish: no round trip per claim; a lost one is renewed next time
                     await self.nc.publish(f"$KV.{S.RELAY_BUCKET}.{key}", value, headers=self._headers)
                 except Exception as exc:  # noqa: BLE001
-                    log.warning("shared claims not renewed", error=type(exc).__name__)
+                    log.warning("shared_claims_not_renewed", error=type(exc).__name__)
                     break
 
     async def _read(self, keys: str) -> list[Remote]:

@@ -214,7 +214,7 @@ class Router:
             try:
                 remote = await self.shared.of(session)
             except RelayStoreUnavailable as exc:  # this replica's own claims still route
-                log.warning("shared claims not read", error=str(exc))
+                log.warning("shared_claims_not_read", error=str(exc))
         # after the awaits: a claim made meanwhile counts; a live Hermes session shadows them all
         emitters: list[Claimant | Remote] = [] if hermes is not None else [*self.claims.of(session), *remote]
         if emitters:  # a Hermes session that is not live (ended, idle) is never an emitter's
@@ -245,7 +245,7 @@ class Router:
             stored = await self.js.publish(subj.command_subject(lane_token(session), ctype), raw,
                                            headers={"Nats-Msg-Id": ingest.msg_id(frame, "command")})
         except Exception as exc:  # noqa: BLE001 - NATS away: refused, the sender may retry
-            log.warning("command not published", error=type(exc).__name__)
+            log.warning("command_not_published", error=type(exc).__name__)
             self._forget(key)
             return await refuse("no-route", "the relay could not reach the event store")
         self.metrics.commands.inc()
@@ -290,7 +290,7 @@ class Router:
                                            headers={CONN_HEADER: target.conn, REPLY_HEADER: reply_subject(self.replica)})
             doc = _decode(answer.data)
         except Exception as exc:  # noqa: BLE001 - that replica is gone, or slow
-            log.warning("command not forwarded", error=type(exc).__name__)
+            log.warning("command_not_forwarded", error=type(exc).__name__)
             doc = {"code": "no-route", "detail": "the relay replica holding the claim did not answer"}
         if isinstance(doc, dict) and doc.get("code"):
             self._forget(key)
@@ -410,7 +410,7 @@ class Router:
             item = await self.hub.first(subj.control_filter(lane_token(session)), recorded, begin=begin, since_ns=since,
                                         last=last)
         except Exception as exc:  # noqa: BLE001 - the hub's live ack still settles it, or the window ends
-            log.warning("recorded ack not read", error=type(exc).__name__)
+            log.warning("recorded_ack_not_read", error=type(exc).__name__)
             return
         if item is not None:
             self.settle(item.event, item, None, again=True)
@@ -423,7 +423,7 @@ class Router:
         try:
             await asyncio.wait_for(target.send(raw), FORWARD_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001 - gone, or not reading
-            log.warning("command not delivered", error=type(exc).__name__)
+            log.warning("command_not_delivered", error=type(exc).__name__)
             self._forget(key)
             self.claims.release(target)
             if target.close is not None:
@@ -437,7 +437,7 @@ class Router:
             await self.js.publish(subj.ingest_subject(lane_token(session), ctype), raw,
                                   headers={"Nats-Msg-Id": ingest.msg_id(_decode(raw))})
         except Exception as exc:  # noqa: BLE001 - delivered; only the history copy is missing
-            log.warning("command delivered but not stored", error=type(exc).__name__)
+            log.warning("command_delivered_but_not_stored", error=type(exc).__name__)
 
     def _forget(self, key: tuple[str, str]) -> None:
         self.pending.pop(key, None)

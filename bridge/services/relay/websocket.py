@@ -283,7 +283,7 @@ class WebSocketSessions:
             ack = await self.js.publish(subj.ingest_subject(ingest.lane_of(event), event["type"]), data,
                                         headers={"Nats-Msg-Id": ingest.msg_id(event)})
         except Exception as exc:  # noqa: BLE001 - NATS away: the emitter is told, nothing is claimed
-            log.warning("event not stored", error=type(exc).__name__)
+            log.warning("event_not_stored", error=type(exc).__name__)
             return await refuse("unavailable", "the relay could not reach the event store")
         if not ack.duplicate:
             self.metrics.ingested.inc()
