@@ -78,3 +78,51 @@ def test_every_service_logs_under_its_name_with_snake_case_events() -> None:
         events += [(path.name, e) for e in re.findall(r'\blog\.(?:debug|info|warning|error|exception)\(f?"([^"]*)"', text)]
     assert loggers == {f"aep_bridge.{name}" for name in NAMES}, loggers
     assert len(events) > 50 and [e for e in events if not re.fullmatch(r"[a-z0-9_{}.]+", e[1])] == [], events
+
+
+def test_every_running_service_exits_0_within_5_s_of_sigterm(nats_server_fn, clean_env: dict[str, str], tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The five commands as processes on one server of their own (pairing takes every free
+    partition), each ready (/readyz 200: connected and consuming), then SIGTERM: each exits 0
+    within 5 s (issue 38; while connecting: tests/commands/test_nats_faults.py)."""
+    import subprocess
+    import sys
+    import time
+
+    from bridge.stack.server import terminate
+    from tests.natsfixture import JetStreamClient
+    from tests.support.cli import free_port
+    from tests.support.services import http_json, wait_for
+    from tests.support.up import ROOT
+
+    client = JetStreamClient(nats_server_fn.url)
+    try:
+        client.bootstrap()
+    finally:
+        client.close()
+    ports = {name: free_port() for name in NAMES}
+    flags = {name: ["--listen", f"127.0.0.1:{ports[name]}"] if name == "relay" else ["--metrics-port", str(ports[name])]
+             for name in NAMES}
+    env = {**clean_env, "AEP_BRIDGE_CONFIG": os.devnull, "AEP_BRIDGE_METRICS_HOST": "127.0.0.1"}
+    procs = {}
+    for name in NAMES:
+        with open(tmp_path / f"{name}.log", "w") as out:
+            procs[name] = subprocess.Popen([sys.executable, "-m", "bridge.cli", name, "--nats", nats_server_fn.url,
+                                            *flags[name], *ARGS.get(name, [])],
+                                           env=env, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+    try:
+        for name in NAMES:
+            wait_for(lambda: http_json(f"http://127.0.0.1:{ports[name]}/readyz")[0] == 200 or procs[name].poll() is not None,
+                     60, what=f"{name} ready")
+            assert procs[name].poll() is None, (tmp_path / f"{name}.log").read_text()[-2000:]
+        took = {}
+        for name, proc in procs.items():
+            started = time.monotonic()
+            code = terminate(proc, 30)
+            took[name] = (code, round(time.monotonic() - started, 2))
+        print("SIGTERM -> exit (code, seconds):", took)
+        assert all(code == 0 and s < 5 for code, s in took.values()), took
+        for name in NAMES:
+            assert f'"{name}_stopping"' in (tmp_path / f"{name}.log").read_text()
+    finally:
+        for proc in procs.values():
+            terminate(proc, 5, 9)
