@@ -87,10 +87,11 @@ async def relay(js, bootstrap: str, topic: str, n: int) -> float:  # type: ignor
 
 async def exporter_run(settings: Settings, url: str, n: int) -> float:
     from bridge.core.sinks import sink_from_url
+    from bridge.runtime import serve
     from bridge.services.exporter import Exporter
 
     exporter = Exporter(settings, [sink_from_url(url)])
-    task = asyncio.create_task(exporter.run(http_port=0))
+    task = asyncio.create_task(serve(exporter, port=0))
     worker = exporter.workers[0]
     while worker.sub is None:  # timed from the consumer's creation, as the relay is
         await asyncio.sleep(0.001)

@@ -57,11 +57,12 @@ async def fill_mapped(settings: Settings, n: int) -> int:
 
 
 async def pairing_run(settings: Settings, js) -> tuple[float, int, int]:  # type: ignore[no-untyped-def]
+    from bridge.runtime import serve
     from bridge.services.pairing import PairingService
 
     service = PairingService(settings, replica="bench", tick_s=3600)
     started = time.perf_counter()
-    task = asyncio.create_task(service.run(http_port=0))
+    task = asyncio.create_task(serve(service, port=0))
     last_count, last_change = -1, time.perf_counter()
     while True:
         await asyncio.sleep(0.05)

@@ -26,11 +26,11 @@ COMMAND_MODULES = (
     "bridge.commands.export",  # export (the AEP-0005 bridges)
     "bridge.commands.shim",  # spool, hermes install/uninstall/doctor
     "bridge.commands.bootstrap",  # bootstrap
-    "bridge.commands.services",  # mapper, pairing, exporter, relay
+    "bridge.commands.services",  # mapper, pairing, gate, exporter, relay: the services, one path
     "bridge.commands.stack",  # up, demo, tail
     "bridge.commands.usage",  # usage: what the model calls cost
     "bridge.commands.sim",  # simulate, verify
-    "bridge.commands.control",  # gate, control respond|instruct|hello|pending
+    "bridge.commands.control",  # control respond|instruct|hello|pending
     "bridge.commands.config",  # config: the effective settings and where each came from
     "bridge.commands.status",  # status: the whole bridge on one screen
     "bridge.commands.fleet",  # fleet init|issue|revoke|list|push: per-instance NATS credentials

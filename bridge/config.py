@@ -374,6 +374,13 @@ def resolve(role: str | None, environ: Mapping[str, str] | None = None, flags: M
     return out
 
 
+def role_values(role: str, environ: Mapping[str, str] | None = None, flags: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Every setting ``role`` reads, by variable name, as its value (`resolve`: flag >
+    environment > settings file > default, each checked); what a service's own config is built
+    from (the gate's, the relay's)."""
+    return {name: v.value for name, v in resolve(role, environ, flags).items()}
+
+
 def family(f: Field, layers: Layers) -> list[Value]:
     """The variables of a prefix field that are set (and not a field of their own)."""
     out = []

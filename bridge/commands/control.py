@@ -1,4 +1,5 @@
-"""`aep-bridge gate` (the control plane's service) and `aep-bridge control ...` (an operator's terminal).
+"""`aep-bridge control ...`: an operator's terminal on the control plane (the gate, its service, is
+run by `aep-bridge gate`: bridge/commands/services.py).
 
 `control respond|instruct` send one AEP command the way any sender does
 (docs/ARCHITECTURE.md "Control plane"): published to
@@ -24,25 +25,6 @@ from typing import Any
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from bridge.commands.mapping import add_capture_args
-
-    g = sub.add_parser(
-        "gate",
-        help="run the opt-in control plane: the operator-deny gate and steering (AEP_HERMES_CONTROL, AEP_INSTRUCT)",
-        description=(
-            "Open a card for every pre_tool_call the shim holds, take control.attention.respond and "
-            "x.hermes.control.instruct commands from AEP_EVENTS, answer the shim's holds and instruction "
-            "pulls, and audit every step on AEP_EVENTS. What it accepts follows AEP_HERMES_CONTROL=1 and "
-            "AEP_INSTRUCT=1; with neither it declares control.accepts [] and rejects every command."
-        ),
-    )
-    g.add_argument("--nats", default=None, metavar="URL", help="NATS server URL(s) (default: AEP_BRIDGE_NATS_URL)")
-    g.add_argument("--metrics-port", type=int, default=None, help="HTTP port for /metrics, /healthz (with the hello document), /readyz (default 9466)")
-    g.add_argument("--log-format", choices=["json", "console"], default=None)
-    g.add_argument("--probe-ms", type=int, default=None, help="how often a held hook is probed (default: AEP_GATE_PROBE_MS or 1000)")
-    add_capture_args(g)
-    g.set_defaults(func=cmd_gate)
-
     c = sub.add_parser("control", help="answer a held tool call or steer a session from a terminal")
     csub = c.add_subparsers(dest="control_command", metavar="ACTION")
 
@@ -88,30 +70,6 @@ def _settings(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from bridge.stack.up import client_settings
 
     return client_settings(getattr(args, "nats", None))
-
-
-# ---------------------------------------------------------------- gate
-
-
-def gate_settings(args: argparse.Namespace):  # type: ignore[no-untyped-def]
-    """The gate's Settings and GateConfig, every flag through the one resolver (flag > environment
-    > settings file > default), each checked first: a bad one is a SettingError (exit 2)."""
-    from bridge.commands.mapping import policy_from_args
-    from bridge.commands.services import flag_values, settings_from_args
-    from bridge.services.gate import GateConfig
-
-    settings = settings_from_args(args, "gate")
-    return settings, GateConfig.from_env(policy=policy_from_args(args, settings), flags=flag_values(args))
-
-
-def cmd_gate(args: argparse.Namespace) -> int:
-    from bridge.commands.services import run_service
-    from bridge.runtime import configure_logging
-    from bridge.services.gate import Gate
-
-    settings, config = gate_settings(args)
-    configure_logging(settings.log_format, settings.log_level, component="gate", replica=settings.instance)
-    return run_service(Gate(settings, config).run())
 
 
 # ---------------------------------------------------------------- sending commands

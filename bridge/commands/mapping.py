@@ -42,13 +42,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.set_defaults(func=cmd_schemas)
 
 
-def add_capture_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--capture",
-        default=None,
-        choices=["none", "metadata", "redacted", "full"],
-        help="capture ceiling: no event carries more (default: AEP_BRIDGE_CAPTURE, or unset: metadata with attention at redacted)",
-    )
+def add_capture_args(p: argparse.ArgumentParser, ceiling: bool = True) -> None:
+    """--capture (with ``ceiling``; a service's comes from the settings table) and --capture-override."""
+    if ceiling:
+        p.add_argument(
+            "--capture",
+            default=None,
+            choices=["none", "metadata", "redacted", "full"],
+            help="capture ceiling: no event carries more (default: AEP_BRIDGE_CAPTURE, or unset: metadata with attention at redacted)",
+        )
     p.add_argument(
         "--capture-override",
         action="append",

@@ -1,62 +1,60 @@
-"""`aep-bridge mapper`, `pairing`, `exporter` and `relay`: the long-running services (the gate: bridge/commands/control.py)."""
+"""`aep-bridge mapper`, `pairing`, `gate`, `exporter` and `relay`: the five long-running services,
+one path for all (`cmd_service`).
+
+A command's flags are the settings its role reads that have one (bridge/config.py FIELDS'
+``flag``: `add_setting_flags`) plus its own few (`COMMANDS`: ``arguments``). `cmd_service`
+resolves the settings (flag > environment > settings file > default, every one the role reads
+checked: a bad one is a SettingError, exit 2), builds the service (``build``: a
+`bridge.runtime.Service`; a setting it cannot use is a SettingError too) and runs it
+(`bridge.runtime.run_service`: the log lines, the event loop, `serve`, the exit code)."""
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import sys
+from dataclasses import dataclass
+from typing import Any, Callable
+
+#: the metavar of a setting's flag, by the field's type (a choice shows its choices)
+METAVAR = {"int": "N", "float": "N", "listen": "HOST:PORT", "path": "FILE", "list": "A,B"}
 
 
-def _common(p: argparse.ArgumentParser, default_port: int) -> None:
-    p.add_argument("--nats", default=None, metavar="URL", help="NATS server URL(s), comma-separated (default: AEP_BRIDGE_NATS_URL)")
-    p.add_argument("--partitions", type=int, default=None, help="partitions of BRIDGE_MAPPED (default: AEP_BRIDGE_PARTITIONS or 8)")
-    p.add_argument("--metrics-port", type=int, default=None, help=f"HTTP port for /metrics, /healthz, /readyz (default: AEP_BRIDGE_METRICS_PORT or {default_port})")
-    p.add_argument("--log-format", choices=["json", "console"], default=None, help="log format (default: AEP_BRIDGE_LOG_FORMAT or json)")
+@dataclass(frozen=True)
+class Command:
+    help: str
+    build: Callable[[argparse.Namespace, Any], Any]  # (args, Settings) -> the Service
+    arguments: Callable[[argparse.ArgumentParser], None] = lambda p: None  # its own flags, beyond the settings'
+    description: str | None = None
+
+
+def add_setting_flags(p: argparse.ArgumentParser, role: str) -> None:
+    """A flag for every setting ``role`` reads that has one (FIELDS' ``flag``), with the table's
+    help; its value is checked by the resolver, like the variable's (no type here: one check)."""
+    from bridge.config import fields_for
+
+    for f in fields_for(role):
+        if not f.flag:
+            continue
+        default = f.default({}, role) if callable(f.default) else f.default
+        shown = "" if default is None else f"; default {default:g}" if isinstance(default, float) else f"; default {default}"
+        metavar = "URL" if f.name.endswith("_URL") else METAVAR.get(f.type, "VALUE")
+        kw: dict[str, Any] = {"choices": list(f.choices)} if f.type == "choice" else {"metavar": metavar}
+        p.add_argument(f.flag, default=None, help=f"{f.help} ({f.name}{shown})".replace("%", "%%"), **kw)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from bridge.commands.mapping import add_capture_args
-    from bridge.config import EXPORTER_METRICS_PORT, MAPPER_METRICS_PORT, PAIRING_METRICS_PORT
+    for name, command in COMMANDS.items():
+        p = sub.add_parser(name, help=command.help, description=command.description)
+        add_setting_flags(p, name)
+        command.arguments(p)
+        p.set_defaults(func=cmd_service)
 
-    m = sub.add_parser("mapper", help="run the stateless mapper: HERMES_RAW -> BRIDGE_MAPPED")
-    _common(m, MAPPER_METRICS_PORT)
-    add_capture_args(m)
-    m.add_argument("--batch", type=int, default=256, help="raw messages per fetch (default 256)")
-    m.set_defaults(func=cmd_mapper)
 
-    p = sub.add_parser("pairing", help="run the pairing service: BRIDGE_MAPPED -> AEP_EVENTS")
-    _common(p, PAIRING_METRICS_PORT)
-    p.add_argument("--replica", default=None, help="this replica's name (default: host name + pid)")
-    p.add_argument("--tick-s", type=float, default=None,
-                   help="seconds between ticks (the clock of TTL closure and held follow-ups; AEP_BRIDGE_TICK_S, default 15)")
-    p.set_defaults(func=cmd_pairing)
+def cmd_service(args: argparse.Namespace) -> int:
+    """Every service command: its settings, its service, its run."""
+    from bridge.runtime import run_service
 
-    e = sub.add_parser(
-        "exporter",
-        help="run the exporter: AEP_EVENTS -> Kafka / OTLP/HTTP sinks in AEP-0005 forms",
-        description="One durable consumer on AEP_EVENTS per sink. A sink is a URL "
-        "(kafka://HOST:PORT/TOPIC?format=cloudevents|otlp|ocsf&max_capture=metadata&mode=structured|binary&filter=JSON, "
-        "otlp+http://HOST:PORT/v1/logs) or an entry of the AEP_BRIDGE_EXPORT_CONFIG file (YAML or JSON, "
-        "{sinks: [{name, url, format, max_capture, filter, kafka: {librdkafka settings}, headers}]}).",
-    )
-    _common(e, EXPORTER_METRICS_PORT)
-    e.add_argument("--sink", action="append", default=[], metavar="URL", help="a sink (repeatable)")
-    e.add_argument("--config", default=None, metavar="FILE",
-                   help="sinks file, YAML or JSON (default: AEP_BRIDGE_EXPORT_CONFIG)")
-    e.set_defaults(func=cmd_exporter)
-
-    r = sub.add_parser(
-        "relay",
-        help="run the AEP door: AEP-0003 discovery, SSE and WebSocket over AEP_EVENTS",
-        description="Serve AEP_EVENTS to any AEP consumer: GET /events and /.well-known/aep (discovery), "
-        "GET /stream (SSE), /socket (WebSocket), /healthz, /metrics. Settings: AEP_BRIDGE_RELAY_LISTEN "
-        "(default 127.0.0.1:8787), AEP_BRIDGE_RELAY_TOKEN, AEP_BRIDGE_RELAY_TOKENS_FILE, "
-        "AEP_BRIDGE_RELAY_TLS_CERT/_KEY, AEP_BRIDGE_RELAY_REPLAY_BUFFER (see bridge/services/relay/config.py).",
-    )
-    r.add_argument("--nats", default=None, metavar="URL", help="NATS server URL(s) (default: AEP_BRIDGE_NATS_URL)")
-    r.add_argument("--listen", default=None, metavar="HOST:PORT", help="overrides AEP_BRIDGE_RELAY_LISTEN")
-    r.add_argument("--log-format", choices=["json", "console"], default=None)
-    r.set_defaults(func=cmd_relay)
+    settings = settings_from_args(args, args.command)
+    return run_service(COMMANDS[args.command].build(args, settings))
 
 
 def flag_values(args: argparse.Namespace) -> dict[str, object]:
@@ -76,43 +74,60 @@ def settings_from_args(args: argparse.Namespace, role: str | None = None):  # ty
     return role_settings(role, flags=flags) if role else Settings.from_env(flags=flags)
 
 
-def run_service(coro, fast_loop: bool = False) -> int:  # type: ignore[no-untyped-def]
-    """Run a service to its exit code; ``fast_loop``: on uvloop when installed (mapper, pairing)."""
-    from bridge.config import SettingError
-    from bridge.runtime.lifecycle import event_loop_factory
-
-    try:
-        with asyncio.Runner(loop_factory=event_loop_factory() if fast_loop else None) as runner:
-            return runner.run(coro)
-    except KeyboardInterrupt:
-        return 0
-    except SettingError as exc:  # e.g. a port taken: exit 2, which `aep-bridge up` does not restart
-        print(f"aep-bridge: {exc}", file=sys.stderr)
-        return 2
-    except Exception as exc:  # a clear last line for operators; details are in the logs
-        print(f"aep-bridge: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
+# ---------------------------------------------------------------- each service's own part
 
 
-def cmd_mapper(args: argparse.Namespace) -> int:
+def _capture_override(p: argparse.ArgumentParser) -> None:
+    from bridge.commands.mapping import add_capture_args
+
+    add_capture_args(p, ceiling=False)  # --capture: a setting (AEP_BRIDGE_CAPTURE)
+
+
+def _mapper_arguments(p: argparse.ArgumentParser) -> None:
+    _capture_override(p)
+    p.add_argument("--batch", type=int, default=256, help="raw messages per fetch (default 256)")
+
+
+def build_mapper(args: argparse.Namespace, settings: Any) -> Any:
     from bridge.commands.mapping import policy_from_args
-    from bridge.runtime import configure_logging
     from bridge.services.mapper import Mapper
 
-    settings = settings_from_args(args, "mapper")
-    configure_logging(settings.log_format, settings.log_level, component="mapper", replica=settings.instance)
-    policy = policy_from_args(args, settings)
-    return run_service(Mapper(settings, policy, batch=args.batch).run(), fast_loop=True)
+    return Mapper(settings, policy_from_args(args, settings), batch=args.batch)
 
 
-def cmd_pairing(args: argparse.Namespace) -> int:
-    from bridge.runtime import configure_logging
+def _pairing_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--replica", default=None, help="this replica's name (default: host name + pid)")
+
+
+def build_pairing(args: argparse.Namespace, settings: Any) -> Any:
     from bridge.services.pairing import PairingService
 
-    settings = settings_from_args(args, "pairing")  # --tick-s included
-    service = PairingService(settings, replica=args.replica)
-    configure_logging(settings.log_format, settings.log_level, component="pairing", replica=service.replica)
-    return run_service(service.run(), fast_loop=True)
+    return PairingService(settings, replica=args.replica)
+
+
+def gate_config(args: argparse.Namespace, settings: Any) -> Any:
+    """The gate's GateConfig, every flag through the one resolver (flag > environment > settings
+    file > default), each checked: a bad one is a SettingError (exit 2)."""
+    from bridge.commands.mapping import policy_from_args
+    from bridge.services.gate import GateConfig
+
+    return GateConfig.from_env(policy=policy_from_args(args, settings), flags=flag_values(args))
+
+
+def gate_settings(args: argparse.Namespace) -> tuple[Any, Any]:
+    """The gate's Settings and GateConfig, as `aep-bridge gate` resolves them."""
+    settings = settings_from_args(args, "gate")
+    return settings, gate_config(args, settings)
+
+
+def build_gate(args: argparse.Namespace, settings: Any) -> Any:
+    from bridge.services.gate import Gate
+
+    return Gate(settings, gate_config(args, settings))
+
+
+def _exporter_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--sink", action="append", default=[], metavar="URL", help="a sink (repeatable)")
 
 
 def exporter_sinks(args: argparse.Namespace, environ: dict[str, str] | None = None) -> list:  # type: ignore[type-arg]
@@ -126,44 +141,64 @@ def exporter_sinks(args: argparse.Namespace, environ: dict[str, str] | None = No
     return load_sinks(args.sink, path, environ=layers.merged)
 
 
-def cmd_exporter(args: argparse.Namespace) -> int:
-    from bridge.core.sinks import SinkConfigError
-    from bridge.runtime import configure_logging
-    from bridge.services.exporter import ClientMissing, Exporter, require_clients
-
+def build_exporter(args: argparse.Namespace, settings: Any) -> Any:
+    """The exporter of its sinks; a sink that cannot work (a bad URL or file, no sinks, a client
+    library missing) is a SettingError: one line, exit 2."""
     from ruamel.yaml import YAMLError
 
-    settings = settings_from_args(args, "exporter")
+    from bridge.config import SettingError
+    from bridge.core.sinks import SinkConfigError
+    from bridge.services.exporter import ClientMissing, Exporter, require_clients
+
     try:
         sinks = exporter_sinks(args)
     except (SinkConfigError, OSError, ValueError) as exc:
-        print(f"aep-bridge exporter: {exc}", file=sys.stderr)
-        return 2
+        raise SettingError(str(exc)) from None
     except YAMLError as exc:  # the parser's message names the file, the line and the column
-        print(f"aep-bridge exporter: the sinks file is not valid YAML or JSON: {' '.join(str(exc).split())}",
-              file=sys.stderr)
-        return 2
+        raise SettingError(f"the sinks file is not valid YAML or JSON: {' '.join(str(exc).split())}") from None
     if not sinks:
-        print("aep-bridge exporter: no sinks: give --sink URL or AEP_BRIDGE_EXPORT_CONFIG", file=sys.stderr)
-        return 2
+        raise SettingError("no sinks: give --sink URL or AEP_BRIDGE_EXPORT_CONFIG")
     try:
         require_clients(sinks)
     except ClientMissing as exc:
-        print(f"aep-bridge exporter: {exc}", file=sys.stderr)
-        return 2
-    configure_logging(settings.log_format, settings.log_level, component="exporter", replica=settings.instance)
-    return run_service(Exporter(settings, sinks).run())
+        raise SettingError(str(exc)) from None
+    return Exporter(settings, sinks)
 
 
-def cmd_relay(args: argparse.Namespace) -> int:
-    from bridge.runtime import configure_logging
-    from bridge.services.relay import RelayConfigError, from_env, run_relay
+def build_relay(args: argparse.Namespace, settings: Any) -> Any:
+    """The relay of its settings (RelayConfigError is a SettingError: exit 2); a tokens file that
+    cannot be read, too."""
+    from bridge.config import SettingError
+    from bridge.services.relay import RelayService, from_env
 
-    settings = settings_from_args(args, "relay")
     try:
         cfg = from_env(flags=flag_values(args))
-    except (RelayConfigError, OSError) as exc:
-        print(f"aep-bridge relay: {exc}", file=sys.stderr)
-        return 2
-    configure_logging(settings.log_format, settings.log_level, component="relay", replica=settings.instance)
-    return run_service(run_relay(settings, cfg))
+    except OSError as exc:
+        raise SettingError(str(exc)) from None
+    return RelayService(settings, cfg)
+
+
+COMMANDS: dict[str, Command] = {
+    "mapper": Command("run the stateless mapper: HERMES_RAW -> BRIDGE_MAPPED", build_mapper, _mapper_arguments),
+    "pairing": Command("run the pairing service: BRIDGE_MAPPED -> AEP_EVENTS", build_pairing, _pairing_arguments),
+    "gate": Command(
+        "run the opt-in control plane: the operator-deny gate and steering (AEP_HERMES_CONTROL, AEP_INSTRUCT)",
+        build_gate, _capture_override,
+        "Open a card for every pre_tool_call the shim holds, take control.attention.respond and "
+        "x.hermes.control.instruct commands from AEP_EVENTS, answer the shim's holds and instruction "
+        "pulls, and audit every step on AEP_EVENTS. What it accepts follows AEP_HERMES_CONTROL=1 and "
+        "AEP_INSTRUCT=1; with neither it declares control.accepts [] and rejects every command. "
+        "/healthz carries the hello document."),
+    "exporter": Command(
+        "run the exporter: AEP_EVENTS -> Kafka / OTLP/HTTP sinks in AEP-0005 forms", build_exporter, _exporter_arguments,
+        "One durable consumer on AEP_EVENTS per sink. A sink is a URL "
+        "(kafka://HOST:PORT/TOPIC?format=cloudevents|otlp|ocsf&max_capture=metadata&mode=structured|binary&filter=JSON, "
+        "otlp+http://HOST:PORT/v1/logs) or an entry of the AEP_BRIDGE_EXPORT_CONFIG file (YAML or JSON, "
+        "{sinks: [{name, url, format, max_capture, filter, kafka: {librdkafka settings}, headers}]})."),
+    "relay": Command(
+        "run the AEP door: AEP-0003 discovery, SSE and WebSocket over AEP_EVENTS", build_relay,
+        description="Serve AEP_EVENTS to any AEP consumer: GET /events and /.well-known/aep (discovery), "
+        "GET /stream (SSE), /socket (WebSocket), /healthz, /metrics. Settings: AEP_BRIDGE_RELAY_LISTEN "
+        "(default 127.0.0.1:8787), AEP_BRIDGE_RELAY_TOKEN, AEP_BRIDGE_RELAY_TOKENS_FILE, "
+        "AEP_BRIDGE_RELAY_TLS_CERT/_KEY, AEP_BRIDGE_RELAY_REPLAY_BUFFER (see bridge/services/relay/config.py)."),
+}

@@ -1,7 +1,12 @@
-"""What every long-running service shares, behind this one public module (services import
-nothing else of the package; a contract in pyproject.toml checks it).
+"""What every long-running service shares, behind this one public module: the services' one
+doorway to the rest of the bridge (they import this module, the pure core and their own
+package, nothing else of the bridge: two contracts in pyproject.toml check it).
 
-* `serve` (lifecycle): a service's whole life, the same for every one: SIGTERM/SIGINT, the
+* `Service` (lifecycle): the one shape of the five services (name, settings, health, metrics
+  registry, stopper, connection, grace, `start` -> loops, `stop`, what its start and stop log
+  lines carry); `run_service(service)`: a service command's process (logging, the event loop,
+  uvloop for the mapper and pairing, the exit code: 2 for a setting that cannot work).
+* `serve(service)` (lifecycle): a service's whole life, the same for every one: SIGTERM/SIGINT, the
   metrics/health port, the allocation profiler, start and the cleanup after a failed start,
   the loops, the NATS connection watched (closed for good, or its credentials refused while
   reconnecting: `/healthz` 503, exit 1, so a supervisor, Kubernetes or `aep-bridge up`,
@@ -21,14 +26,35 @@ nothing else of the package; a contract in pyproject.toml checks it).
   tools, approvals, runs), counted from the events pairing publishes.
 * Allocation profiling (profiling, opt-in, `AEP_BRIDGE_TRACEMALLOC=<dir>`), started and
   stopped by `serve`; `rss_kb`.
+* The doorway to what lies below: the settings (bridge/config.py: `Settings`, `SettingError`,
+  `role_values`, `load_price_table`) and NATS (bridge/nats/: the modules `streams`,
+  `subjects`, `follow`, and the names the services use of the others), re-exported as they
+  are, so a service names only this module.
 """
 
 from bridge.runtime.activity import ActivityMetrics
 from bridge.runtime.health import Health
 from bridge.runtime.labels import OTHER, BoundedLabel, observe_many
-from bridge.runtime.lifecycle import Linger, Loop, Stopper, close_connection, metrics_port, serve
+from bridge.runtime.lifecycle import Linger, Loop, Service, Stopper, close_connection, metrics_port, run_service, serve
 from bridge.runtime.logs import configure_logging
 from bridge.runtime.profiling import rss_kb
 
-__all__ = ["OTHER", "ActivityMetrics", "BoundedLabel", "Health", "Linger", "Loop", "Stopper", "close_connection", "configure_logging", "observe_many",
-           "metrics_port", "rss_kb", "serve"]
+# ---- the doorway: settings and NATS, re-exported for the services
+from bridge.config import Settings, SettingError, load_price_table, role_values
+from bridge.nats import follow, streams, subjects
+from bridge.nats.bootstrap import configured_replicas, ensure_stream
+from bridge.nats.connection import UNANSWERED, connect_service, ordered_subscribe, outage, server_list, until_answered
+from bridge.nats.lanes import WRONG_LAST_SEQUENCE, KvLanes, PinnedLane, epoch_of, lane_fact_key
+from bridge.nats.lookup import DEFAULT_MARGIN_NS, SCAN_BUDGET, SERVER_MARGIN_NS, find_msg_id, msg_ids_on, stored_ns
+from bridge.nats.publish import AckPublisher
+from bridge.nats.pull import Puller
+
+__all__ = ["OTHER", "ActivityMetrics", "BoundedLabel", "Health", "Linger", "Loop", "Service", "Stopper", "close_connection",
+           "configure_logging", "observe_many", "metrics_port", "rss_kb", "run_service", "serve",
+           # the doorway
+           "Settings", "SettingError", "load_price_table", "role_values",
+           "follow", "streams", "subjects", "configured_replicas", "ensure_stream",
+           "UNANSWERED", "connect_service", "ordered_subscribe", "outage", "server_list", "until_answered",
+           "WRONG_LAST_SEQUENCE", "KvLanes", "PinnedLane", "epoch_of", "lane_fact_key",
+           "DEFAULT_MARGIN_NS", "SCAN_BUDGET", "SERVER_MARGIN_NS", "find_msg_id", "msg_ids_on", "stored_ns",
+           "AckPublisher", "Puller"]

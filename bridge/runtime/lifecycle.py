@@ -1,20 +1,23 @@
-"""A service's life, the same for every one (`serve`): signals, the HTTP port, the allocation
-profiler, start (and the cleanup after a failed one), its loops, its NATS connection watched,
-the stop (loops given a grace, then cancelled), the connection closed, the exit code."""
+"""A service's life, the same for every one: the `Service` shape the five services share, and
+`serve` (signals, the HTTP port, the allocation profiler, start and the cleanup after a failed
+one, its loops, its NATS connection watched, the stop: loops given a grace, then cancelled,
+the connection closed, the exit code); `run_service`, a service command's process around it."""
 
 from __future__ import annotations
 
 import asyncio
 import signal
+import sys
 import time
 from typing import Any, Awaitable, Callable, Coroutine, Iterable, Mapping
 
 import structlog
 from prometheus_client import CollectorRegistry
 
-from bridge.config import Settings, SettingError
+from bridge.config import ROLE_METRICS_PORT, Settings, SettingError
 from bridge.nats.connection import CONNECT_WAITING
 from bridge.runtime.health import Health, HttpServer
+from bridge.runtime.logs import configure_logging
 from bridge.runtime.profiling import start_allocation_profiler, stop_allocation_profiler
 
 #: what a service runs until it stops: coroutines that return once `Stopper.stopping`
@@ -184,69 +187,135 @@ def metrics_port(settings: Settings, default_port: int, port: int | None = None)
     return default_port if settings.metrics_port is None else settings.metrics_port
 
 
-async def serve(
-    name: str,
-    settings: Settings,
-    start: Callable[[], Awaitable[Iterable[Loop]]],
-    *,
-    health: Health,
-    stopper: Stopper,
-    connection: Callable[[], Any],
-    stop: Callable[[], Awaitable[None]] | None = None,
-    registry: CollectorRegistry | None = None,
-    default_port: int | None = None,
-    port: int | None = None,
-    grace_s: float = 10.0,
-    starting: Mapping[str, Any] | None = None,
-    stopping: Callable[[], Mapping[str, Any]] | None = None,
-) -> int:
+class Service:
+    """The one shape of the five services (mapper, pairing, gate, relay, exporter): what `serve`
+    runs. A service sets ``settings``, ``health``, ``stopper`` and ``registry`` (its /metrics)
+    when it is made, ``nc`` (its connection) when it connects, and its class says:
+
+    * ``name``: its role (the logger, the log lines ``<name>_starting`` / ``_stopping``, the
+      metrics port's default: `default_port`);
+    * ``grace_s``: how long its loops get to finish what they hold once it is asked to stop;
+    * ``fast_loop``: run on uvloop when installed (the mapper and pairing: issue 24).
+
+    It implements `start` (connect, bind: its loops) and, when it has any, `stop` (its own
+    cleanup, on a connection still open), `starting` / `stopping` (what those log lines carry),
+    `connection` (when it is not ``nc``). Nothing else of its life is its own: signals, the
+    HTTP port, the profiler, the connection watched and closed, the exit code are `serve`'s."""
+
+    name: str = "service"
+    grace_s: float = 10.0
+    fast_loop: bool = False
+    settings: Settings
+    health: Health
+    stopper: Stopper
+    registry: CollectorRegistry | None = None
+    nc: Any = None
+    #: the name its log lines carry as ``replica`` ("": the instance, AEP_BRIDGE_INSTANCE)
+    replica: str = ""
+
+    @property
+    def default_port(self) -> int | None:
+        """The port of its /metrics, /healthz and /readyz unless AEP_BRIDGE_METRICS_PORT says
+        another (bridge/config.py ROLE_METRICS_PORT); None: it serves no such port of the
+        runtime's (the relay answers them on its own, beside the AEP bindings)."""
+        return ROLE_METRICS_PORT.get(self.name)
+
+    async def start(self) -> list[Loop]:
+        """Connect and bind; the loops to run until the stopper is set."""
+        raise NotImplementedError
+
+    async def stop(self) -> None:
+        """Its own cleanup after the loops ended, before the connection is closed."""
+
+    def starting(self) -> Mapping[str, Any]:
+        return {}
+
+    def stopping(self) -> Mapping[str, Any]:
+        return {}
+
+    def connection(self) -> Any:
+        """Its NATS connection, whatever it is by now (None before it connected)."""
+        return self.nc
+
+    async def close(self) -> None:
+        """Flush and close its connection: for a caller that drives its steps by hand (tests,
+        benchmarks); `serve` does it after every run."""
+        await close_connection(self.connection())
+
+
+async def serve(service: Service, *, port: int | None = None) -> int:
     """Run one service; its exit code: 0 after a requested stop (SIGTERM, SIGINT,
     `stopper.trigger`), 1 after a failure (`stopper.fail`: the NATS connection closed for good
     or its credentials refused, a loop that raised or ended on its own). A failed start raises.
 
-    In order: signals go to ``stopper``; the HTTP port (`/metrics` of ``registry``, `/healthz`,
-    `/readyz` of ``health``) listens when ``default_port`` is given (see `metrics_port`); the
-    allocation profiler starts (opt-in, `AEP_BRIDGE_TRACEMALLOC`); ``<name>_starting`` is logged
-    (with ``metrics_port`` and ``starting``); ``start()`` connects and binds and returns the
-    loops. If it raises: ``<name>_start_failed``, the connection (``connection()``, whatever it
-    is by then) is closed, the port and the profiler stopped, and the exception propagates.
-    Else the loops run, and ``connection()`` is watched, until the stopper is set or a loop
-    ends; then ``<name>_stopping`` (signal, failed, ``stopping()``), the loops get ``grace_s``
-    to finish what they hold and the rest are cancelled, ``stop()`` (the service's own cleanup,
-    on an open connection), the connection is flushed and closed, the port and the profiler
-    stopped."""
+    In order: signals go to its stopper; the HTTP port (`/metrics` of its registry, `/healthz`,
+    `/readyz` of its health) listens when it has a `default_port` (``port`` when given, e.g. 0
+    in tests; see `metrics_port`); the allocation profiler starts (opt-in,
+    `AEP_BRIDGE_TRACEMALLOC`); ``<name>_starting`` is logged (with ``metrics_port`` and
+    `starting`); `start` connects and binds and returns the loops. If it raises:
+    ``<name>_start_failed``, the connection (`connection`, whatever it is by then) is closed, the
+    port and the profiler stopped, and the exception propagates. Else the loops run, and the
+    connection is watched, until the stopper is set or a loop ends; then ``<name>_stopping``
+    (signal, failed, `stopping`), the loops get ``grace_s`` to finish what they hold and the
+    rest are cancelled, `stop` (the service's own cleanup, on an open connection), the
+    connection is flushed and closed, the port and the profiler stopped."""
+    name, settings, health, stopper = service.name, service.settings, service.health, service.stopper
     log = structlog.get_logger(f"aep_bridge.{name}")
     stopper.install()
     http: HttpServer | None = None
     try:
+        default_port = service.default_port
         if default_port is not None:
             bound = metrics_port(settings, default_port, port)
             try:
-                http = HttpServer(health, registry or CollectorRegistry(), host=settings.metrics_host, port=bound).start()
+                http = HttpServer(health, service.registry or CollectorRegistry(), host=settings.metrics_host,
+                                  port=bound).start()
             except OSError as exc:  # taken, or not an address here: a setting, exit 2 (no restart loop)
                 raise SettingError(f"AEP_BRIDGE_METRICS_PORT (--metrics-port): cannot listen on "
                                    f"{settings.metrics_host}:{bound}: {exc.strerror or exc}") from None
         start_allocation_profiler(name, health)
-        log.info(f"{name}_starting", **({"metrics_port": http.port} if http else {}), **(starting or {}))
+        log.info(f"{name}_starting", **({"metrics_port": http.port} if http else {}), **service.starting())
         try:
-            loops = await _start(name, start, health, stopper, log)
+            loops = await _start(service.start, health, stopper, log)
         except BaseException as exc:
             if isinstance(exc, Exception):
                 log.error(f"{name}_start_failed", error=f"{type(exc).__name__}: {exc}")
-            await close_connection(connection())
+            await close_connection(service.connection())
             raise
         if loops is None:  # stopped while starting (e.g. SIGTERM while NATS does not answer)
             log.info(f"{name}_stopping", signal=stopper.signal, failed=stopper.failed, during="start")
-            await close_connection(connection())
+            await close_connection(service.connection())
             return stopper.exit_code
-        return await _run(name, loops, connection(), health, stopper, stop, grace_s, stopping, log)
+        return await _run(service, loops, log)
     finally:
         if http is not None:
             http.stop()
         stop_allocation_profiler()
 
 
-async def _start(name: str, start: Callable[[], Awaitable[Iterable[Loop]]], health: Health, stopper: Stopper,
+def run_service(service: Service, *, port: int | None = None) -> int:
+    """A service command's whole run, the same for the five: its log lines (component: its
+    name, replica: its `replica`, else the instance), its event loop (uvloop for a
+    ``fast_loop`` service, when installed), `serve`, and the exit code: 0 / 1 as `serve`
+    says (0 on Ctrl-C), 2 for a setting that cannot work (e.g. its port taken: `aep-bridge up`
+    does not restart it), 1 with one line for anything else (the details are in its log)."""
+    settings = service.settings
+    configure_logging(settings.log_format, settings.log_level, component=service.name,
+                      replica=service.replica or settings.instance)
+    try:
+        with asyncio.Runner(loop_factory=event_loop_factory() if service.fast_loop else None) as runner:
+            return runner.run(serve(service, port=port))
+    except KeyboardInterrupt:
+        return 0
+    except SettingError as exc:
+        print(f"aep-bridge: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:  # a clear last line for operators
+        print(f"aep-bridge: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+
+
+async def _start(start: Callable[[], Awaitable[Iterable[Loop]]], health: Health, stopper: Stopper,
                  log: Any) -> list[Loop] | None:
     """``start()``'s loops, or None when the stopper is set first (start is cancelled: a signal is
     obeyed at once, also while connecting). Each failed attempt to connect is logged
@@ -278,9 +347,8 @@ async def _start(name: str, start: Callable[[], Awaitable[Iterable[Loop]]], heal
     return list(task.result())
 
 
-async def _run(name: str, loops: list[Loop], nc: Any, health: Health, stopper: Stopper,
-               stop: Callable[[], Awaitable[None]] | None, grace_s: float,
-               stopping: Callable[[], Mapping[str, Any]] | None, log: Any) -> int:
+async def _run(service: Service, loops: list[Loop], log: Any) -> int:
+    name, health, stopper, nc = service.name, service.health, service.stopper, service.connection()
     tasks = {asyncio.ensure_future(loop): getattr(loop, "__qualname__", "loop") for loop in loops}
     if nc is not None:
         health.connection = nc
@@ -300,23 +368,22 @@ async def _run(name: str, loops: list[Loop], nc: Any, health: Health, stopper: S
                 health.failed = why
                 stopper.fail(why)
     finally:
-        log.info(f"{name}_stopping", signal=stopper.signal, failed=stopper.failed, **(stopping() if stopping else {}))
+        log.info(f"{name}_stopping", signal=stopper.signal, failed=stopper.failed, **service.stopping())
         if not stopper.stopping:  # cancelled from outside
             stopper.trigger("stopping")
         stopped.cancel()
         pending = [t for t in tasks if not t.done()]
         if pending:
-            _, late = await asyncio.wait(pending, timeout=grace_s)
+            _, late = await asyncio.wait(pending, timeout=service.grace_s)
             for task in late:
                 task.cancel()
             await asyncio.gather(*late, return_exceptions=True)
         for task in tasks:  # retrieved, so none is reported as "never retrieved"
             if task.done() and not task.cancelled():
                 task.exception()
-        if stop is not None:
-            try:
-                await stop()
-            except Exception as exc:  # the connection is still closed below
-                log.error(f"{name}_stop_failed", error=f"{type(exc).__name__}: {exc}")
+        try:
+            await service.stop()
+        except Exception as exc:  # the connection is still closed below
+            log.error(f"{name}_stop_failed", error=f"{type(exc).__name__}: {exc}")
         await close_connection(nc)
     return stopper.exit_code

@@ -92,7 +92,6 @@ from nats.js.api import DeliverPolicy
 import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from bridge.config import MAPPER_METRICS_PORT, Settings, load_price_table
 from bridge.core import deadletter
 from bridge.core.aep import PAYLOAD_TYPES, encode_event
 from bridge.core.ceiling import CapturePolicy
@@ -101,14 +100,12 @@ from bridge.core.envelope import EnvelopeError, check_raw, decode_raw
 from bridge.core.lanes import UNKNOWN_TOKEN, event_lane_token, lane_candidates, partition_of
 from bridge.core.mapping import HOOKS, INVALID_FIELDS
 from bridge.core.pipeline import map_record, record_from_raw
-from bridge.nats import streams as S
-from bridge.nats import subjects as subj
-from bridge.nats.connection import UNANSWERED, connect_service, outage, server_list, until_answered
-from bridge.nats.lanes import WRONG_LAST_SEQUENCE, KvLanes, PinnedLane, epoch_of, lane_fact_key
-from bridge.nats.lookup import DEFAULT_MARGIN_NS, SERVER_MARGIN_NS, find_msg_id, msg_ids_on, stored_ns
-from bridge.nats.publish import AckPublisher
-from bridge.nats.pull import Puller
-from bridge.runtime import OTHER, BoundedLabel, Health, Linger, Loop, Stopper, close_connection, observe_many, serve
+from bridge.runtime import (DEFAULT_MARGIN_NS, OTHER, SERVER_MARGIN_NS, UNANSWERED, WRONG_LAST_SEQUENCE, AckPublisher,
+                            BoundedLabel, Health, KvLanes, Linger, Loop, PinnedLane, Puller, Service, Settings, Stopper,
+                            connect_service, epoch_of, find_msg_id, lane_fact_key, load_price_table, msg_ids_on,
+                            observe_many, outage, server_list, stored_ns, until_answered)
+from bridge.runtime import streams as S
+from bridge.runtime import subjects as subj
 
 log = structlog.get_logger("aep_bridge.mapper")
 
@@ -299,7 +296,11 @@ class Held(NamedTuple):
     msg: Any = None
 
 
-class Mapper:
+class Mapper(Service):
+    name = "mapper"
+    grace_s = 20.0
+    fast_loop = True  # uvloop (issue 24)
+
     def __init__(self, settings: Settings, policy: CapturePolicy, registry: CollectorRegistry | None = None,
                  batch: int = 256, durable: str = S.MAPPER_DURABLE,
                  before_map: Callable[[bytes], None] | None = None) -> None:
@@ -936,11 +937,8 @@ class Mapper:
             if await self.stopper.sleep(5.0):
                 return
 
-    async def run(self, http_port: int | None = None) -> int:
-        return await serve("mapper", self.settings, self.start, health=self.health, stopper=self.stopper,
-                           connection=lambda: self.nc, registry=self.registry, default_port=MAPPER_METRICS_PORT,
-                           port=http_port, grace_s=20.0, starting={"nats": server_list(self.settings).urls,
-                                                                   "partitions": self.settings.partitions})
+    def starting(self) -> dict[str, Any]:
+        return {"nats": server_list(self.settings).urls, "partitions": self.settings.partitions}
 
     async def start(self) -> list[Loop]:
         await self.connect()
@@ -979,6 +977,3 @@ class Mapper:
             await self.process_batch(msgs)
             # acked already: only the next ones wait (AEP_BRIDGE_LINGER_MS, longer when quiet)
             await self.linger.after(len(msgs), len(msgs) < self.batch_size // 4)
-
-    async def close(self) -> None:
-        await close_connection(self.nc)

@@ -84,21 +84,17 @@ from nats.js.errors import KeyNotFoundError, ObjectNotFoundError
 from nats.js.object_store import ObjectStore
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from bridge.config import PAIRING_METRICS_PORT, Settings
 from bridge.core import deadletter
 from bridge.core.aep import PAYLOAD_TYPES, decode_event, encode_event
 from bridge.core.ceiling import CapturePolicy, configure
 from bridge.core.redaction import Redactor
 from bridge.core.deadletter import KNOWN_REASONS as DLQ_REASONS
 from bridge.core.pairing import SECOND, PairingConfig, PairingInputError, PairingState
-from bridge.nats import follow
-from bridge.nats import streams as S
-from bridge.nats import subjects as subj
-from bridge.nats.connection import UNANSWERED, connect_service, outage, until_answered
-from bridge.nats.lookup import SCAN_BUDGET, SERVER_MARGIN_NS, find_msg_id, stored_ns
-from bridge.nats.publish import AckPublisher
-from bridge.nats.pull import Puller
-from bridge.runtime import ActivityMetrics, BoundedLabel, Health, Loop, Stopper, close_connection, observe_many, serve
+from bridge.runtime import (SCAN_BUDGET, SERVER_MARGIN_NS, UNANSWERED, AckPublisher, ActivityMetrics, BoundedLabel, Health,
+                            Loop, Puller, Service, Settings, Stopper, connect_service, find_msg_id, follow, observe_many,
+                            outage, stored_ns, until_answered)
+from bridge.runtime import streams as S
+from bridge.runtime import subjects as subj
 
 log = structlog.get_logger("aep_bridge.pairing")
 
@@ -322,7 +318,10 @@ class Partition:
     feed: Feed | None = None  # its messages from the replica's reader (made when its loop starts)
 
 
-class PairingService:
+class PairingService(Service):
+    name = "pairing"
+    fast_loop = True  # uvloop (issue 24)
+
     def __init__(self, settings: Settings, replica: str | None = None, registry: CollectorRegistry | None = None,
                  lease_ttl_s: float | None = None, tick_s: float | None = None, policy: CapturePolicy | None = None) -> None:
         self.settings = settings
@@ -1182,12 +1181,11 @@ class PairingService:
             window = None
         self.late_after_ns = int(float(window or S.DUPLICATE_WINDOW_S) * 1e9) // 2
 
-    async def run(self, http_port: int | None = None) -> int:
-        return await serve("pairing", self.settings, self.start, health=self.health, stopper=self.stopper,
-                           connection=lambda: self.nc, stop=self.stop, registry=self.registry,
-                           default_port=PAIRING_METRICS_PORT, port=http_port,
-                           starting={"replica": self.replica, "partitions": self.settings.partitions},
-                           stopping=lambda: {"partitions": sorted(self.partitions)})
+    def starting(self) -> dict[str, Any]:
+        return {"replica": self.replica, "partitions": self.settings.partitions}
+
+    def stopping(self) -> dict[str, Any]:
+        return {"partitions": sorted(self.partitions)}
 
     async def start(self) -> list[Loop]:
         await self.connect()
@@ -1219,6 +1217,3 @@ class PairingService:
                 task.cancel()
         for part in list(self.partitions.values()):
             await self.release(part)
-
-    async def close(self) -> None:
-        await close_connection(self.nc)

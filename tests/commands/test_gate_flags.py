@@ -29,7 +29,7 @@ def test_a_probe_interval_out_of_range_is_refused_at_start(value: str, clean_env
 
 
 def test_the_gate_flags_win_over_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    from bridge.commands.control import gate_settings
+    from bridge.commands.services import gate_settings
 
     monkeypatch.setenv("AEP_BRIDGE_CONFIG", os.devnull)
     monkeypatch.setenv("AEP_GATE_PROBE_MS", "not a number")  # the flag is what counts

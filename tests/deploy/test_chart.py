@@ -35,7 +35,7 @@ import helm_python as helm
 import pytest
 import yaml
 
-from bridge.services.gate import GATE_METRICS_PORT as GATE_PORT
+from bridge.config import GATE_METRICS_PORT as GATE_PORT
 from tests.support.chart import (
     ALL_SERVICES,
     ARCHITECTURE,

@@ -39,12 +39,16 @@ def settings() -> Settings:
     return s
 
 
-class Probe:
-    """A service for `serve`: its connection, what it saw, what it was asked to do."""
+class Probe(lifecycle.Service):
+    """A service for `serve`: its connection, what it saw, what it was asked to do; each test
+    gives its `start`."""
+
+    name = "probe"
+    default_port = 0
 
     def __init__(self, url: str) -> None:
         self.url = url
-        self.nc: Any = None
+        self.settings = settings()
         self.health = Health("probe")
         self.stopper = Stopper()
         self.seen: list[str] = []
@@ -56,9 +60,11 @@ class Probe:
     async def stop(self) -> None:
         self.seen.append(f"stop: connection {'closed' if self.nc.is_closed else 'open'}")
 
-    async def serve(self, start: Any, **kw: Any) -> int:
-        return await serve("probe", settings(), start, health=self.health, stopper=self.stopper,
-                           connection=lambda: self.nc, stop=self.stop, default_port=0, port=self.port, **kw)
+    async def serve(self, start: Any, grace_s: float | None = None) -> int:
+        self.start = start  # type: ignore[method-assign]
+        if grace_s is not None:
+            self.grace_s = grace_s
+        return await serve(self, port=self.port)
 
     async def healthz(self) -> tuple[int, dict]:
         return await asyncio.to_thread(get_json, f"http://127.0.0.1:{self.port}/healthz")
@@ -309,3 +315,38 @@ def test_linger_carries_no_idle_hour_into_a_busy_stream(monkeypatch: pytest.Monk
         clock[0] += 0.02
         busy = pause.seconds(16, small=True)
     assert busy < 0.06, f"{busy:.3f} s: the idle hour still counted"
+
+
+@pytest.mark.parametrize("fast_loop", [True, False])
+def test_run_service_runs_a_fast_loop_service_on_uvloop(fast_loop: bool, fresh_logging: None) -> None:
+    """`run_service`, the one process path of the five commands: uvloop for the mapper and
+    pairing (``fast_loop``), asyncio's loop for the others; exit 0 after a requested stop."""
+    probe = Probe("nats://127.0.0.1:9")  # never connects: its start asks to stop at once
+    probe.fast_loop = fast_loop
+    probe.default_port = None  # type: ignore[assignment]
+
+    async def start() -> list[Loop]:
+        probe.seen.append(type(asyncio.get_running_loop()).__module__)
+        probe.stopper.trigger("test")
+        return []
+
+    probe.start = start  # type: ignore[method-assign]
+    assert lifecycle.run_service(probe) == 0
+    assert probe.seen[0].startswith("uvloop") == fast_loop, probe.seen
+
+
+def test_run_service_exits_2_in_one_line_for_a_setting(fresh_logging: None, capsys: pytest.CaptureFixture[str]) -> None:
+    """A setting the service cannot use (here its start says so; e.g. a port taken) is exit 2,
+    which `aep-bridge up` does not restart, with one line and no traceback."""
+    from bridge.config import SettingError
+
+    probe = Probe("nats://127.0.0.1:9")
+    probe.default_port = None  # type: ignore[assignment]
+
+    async def start() -> list[Loop]:
+        raise SettingError("AEP_BRIDGE_PROBE: cannot (test)")
+
+    probe.start = start  # type: ignore[method-assign]
+    assert lifecycle.run_service(probe) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("{")]
+    assert err == ["aep-bridge: AEP_BRIDGE_PROBE: cannot (test)"], err

@@ -14,6 +14,9 @@ Every module in (or under) ``source_modules`` may import the standard library
 (``sys.stdlib_module_names``) and ``allowed_modules`` (a module and its descendants);
 any other direct import breaks the contract. Needs ``include_external_packages = true``
 (grimp then records each imported top-level package of another distribution).
+``checked_modules`` (optional) narrows what is checked to the imports of those packages:
+``["bridge"]`` says which of the bridge's own modules may be imported and leaves the
+third-party packages free (the services: only the runtime, the core and their own).
 """
 
 from __future__ import annotations
@@ -35,10 +38,12 @@ class AllowedImportsContract(Contract):
 
     source_modules = fields.ListField(subfield=fields.StringField())
     allowed_modules = fields.ListField(subfield=fields.StringField(), required=False, default=[])
+    checked_modules = fields.ListField(subfield=fields.StringField(), required=False, default=[])
 
     def check(self, graph: ImportGraph, verbose: bool) -> ContractCheck:
         sources = set(self.source_modules)  # type: ignore[arg-type]
         allowed = set(self.allowed_modules)  # type: ignore[arg-type]
+        checked = set(self.checked_modules)  # type: ignore[arg-type]
         stdlib = set(sys.stdlib_module_names)
         importers = sorted(m for m in graph.modules if _within(m, sources))
         missing = sorted(s for s in sources if s not in graph.modules)
@@ -47,10 +52,13 @@ class AllowedImportsContract(Contract):
             for imported in sorted(graph.find_modules_directly_imported_by(importer)):
                 if imported.split(".")[0] in stdlib or _within(imported, allowed):
                     continue
+                if checked and not _within(imported, checked):
+                    continue
                 details = graph.get_import_details(importer=importer, imported=imported)
                 lines = [f"l.{d['line_number']}" for d in details] or ["?"]
                 violations.append({"importer": importer, "imported": imported, "lines": ", ".join(lines)})
-        output.verbose_print(verbose, f"{len(importers)} modules checked against {sorted(allowed)} + stdlib")
+        output.verbose_print(verbose, f"{len(importers)} modules checked against {sorted(allowed)} + stdlib"
+                                      + (f" (imports of {sorted(checked)} only)" if checked else ""))
         return ContractCheck(kept=not violations and not missing, metadata={"violations": violations, "missing": missing})
 
     def render_broken_contract(self, check: ContractCheck) -> None:

@@ -13,8 +13,8 @@ import sys
 
 from bridge.cli import build_parser
 from bridge.commands.mapping import policy_from_args
-from bridge.commands.services import run_service, settings_from_args
-from bridge.runtime import configure_logging
+from bridge.commands.services import settings_from_args
+from bridge.runtime import run_service
 from bridge.services.mapper import Mapper
 
 
@@ -28,9 +28,8 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     if args.command != "mapper":
         raise SystemExit("usage: python -m tests.support.poisoned_mapper mapper [mapper options]")
-    settings = settings_from_args(args)
-    configure_logging(settings.log_format, settings.log_level, component="mapper", replica=settings.instance)
-    return run_service(Mapper(settings, policy_from_args(args, settings), batch=args.batch, before_map=fail_on_poison).run())
+    settings = settings_from_args(args, "mapper")
+    return run_service(Mapper(settings, policy_from_args(args, settings), batch=args.batch, before_map=fail_on_poison))
 
 
 if __name__ == "__main__":

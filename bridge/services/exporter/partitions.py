@@ -55,7 +55,7 @@ import nats.js.errors
 import structlog
 
 from bridge.core.sinks import PARTITIONS, SinkConfig
-from bridge.nats import streams as S
+from bridge.runtime import streams as S
 from bridge.services.exporter.sinks import make_sink
 
 log = structlog.get_logger("aep_bridge.exporter")

@@ -47,7 +47,6 @@ import structlog
 from nats.js.api import DeliverPolicy
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from bridge.config import EXPORTER_METRICS_PORT, Settings
 from bridge.core import deadletter
 from bridge.core.bridges import BridgeError, project
 from bridge.core.ceiling import LEVELS, CapturePolicy, configure
@@ -55,11 +54,10 @@ from bridge.core.redaction import Redactor
 from bridge.services.exporter.delivery import kafka_record
 from bridge.services.exporter.partitions import PartitionedSink, bind_or_wait
 from bridge.core.sinks import PROJECTION, SinkConfig, check_unique, sink_from_url, sinks_from_document
-from bridge.nats import streams as S
-from bridge.nats.connection import connect_service, server_list
-from bridge.nats.subjects import dlq_subject
 from bridge.services.exporter.sinks import Outcome, make_sink, require_clients
-from bridge.runtime import Health, Loop, Stopper, serve
+from bridge.runtime import Health, Loop, Service, Settings, Stopper, connect_service, server_list
+from bridge.runtime import streams as S
+from bridge.runtime import subjects as subj
 
 log = structlog.get_logger("aep_bridge.exporter")
 
@@ -338,7 +336,7 @@ class SinkWorker:
             log.warning("dead_letter", sink=self.cfg.name, reason=reason, events_seq=seq,
                         error=headers["Bridge-Dlq-Error"][:200])
             try:
-                await self.service.js.publish(dlq_subject(reason), letter.body, headers=headers)
+                await self.service.js.publish(subj.dlq_subject(reason), letter.body, headers=headers)
             except Exception as exc:  # not acked: it comes back and is tried again
                 log.error("dead_letter_failed", sink=self.cfg.name, error=f"{type(exc).__name__}: {exc}")
                 continue
@@ -404,7 +402,10 @@ class SinkWorker:
                 return
 
 
-class Exporter:
+class Exporter(Service):
+    name = "exporter"
+    grace_s = 15.0
+
     def __init__(self, settings: Settings, sinks: list[SinkConfig], registry: CollectorRegistry | None = None) -> None:
         if not sinks:
             raise ValueError("no sinks configured: --sink URL or AEP_BRIDGE_EXPORT_CONFIG")
@@ -439,12 +440,8 @@ class Exporter:
         else:
             self.health.info.pop("sink_errors", None)
 
-    async def run(self, http_port: int | None = None) -> int:
-        return await serve("exporter", self.settings, self.start, health=self.health, stopper=self.stopper,
-                           connection=lambda: self.nc, stop=self.stop, registry=self.registry,
-                           default_port=EXPORTER_METRICS_PORT, port=http_port, grace_s=15.0,
-                           starting={"nats": server_list(self.settings).urls,
-                                     "sinks": [w.cfg.describe() for w in self.workers]})
+    def starting(self) -> dict[str, Any]:
+        return {"nats": server_list(self.settings).urls, "sinks": [w.cfg.describe() for w in self.workers]}
 
     async def start(self) -> list[Loop]:
         require_clients([w.cfg for w in self.workers])

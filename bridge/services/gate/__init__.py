@@ -36,8 +36,7 @@ and KV writes of cards and commands use create / compare-and-set so a second
 replica cannot double-decide, but only the replica that opened a card sweeps it.
 """
 
-from bridge.config import GATE_METRICS_PORT
 from bridge.services.gate.config import GateConfig
 from bridge.services.gate.service import Gate
 
-__all__ = ["GATE_METRICS_PORT", "Gate", "GateConfig"]
+__all__ = ["Gate", "GateConfig"]

@@ -13,7 +13,6 @@ import structlog
 from nats.js.errors import KeyDeletedError, KeyNotFoundError
 from prometheus_client import CollectorRegistry
 
-from bridge.config import Settings
 from bridge.core.aep import Event, decode_event, encode_event
 from bridge.core.control import (
     GATE_SLOT,
@@ -30,16 +29,17 @@ from bridge.core.control import (
     next_seq,
     restamp,
 )
-from bridge.nats import subjects as subj
-from bridge.nats.streams import AEP_EVENTS, HERMES_RAW
+from bridge.runtime import Health, Service, Settings, Stopper
+from bridge.runtime import streams as S
+from bridge.runtime import subjects as subj
 from bridge.services.gate.config import GateConfig, GateMetrics
-from bridge.runtime import Health, Stopper
 
 log = structlog.get_logger("aep_bridge.gate")
 
 
-class GateBase:
-    """State shared by the gate's parts (connection, buckets, open cards, locks)."""
+class GateBase(Service):
+    """State shared by the gate's parts (connection, buckets, open cards, locks); the gate's
+    side of the `Service` shape (its start and loops: `service.Gate`)."""
 
     def __init__(self, settings: Settings, config: GateConfig | None = None, registry: CollectorRegistry | None = None) -> None:
         self.settings = settings
@@ -90,7 +90,7 @@ class GateBase:
         return int(await bucket.update(key, data, last=revision))
 
     async def raw_last_seq(self) -> int:
-        info = await self.js.stream_info(HERMES_RAW)
+        info = await self.js.stream_info(S.HERMES_RAW)
         return int(info.state.last_seq or 0)
 
     async def alloc(self, token: str, n: int, anchor: int | None = None, slot: int = GATE_SLOT) -> list[int]:
@@ -125,7 +125,7 @@ class GateBase:
             return info
         for etype in ("run.started", "session.started"):
             try:
-                msg = await self.js.get_last_msg(AEP_EVENTS, subj.events_subject(token, etype))
+                msg = await self.js.get_last_msg(S.AEP_EVENTS, subj.events_subject(token, etype))
                 return SessionInfo(source=decode_event(msg.data).source)
             except Exception:
                 continue

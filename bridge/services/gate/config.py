@@ -7,10 +7,9 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from bridge.config import resolve
 from bridge.core.ceiling import CapturePolicy
 from bridge.core.control import ACK_WINDOW_MS, INSTRUCT, RESPOND, accepted_verbs
-from bridge.runtime import BoundedLabel
+from bridge.runtime import BoundedLabel, role_values
 
 RAW_DURABLE = "gate"
 COMMAND_DURABLE = "gate-commands"
@@ -41,7 +40,7 @@ class GateConfig:
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None, policy: CapturePolicy | None = None,
                  flags: dict[str, Any] | None = None) -> "GateConfig":
-        v = {name: value.value for name, value in resolve("gate", environ, flags=flags).items()}  # bridge/config.py FIELDS
+        v = role_values("gate", environ, flags)  # bridge/config.py FIELDS
         senders = v["AEP_CONTROL_SENDERS"]
         return cls(
             control=v["AEP_HERMES_CONTROL"],

@@ -13,7 +13,6 @@ import nats.errors
 import nats.js.errors
 import structlog
 
-from bridge.config import GATE_METRICS_PORT
 from bridge.core import deadletter
 from bridge.core.control import (
     DEFAULT_HOLD_MS,
@@ -27,21 +26,9 @@ from bridge.core.control import (
 from bridge.core.envelope import EnvelopeError, decode_raw
 from bridge.core.lanes import event_lane_token
 from bridge.core.pipeline import map_record, record_from_raw
-from bridge.nats import subjects as subj
-from bridge.nats.bootstrap import configured_replicas, ensure_stream
-from bridge.nats.connection import connect_service
-from bridge.nats.lanes import KvLanes, epoch_of
-from bridge.nats.streams import (
-    AEP_EVENTS,
-    CONTROL_BUCKET,
-    CONTROL_BUCKETS,
-    GATE_COMMAND_CONSUMER,
-    GATE_RAW_CONSUMER,
-    HERMES_RAW,
-    INSTRUCT_BUCKET,
-    LANE_FACTS_BUCKET,
-    LANES_BUCKET,
-)
+from bridge.runtime import KvLanes, Loop, configured_replicas, connect_service, ensure_stream, epoch_of
+from bridge.runtime import streams as S
+from bridge.runtime import subjects as subj
 from bridge.services.gate.commands import Commands
 from bridge.services.gate.config import (
     COMMAND_DURABLE,
@@ -52,7 +39,6 @@ from bridge.services.gate.config import (
     RAW_DURABLE,
     SWEEP_S,
 )
-from bridge.runtime import Loop, close_connection, serve
 
 log = structlog.get_logger("aep_bridge.gate")
 
@@ -62,6 +48,7 @@ UNAVAILABLE = (nats.errors.TimeoutError, nats.errors.NoRespondersError, nats.js.
 
 
 class Gate(Commands):
+    name = "gate"
     """`aep-bridge gate`: held calls, commands and steering, served from NATS."""
 
     async def handle_raw(self, msg: Any) -> None:
@@ -126,11 +113,11 @@ class Gate(Commands):
         detail = f"session of instance {owner[:100]!r}, message from {instance[:100]!r}"
         log.warning("foreign_instance", subject=msg.subject, raw_seq=raw_seq, owner=owner[:100],
                     instance=instance[:100])
-        original = deadletter.Original(HERMES_RAW, raw_seq, msg.subject, msg.data, msg.headers)
+        original = deadletter.Original(S.HERMES_RAW, raw_seq, msg.subject, msg.data, msg.headers)
         letter = deadletter.build("gate", reason, reason, detail, original, self.config.policy)
         with contextlib.suppress(Exception):  # counted and logged whatever happens to the letter
             await self.js.publish(subj.dlq_subject(reason), letter.body,
-                                  headers={**letter.headers, "Nats-Msg-Id": f"dlq:{HERMES_RAW}:gate:{raw_seq}"})
+                                  headers={**letter.headers, "Nats-Msg-Id": f"dlq:{S.HERMES_RAW}:gate:{raw_seq}"})
         return True
 
     async def handle_hello(self, msg: Any) -> None:
@@ -174,7 +161,7 @@ class Gate(Commands):
         should not have been able to: issue 44), create it again and pull from the new one.
         Until it is back the gate is neither ready nor healthy (/healthz 503: its supervisor
         may restart it, which creates both durables too)."""
-        stream, durable = (HERMES_RAW, RAW_DURABLE) if what == "raw" else (AEP_EVENTS, COMMAND_DURABLE)
+        stream, durable = (S.HERMES_RAW, RAW_DURABLE) if what == "raw" else (S.AEP_EVENTS, COMMAND_DURABLE)
         try:
             await self.js.consumer_info(stream, durable)
             return sub  # still there: another failure (an election, a lost server), waited out
@@ -198,10 +185,10 @@ class Gate(Commands):
         return new
 
     async def bind_raw(self) -> Any:
-        return await self.js.pull_subscribe("", durable=RAW_DURABLE, stream=HERMES_RAW, config=GATE_RAW_CONSUMER.config(RAW_DURABLE))
+        return await self.js.pull_subscribe("", durable=RAW_DURABLE, stream=S.HERMES_RAW, config=S.GATE_RAW_CONSUMER.config(RAW_DURABLE))
 
     async def bind_commands(self) -> Any:
-        return await self.js.pull_subscribe("", durable=COMMAND_DURABLE, stream=AEP_EVENTS, config=GATE_COMMAND_CONSUMER.config(COMMAND_DURABLE))
+        return await self.js.pull_subscribe("", durable=COMMAND_DURABLE, stream=S.AEP_EVENTS, config=S.GATE_COMMAND_CONSUMER.config(COMMAND_DURABLE))
 
     async def sweep_loop(self) -> None:
         while not self.stopper.stopping:
@@ -216,17 +203,17 @@ class Gate(Commands):
         self.nc = await connect_service(self.settings, name=f"aep-bridge-gate-{self.settings.instance}", role="gate")
         self.js = self.nc.jetstream()
         replicas = configured_replicas(self.settings)  # AEP_BRIDGE_STREAM_REPLICAS, like `bootstrap`
-        for spec in CONTROL_BUCKETS:  # unset: 1 for new buckets, existing ones keep theirs (never scaled down)
+        for spec in S.CONTROL_BUCKETS:  # unset: 1 for new buckets, existing ones keep theirs (never scaled down)
             await ensure_stream(self.js, spec.config(replicas or 1), keep_more_replicas=replicas is None)
-        self.kv = await self.js.key_value(CONTROL_BUCKET.bucket)
-        self.queues = await self.js.key_value(INSTRUCT_BUCKET.bucket)
+        self.kv = await self.js.key_value(S.CONTROL_BUCKET.bucket)
+        self.queues = await self.js.key_value(S.INSTRUCT_BUCKET.bucket)
         try:  # the sessions' instances, shared with the mapper (o.<lane token>: `foreign_instance`)
-            facts = await self.js.key_value(LANE_FACTS_BUCKET)
+            facts = await self.js.key_value(S.LANE_FACTS_BUCKET)
         except Exception as exc:  # not there (a release before it) or not granted: the gate's own record only
             log.warning("lane_facts_unavailable", error=f"{type(exc).__name__}: {exc}")
             facts = None
-        self.lanes = KvLanes(await self.js.key_value(LANES_BUCKET), facts=facts)
-        info = await self.js.stream_info(HERMES_RAW)
+        self.lanes = KvLanes(await self.js.key_value(S.LANES_BUCKET), facts=facts)
+        info = await self.js.stream_info(S.HERMES_RAW)
         self.epoch = epoch_of(info.created)  # the mapper's rule: the session's events share one epoch
         raw = await self.bind_raw()
         commands = await self.bind_commands()
@@ -253,10 +240,8 @@ class Gate(Commands):
                 await watcher.stop()
         self.metrics.open.set(len(self.cards))
 
-    async def run(self, http_port: int | None = None) -> int:
-        return await serve("gate", self.settings, self.start, health=self.health, stopper=self.stopper,
-                           connection=lambda: self.nc, registry=self.registry, default_port=GATE_METRICS_PORT,
-                           port=http_port, starting={"accepts": self.config.accepts})
+    def starting(self) -> dict[str, Any]:
+        return {"accepts": self.config.accepts}
 
     async def start(self) -> list[Loop]:
         raw, commands = await self.connect()
@@ -264,6 +249,3 @@ class Gate(Commands):
         log.info("gate_ready", accepts=self.config.accepts, epoch=self.epoch, open_cards=len(self.cards))
         return [self.consume(raw, self.handle_raw, "raw"), self.consume(commands, self.handle_command, "commands"),
                 self.sweep_loop()]
-
-    async def close(self) -> None:
-        await close_connection(self.nc)

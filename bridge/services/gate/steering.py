@@ -26,7 +26,7 @@ from bridge.core.control import (
 )
 from bridge.core.identity import source_uri
 from bridge.core.lanes import lane_token
-from bridge.nats.subjects import shim_pull_reply_ok
+from bridge.runtime import subjects as subj
 from bridge.services.gate.base import GateBase
 
 log = structlog.get_logger("aep_bridge.gate")
@@ -58,7 +58,7 @@ class Steering(GateBase):
 
     async def handle_pull(self, msg: Any) -> None:
         """The shim's pre_llm_call: deliver the session's queue, or answer {}."""
-        if not msg.reply or not shim_pull_reply_ok(msg.reply):  # answers go to a shim's inbox only
+        if not msg.reply or not subj.shim_pull_reply_ok(msg.reply):  # answers go to a shim's inbox only
             return
         try:
             body = json.loads(msg.data)

@@ -14,6 +14,6 @@ aiohttp 1,445-1,727 events/s to every client, starlette 1.10 on uvicorn 0.54 1,1
 """
 
 from bridge.services.relay.config import RelayConfig, RelayConfigError, from_env
-from bridge.services.relay.service import Relay, run_relay
+from bridge.services.relay.service import Relay, RelayService
 
-__all__ = ["Relay", "RelayConfig", "RelayConfigError", "from_env", "run_relay"]
+__all__ = ["Relay", "RelayConfig", "RelayConfigError", "RelayService", "from_env"]

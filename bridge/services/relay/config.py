@@ -75,10 +75,9 @@ from pathlib import Path
 from typing import Any, Mapping
 from urllib.parse import unquote
 
-from bridge.config import BY_NAME, DEFAULT_RELAY_LISTEN, SettingError, resolve
 from bridge.core.ceiling import FULL, LEVELS, level_rank
+from bridge.runtime import SettingError, role_values
 
-DEFAULT_LISTEN = DEFAULT_RELAY_LISTEN
 ROLES = ("consumer", "operator", "emitter", "all")
 
 
@@ -236,13 +235,6 @@ class RelayConfig:
         return f"{scheme}://{host}:{self.port}"
 
 
-def parse_listen(value: str) -> tuple[str, int]:
-    try:
-        return BY_NAME["AEP_BRIDGE_RELAY_LISTEN"].parse(value)  # type: ignore[no-any-return]
-    except SettingError as exc:
-        raise RelayConfigError(str(exc)) from None
-
-
 def parse_tokens(doc: Any, where: str) -> list[tuple[bytes, Principal]]:
     entries = doc.get("tokens") if isinstance(doc, dict) else doc
     if not isinstance(entries, list):
@@ -299,7 +291,7 @@ def from_env(environ: Mapping[str, str] | None = None, flags: Mapping[str, Any] 
     """The relay's settings (bridge/config.py FIELDS, role ``relay``): flags (``--listen`` as
     ``{"AEP_BRIDGE_RELAY_LISTEN": ...}``) over the environment over the AEP_BRIDGE_CONFIG file."""
     try:
-        values = {name: v.value for name, v in resolve("relay", environ, flags).items()}
+        values = role_values("relay", environ, flags)
     except SettingError as exc:
         raise RelayConfigError(str(exc)) from None
 

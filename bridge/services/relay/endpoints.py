@@ -20,14 +20,14 @@ from prometheus_client import generate_latest
 
 from bridge.core.attrmatch import InvalidFilter
 from bridge.core.ceiling import level_rank
-from bridge.nats.subjects import ingest_subject
+from bridge.runtime import subjects as subj
 from bridge.services.relay import ingest
 from bridge.services.relay.config import RelayConfig
 from bridge.services.relay.hub import (Exhausted, Item, RefusedFrom, Subscription, intern_filter, parse_from,
                                        parse_last_event_id)
 from bridge.services.relay.shared import MAX_FROM_POSITIONS, VERSIONS
 
-log = structlog.get_logger("relay")
+log = structlog.get_logger("aep_bridge.relay")
 
 DIRECT_BUFFER = 1 << 16  # bytes waiting in a connection's buffer past which SSE writes wait for the client
 
@@ -122,7 +122,7 @@ class HttpEndpoints:
                 return self.refuse(*refusal, line=line)
         new = dup = 0
         for raw, event in checked:
-            ack = await self.js.publish(ingest_subject(ingest.lane_of(event), event["type"]), raw,
+            ack = await self.js.publish(subj.ingest_subject(ingest.lane_of(event), event["type"]), raw,
                                         headers={"Nats-Msg-Id": ingest.msg_id(event)})
             if ack.duplicate:
                 dup += 1

@@ -34,11 +34,11 @@ from bridge.core.attrmatch import Filter, compile_filter
 from bridge.core.ceiling import FULL
 from bridge.core.downlevel import downlevel_fields, event_capture
 from bridge.core.lanes import UNKNOWN, lane_token
-from bridge.nats import streams as S
-from bridge.nats.connection import ordered_subscribe
-from bridge.nats.subjects import INGEST_PREFIX, session_filter
+from bridge.runtime import ordered_subscribe
+from bridge.runtime import streams as S
+from bridge.runtime import subjects as subj
 
-log = structlog.get_logger("relay")
+log = structlog.get_logger("aep_bridge.relay")
 
 _decode = msgspec.json.Decoder().decode
 _encode = msgspec.json.Encoder().encode
@@ -400,7 +400,7 @@ class Hub:
             try:
                 done = not sub.overflowed and sub.idle and sub.direct is not None and sub.direct(sub)
             except Exception as exc:  # noqa: BLE001 - what it took may be lost: end the stream, resumable
-                log.warning("direct write failed", error=str(exc))
+                log.warning("direct_write_failed", error=str(exc))
                 sub.overflowed = True
                 done = False
             if not done:
@@ -461,7 +461,7 @@ class Hub:
                         try:
                             # the unknown lane is filed under `_unknown` (session "unknown", lane
                             # "unknown"), a real session named so under `unknown`: read the window
-                            subject = STREAM_FILTER if session == UNKNOWN else session_filter(lane_token(session))
+                            subject = STREAM_FILTER if session == UNKNOWN else subj.session_filter(lane_token(session))
                         except ValueError:
                             subject = STREAM_FILTER
                         await self._read(subject, begin, last, take)
@@ -604,7 +604,7 @@ def make_item(msg: Any) -> Item | None:
     if not isinstance(event, dict):
         return None
     raw = bytes(msg.data)
-    if msg.subject.startswith(INGEST_PREFIX + ".") and "seq" in event and isinstance(event.get("session"), str):
+    if msg.subject.startswith(subj.INGEST_PREFIX + ".") and "seq" in event and isinstance(event.get("session"), str):
         raw = relay_position(event, seq)
     return Item(seq, raw, event, msg.subject)
 

@@ -32,7 +32,7 @@ import msgspec
 
 from bridge.core.aep import Event
 from bridge.core.lanes import lane_token
-from bridge.nats.subjects import valid_type
+from bridge.runtime import subjects as subj
 
 _decode_event = msgspec.json.Decoder(Event).decode
 _decode = msgspec.json.Decoder().decode
@@ -74,7 +74,7 @@ def _checked(line: bytes) -> tuple[dict[str, Any], str | None]:
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise InvalidEvent(0, str(exc)) from None
     problem = envelope_problem(event)
-    if not problem and not valid_type(event["type"]):  # the pattern admits types no subject can carry
+    if not problem and not subj.valid_type(event["type"]):  # the pattern admits types no subject can carry
         problem = f"type has {len(event['type'])} characters (a stored type has at most 128)"
     return event, problem
 

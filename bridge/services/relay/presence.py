@@ -16,8 +16,8 @@ from nats.js.errors import BucketNotFoundError
 
 from bridge.core.control import SessionInfo, is_idle
 from bridge.core.lanes import lane_from_token, lane_token
-from bridge.nats.streams import AEP_EVENTS, CONTROL_BUCKET
-from bridge.nats.subjects import EVENTS_PREFIX, HELLO_SUBJECT
+from bridge.runtime import streams as S
+from bridge.runtime import subjects as subj
 from bridge.services.relay.shared import kv_scan
 
 # The gate's hello (`Presence.gate_hello`): an answer is kept HELLO_FRESH_S; "no gate" only
@@ -97,7 +97,7 @@ class Presence:
         if checked is not None and now - checked < NOT_HERMES_S:
             return False
         try:
-            info = await self.js.stream_info(AEP_EVENTS, subjects_filter=f"{EVENTS_PREFIX}.{lane_token(session)}.>")
+            info = await self.js.stream_info(S.AEP_EVENTS, subjects_filter=f"{subj.EVENTS_PREFIX}.{lane_token(session)}.>")
         except Exception as exc:  # noqa: BLE001
             raise StoreUnavailable(type(exc).__name__) from exc
         if info.state.subjects:
@@ -119,7 +119,7 @@ class Presence:
         watch (the one bucket read the relay's NATS role has). No bucket: nothing (no gate
         ever ran); any other failure: StoreUnavailable."""
         try:
-            kv = await self.js.key_value(CONTROL_BUCKET.bucket)
+            kv = await self.js.key_value(S.CONTROL_BUCKET.bucket)
         except BucketNotFoundError:
             return []
         except Exception as exc:  # noqa: BLE001
@@ -182,7 +182,7 @@ class Presence:
         doc = None
         if self.nc is not None:
             try:
-                doc = _decode((await self.nc.request(HELLO_SUBJECT, b"", timeout=HELLO_TIMEOUT_S)).data)
+                doc = _decode((await self.nc.request(subj.HELLO_SUBJECT, b"", timeout=HELLO_TIMEOUT_S)).data)
             except NoRespondersError:
                 doc = None
             except Exception:  # noqa: BLE001 - a timeout: the gate is there but slow, its last word holds a while

@@ -36,10 +36,10 @@ import structlog
 from nats.js.errors import BucketNotFoundError, KeyWrongLastSequenceError
 
 from bridge.core.lanes import lane_token
-from bridge.nats.streams import RELAY_BUCKET
+from bridge.runtime import streams as S
 from bridge.services.relay.shared import kv_scan
 
-log = structlog.get_logger("relay")
+log = structlog.get_logger("aep_bridge.relay")
 
 SUBJECT_PREFIX = "aep.relay"
 CONN_HEADER = "Aep-Relay-Conn"
@@ -94,7 +94,7 @@ class StoreUnavailable(Exception):
 
 async def _bucket(js: Any) -> Any:
     try:
-        return await js.key_value(RELAY_BUCKET)
+        return await js.key_value(S.RELAY_BUCKET)
     except BucketNotFoundError as exc:
         raise StoreUnavailable("no bucket aep_relay (run aep-bridge bootstrap)") from exc
     except Exception as exc:  # noqa: BLE001
@@ -153,13 +153,13 @@ class SharedClaims:
         while True:
             key, value = await self._writes.get()
             try:
-                subject = f"$KV.{RELAY_BUCKET}.{key}"
+                subject = f"$KV.{S.RELAY_BUCKET}.{key}"
                 if value is None:
                     await self.js.publish(subject, b"", headers={**self._headers, "KV-Operation": "DEL"})
                 elif key in self.mine:  # not released meanwhile
                     await self.js.publish(subject, value, headers=self._headers)
             except Exception as exc:  # noqa: BLE001 - NATS away: the renewal writes it again
-                log.warning("shared claim not written", error=type(exc).__name__)
+                log.warning("shared_claim_not_written", error=type(exc).__name__)
             finally:
                 self._writes.task_done()
 
@@ -168,9 +168,9 @@ class SharedClaims:
             await asyncio.sleep(self.ttl_s / 3)
             for key, value in list(self.mine.items()):
                 try:  # core publish: no round trip per claim; a lost one is renewed next time
-                    await self.nc.publish(f"$KV.{RELAY_BUCKET}.{key}", value, headers=self._headers)
+                    await self.nc.publish(f"$KV.{S.RELAY_BUCKET}.{key}", value, headers=self._headers)
                 except Exception as exc:  # noqa: BLE001
-                    log.warning("shared claims not renewed", error=type(exc).__name__)
+                    log.warning("shared_claims_not_renewed", error=type(exc).__name__)
                     break
 
     async def _read(self, keys: str) -> list[Remote]:

@@ -23,7 +23,7 @@ from bridge.core.ceiling import FULL
 from bridge.core.downlevel import downlevel_fields
 from bridge.core.control import is_ack_of
 from bridge.core.lanes import lane_token
-from bridge.nats.subjects import EVENTS_PREFIX, command_subject, control_filter, ingest_subject
+from bridge.runtime import subjects as subj
 from bridge.services.relay import ingest
 from bridge.services.relay.claims import Claimant, Claims
 from bridge.services.relay.config import Principal
@@ -43,7 +43,7 @@ from bridge.services.relay.replicas import (
 )
 from bridge.services.relay.replicas import StoreUnavailable as RelayStoreUnavailable
 
-log = structlog.get_logger("relay")
+log = structlog.get_logger("aep_bridge.relay")
 
 FORWARD_TIMEOUT_S = 5.0  # a WebSocket emitter that does not take a command within this is closed
 ACK_TYPES = frozenset(("control.accepted", "control.rejected"))
@@ -214,7 +214,7 @@ class Router:
             try:
                 remote = await self.shared.of(session)
             except RelayStoreUnavailable as exc:  # this replica's own claims still route
-                log.warning("shared claims not read", error=str(exc))
+                log.warning("shared_claims_not_read", error=str(exc))
         # after the awaits: a claim made meanwhile counts; a live Hermes session shadows them all
         emitters: list[Claimant | Remote] = [] if hermes is not None else [*self.claims.of(session), *remote]
         if emitters:  # a Hermes session that is not live (ended, idle) is never an emitter's
@@ -242,10 +242,10 @@ class Router:
             self._background(self._forward(target, raw, session, ctype, key, refuse))
             return
         try:  # under its (source, id): a retry within the store's duplicate window is not a second copy
-            stored = await self.js.publish(command_subject(lane_token(session), ctype), raw,
+            stored = await self.js.publish(subj.command_subject(lane_token(session), ctype), raw,
                                            headers={"Nats-Msg-Id": ingest.msg_id(frame, "command")})
         except Exception as exc:  # noqa: BLE001 - NATS away: refused, the sender may retry
-            log.warning("command not published", error=type(exc).__name__)
+            log.warning("command_not_published", error=type(exc).__name__)
             self._forget(key)
             return await refuse("no-route", "the relay could not reach the event store")
         self.metrics.commands.inc()
@@ -290,7 +290,7 @@ class Router:
                                            headers={CONN_HEADER: target.conn, REPLY_HEADER: reply_subject(self.replica)})
             doc = _decode(answer.data)
         except Exception as exc:  # noqa: BLE001 - that replica is gone, or slow
-            log.warning("command not forwarded", error=type(exc).__name__)
+            log.warning("command_not_forwarded", error=type(exc).__name__)
             doc = {"code": "no-route", "detail": "the relay replica holding the claim did not answer"}
         if isinstance(doc, dict) and doc.get("code"):
             self._forget(key)
@@ -407,10 +407,10 @@ class Router:
             if recent:
                 await self.hub.window()  # the duplicate window now
                 since = time.time_ns() - int(self.hub.duplicate_window_s * 1e9)
-            item = await self.hub.first(control_filter(lane_token(session)), recorded, begin=begin, since_ns=since,
+            item = await self.hub.first(subj.control_filter(lane_token(session)), recorded, begin=begin, since_ns=since,
                                         last=last)
         except Exception as exc:  # noqa: BLE001 - the hub's live ack still settles it, or the window ends
-            log.warning("recorded ack not read", error=type(exc).__name__)
+            log.warning("recorded_ack_not_read", error=type(exc).__name__)
             return
         if item is not None:
             self.settle(item.event, item, None, again=True)
@@ -423,7 +423,7 @@ class Router:
         try:
             await asyncio.wait_for(target.send(raw), FORWARD_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001 - gone, or not reading
-            log.warning("command not delivered", error=type(exc).__name__)
+            log.warning("command_not_delivered", error=type(exc).__name__)
             self._forget(key)
             self.claims.release(target)
             if target.close is not None:
@@ -434,10 +434,10 @@ class Router:
             return
         self.metrics.commands.inc()
         try:
-            await self.js.publish(ingest_subject(lane_token(session), ctype), raw,
+            await self.js.publish(subj.ingest_subject(lane_token(session), ctype), raw,
                                   headers={"Nats-Msg-Id": ingest.msg_id(_decode(raw))})
         except Exception as exc:  # noqa: BLE001 - delivered; only the history copy is missing
-            log.warning("command delivered but not stored", error=type(exc).__name__)
+            log.warning("command_delivered_but_not_stored", error=type(exc).__name__)
 
     def _forget(self, key: tuple[str, str]) -> None:
         self.pending.pop(key, None)
@@ -451,7 +451,7 @@ class Router:
         """Hub listener: the gate's ack of a pending Hermes command goes to its sender(s),
         once. Only an ack stored under ``aep.hermes.>`` (which only the bridge writes) counts:
         one posted under ``aep.ingest.>`` with the same cause is somebody else's word."""
-        if item.event.get("type") in ACK_TYPES and item.subject.startswith(EVENTS_PREFIX + "."):
+        if item.event.get("type") in ACK_TYPES and item.subject.startswith(subj.EVENTS_PREFIX + "."):
             self.settle(item.event, item, None)
 
     def settle(self, event: dict[str, Any], payload: Item | bytes, target: Claimant | Remote | None,

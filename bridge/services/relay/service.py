@@ -1,7 +1,8 @@
 """The relay process: ``Relay`` wires the hub (``hub``), presence (``presence``), routing
 (``routing``), the HTTP endpoints with SSE (``endpoints``) and the WebSocket session
-(``websocket``) into one aiohttp application; ``run_relay`` runs it. Bindings and frames
-per AEP-0003; the fan-out is ``hub.Hub``.
+(``websocket``) into one aiohttp application; ``RelayService`` is the relay's side of the
+services' one shape (`bridge.runtime.Service`), which `serve` runs. Bindings and frames per
+AEP-0003; the fan-out is ``hub.Hub``.
 """
 
 from __future__ import annotations
@@ -14,15 +15,15 @@ from typing import Any
 import structlog
 from aiohttp import web
 
-from bridge.config import Settings, SettingError
+from prometheus_client import CollectorRegistry
+
 from bridge.core.ceiling import LEVELS
 from bridge.core.downlevel import payload_fields
-from bridge.nats.connection import connect_service
-from bridge.runtime import Health, Loop, Stopper, serve
+from bridge.runtime import Health, Loop, Service, Settings, SettingError, Stopper, connect_service
+from bridge.runtime import subjects as subj
 from bridge.services.relay.claims import Claims
 from bridge.services.relay.config import Principal, RelayConfig
 from bridge.services.relay.endpoints import HttpEndpoints
-from bridge.nats.subjects import EVENTS_PREFIX
 from bridge.services.relay.hub import Hub, Item, Subscription
 from bridge.services.relay.presence import Presence, StoreUnavailable
 from bridge.services.relay.replicas import SharedClaims, SourceBindings, new_id
@@ -31,7 +32,7 @@ from bridge.services.relay.shared import (MAX_REQUEST_LINE, AcceptErrors, Connec
                                           local_request_problem, to_the_end)
 from bridge.services.relay.websocket import WebSocketSessions
 
-log = structlog.get_logger("relay")
+log = structlog.get_logger("aep_bridge.relay")
 BACKLOG = 1024  # connections the kernel queues before the relay accepts them (aiohttp's default 128)
 
 
@@ -39,7 +40,7 @@ class Relay(HttpEndpoints, WebSocketSessions):
     """One relay process: the hub, presence, the router, the aiohttp application, the counters."""
 
     def __init__(self, cfg: RelayConfig, js: Any = None, nc: Any = None, instance: str = "",
-                 health: Health | None = None) -> None:
+                 health: Health | None = None, registry: CollectorRegistry | None = None) -> None:
         self.cfg = cfg
         self.js = js
         self.nc = nc
@@ -47,7 +48,7 @@ class Relay(HttpEndpoints, WebSocketSessions):
         #: what /healthz answers: the runtime's view (the connection's state, a failure it found)
         self.health = health if health is not None else relay_health()
         self.health.connection = nc
-        self.metrics = Metrics()
+        self.metrics = Metrics(registry)
         self.hub = Hub(js, cfg.replay_buffer, self.metrics)
         self.sockets: set[web.WebSocketResponse] = set()
         self.socket_subs: dict[web.WebSocketResponse, dict[str, Subscription]] = {}
@@ -126,14 +127,14 @@ class Relay(HttpEndpoints, WebSocketSessions):
 
     def _note_hermes(self, item: Item) -> None:
         """Hub listener: a session with an event under aep.hermes.> is the bridge's."""
-        if item.session and item.subject.startswith(EVENTS_PREFIX + "."):
+        if item.session and item.subject.startswith(subj.EVENTS_PREFIX + "."):
             self.presence.note_hermes(item.session)
 
     async def _replay(self, sub: Subscription, start: Any, exhausted: Any) -> None:
         try:
             await self.hub.replay(sub, start, exhausted)
         except Exception as exc:  # noqa: BLE001 - a replay that failed ends the subscription, resumable
-            log.warning("replay failed", error=f"{type(exc).__name__}: {exc}")
+            log.warning("replay_failed", error=f"{type(exc).__name__}: {exc}")
             self.metrics.replay_failures.inc()
             sub.end_reason, sub.overflowed = "replay-failed", True
         finally:
@@ -155,7 +156,7 @@ class Relay(HttpEndpoints, WebSocketSessions):
         if self.shared is not None:
             self.shared.start()
             await self.router.start_replica()
-            log.info("relay replica", replica=self.replica)
+            log.info("relay_replica", replica=self.replica)
         self._expirer = asyncio.ensure_future(self.router.expire())
         # handler_cancellation: a client that closes its connection ends its handler at once
         # (an SSE stream that waits for events would notice only at its next write or
@@ -197,30 +198,40 @@ def relay_health() -> Health:
     return Health("relay", stall_after_s=math.inf)
 
 
-async def run_relay(settings: Settings, cfg: RelayConfig) -> int:
-    """The relay under the services' runtime (signals, the connection watched, exit codes); its
-    HTTP port is its own (aiohttp: /healthz, /readyz, /metrics beside the AEP bindings)."""
-    relay: Relay | None = None
-    runner: web.AppRunner | None = None
-    health = relay_health()
+class RelayService(Service):
+    """The relay under the services' runtime (`serve`: signals, the connection watched, exit
+    codes). Its HTTP port is its own (aiohttp: /healthz, /readyz, /metrics of its registry
+    beside the AEP bindings, on AEP_BRIDGE_RELAY_LISTEN), so it has no `default_port`; its
+    loops are aiohttp's and the hub's (`start` returns none)."""
 
-    async def start() -> list[Loop]:
-        nonlocal relay, runner
-        nc = await connect_service(settings, name=f"aep-bridge-relay-{settings.instance}", role="relay")
-        relay = Relay(cfg, nc.jetstream(), nc, settings.instance, health=health)
+    name = "relay"
+    default_port = None
+
+    def __init__(self, settings: Settings, cfg: RelayConfig) -> None:
+        self.settings = settings
+        self.cfg = cfg
+        self.health = relay_health()
+        self.stopper = Stopper()
+        self.registry = CollectorRegistry()
+        self.relay: Relay | None = None
+        self.runner: web.AppRunner | None = None
+
+    def starting(self) -> dict[str, Any]:
+        return {"listen": self.cfg.url}
+
+    async def start(self) -> list[Loop]:
+        self.nc = await connect_service(self.settings, name=f"aep-bridge-relay-{self.settings.instance}", role="relay")
+        self.relay = Relay(self.cfg, self.nc.jetstream(), self.nc, self.settings.instance, health=self.health,
+                           registry=self.registry)
         loop = asyncio.get_running_loop()
-        loop.set_exception_handler(AcceptErrors(loop, relay.metrics))
-        runner = await relay.start()
-        log.info("relay listening", url=cfg.url, auth="tokens" if cfg.auth_required else "none (loopback)",
-                 replay_buffer=cfg.replay_buffer)
+        loop.set_exception_handler(AcceptErrors(loop, self.relay.metrics))
+        self.runner = await self.relay.start()
+        log.info("relay_listening", url=self.cfg.url, auth="tokens" if self.cfg.auth_required else "none (loopback)",
+                 replay_buffer=self.cfg.replay_buffer)
         return []
 
-    async def stop() -> None:
-        if relay is not None:
-            await relay.hub.stop()
-        if runner is not None:
-            await runner.cleanup()
-
-    return await serve("relay", settings, start, health=health, stopper=Stopper(),
-                       connection=lambda: relay.nc if relay is not None else None, stop=stop,
-                       starting={"listen": cfg.url})
+    async def stop(self) -> None:
+        if self.relay is not None:
+            await self.relay.hub.stop()
+        if self.runner is not None:
+            await self.runner.cleanup()

@@ -22,8 +22,8 @@ decode = msgspec.json.Decoder().decode
 
 
 class Metrics:
-    def __init__(self) -> None:
-        self.registry = r = CollectorRegistry()
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = r = registry if registry is not None else CollectorRegistry()
         self.connections = Gauge("aep_bridge_relay_connections", "open SSE and WebSocket connections", ["binding"], registry=r)
         self.subscriptions = Gauge("aep_bridge_relay_subscriptions", "live subscriptions (an SSE stream is one)", registry=r)
         self.delivered = Counter("aep_bridge_relay_delivered_events_total", "events delivered", ["binding"], registry=r)
@@ -101,7 +101,7 @@ class ConnectionCap:
         if now - self._logged_at >= self.LOG_EVERY_S:
             import structlog
 
-            structlog.get_logger("relay").warning("connections_refused", client=addr, refused=self._refused,
+            structlog.get_logger("aep_bridge.relay").warning("connections_refused", client=addr, refused=self._refused,
                                                   per_client=self.per_client)
             self._logged_at, self._refused = now, 0
 
@@ -136,7 +136,7 @@ class AcceptErrors:
             import structlog
 
             exc = context.get("exception")
-            structlog.get_logger("relay").warning("accept_failed", error=f"{type(exc).__name__}: {exc}" if exc else "",
+            structlog.get_logger("aep_bridge.relay").warning("accept_failed", error=f"{type(exc).__name__}: {exc}" if exc else "",
                                                   failures=self.failures)
             self._logged_at, self.failures = now, 0
 

@@ -14,7 +14,7 @@ from aiohttp import WSMsgType, web
 
 from bridge.core.attrmatch import InvalidFilter
 from bridge.core.ceiling import level_rank
-from bridge.nats.subjects import ingest_subject
+from bridge.runtime import subjects as subj
 from bridge.services.relay import ingest
 from bridge.services.relay.claims import MAX_DECLARATIONS_BYTES, Claimant
 from bridge.services.relay.config import Principal
@@ -23,7 +23,7 @@ from bridge.services.relay.presence import StoreUnavailable
 from bridge.services.relay.routing import ACK_TYPES
 from bridge.services.relay.shared import MAX_FROM_POSITIONS, VERSIONS, decode as _decode, encode as _encode
 
-log = structlog.get_logger("relay")
+log = structlog.get_logger("aep_bridge.relay")
 
 MAX_SUBS_PER_CONNECTION = 64
 WS_HEARTBEAT_S = 30.0
@@ -280,10 +280,10 @@ class WebSocketSessions:
         if refusal:
             return await refuse(refusal[1], refusal[2])
         try:
-            ack = await self.js.publish(ingest_subject(ingest.lane_of(event), event["type"]), data,
+            ack = await self.js.publish(subj.ingest_subject(ingest.lane_of(event), event["type"]), data,
                                         headers={"Nats-Msg-Id": ingest.msg_id(event)})
         except Exception as exc:  # noqa: BLE001 - NATS away: the emitter is told, nothing is claimed
-            log.warning("event not stored", error=type(exc).__name__)
+            log.warning("event_not_stored", error=type(exc).__name__)
             return await refuse("unavailable", "the relay could not reach the event store")
         if not ack.duplicate:
             self.metrics.ingested.inc()
