@@ -202,9 +202,38 @@ class KvLanes:
                 raise
             entry = await self.facts.get(key)
             owner = (entry.value or b"").decode("utf-8", "surrogatepass")
+        self._remember_owner(session, owner)
+        return owner
+
+    def _remember_owner(self, session: str, owner: str) -> None:
         self._owners[session] = owner
         while len(self._owners) > self.cache.max_entries:
             self._owners.popitem(last=False)
+
+    async def send_owner(self, session: str, instance: str, publish: Any) -> asyncio.Future:
+        """`session_owner`'s create, sent with ``publish`` (`AckPublisher.publish`) and not
+        waited for: its publish future (the mapper's hot path: no task and no ``wait_for`` per
+        new session, issue 43). `owner_answered` reads the answer."""
+        return await publish(subj.kv_subject(S.LANE_FACTS_BUCKET, OWNER_PREFIX + lane_token(session)),
+                             instance.encode("utf-8", "surrogatepass"),
+                             headers={"Nats-Expected-Last-Subject-Sequence": "0"})
+
+    async def owner_answered(self, session: str, instance: str, sent: asyncio.Future) -> str:
+        """The instance ``session`` belongs to, once ``sent`` (`send_owner`'s future, done) is
+        answered: ``instance`` when its create was the first, else the recorded one (read);
+        cached like `session_owner`'s. Raises what failed (the caller retries the message)."""
+        owner = self.cached_owner(session)
+        if owner is not None:
+            return owner
+        error = sent.exception()
+        if error is None:
+            owner = instance
+        elif getattr(error, "err_code", None) == WRONG_LAST_SEQUENCE and self.facts is not None:
+            entry = await self.facts.get(OWNER_PREFIX + lane_token(session))  # recorded first by another
+            owner = (entry.value or b"").decode("utf-8", "surrogatepass")
+        else:
+            raise error
+        self._remember_owner(session, owner)
         return owner
 
     async def prefetch(self, env: Any, since: float | None = None) -> bool:
