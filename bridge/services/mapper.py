@@ -122,6 +122,10 @@ MAX_INSTANCE_SERIES = 4096
 #: distinct model labels of the usage counters; further models share `other`
 MAX_MODEL_SERIES = 64
 OUTAGE_RETRY_MAX_S = 5.0  # the longest nak delay of a message that met an outage (an election takes seconds)
+# Raw subjects whose instance was checked (`handle`): a fleet of 1,000 instances with ~10 hooks
+# each has ~10,000 (at 4,096 the cache was emptied over and over, and each miss costs
+# check_raw_instance's ~2.3 us); ~150 B an entry.
+RAW_SUBJECTS_CHECKED = 16384
 FINISHED_MAX = 16384  # finished raw seqs remembered above the known ack floor
 # BRIDGE_MAPPED messages one batch may read to find the events of its late redeliveries
 # (one request each: ~0.4-0.5 ms on a local server, 4-5 s in all). Past it a late copy goes
@@ -214,6 +218,7 @@ class MapperMetrics:
         self.model_label = BoundedLabel(cap=MAX_MODEL_SERIES, shape=r"[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}")
         self.field_label = BoundedLabel(known=INVALID_FIELDS)
         self._instances: dict[str, float] = {}  # instance label -> monotonic time of its last message here
+        self._seen: dict[str, Any] = {}  # instance label -> its last-seen gauge child (dropped with the series)
         self._other_ts = 0.0  # the last-seen time of the series `other`
         self._next_forget = 0.0
 
@@ -226,7 +231,10 @@ class MapperMetrics:
             if ts_s <= self._other_ts:
                 return
             self._other_ts = ts_s
-        self.last_seen.labels(hermes_instance=label).set(ts_s)
+        child = self._seen.get(label)
+        if child is None:  # (`labels()` ~2 us: a fleet's batch names nearly one instance a message)
+            child = self._seen[label] = self.last_seen.labels(hermes_instance=label)
+        child.set(ts_s)
 
     def drift_seen(self, seen: str) -> Any:
         return self.drift.labels(seen=self.drift_label(seen))
@@ -244,6 +252,7 @@ class MapperMetrics:
         gone = [i for i, t in self._instances.items() if now - t > after_s]
         for instance in gone:
             del self._instances[instance]
+            self._seen.pop(instance, None)
             self.last_seen.remove(instance)
             self.instance_label.forget(instance)
             if instance == OTHER:
@@ -433,7 +442,7 @@ class Mapper:
             check_raw(raw)
             if self._instances.get(msg.subject) != raw.instance:  # checked once per subject and instance
                 subj.check_raw_instance(msg.subject, raw.instance)
-                if len(self._instances) >= 4096:
+                if len(self._instances) >= RAW_SUBJECTS_CHECKED:
                     self._instances.clear()
                 self._instances[msg.subject] = raw.instance
             if raw.instance != (canonical := msg.subject.split(".", 3)[2]):  # one subject, one instance
