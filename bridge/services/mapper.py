@@ -690,10 +690,11 @@ class Mapper:
 
     def _earlier_settled(self, raw_seq: int) -> bool:
         """Is every raw message before ``raw_seq`` acked or already handled in this batch?"""
-        gap = raw_seq - 1 - self._floor
-        if gap <= 0:
+        if raw_seq - 1 <= self._floor:
             return True
-        return sum(1 for s in self._batch_done if self._floor < s < raw_seq) >= gap
+        # (each seq between the floor and this one handled: a set walk in C, not a generator
+        # over the batch for every session-less message, issue 43)
+        return self._batch_done.issuperset(range(self._floor + 1, raw_seq))
 
     async def settle_earlier(self, raw_seq: int) -> float:
         """Wait (bounded) until every raw message before ``raw_seq`` has been mapped, by any
