@@ -122,10 +122,11 @@ MAX_INSTANCE_SERIES = 4096
 #: distinct model labels of the usage counters; further models share `other`
 MAX_MODEL_SERIES = 64
 OUTAGE_RETRY_MAX_S = 5.0  # the longest nak delay of a message that met an outage (an election takes seconds)
-# Raw subjects whose instance was checked (`handle`): a fleet of 1,000 instances with ~10 hooks
-# each has ~10,000 (at 4,096 the cache was emptied over and over, and each miss costs
-# check_raw_instance's ~2.3 us); ~150 B an entry.
-RAW_SUBJECTS_CHECKED = 16384
+# Raw subjects' instance parts (`hermes.raw.<instance>`) whose body instance was checked
+# (`handle`). Keyed by the subject without its hook since issue 43: a fleet of 1,000 instances
+# sends on ~15,000 subjects, so a cache of 4,096 subjects was emptied over and over, and each
+# miss costs check_raw_instance's ~2.3 us.
+RAW_INSTANCES_CHECKED = 4096
 FINISHED_MAX = 16384  # finished raw seqs remembered above the known ack floor
 # BRIDGE_MAPPED messages one batch may read to find the events of its late redeliveries
 # (one request each: ~0.4-0.5 ms on a local server, 4-5 s in all). Past it a late copy goes
@@ -347,7 +348,7 @@ class Mapper:
         # One replica then never asks (bench_mapper: 2,061 consumer-info round trips per
         # 50,000 messages before); with several, a gap is another replica's message.
         self._finished: set[int] = set()
-        self._instances: dict[str, str] = {}  # raw subject -> the body instance last found to match it
+        self._instances: dict[str, str] = {}  # `hermes.raw.<instance>` -> the body instance last found to match it
         self._subjects: dict[tuple[str, bool], str] = {}  # (lane, unknown) -> its BRIDGE_MAPPED subject
         self._map_times: list[float] = []  # the pure mapping's seconds per message, observed per batch
         # Called with each raw message's bytes before it is mapped; an exception it raises is a
@@ -440,11 +441,14 @@ class Mapper:
         try:
             raw = decode_raw(msg.data)
             check_raw(raw)
-            if self._instances.get(msg.subject) != raw.instance:  # checked once per subject and instance
+            # Checked once per instance part and body instance: a part checked has three tokens, so
+            # the subject (the part, a dot, a last token with no dot) has four, as check_raw_instance asks.
+            part = msg.subject.rpartition(".")[0]
+            if self._instances.get(part) != raw.instance:
                 subj.check_raw_instance(msg.subject, raw.instance)
-                if len(self._instances) >= RAW_SUBJECTS_CHECKED:
+                if len(self._instances) >= RAW_INSTANCES_CHECKED:
                     self._instances.clear()
-                self._instances[msg.subject] = raw.instance
+                self._instances[part] = raw.instance
             if raw.instance != (canonical := msg.subject.split(".", 3)[2]):  # one subject, one instance
                 raw = msgspec.structs.replace(raw, instance=canonical)
             if raw.ts and self.is_late(msg, raw.ts) and await self.stored_before(msg, raw.id, raw.ts):
