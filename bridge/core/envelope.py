@@ -67,6 +67,7 @@ class HermesEnvelope(Struct, omit_defaults=True, kw_only=True):
 
 
 _KNOWN = ("hook_event_name", "tool_name", "tool_input", "session_id", "cwd", "extra")
+_KNOWN_SET = frozenset(_KNOWN)
 _generic = msgspec.json.Decoder()
 
 
@@ -104,7 +105,8 @@ def envelope_from_obj(obj: Any) -> HermesEnvelope:
     elif not isinstance(extra, dict):
         problems.append(f"extra: expected object, got {_describe(extra)}")
         extra = {}
-    unknown = {k: v for k, v in obj.items() if k not in _KNOWN}
+    # (most envelopes have no other key: a set comparison in C, not a loop over the keys)
+    unknown = {} if obj.keys() <= _KNOWN_SET else {k: v for k, v in obj.items() if k not in _KNOWN}
     return HermesEnvelope(
         hook_event_name=hook.strip(),
         tool_name=tool_name,

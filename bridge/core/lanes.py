@@ -117,6 +117,9 @@ class Candidates:
         return bool(self.sessions or self.task_id)
 
 
+NO_CANDIDATES = Candidates()  # (frozen: one for every envelope that names its lane)
+
+
 def envelope_lane(env: HermesEnvelope) -> str | None:
     """The lane the envelope names itself (rules 1 and 2), or None when only a look-up can tell."""
     if env.session_id:
@@ -128,7 +131,7 @@ def envelope_lane(env: HermesEnvelope) -> str | None:
 def lane_candidates(env: HermesEnvelope) -> Candidates:
     """The look-ups `resolve_lane` may make for ``env`` (none when the envelope names its lane)."""
     if envelope_lane(env) is not None:
-        return Candidates()
+        return NO_CANDIDATES
     if env.hook_event_name in APPROVAL_HOOKS:
         key = env.xstr("session_key")
         return Candidates((key,) if key else ())

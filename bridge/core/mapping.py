@@ -581,11 +581,15 @@ class MapResult(msgspec.Struct):
     unpriced: list[str] = msgspec.field(default_factory=list)
 
 
+HINT_KEYS = ("session_key", "tool_call_id", "task_id", "pattern_key")  # the extra keys `pairing_hints` passes on
+
+
 def pairing_hints(env: HermesEnvelope, ts_ns: int) -> dict[str, Any]:
     hints: dict[str, Any] = {"hook": env.hook_event_name, "ts": ts_ns}
-    for key in ("session_key", "tool_call_id", "task_id", "pattern_key"):
-        value = env.xstr(key)
-        if value:
+    extra = env.extra
+    for key in HINT_KEYS:
+        value = extra.get(key)  # (env.xstr's test, inline: four calls a message)
+        if value and isinstance(value, str):
             hints[key] = value
     if env.hook_event_name in ("pre_tool_call", "post_tool_call") and env.tool_input is not None and "tool_call_id" not in hints:
         # Only a call without a tool_call_id (inside execute_code) is paired by its arguments.

@@ -14,7 +14,6 @@ same event under two lanes.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections import OrderedDict
 from typing import Any
@@ -46,14 +45,6 @@ def epoch_of(created: Any) -> int:
     only when the stream is recreated, every replica reads the same value, and milliseconds
     make a reuse after a quick delete-and-recreate practically impossible."""
     return int(created.timestamp() * 1000) if created else 0
-
-
-class LaneFactError(Exception):
-    """The server refused a lane fact's create (``err_code``: WRONG_LAST_SEQUENCE when one is there)."""
-
-    def __init__(self, error: dict[str, Any]) -> None:
-        self.err_code = error.get("err_code")
-        super().__init__(f"{error.get('code')} {self.err_code} {error.get('description', '')}")
 
 
 def lane_fact_key(instance_token: str, raw_id: str) -> str:
@@ -140,21 +131,14 @@ class KvLanes:
             return None
         return PinnedLane.decode(entry.value or b"")
 
-    def send_lane(self, nc: Any, key: str, lane: PinnedLane) -> asyncio.Future:
-        """The create of the fact under ``key``, under way (`record_lane` without the wait; many
-        are in flight at once). It fails with a `LaneFactError` whose ``err_code`` is
-        WRONG_LAST_SEQUENCE when a fact is recorded already. A request, not ``publish_async``:
-        nats-py never settles that future when the server answers an error."""
-        return asyncio.ensure_future(self._create(nc, key, lane.encode()))
-
-    @staticmethod
-    async def _create(nc: Any, key: str, value: bytes) -> dict[str, Any]:
-        reply = await nc.request(subj.kv_subject(S.LANE_FACTS_BUCKET, key), value, timeout=FACT_TIMEOUT_S,
-                                 headers={"Nats-Expected-Last-Subject-Sequence": "0"})
-        answer = json.loads(reply.data or b"{}")
-        if "error" in answer or "seq" not in answer:
-            raise LaneFactError(answer.get("error") or {"description": "no stream answered"})
-        return answer
+    async def send_lane(self, key: str, lane: PinnedLane, publish: Any) -> asyncio.Future:
+        """The create of the fact under ``key``, sent with ``publish`` (`AckPublisher.publish`)
+        and not waited for (`record_lane` without the wait; many are in flight at once): its
+        publish future. It fails with an ``APIError`` whose ``err_code`` is WRONG_LAST_SEQUENCE
+        when a fact is recorded already (AckPublisher settles an error reply; nats-py's
+        ``publish_async`` never did, hence a request and a task each before issue 43)."""
+        return await publish(subj.kv_subject(S.LANE_FACTS_BUCKET, key), lane.encode(),
+                             headers={"Nats-Expected-Last-Subject-Sequence": "0"})
 
     async def record_lane(self, key: str, lane: PinnedLane) -> PinnedLane:
         """Record ``lane`` as the fact under ``key`` unless one is recorded already (KV create,
@@ -202,9 +186,38 @@ class KvLanes:
                 raise
             entry = await self.facts.get(key)
             owner = (entry.value or b"").decode("utf-8", "surrogatepass")
+        self._remember_owner(session, owner)
+        return owner
+
+    def _remember_owner(self, session: str, owner: str) -> None:
         self._owners[session] = owner
         while len(self._owners) > self.cache.max_entries:
             self._owners.popitem(last=False)
+
+    async def send_owner(self, session: str, instance: str, publish: Any) -> asyncio.Future:
+        """`session_owner`'s create, sent with ``publish`` (`AckPublisher.publish`) and not
+        waited for: its publish future (the mapper's hot path: no task and no ``wait_for`` per
+        new session, issue 43). `owner_answered` reads the answer."""
+        return await publish(subj.kv_subject(S.LANE_FACTS_BUCKET, OWNER_PREFIX + lane_token(session)),
+                             instance.encode("utf-8", "surrogatepass"),
+                             headers={"Nats-Expected-Last-Subject-Sequence": "0"})
+
+    async def owner_answered(self, session: str, instance: str, sent: asyncio.Future) -> str:
+        """The instance ``session`` belongs to, once ``sent`` (`send_owner`'s future, done) is
+        answered: ``instance`` when its create was the first, else the recorded one (read);
+        cached like `session_owner`'s. Raises what failed (the caller retries the message)."""
+        owner = self.cached_owner(session)
+        if owner is not None:
+            return owner
+        error = sent.exception()
+        if error is None:
+            owner = instance
+        elif getattr(error, "err_code", None) == WRONG_LAST_SEQUENCE and self.facts is not None:
+            entry = await self.facts.get(OWNER_PREFIX + lane_token(session))  # recorded first by another
+            owner = (entry.value or b"").decode("utf-8", "surrogatepass")
+        else:
+            raise error
+        self._remember_owner(session, owner)
         return owner
 
     async def prefetch(self, env: Any, since: float | None = None) -> bool:

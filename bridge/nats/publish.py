@@ -52,6 +52,30 @@ class _Reply(msgspec.Struct):
 _decode = msgspec.json.Decoder(_Reply).decode
 
 
+async def wait_all(futures: list[asyncio.Future], timeout: float) -> None:
+    """Wait until every one of ``futures`` is done, or ``timeout`` seconds passed (then the
+    ones not done are left as they are: the caller cancels or reads them), like
+    ``asyncio.wait(futures, timeout=timeout)`` but with a callback on one future at a time:
+    the last one first (a batch's acks come back about in the order it was sent), then any
+    earlier one still not done. ``asyncio.wait`` adds and removes a done-callback on every
+    future of the batch and builds two sets (issue 43: a batch's publishes, KV puts and
+    creates, 300-odd futures)."""
+    i = len(futures) - 1
+    if i < 0:
+        return
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while i >= 0:
+        future = futures[i]
+        if future.done():
+            i -= 1
+            continue
+        left = deadline - loop.time()
+        if left <= 0:
+            return
+        await asyncio.wait((future,), timeout=left)
+
+
 def error_of(err: dict[str, Any]) -> Exception:
     """nats-py's exception for a JetStream error reply (``APIError.from_error`` raises it)."""
     known = {k: err.get(k) for k in ("code", "description", "err_code") if k in err}  # a server may add keys

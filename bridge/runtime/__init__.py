@@ -46,7 +46,7 @@ from bridge.nats.bootstrap import configured_replicas, ensure_stream
 from bridge.nats.connection import UNANSWERED, connect_service, ordered_subscribe, outage, server_list, until_answered
 from bridge.nats.lanes import WRONG_LAST_SEQUENCE, KvLanes, PinnedLane, epoch_of, lane_fact_key
 from bridge.nats.lookup import DEFAULT_MARGIN_NS, SCAN_BUDGET, SERVER_MARGIN_NS, find_msg_id, msg_ids_on, stored_ns
-from bridge.nats.publish import AckPublisher
+from bridge.nats.publish import AckPublisher, wait_all
 from bridge.nats.pull import Puller
 
 __all__ = ["OTHER", "ActivityMetrics", "BoundedLabel", "Health", "Linger", "Loop", "Service", "Stopper", "close_connection",
@@ -57,4 +57,4 @@ __all__ = ["OTHER", "ActivityMetrics", "BoundedLabel", "Health", "Linger", "Loop
            "UNANSWERED", "connect_service", "ordered_subscribe", "outage", "server_list", "until_answered",
            "WRONG_LAST_SEQUENCE", "KvLanes", "PinnedLane", "epoch_of", "lane_fact_key",
            "DEFAULT_MARGIN_NS", "SCAN_BUDGET", "SERVER_MARGIN_NS", "find_msg_id", "msg_ids_on", "stored_ns",
-           "AckPublisher", "Puller"]
+           "AckPublisher", "Puller", "wait_all"]

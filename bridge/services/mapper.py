@@ -83,7 +83,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
 import msgspec
 import nats.errors
@@ -103,7 +103,7 @@ from bridge.core.pipeline import map_record, record_from_raw
 from bridge.runtime import (DEFAULT_MARGIN_NS, OTHER, SERVER_MARGIN_NS, UNANSWERED, WRONG_LAST_SEQUENCE, AckPublisher,
                             BoundedLabel, Health, KvLanes, Linger, Loop, PinnedLane, Puller, Service, Settings, Stopper,
                             connect_service, epoch_of, find_msg_id, lane_fact_key, load_price_table, msg_ids_on,
-                            observe_many, outage, server_list, stored_ns, until_answered)
+                            observe_many, outage, server_list, stored_ns, until_answered, wait_all)
 from bridge.runtime import streams as S
 from bridge.runtime import subjects as subj
 
@@ -119,6 +119,11 @@ MAX_INSTANCE_SERIES = 4096
 #: distinct model labels of the usage counters; further models share `other`
 MAX_MODEL_SERIES = 64
 OUTAGE_RETRY_MAX_S = 5.0  # the longest nak delay of a message that met an outage (an election takes seconds)
+# Raw subjects' instance parts (`hermes.raw.<instance>`) whose body instance was checked
+# (`handle`). Keyed by the subject without its hook since issue 43: a fleet of 1,000 instances
+# sends on ~15,000 subjects, so a cache of 4,096 subjects was emptied over and over, and each
+# miss costs check_raw_instance's ~2.3 us.
+RAW_INSTANCES_CHECKED = 4096
 FINISHED_MAX = 16384  # finished raw seqs remembered above the known ack floor
 # BRIDGE_MAPPED messages one batch may read to find the events of its late redeliveries
 # (one request each: ~0.4-0.5 ms on a local server, 4-5 s in all). Past it a late copy goes
@@ -211,6 +216,7 @@ class MapperMetrics:
         self.model_label = BoundedLabel(cap=MAX_MODEL_SERIES, shape=r"[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}")
         self.field_label = BoundedLabel(known=INVALID_FIELDS)
         self._instances: dict[str, float] = {}  # instance label -> monotonic time of its last message here
+        self._seen: dict[str, Any] = {}  # instance label -> its last-seen gauge child (dropped with the series)
         self._other_ts = 0.0  # the last-seen time of the series `other`
         self._next_forget = 0.0
 
@@ -223,7 +229,10 @@ class MapperMetrics:
             if ts_s <= self._other_ts:
                 return
             self._other_ts = ts_s
-        self.last_seen.labels(hermes_instance=label).set(ts_s)
+        child = self._seen.get(label)
+        if child is None:  # (`labels()` ~2 us: a fleet's batch names nearly one instance a message)
+            child = self._seen[label] = self.last_seen.labels(hermes_instance=label)
+        child.set(ts_s)
 
     def drift_seen(self, seen: str) -> Any:
         return self.drift.labels(seen=self.drift_label(seen))
@@ -241,6 +250,7 @@ class MapperMetrics:
         gone = [i for i, t in self._instances.items() if now - t > after_s]
         for instance in gone:
             del self._instances[instance]
+            self._seen.pop(instance, None)
             self.last_seen.remove(instance)
             self.instance_label.forget(instance)
             if instance == OTHER:
@@ -273,9 +283,14 @@ class MapperMetrics:
         types.clear()
 
 
-class Held(NamedTuple):
+NOT_PINNED = PinnedLane(None)  # (a held later message's: not read)
+
+
+class Held(msgspec.Struct):
     """A first attempt waiting for its lane fact's ack before its events are published; or
-    (``created`` None) a later message of the batch, published after it in raw order."""
+    (``created`` None) a later message of the batch, published after it in raw order.
+    (A Struct: made in C, 0.2-0.3 against 1.1-1.9 us for the NamedTuple it was, and most of a
+    batch's messages are held behind its first new session: issue 43.)"""
 
     created: asyncio.Future | None
     futures: list[asyncio.Future]  # the raw message's futures (its ack waits for them all)
@@ -334,7 +349,7 @@ class Mapper(Service):
         # One replica then never asks (bench_mapper: 2,061 consumer-info round trips per
         # 50,000 messages before); with several, a gap is another replica's message.
         self._finished: set[int] = set()
-        self._instances: dict[str, str] = {}  # raw subject -> the body instance last found to match it
+        self._instances: dict[str, str] = {}  # `hermes.raw.<instance>` -> the body instance last found to match it
         self._subjects: dict[tuple[str, bool], str] = {}  # (lane, unknown) -> its BRIDGE_MAPPED subject
         self._map_times: list[float] = []  # the pure mapping's seconds per message, observed per batch
         # Called with each raw message's bytes before it is mapped; an exception it raises is a
@@ -427,11 +442,14 @@ class Mapper(Service):
         try:
             raw = decode_raw(msg.data)
             check_raw(raw)
-            if self._instances.get(msg.subject) != raw.instance:  # checked once per subject and instance
+            # Checked once per instance part and body instance: a part checked has three tokens, so
+            # the subject (the part, a dot, a last token with no dot) has four, as check_raw_instance asks.
+            part = msg.subject.rpartition(".")[0]
+            if self._instances.get(part) != raw.instance:
                 subj.check_raw_instance(msg.subject, raw.instance)
-                if len(self._instances) >= 4096:
+                if len(self._instances) >= RAW_INSTANCES_CHECKED:
                     self._instances.clear()
-                self._instances[msg.subject] = raw.instance
+                self._instances[part] = raw.instance
             if raw.instance != (canonical := msg.subject.split(".", 3)[2]):  # one subject, one instance
                 raw = msgspec.structs.replace(raw, instance=canonical)
             if raw.ts and self.is_late(msg, raw.ts) and await self.stored_before(msg, raw.id, raw.ts):
@@ -448,7 +466,7 @@ class Mapper(Service):
             # A lane that only a look-up can give is a fact of the raw message, fixed by its first
             # attempt (`KvLanes.record_lane`) and reused by every later one (docs/ARCHITECTURE.md "Lanes").
             fact = lane_fact_key(msg.subject.split(".")[2], raw.id) \
-                if self.lanes.facts is not None and lane_candidates(env) else None
+                if not env.session_id and self.lanes.facts is not None and lane_candidates(env) else None
             pinned = await self.lanes.recorded_lane(fact) if fact is not None and meta.num_delivered > 1 else None
             if pinned is not None:
                 self.metrics.lane_facts.labels(outcome="reused").inc()
@@ -481,8 +499,8 @@ class Mapper(Service):
             if owner is None:  # its record's create sent now, answered with the batch (`release_held`)
                 owner_wait = self._owner_sends.get(result.lane)
                 if owner_wait is None:
-                    owner_wait = self._owner_sends[result.lane] = asyncio.ensure_future(
-                        self.lanes.session_owner(result.lane, raw.instance, self.publisher.publish))
+                    owner_wait = self._owner_sends[result.lane] = await self.lanes.send_owner(
+                        result.lane, raw.instance, self.publisher.publish)
         futures = await self.lanes.learn(result, self.publisher.publish) if self.lanes.needs_learning(result) else []
         if result.drift:
             self.metrics.drift_seen(result.drift).inc()
@@ -494,7 +512,7 @@ class Mapper(Service):
             # A first attempt: its fact is sent now and its events once that is acked, with the
             # other first attempts of the batch (`release_held`: one round trip, not one each).
             chosen = PinnedLane.of(result)
-            created = self.lanes.send_lane(self.nc, fact, chosen)
+            created = await self.lanes.send_lane(fact, chosen, self.publisher.publish)
             futures.append(created)
             self._held.append(Held(created, futures, record, raw_seq, fact, chosen, result, subject, hints, bodies,
                                    owner=owner_wait, instance=raw.instance, msg=msg))
@@ -510,7 +528,7 @@ class Mapper(Service):
             # server forgot recorded), whose events reach BRIDGE_MAPPED in raw order. Still
             # one round trip per batch: the batch's end waits for the facts' acks anyway. So
             # does a message whose session's instance is being recorded.
-            self._held.append(Held(None, futures, record, raw_seq, "", PinnedLane(None), result, subject, hints, bodies,
+            self._held.append(Held(None, futures, record, raw_seq, "", NOT_PINNED, result, subject, hints, bodies,
                                    stored, owner=owner_wait, instance=raw.instance, msg=msg))
             return futures, record.ts_ns
         await self.publish_events(futures, subject, result, bodies, hints, stored)
@@ -540,7 +558,7 @@ class Mapper(Service):
             return
         facts = [h.created for h in held if h.created is not None] + list(owners.values())
         if facts:
-            await asyncio.wait(facts, timeout=10)
+            await wait_all(facts, timeout=10)
         for h in held:
             if h.owner is not None and not await self.owner_allows(h):
                 continue
@@ -599,12 +617,17 @@ class Mapper(Service):
             error = TimeoutError("the session's instance record was not answered")
         else:
             error = owner_wait.exception()
-        if error is None:
-            owner = owner_wait.result()
-            if owner is None or owner == h.instance:
-                return True
-            h.futures.append(await self.foreign(h.msg, owner, h.instance))
-            return False
+        if error is None or getattr(error, "err_code", None) == WRONG_LAST_SEQUENCE:
+            try:  # the create's answer (the record of another message or replica, when it was not the first)
+                owner = await self.lanes.owner_answered(h.result.lane, h.instance, owner_wait) \
+                    if self.lanes is not None else None
+            except Exception as exc:  # cannot tell now: retried
+                error = exc
+            else:
+                if owner is None or owner == h.instance:
+                    return True
+                h.futures.append(await self.foreign(h.msg, owner, h.instance))
+                return False
         failed = asyncio.get_running_loop().create_future()  # retried, like a failed publish ack
         failed.set_exception(error)
         h.futures.append(failed)
@@ -672,10 +695,11 @@ class Mapper(Service):
 
     def _earlier_settled(self, raw_seq: int) -> bool:
         """Is every raw message before ``raw_seq`` acked or already handled in this batch?"""
-        gap = raw_seq - 1 - self._floor
-        if gap <= 0:
+        if raw_seq - 1 <= self._floor:
             return True
-        return sum(1 for s in self._batch_done if self._floor < s < raw_seq) >= gap
+        # (each seq between the floor and this one handled: a set walk in C, not a generator
+        # over the batch for every session-less message, issue 43)
+        return self._batch_done.issuperset(range(self._floor + 1, raw_seq))
 
     async def settle_earlier(self, raw_seq: int) -> float:
         """Wait (bounded) until every raw message before ``raw_seq`` has been mapped, by any
@@ -833,9 +857,13 @@ class Mapper(Service):
         """Wait for the publish acks of the messages mapped so far, then ack them."""
         await self.release_held()
         pending, self._batch_pending = self._batch_pending, []
-        seen: dict[str, int] = {}
+        latest: dict[str, int] = {}  # raw subject -> its latest receive time (a subject names one instance)
         for msg, _fs, ts_ns in pending:
-            instance = msg.subject.split(".", 3)[2] if msg.subject.count(".") >= 3 else "unknown"
+            if ts_ns > latest.get(msg.subject, -1):
+                latest[msg.subject] = ts_ns
+        seen: dict[str, int] = {}
+        for subject, ts_ns in latest.items():
+            instance = subject.split(".", 3)[2] if subject.count(".") >= 3 else "unknown"
             seen[instance] = max(seen.get(instance, 0), ts_ns)
         mono = time.monotonic()
         for instance, ts_ns in seen.items():
@@ -844,7 +872,7 @@ class Mapper(Service):
         self.metrics.forget_silent_instances(mono)
         futures = [f for _, fs, _ in pending for f in fs]
         if futures:
-            await asyncio.wait(futures, timeout=10)
+            await wait_all(futures, timeout=10)
             # Nothing times these out by itself: an ack lost with a dying server would leave its
             # future (and its raw message) waiting for ever; cancelled ones are swept (AckPublisher).
             for f in futures:
@@ -853,7 +881,11 @@ class Mapper(Service):
         now = time.time_ns()
         waited: list[float] = []  # receive -> mapped, observed at once
         for msg, fs, ts_ns in pending:
-            failed = next((f for f in fs if not f.done() or f.cancelled() or f.exception() is not None), None)
+            failed = None
+            for f in fs:
+                if not f.done() or f.cancelled() or f.exception() is not None:
+                    failed = f
+                    break
             if failed is not None:
                 error = failed.exception() if failed.done() and not failed.cancelled() else TimeoutError("publish ack timed out")
                 await self.retry_or_dead_letter(msg, error or RuntimeError("publish failed"))
