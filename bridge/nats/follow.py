@@ -220,8 +220,8 @@ class Follower:
         (the whole cluster electing a meta leader, e.g. at a partition's heal), a move would
         gain nothing and cost a reconnect.
 
-        Every server of the list is asked at once (this one too). None when this one answers.
-        With three or more that take a connection, a majority of those must answer: a meta leader cut off from its
+        Every server of the list is asked at once (this one too), and with three or more that
+        take a connection, a majority of those must answer: a meta leader cut off from its
         peers answers the probe for ~10 s more (lostQuorumInterval) while the healthy ones,
         not having elected yet, answer nothing. Followed, it drew services off a healthy node
         onto the cut one (a partition run, 2026-12-07). Servers that take no connection (the
@@ -229,12 +229,6 @@ class Follower:
         current = self.server()
         pool = list(getattr(self.nc, "_server_pool", []))
         answers = await asyncio.gather(*(self.serves(srv.uri.geturl()) for srv in pool))
-        if any(answered and srv.uri.netloc == current for srv, answered in zip(pool, answers)):
-            # This server reaches a meta leader now: what failed is a stream's leader, which no
-            # other server cures, or this node's last seconds as a cut-off meta leader, after
-            # which its probe fails too. Moving now took services off a healthy node onto the
-            # cut one, which answered as well (run 9, 2026-12-07).
-            return None
         reachable = [a for a in answers if a is not None]
         answering = sum(1 for a in reachable if a)
         if len(reachable) >= 3 and answering < len(reachable) // 2 + 1:

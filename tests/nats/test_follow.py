@@ -126,36 +126,6 @@ def test_a_lone_answering_server_among_three_is_not_followed(plain_server, nats_
     assert moves == 0 and waiting and server == urlparse(plain_server).netloc
 
 
-def test_no_move_while_the_server_it_is_on_answers_the_probe(nats_server):
-    """The service's own requests failed (a stream whose leader was cut off: no other server
-    cures that), but the server it is on answers the probe: it stays. In run 9 of the partition
-    test (2026-12-07) the gate and pairing-1 left a healthy node, whose probe answered again by
-    then, for the cut node, which answered too as the meta leader it still believed it was."""
-    from tests.natsfixture import ProcessNats
-
-    other = ProcessNats()  # a second server with JetStream: it answers the probe as well
-    other.start()
-    urls = [nats_server.url, other.url]
-    name = next(n for n in (f"aep-bridge-on-{i}" for i in range(200))
-                if follow.first_server_order(urls, follow.identity(n))[0] == nats_server.url)
-    try:
-        async def run() -> tuple[int, str | None]:
-            settings = Settings(nats_url=",".join(urls), nats_leave_after_s=0.5)
-            nc = await connect_service(settings, name=name, wait_s=10)
-            try:
-                f = follow.of(nc)
-                f.failure("$KV.aep_leases.p.0: TimeoutError: nats: timeout")  # its own request, unanswered
-                await asyncio.sleep(2.5)
-                return f.moves, f.server()
-            finally:
-                await nc.close()
-
-        moves, server = asyncio.run(run())
-    finally:
-        other.close()
-    assert moves == 0 and server == urlparse(nats_server.url).netloc
-
-
 def test_a_service_leaves_a_server_that_cannot_serve_jetstream(plain_server, nats_server):
     """Listed first (its name's hash picks it), the server without JetStream takes the
     connection; within a few seconds of failed JetStream requests the service moves to the
