@@ -36,8 +36,9 @@ PINGs and accepts publishes, so nats-py's own reconnect (after failed PINGs) nev
   The three are judged apart (a meta leader cut off from its peers answers the probe for
   ~10 s more, lostQuorumInterval, while no publish of the service is acked). When one of them
   has failed for ``after_s`` with no success of its own since, while the connection is up, it
-  checks the other servers of the list with a side connection and the probe, and reconnects
-  to the first that answers (nats-py's ``force_reconnect()`` with that server first in the
+  checks the servers of the list with side connections and the probe, and reconnects to the
+  first other one that answers, provided a majority of those that take a connection answer
+  (three or more: a meta leader cut off from its peers answers the probe alone for ~10 s) (nats-py's ``force_reconnect()`` with that server first in the
   pool; subscriptions and pull consumers are subscribed again there). None answers (the whole
   cluster electing, as at a partition's heal): it stays (``nats_server_no_better``, once).
   Moves come at most once per ``after_s``, twice as far apart after each move that brought
@@ -195,14 +196,14 @@ class Follower:
             return False
         return self.last_move is None or now - self.last_move >= self.spacing
 
-    async def serves(self, url: str) -> bool:
+    async def serves(self, url: str) -> bool | None:
         """Does the server at ``url`` answer the probe (its meta leader reachable)? A side
-        connection of its own, closed at once."""
+        connection of its own, closed at once. None: it took no connection."""
         try:
             nc = await nats.connect(servers=[url], name=f"{self.name}-probe", allow_reconnect=False,
                                     connect_timeout=1.0, max_reconnect_attempts=0, **self.options)
         except Exception:
-            return False
+            return None
         try:
             reply = await nc.request(PROBE_SUBJECT, b"", timeout=max(0.5, min(2.0, self.after_s / 3)))
             return b'"error"' not in (reply.data or b"")[:200]
@@ -217,10 +218,23 @@ class Follower:
     async def candidate(self) -> Any:
         """The first other server of the list that serves JetStream, or None: when none does
         (the whole cluster electing a meta leader, e.g. at a partition's heal), a move would
-        gain nothing and cost a reconnect."""
+        gain nothing and cost a reconnect.
+
+        Every server of the list is asked at once (this one too), and with three or more that
+        take a connection, a majority of those must answer: a meta leader cut off from its
+        peers answers the probe for ~10 s more (lostQuorumInterval) while the healthy ones,
+        not having elected yet, answer nothing. Followed, it drew services off a healthy node
+        onto the cut one (a partition run, 2026-12-07). Servers that take no connection (the
+        client's own network) do not count."""
         current = self.server()
-        for srv in list(getattr(self.nc, "_server_pool", [])):
-            if srv.uri.netloc != current and await self.serves(srv.uri.geturl()):
+        pool = list(getattr(self.nc, "_server_pool", []))
+        answers = await asyncio.gather(*(self.serves(srv.uri.geturl()) for srv in pool))
+        reachable = [a for a in answers if a is not None]
+        answering = sum(1 for a in reachable if a)
+        if len(reachable) >= 3 and answering < len(reachable) // 2 + 1:
+            return None
+        for srv, answered in zip(pool, answers):
+            if srv.uri.netloc != current and answered:
                 return srv
         return None
 

@@ -343,6 +343,7 @@ class Mapper(Service):
         self._floor = 0  # the consumer's ack floor (stream seq) as last read
         self._server_floor = 0  # the same, as `watch_consumer` last read it (kept across binds)
         self._floor_at = 0.0  # monotonic time that read was answered
+        self._consumer_created: Any = None  # the bound durable's creation time (`resumable`)
         self._stuck_floor = -1  # an ack floor a wait already gave up on (a dead replica's messages)
         # Raw messages above `_floor` this replica has finished (acked or dead-lettered after
         # their publishes and KV puts): the floor moves over them without asking the server.
@@ -411,6 +412,7 @@ class Mapper(Service):
         config = S.mapper_consumer_config(self.durable, self.settings.mapper_ack_wait_s)
         if start_after:
             config.deliver_policy, config.opt_start_seq = DeliverPolicy.BY_START_SEQUENCE, start_after + 1
+        self._consumer_created = None
         sub = await self.js.pull_subscribe(S.RAW_SUBJECTS, durable=self.durable, stream=S.HERMES_RAW, config=config)
         await self._keep_consumer(sub, config)
         self.sub, self._floor, self._floor_at = sub, 0, 0.0
@@ -422,7 +424,9 @@ class Mapper(Service):
         AEP_BRIDGE_MAPPER_ACK_WAIT_S's, and the backstop max_deliver (a durable made before
         it was: 7)."""
         try:
-            have = (await sub.consumer_info()).config
+            info = await sub.consumer_info()
+            self._consumer_created = info.created  # the durable bound (`resumable`)
+            have = info.config
             wait_differs = have.ack_wait is not None and abs(float(have.ack_wait) - config.ack_wait) > 1e-3
             if wait_differs or have.max_deliver != config.max_deliver:
                 await self.js.add_consumer(S.HERMES_RAW, config=config)
@@ -934,6 +938,27 @@ class Mapper(Service):
         except Exception:
             pass
 
+    async def resumable(self) -> bool:
+        """After a failed fetch: may the mapper go on pulling from the durable it is bound to?
+        Yes when the durable answers and is the one bound (its creation time), or when nothing
+        answers (an election, a node cut off: the next fetch tells; the consumer's own leader is
+        elected apart from the meta group and the other streams). No when it is gone or was
+        replaced: then `bind` again. Resuming asks one thing, the durable's own info: a bind asks
+        HERMES_RAW's, BRIDGE_MAPPED's and two buckets' stream info too, each waiting on its
+        own leader (a partition's heal re-elects them all; issue 42)."""
+        try:
+            info = await self.js.consumer_info(S.HERMES_RAW, self.durable)
+        except nats.js.errors.NotFoundError:
+            return False
+        except Exception as exc:  # no answer: the same durable, pulled again
+            log.info("mapper_resume_unanswered", error=f"{type(exc).__name__}: {exc}")
+            return True
+        if self._consumer_created is None or info.created != self._consumer_created:
+            return False  # another durable of that name (another replica made it after a loss): bind
+        self.health.set_ready(True)  # the durable answers: bound as before
+        log.info("mapper_resumed", durable=self.durable)
+        return True
+
     async def durable_gone(self) -> int:
         """After a failed fetch: 0 when the shared durable is there (or the server cannot
         tell: another failure, waited out). When it is gone (deleted by hand, or by a role
@@ -992,8 +1017,13 @@ class Mapper(Service):
                 self.health.set_ready(False, f"fetch failed: {exc}")
                 log.warning("fetch_failed", error=f"{type(exc).__name__}: {exc}")
                 await self.stopper.sleep(1.0)
-                # The consumer or the stream may be gone (HERMES_RAW recreated, a server that
-                # lost its store, the durable deleted): bind again, which also re-reads the epoch.
+                # The same durable still there (a leader change, a server move): pull from it
+                # again, asking nothing else (`resumable`). The consumer or the stream gone or
+                # replaced (HERMES_RAW recreated, a server that lost its store, the durable
+                # deleted): bind again, which also re-reads the epoch.
+                if await self.resumable():
+                    puller = Puller(sub, burst=True)
+                    continue
                 try:
                     sub = await self.bind(await self.durable_gone())
                     puller = Puller(sub, burst=True)

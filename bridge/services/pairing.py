@@ -68,7 +68,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import io
 import os
 import socket
 import time
@@ -80,7 +79,7 @@ import msgspec
 import nats.errors
 import structlog
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, ObjectMeta, ObjectMetaOptions
-from nats.js.errors import KeyNotFoundError, ObjectNotFoundError
+from nats.js.errors import KeyNotFoundError
 from nats.js.object_store import ObjectStore
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -118,8 +117,8 @@ CHECKPOINT_KEY = "p.{}"  # the object in aep_checkpoints (and, from older releas
 # nats-py's default chunk (and Go's); smaller when the server's max_payload is smaller,
 # or every chunk publish would be refused.
 CHECKPOINT_CHUNK = 128 * 1024
-# ObjectStore.get reads the chunks with an ordered push consumer and no timeout: a chunk
-# that is gone would wait forever. A restore runs between two lease renewals (RENEW_S) of
+# A checkpoint's read (`read_checkpoint`: the object's meta and chunks by message gets) is
+# bounded: a restore runs between two lease renewals (RENEW_S) of
 # this replica's other partitions, and leases expire after LEASE_TTL_S (10 s): the bound
 # stays well below that. Reading 20 MB from a local server took 0.8 s; checkpoints are a
 # few MB.
@@ -214,25 +213,6 @@ class PairingMetrics:
 
 class CheckpointUnreadable(RuntimeError):
     """A partition's checkpoint exists and cannot be read: the partition must stay unowned."""
-
-
-class _KeepSubscriptions:
-    """The JetStream context for one ObjectStore.get, remembering the subscription it makes:
-    nats-py leaves that ordered consumer subscribed (heartbeats, flow control, a consumer on
-    the server) when get() is cancelled by a timeout, and a partition whose checkpoint
-    cannot be read is tried again after every lease expiry."""
-
-    def __init__(self, js: Any) -> None:
-        self._js = js
-        self.subs: list[Any] = []
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._js, name)
-
-    async def subscribe(self, *args: Any, **kwargs: Any) -> Any:
-        sub = await self._js.subscribe(*args, **kwargs)
-        self.subs.append(sub)
-        return sub
 
 
 class Feed:
@@ -468,19 +448,51 @@ class PairingService(Service):
 
     async def read_checkpoint(self, n: int) -> bytes | None:
         """The compressed checkpoint of partition `n` from the object store; None when there is
-        no object. Raises when it exists and cannot be read (DigestMismatchError, a timeout)."""
-        js = _KeepSubscriptions(self.js)
-        store = ObjectStore(name=S.CHECKPOINTS_BUCKET, stream=S.CHECKPOINTS.stream_name, js=js)
-        buf = io.BytesIO()  # writeinto: get() otherwise concatenates bytes chunk by chunk (quadratic)
+        no object. Raises when it exists and cannot be read (DigestMismatchError: a chunk
+        missing or added; a timeout).
+
+        Read with the checkpoints stream leader's message gets (``STREAM.MSG.GET``: the
+        object's meta, then each chunk by ``next_by_subj``), not with nats-py's
+        ``ObjectStore.get``, whose ordered consumer is created through the meta group: after a
+        partition's heal the meta group elected its leader after the checkpoints stream had
+        one, and each partition's restore waited its CHECKPOINT_READ_TIMEOUT_S out in turn
+        (two partitions' reads timed out 5 and 10 s after the stream's leader was back: the
+        pipeline moved again 13 s later; issue 42)."""
+        return await asyncio.wait_for(self._read_object(CHECKPOINT_KEY.format(n)), CHECKPOINT_READ_TIMEOUT_S)
+
+    async def _read_object(self, name: str) -> bytes | None:
+        import base64
+        import hashlib
+        import json
+
+        from nats.js.api import ObjectInfo
+        from nats.js.errors import DigestMismatchError, NotFoundError
+
+        stream, bucket = S.CHECKPOINTS.stream_name, S.CHECKPOINTS_BUCKET
+        meta = f"$O.{bucket}.M.{base64.urlsafe_b64encode(name.encode()).decode()}"
         try:
-            await asyncio.wait_for(store.get(CHECKPOINT_KEY.format(n), writeinto=buf), CHECKPOINT_READ_TIMEOUT_S)
-        except ObjectNotFoundError:  # also an object marked deleted
+            msg = await self.js.get_msg(stream, subject=meta)  # the last one of the subject
+        except NotFoundError:
             return None
-        finally:
-            for sub in js.subs:  # get() unsubscribes itself after the last chunk, not on a timeout
-                with contextlib.suppress(Exception):
-                    await sub.unsubscribe()
-        return buf.getvalue()
+        info = ObjectInfo.from_response(json.loads(msg.data or b"{}"))
+        if info.deleted:
+            return None
+        if not info.size:
+            return b""
+        chunks, digest, seq = f"$O.{bucket}.C.{info.nuid}", hashlib.sha256(), 1
+        buf = bytearray()
+        while len(buf) <= info.size:  # up to the first message past the last chunk: none
+            try:
+                chunk = await self.js.get_msg(stream, seq=seq, subject=chunks, next=True)
+            except NotFoundError:
+                break
+            buf += chunk.data or b""
+            digest.update(chunk.data or b"")
+            seq = int(chunk.seq) + 1
+        want = base64.urlsafe_b64decode((info.digest or "").replace("SHA-256=", "").replace("sha-256=", ""))
+        if len(buf) != info.size or digest.digest() != want:
+            raise DigestMismatchError
+        return bytes(buf)
 
     async def restore(self, n: int) -> Partition:
         """The partition's state from its checkpoint; a fresh state only when there is none.

@@ -910,6 +910,7 @@ class NatsConnection:
         # never acks (cut off from the stream's leader) costs its share, not the whole deadline.
         self.ack_by = None
         self.answered = False
+        self.refused = None  # what the last publish's first transient answer said (503 no responders, ...)
 
     @classmethod
     def connect(cls, server, cfg, deadline, answer_by=None):
@@ -1092,6 +1093,7 @@ class NatsConnection:
             out += b"\r\n"
         self.next += len(records)
         self.error = None
+        self.refused = None
         results = {}
         share = self.ack_by if self.ack_by is not None and self.ack_by < deadline else None
         try:
@@ -1111,6 +1113,8 @@ class NatsConnection:
                     o = results[idx] = _ack_outcome(m[2], m[3])
                     if o is not False:
                         self.answered = True
+                    elif self.refused is None:
+                        self.refused = _refusal(m[2], m[3])
         except TimeoutError as exc:
             if share is not None and not self.answered:
                 exc = NatsError("%s: no ack within its share of the deadline" % self.server)
@@ -1121,9 +1125,24 @@ class NatsConnection:
         for i in range(len(records)):
             o = results.get(i)
             if o is None or o is False:
+                if o is False and self.error is None:
+                    # Answered, but not stored (503 no responders, JetStream unavailable): this
+                    # server cannot take it now. An error, so that every caller goes on to the
+                    # next server: a spool replay read a short answer without one as "its share
+                    # spent" and spooled behind a node cut off from its peers (issue 42).
+                    self.error = NatsError("%s: publish not stored (%s)" % (masked_url(self.server), self.refused or "no ack"))
                 break
             ordered.append(o)
         return ordered
+
+
+def _refusal(headers, payload):
+    """What a transient answer said, short (for the error that sends a caller to the next server)."""
+    if headers:
+        line = headers.split(b"\r\n", 1)[0].split(None, 1)
+        if len(line) == 2:
+            return line[1].decode("utf-8", "replace")[:60]
+    return payload[:120].decode("utf-8", "replace")
 
 
 def _ack_outcome(headers, payload):

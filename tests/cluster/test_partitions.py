@@ -24,8 +24,10 @@ partition, the longest such stretch and when the pipeline moved again.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
+import shutil
 import time
 import urllib.request
 from collections import Counter
@@ -35,6 +37,7 @@ import pytest
 
 from tests.cluster.harness import ClusterRun
 from tests.support import partition as P
+from tests.support.cutfirst import CutFirstShims
 
 RATE = 300.0
 DURATION = 85.0
@@ -69,15 +72,18 @@ def partitioned(tmp_path):
             yield run, cut
         finally:
             run.close()
+            for n in cluster.nodes:  # the servers' logs beside the services' (the cluster's dir is removed)
+                with contextlib.suppress(OSError):
+                    shutil.copy(n.log_path, tmp_path / "logs" / f"nats-{n.name}.log")
 
 
-def store_times(run: ClusterRun) -> list[float]:
-    """When each AEP_EVENTS message was stored (wall clock, in stream order): the pipeline's
+def store_times(run: ClusterRun, stream: str = "AEP_EVENTS", subjects: str = "aep.>") -> list[float]:
+    """When each message of ``stream`` was stored (wall clock, in stream order): the pipeline's
     progress, exactly, read once the run is over."""
     from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
     async def read(js: Any) -> list[float]:
-        sub = await js.pull_subscribe("aep.>", stream="AEP_EVENTS", config=ConsumerConfig(
+        sub = await js.pull_subscribe(subjects, stream=stream, config=ConsumerConfig(
             ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.ALL, inactive_threshold=30.0))
         out: list[float] = []
         while True:
@@ -90,6 +96,11 @@ def store_times(run: ClusterRun) -> list[float]:
         return out
 
     return run.pipe.run(read, timeout=120)
+
+
+def clock(t: float) -> str:
+    """A wall-clock time as the services' logs and nats-server's write it (UTC)."""
+    return time.strftime("%H:%M:%S", time.gmtime(t)) + f"{t % 1:.3f}"[1:]
 
 
 def longest_gap(times: list[float], a: float, b: float) -> tuple[float, float]:
@@ -168,8 +179,10 @@ def liveness(times: list[float], windows: list[tuple[str, float, float]], t0: fl
 def test_partitions_the_services_follow_the_majority(partitioned):
     run, cut = partitioned
     cluster = run.cluster
-    run.start_traffic(rate=RATE, duration=DURATION)
+    fleet = run.start_traffic(rate=RATE, duration=DURATION)
     wall = time.time() - time.monotonic()  # monotonic -> wall clock (the stored times')
+    url = {n.name: n.url for n in cluster.nodes}
+    shims = CutFirstShims(fleet, [n.url for n in cluster.nodes])  # the cut node first in their list
     windows: list[tuple[str, float, float]] = []
     try:
         for at, what, stream, length in SCHEDULE:
@@ -183,11 +196,12 @@ def test_partitions_the_services_follow_the_majority(partitioned):
             start = time.monotonic()
             if what == "isolate":
                 cut.isolate(victim)
-                print(f"{start - run.t0:.1f} s: {victim} (services {dict(where)}) cut from both peers for {length:.0f} s")
+                shims.during(url[victim], length - 1.0, f"{victim} at {at:.0f} s")
+                print(f"{start - run.t0:.1f} s ({clock(wall + start)}): {victim} (services {dict(where)}) cut from both peers for {length:.0f} s")
                 time.sleep(max(0.0, start + length - time.monotonic()))  # its whole length, even if it began late
             else:
                 other = next(n.name for n in cluster.nodes if n.name != victim)
-                print(f"{start - run.t0:.1f} s: link {victim}-{other} (services {dict(where)}) flaps for {length:.0f} s")
+                print(f"{start - run.t0:.1f} s ({clock(wall + start)}): link {victim}-{other} (services {dict(where)}) flaps for {length:.0f} s")
                 cut_now = True
                 while time.monotonic() < start + length:
                     if cut_now:
@@ -198,8 +212,9 @@ def test_partitions_the_services_follow_the_majority(partitioned):
                     time.sleep(min(1.5, max(0.0, start + length - time.monotonic())))
             cut.heal()
             healed = time.monotonic()
-            print(f"{healed - run.t0:.1f} s: healed; services now {dict(services_by_node(run))}")
+            print(f"{healed - run.t0:.1f} s ({clock(wall + healed)}): healed; services now {dict(services_by_node(run))}")
             windows.append((f"{what} {victim}" + (f" ({stream} leader)" if stream else ""), wall + start, wall + healed))
+        shims_left = shims.finish()  # their sessions ended and spools replayed while the traffic runs
         run.at(DURATION)
         try:  # printed before the checks, which may fail
             longest, report = liveness(store_times(run), windows, wall + run.t0)
@@ -208,6 +223,15 @@ def test_partitions_the_services_follow_the_majority(partitioned):
         run.finish()
     finally:
         cut.heal()
+    # The shim instances whose first server was the cut node: acked by the majority while each cut
+    # lasted, and every one of their events stored (the verification above covered them too).
+    missing = shims.landed(run.pipe)
+    print(f"cut-first shims: acked/runs during each cut {dict((k, f'{v}/{shims.runs_during[k]}') for k, v in shims.acked_during.items())}; "
+          f"outcomes {dict(shims.outcomes)}; not in HERMES_RAW {missing}")
+    assert not shims.errors and not shims_left, (shims.errors, shims_left)
+    assert shims.runs_during and all(v > 0 for v in shims.acked_during.values()), shims.acked_during
+    assert all(sum(1 for (i, _c) in shims.runs_during if i == name) == 2 for name in shims.sent), shims.runs_during
+    assert not any(missing.values()) and all(shims.sent.values()), missing
     moves = {w.name: int(w.metrics().get("aep_bridge_nats_server_moves_total", 0)) for w in run.pipe.workers}
     print(f"server moves per service: {moves}")
     # every node's copy converged

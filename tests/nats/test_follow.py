@@ -97,6 +97,35 @@ def test_no_move_when_no_other_server_serves_jetstream(plain_server):
     assert moves == 0 and waiting and same
 
 
+def test_a_lone_answering_server_among_three_is_not_followed(plain_server, nats_server):
+    """Three servers take connections and only one answers the probe: what a meta leader cut off
+    from its peers looks like while the other two have not elected one yet (it answers
+    $JS.API.INFO for ~10 s more, the healthy two answer nothing). Moving there would put the
+    service on the cut node: in a partition run (2026-12-07) three services on a healthy node
+    moved to the cut meta leader. The service stays until a majority of the servers that take
+    connections answer."""
+    other, proc = start_plain_server()
+    urls = [plain_server, other, nats_server.url]
+    name = next(n for n in (f"aep-bridge-lone-{i}" for i in range(200))
+                if follow.first_server_order(urls, follow.identity(n))[0] == plain_server)
+    try:
+        async def run() -> tuple[int, bool, str | None]:
+            settings = Settings(nats_url=",".join(urls), nats_leave_after_s=0.5)
+            nc = await connect_service(settings, name=name, wait_s=10)
+            try:
+                f = follow.of(nc)
+                await asyncio.sleep(3.0)
+                return f.moves, f.waiting, f.server()
+            finally:
+                await nc.close()
+
+        moves, waiting, server = asyncio.run(run())
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    assert moves == 0 and waiting and server == urlparse(plain_server).netloc
+
+
 def test_a_service_leaves_a_server_that_cannot_serve_jetstream(plain_server, nats_server):
     """Listed first (its name's hash picks it), the server without JetStream takes the
     connection; within a few seconds of failed JetStream requests the service moves to the

@@ -231,6 +231,35 @@ def test_a_spool_replay_leaves_a_mute_server_for_the_next(
     assert mute.connections == 1
 
 
+def test_a_spool_replay_leaves_a_server_that_answers_no_responders_for_the_next(
+        nats_server: NatsServer, jetstream: JetStreamClient, tmp_path: Path) -> None:
+    """A server that answers every publish at once with 503 "no responders" (no stream behind
+    it: a node cut off from its peers answered that in the partition test, issue 42), first in
+    the list, with a non-empty spool: the replay goes on to the next server in the same run.
+    Before the fix the replay stopped there (a short answer with no error read as "the replay's
+    share is spent"), the run's event was spooled behind it, and so was every later run's for as
+    long as the node stayed cut (0 of 34 runs acked in a cut, where the same instances' runs
+    with an empty spool were)."""
+    from tests.natsfixture import ProcessNats
+
+    empty = ProcessNats()  # JetStream on, no stream: every raw publish answers 503 no responders
+    empty.start()
+    try:
+        servers = f"{empty.url},{nats_server.url}"
+        instance = instance_starting_at(servers, empty.url, "noresp", tmp_path)
+        env = shim_env(servers, tmp_path, instance, deadline_ms=DEADLINE_MS)
+        cfg = hook.Config(environ=env)
+        hook.Spool(cfg.spool_dir, instance).append(
+            [hook.build_record(dumps(envelope(session=f"old-{i}")), cfg) for i in range(3)])
+        run = run_hook(dumps(envelope(session="new")), env)
+        assert run.answered_empty_object, run
+        assert hook.Spool(cfg.spool_dir, instance).pending() == 0 and spooled(tmp_path) == 0, run
+        assert landed(jetstream, instance, 4) == [f"old-{i}" for i in range(3)] + ["new"]
+        assert hook.server_order(cfg)[0] == nats_server.url  # remembered: the next run starts there
+    finally:
+        empty.close()
+
+
 def test_a_mute_server_that_stored_the_publish_makes_no_duplicate(
         nats_server: NatsServer, jetstream: JetStreamClient, tmp_path: Path) -> None:
     """The stub passes the publish on to the real server (stored) and loses the ack: the shim's

@@ -123,6 +123,7 @@ class SinkWorker:
         self.start_after = 0  # a durable found gone: created again after this sequence (`gone`)
         self.replay_upto = 0  # ... and the sequences up to this one it delivers again are checked against `delivered`
         self.stream_created: Any = None  # AEP_EVENTS's creation time at the last bind
+        self.consumer_created: Any = None  # the bound durable's creation time (`gone`)
 
     def unsure(self) -> str | None:
         """Why readiness waits on a lease: never for a sink's one durable (a partition's worker is
@@ -142,9 +143,10 @@ class SinkWorker:
                 await self.service.js.delete_consumer(stream, durable)
             except nats.js.errors.NotFoundError:
                 pass
-            await self.service.js.add_consumer(stream, S.export_partition_consumer_config(
+            info = await self.service.js.add_consumer(stream, S.export_partition_consumer_config(
                 durable, self.cfg.name, self.partition, f"aep-bridge exporter sink {self.cfg.name} partition {self.partition}",
                 ack_wait=self.service.settings.export_ack_wait_s))
+            self.consumer_created = getattr(info, "created", None)
             self.sub = await self.service.js.pull_subscribe_bind(durable=durable, stream=stream)
             self.bound = True
             return
@@ -158,7 +160,7 @@ class SinkWorker:
         self.stream_created = created
         if self.start_after:  # it disappeared: from the ack floor on, not from the stream's start
             config.deliver_policy, config.opt_start_seq = DeliverPolicy.BY_START_SEQUENCE, self.start_after + 1
-        await self.service.js.add_consumer(S.AEP_EVENTS, config)
+        self.consumer_created = getattr(await self.service.js.add_consumer(S.AEP_EVENTS, config), "created", None)
         if self.start_after:
             self.start_after, self.state = 0, "delivering"
             log.warning("consumer_recreated", sink=self.cfg.name, durable=self.cfg.durable)
@@ -358,33 +360,40 @@ class SinkWorker:
                 continue
             except Exception as exc:  # connection trouble, consumer gone: bind again
                 log.warning("fetch_failed", sink=self.cfg.name, error=f"{type(exc).__name__}: {exc}")
-                await self.gone()
-                self.bound = False
+                if await self.gone():
+                    self.bound = False
                 await stopper.sleep(1.0)
                 continue
             await self.handle(msgs)
 
-    async def gone(self) -> None:
-        """After a failed fetch: is the durable gone (deleted by hand, or by a role that should
-        not have been able to: issue 44)? Then it is created again by the next bind (not ready
-        meanwhile: /readyz 503), a sink's after its ack floor as last read, the events between
-        that and what the sink confirmed checked against `delivered` (not sent twice); a
-        partition's from its work queue's first unacked message, as at every acquisition."""
+    async def gone(self) -> bool:
+        """After a failed fetch: must the worker bind again? Not while its durable answers and
+        is the one bound (its creation time), nor while nothing answers (an election, a node cut
+        off: the next fetch tells): it pulls from the same durable again, with no request to the
+        meta group (a bind creates the durable, which waits for a meta leader: after a
+        partition's heal, seconds after the durable's own leader is back; issue 42). A durable of
+        that name made since (a new AEP_EVENTS, another replica's): bound again. Gone (deleted by
+        hand, or by a role that should not have been able to: issue 44): created again by the
+        next bind (not ready meanwhile: /readyz 503), a sink's after its ack floor as last read,
+        the events between that and what the sink confirmed checked against `delivered` (not
+        sent twice); a partition's from its work queue's first unacked message, as at every
+        acquisition."""
         stream, durable = (S.EXPORT_STREAM, self.cfg.partition_durable(self.partition)) if self.partition is not None \
             else (S.AEP_EVENTS, self.cfg.durable)
         try:
-            await self.service.js.consumer_info(stream, durable)
-            return
+            info = await self.service.js.consumer_info(stream, durable)
+            return self.consumer_created is None or info.created != self.consumer_created
         except nats.js.errors.NotFoundError:
             pass
-        except Exception:  # cannot tell: bound again as before
-            return
+        except Exception:  # cannot tell: the same durable, pulled again
+            return False
         self.metrics.recreated.labels(sink=self.cfg.name).inc()
         self.state = f"consumer {durable} gone: recreating it"
         log.error("consumer_gone", sink=self.cfg.name, stream=stream, durable=durable, after_seq=self.server_floor)
         if self.partition is None:
             self.start_after = self.server_floor
             self.replay_upto = max(self.delivered, default=0)
+        return True
 
     async def lag(self) -> int:
         info = await self.sub.consumer_info()
