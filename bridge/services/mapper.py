@@ -100,7 +100,7 @@ from bridge.core.envelope import EnvelopeError, check_raw, decode_raw
 from bridge.core.lanes import UNKNOWN_TOKEN, event_lane_token, lane_candidates, partition_of
 from bridge.core.mapping import HOOKS, INVALID_FIELDS
 from bridge.core.pipeline import map_record, record_from_raw
-from bridge.runtime import (DEFAULT_MARGIN_NS, OTHER, SERVER_MARGIN_NS, UNANSWERED, WRONG_LAST_SEQUENCE, AckPublisher,
+from bridge.runtime import (DEFAULT_MARGIN_NS, FACT_TIMEOUT_S, OTHER, SERVER_MARGIN_NS, UNANSWERED, WRONG_LAST_SEQUENCE, AckPublisher,
                             BoundedLabel, Health, KvLanes, Linger, Loop, PinnedLane, Puller, Service, Settings, Stopper,
                             connect_service, epoch_of, find_msg_id, lane_fact_key, load_price_table, msg_ids_on,
                             observe_many, outage, server_list, stored_ns, until_answered, wait_all)
@@ -309,12 +309,19 @@ class Held(msgspec.Struct):
     owner: asyncio.Future | None = None
     instance: str = ""
     msg: Any = None
+    # The instance ``owner``'s create named: the session's first message's in the batch, which
+    # a later message of another instance must be judged by (not by its own).
+    named: str = ""
 
 
 class Mapper(Service):
     name = "mapper"
     grace_s = 20.0
     fast_loop = True  # uvloop (issue 24)
+    # How long a batch waits for its lane facts' and session records' creates (one wait per
+    # batch): an unanswered lane fact then maps its message as before lane facts, an unanswered
+    # session record retries its messages (the request each was before issue 43 waited as long).
+    fact_timeout_s = FACT_TIMEOUT_S
 
     def __init__(self, settings: Settings, policy: CapturePolicy, registry: CollectorRegistry | None = None,
                  batch: int = 256, durable: str = S.MAPPER_DURABLE,
@@ -367,7 +374,8 @@ class Mapper(Service):
         # First attempts of look-up raw messages whose lane facts are sent and whose events wait
         # for those acks (`release_held`), and the later messages of the batch behind them.
         self._held: list[Held] = []
-        self._owner_sends: dict[str, asyncio.Future] = {}  # session -> its instance record's create, this batch
+        # session -> its instance record's create this batch, and the instance that create named
+        self._owner_sends: dict[str, tuple[asyncio.Future, str]] = {}
         # This batch's tallies for the hook and type counters, added once per batch (`count`).
         self._hooks_in: dict[str, int] = {}
         self._types_out: dict[str, int] = {}
@@ -495,16 +503,17 @@ class Mapper(Service):
                     self.metrics.lane_facts.labels(outcome="recorded").inc()
         except (EnvelopeError, subj.SubjectError) as exc:
             return [await self.dead_letter(msg, exc.reason, exc)], 0
-        owner_wait = None
+        owner_wait, named = None, ""
         if result.events and not result.unknown and self.lanes.facts is not None:
             owner = self.lanes.cached_owner(result.lane)
             if owner is not None and owner != raw.instance:  # another instance's session: it changes nothing
                 return [await self.foreign(msg, owner, raw.instance)], 0
             if owner is None:  # its record's create sent now, answered with the batch (`release_held`)
-                owner_wait = self._owner_sends.get(result.lane)
-                if owner_wait is None:
-                    owner_wait = self._owner_sends[result.lane] = await self.lanes.send_owner(
-                        result.lane, raw.instance, self.publisher.publish)
+                sent = self._owner_sends.get(result.lane)
+                if sent is None:
+                    sent = self._owner_sends[result.lane] = (await self.lanes.send_owner(
+                        result.lane, raw.instance, self.publisher.publish), raw.instance)
+                owner_wait, named = sent
         futures = await self.lanes.learn(result, self.publisher.publish) if self.lanes.needs_learning(result) else []
         if result.drift:
             self.metrics.drift_seen(result.drift).inc()
@@ -519,7 +528,7 @@ class Mapper(Service):
             created = await self.lanes.send_lane(fact, chosen, self.publisher.publish)
             futures.append(created)
             self._held.append(Held(created, futures, record, raw_seq, fact, chosen, result, subject, hints, bodies,
-                                   owner=owner_wait, instance=raw.instance, msg=msg))
+                                   owner=owner_wait, instance=raw.instance, msg=msg, named=named))
             return futures, record.ts_ns
         # `_unknown` is looked at too only for a look-up lane that no earlier attempt recorded
         # (one made by a release before lane facts may have filed it there).
@@ -533,7 +542,7 @@ class Mapper(Service):
             # one round trip per batch: the batch's end waits for the facts' acks anyway. So
             # does a message whose session's instance is being recorded.
             self._held.append(Held(None, futures, record, raw_seq, "", NOT_PINNED, result, subject, hints, bodies,
-                                   stored, owner=owner_wait, instance=raw.instance, msg=msg))
+                                   stored, owner=owner_wait, instance=raw.instance, msg=msg, named=named))
             return futures, record.ts_ns
         await self.publish_events(futures, subject, result, bodies, hints, stored)
         return futures, record.ts_ns
@@ -560,9 +569,9 @@ class Mapper(Service):
         owners, self._owner_sends = self._owner_sends, {}
         if not held:
             return
-        facts = [h.created for h in held if h.created is not None] + list(owners.values())
+        facts = [h.created for h in held if h.created is not None] + [sent for sent, _ in owners.values()]
         if facts:
-            await wait_all(facts, timeout=10)
+            await wait_all(facts, timeout=self.fact_timeout_s)
         for h in held:
             if h.owner is not None and not await self.owner_allows(h):
                 continue
@@ -575,13 +584,14 @@ class Mapper(Service):
                     failed.set_exception(exc)
                     h.futures.append(failed)
                 continue
-            if not created.done():
-                created.cancel()  # no answer in 10 s: retried
-                continue
-            if created.cancelled():
+            unanswered = not created.done()
+            if unanswered:  # not recorded: published as before lane facts (below), not retried
+                created.cancel()
+            elif created.cancelled():
                 continue
             result, subject, hints, bodies = h.result, h.subject, h.hints, h.bodies
-            error = created.exception()
+            error = TimeoutError(f"no answer to the lane fact's create in {self.fact_timeout_s:g} s") \
+                if unanswered else created.exception()
             if error is None:
                 self.metrics.lane_facts.labels(outcome="recorded").inc()
             elif getattr(error, "err_code", None) != WRONG_LAST_SEQUENCE:
@@ -623,7 +633,7 @@ class Mapper(Service):
             error = owner_wait.exception()
         if error is None or getattr(error, "err_code", None) == WRONG_LAST_SEQUENCE:
             try:  # the create's answer (the record of another message or replica, when it was not the first)
-                owner = await self.lanes.owner_answered(h.result.lane, h.instance, owner_wait) \
+                owner = await self.lanes.owner_answered(h.result.lane, h.named or h.instance, owner_wait) \
                     if self.lanes is not None else None
             except Exception as exc:  # cannot tell now: retried
                 error = exc
