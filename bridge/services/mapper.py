@@ -640,8 +640,12 @@ class Mapper(Service):
             else:
                 if owner is None or owner == h.instance:
                     return True
-                h.futures.append(await self.foreign(h.msg, owner, h.instance))
-                return False
+                try:
+                    h.futures.append(await self.foreign(h.msg, owner, h.instance))
+                except Exception as exc:  # its dead-letter not sent (the connection going away): retried
+                    error = exc
+                else:
+                    return False
         failed = asyncio.get_running_loop().create_future()  # retried, like a failed publish ack
         failed.set_exception(error)
         h.futures.append(failed)

@@ -48,8 +48,9 @@ UNAVAILABLE = (nats.errors.TimeoutError, nats.errors.NoRespondersError, nats.js.
 
 
 class Gate(Commands):
-    name = "gate"
     """`aep-bridge gate`: held calls, commands and steering, served from NATS."""
+
+    name = "gate"
 
     async def handle_raw(self, msg: Any) -> None:
         hook = msg.subject.rsplit(".", 1)[-1]
