@@ -142,26 +142,22 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from bridge.nats.connection import NatsConnectError
+    from bridge.commands import run_client
     from bridge.stack.demo import run_demo
 
     settings = settings_for(args)
-    try:
-        result = asyncio.run(run_demo(settings, timeout=args.timeout, json_summary=Path(args.json_summary) if args.json_summary else None))
-    except NatsConnectError as exc:  # what, where and what to do, in one line
-        print(f"aep-bridge demo: {exc}", file=sys.stderr)
-        return 1
-    except BrokenPipeError:  # `| head`: bridge/cli.py exits quietly
-        raise
-    except Exception as exc:
-        print(f"aep-bridge demo: {type(exc).__name__}: {exc} (is the bridge running? start it with `aep-bridge up`)", file=sys.stderr)
+    result = run_client("demo", lambda: run_demo(settings, timeout=args.timeout, json_summary=Path(args.json_summary)
+                                                 if args.json_summary else None),
+                        hint=" (is the bridge running? start it with `aep-bridge up`)")
+    if not isinstance(result, dict):  # said in one line
         return 1
     return 0 if result["shim_failures"] == 0 and result["events"] >= result["mapped_expected"] else 1
 
 
 def cmd_tail(args: argparse.Namespace) -> int:
+    from bridge.commands import run_client
+    from bridge.nats.connection import connect_client
     from bridge.stack.tail import parse_since, tail
-    from bridge.nats.connection import NatsConnectError, connect_client
 
     settings = settings_for(args)
     try:
@@ -180,15 +176,4 @@ def cmd_tail(args: argparse.Namespace) -> int:
             await nc.close()
         return 0
 
-    try:
-        return asyncio.run(main())
-    except KeyboardInterrupt:
-        return 0
-    except NatsConnectError as exc:  # what, where and what to do, in one line
-        print(f"aep-bridge tail: {exc}", file=sys.stderr)
-        return 1
-    except BrokenPipeError:  # `| head`: bridge/cli.py exits quietly
-        raise
-    except Exception as exc:
-        print(f"aep-bridge tail: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
+    return int(run_client("tail", main))
