@@ -33,7 +33,10 @@ if _OUT:
     def _name(code) -> str:  # type: ignore[no-untyped-def]
         name = _names.get(code)
         if name is None:
-            name = _names[code] = f"{getattr(code, 'co_qualname', code.co_name)} ({os.path.basename(code.co_filename)})"
+            # the file's last three path components (nats/aio/client.py, bridge/services/mapper.py):
+            # what benchmarks/profile_buckets.py sorts by
+            path = "/".join(code.co_filename.split(os.sep)[-3:])
+            name = _names[code] = f"{getattr(code, 'co_qualname', code.co_name)} ({path})"
         return name
 
     def _sample(signum, frame) -> None:  # type: ignore[no-untyped-def]
