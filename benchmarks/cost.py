@@ -569,6 +569,13 @@ def main() -> int:
             shutil.rmtree(work, ignore_errors=True)
 
 
+def acked_rate(r: dict) -> str:
+    """The raw messages acked per second in a window, and whether that kept the offered rate
+    (a ratio between two systems at different actual rates compares different batch sizes)."""
+    ok, _ = kept(r)
+    return f"{r['events'] / r['dt']:.0f}{'' if ok else ' (not kept)'}"
+
+
 def report(results: dict[str, Any], a: argparse.Namespace, rates: list[float], names: tuple[str, str]) -> None:
     loop = loop_of_services()
     pipe = results["pipeline"]
@@ -581,6 +588,7 @@ def report(results: dict[str, Any], a: argparse.Namespace, rates: list[float], n
     e2e = ["p50 %.0f p99 %.0f ms" % (x["p50"], x["p99"]) for x in pipe]
     print(f"  {'e2e':<13}" + "".join(f"{e:>26}" for e in e2e))
     print(f"  {'backlog':<13}" + "".join(f"{x['lag']:>26}" for x in pipe))
+    print(f"  {'acked/s':<13}" + "".join(f"{acked_rate(x):>26}" for x in pipe))
     cost = [x["ms"]["mapper"] + x["ms"]["pairing"] for x in pipe]
     print(f"  {'map+pair':<13}" + "".join(f"{c:>23.3f} ms" for c in cost))
     base = results["baseline"]
@@ -597,6 +605,7 @@ def report(results: dict[str, Any], a: argparse.Namespace, rates: list[float], n
         e2e = ["p50 %.0f p99 %.0f ms" % (x["p50"], x["p99"]) for x in base]
         print(f"  {'e2e':<13}" + "".join(f"{e:>26}" for e in e2e))
         print(f"  {'backlog':<13}" + "".join(f"{x['lag']:>26}" for x in base))
+        print(f"  {'acked/s':<13}" + "".join(f"{acked_rate(x):>26}" for x in base))
         print(f"  {'sum':<13}" + "".join(f"{c:>23.3f} ms" for c in bcost))
         print(f"pipeline against the {kind}, per rate:")
         print(f"  {'ratio':<13}" + "".join(f"{c / b:>26.2f}" for c, b in zip(cost, bcost))

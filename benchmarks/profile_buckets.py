@@ -14,7 +14,7 @@ the samples times that. Without it, shares only. `cost.py --profile` prints this
 The buckets (`bucket`: the first rule that matches a sample's stack):
 
 1. ``timed`` — checkpoints, leases, ticks, consumer watches: any frame of a service's timed
-   work (`TIMED`), and pairing's checkpoint compression thread.
+   work (`TIMED`), pairing's checkpoint compression thread, `bridge.nats.follow`'s watch.
 2. ``metrics`` — metrics, health and logs: any frame of prometheus_client, structlog, logging,
    bridge/runtime's health, activity and label code, a ``*Metrics`` method, the HTTP thread.
 3. ``lanes`` — the mapper's lanes: any frame of bridge/nats/lanes.py, bridge/core/lanes.py,
@@ -41,7 +41,7 @@ import re
 import sys
 from pathlib import Path
 
-#: Left out: a non-main thread waiting in ``select`` (`idle`).
+#: Left out: a non-main thread waiting in ``select``, the CPU sampler's own frames (`idle`).
 BUCKETS = ("core", "lanes", "timed", "metrics", "client", "loop", "service")
 TITLES = {
     "core": "pure core work (mapping, pairing's state machine, decode/encode, ids)",
@@ -66,7 +66,7 @@ LANE_PATHS = ("bridge/nats/lanes.py", "bridge/core/lanes.py", "bridge/nats/looku
 CLIENT_PATHS = ("nats/aio/", "nats/js/", "nats/protocol/", "nats/nuid", "bridge/nats/publish.py", "bridge/nats/pull.py",
                 "asyncio/streams.py", "asyncio/selector_events.py")
 CORE_PATHS = ("bridge/core/", "bridge/shim/hook.py", "msgspec/", "json/", "random.py", "zlib", "uuid.py", "secrets.py")
-LOOP_PATHS = ("asyncio/", "uvloop/", "selectors.py", "contextvars")
+LOOP_PATHS = ("asyncio/", "uvloop/", "selectors.py", "contextvars", "_weakrefset.py")  # (asyncio's WeakSet of tasks)
 SKIP_PATHS = ("<string>", "functools.py", "enum.py", "re/", "typing.py", "contextlib.py", "copy.py", "abc.py",
               "dataclasses.py", "datetime.py", "_collections_abc.py")
 
@@ -91,14 +91,15 @@ def _service(path: str) -> bool:
 
 def idle(frames: list[tuple[str, str]]) -> bool:
     """A thread other than the main one waiting in ``select`` (the HTTP server's): py-spy may
-    count it as active; no CPU is spent there."""
-    return bool(frames) and frames[0][0] == "Thread._bootstrap" and frames[-1][1].endswith("selectors.py")
+    count it as active; no CPU is spent there. Or `cpu_sampler`'s own handler."""
+    return bool(frames) and ((frames[0][0] == "Thread._bootstrap" and frames[-1][1].endswith("selectors.py"))
+                             or frames[-1][1].endswith("cpu_sampler/sitecustomize.py"))  # the sampler's own
 
 
 def bucket(frames: list[tuple[str, str]]) -> str:
     """The bucket of one sample's stack (root first)."""
     for func, path in frames:
-        if (_service(path) and TIMED.match(func)) or "concurrent/futures/thread.py" in path:
+        if (_service(path) and TIMED.match(func)) or "concurrent/futures/thread.py" in path or path.endswith("bridge/nats/follow.py"):
             return "timed"
     for func, path in frames:
         if _has(path, METRIC_PATHS) or (_service(path) and re.match(r"^\w*Metrics\.", func)):
