@@ -19,7 +19,8 @@ subjects and consumers, the same fetch, pause and gather (`bridge.nats.pull.Pull
 `bridge.runtime.lifecycle.Linger`, pairing's ``GATHER_S``, imported), every publish of a batch
 with nats-py's public ``publish_async``, one wait for all their acks, then the raw messages'
 acks; no mapping, no state, no metrics. Fed by the same simulator at the same rate, right
-before or after the pipeline's phase (the order alternates from one rate to the next), with an
+before or after the pipeline's phase (the order alternates from one rate to the next;
+``--floor-publish bridge``: the services' `AckPublisher` instead of ``publish_async``), with an
 observer of its own (shim receive, the raw id's ULID time, -> AEP_EVENTS). Its own flatness
 (its cost per event at the lowest rate over the highest) is printed: at most 1.3, or the floor
 is not fair (it pays wake-ups the pipeline's policies avoid, or the other way round).
@@ -385,6 +386,8 @@ def main() -> int:
                     help="the baseline before issue 43 instead of the floor: two bare relays, no pause (not a fair floor)")
     ap.add_argument("--floor-loop", choices=("service", "asyncio"), default="service",
                     help="the floor's event loop: the services' (default) or asyncio's")
+    ap.add_argument("--floor-publish", choices=("public", "bridge"), default="public",
+                    help="the floor's publish: nats-py's publish_async (default) or the services' AckPublisher")
     ap.add_argument("--max-rate", action="store_true", help="then the highest rate each system keeps alone")
     ap.add_argument("--max-start", type=float, default=1000.0, help="--max-rate's first offered rate (default 1000)")
     ap.add_argument("--max-step", type=float, default=1000.0, help="--max-rate's step (default 1000)")
@@ -473,7 +476,8 @@ def main() -> int:
                 ready = lambda: (acked(bare_server.url, S.HERMES_RAW, "bare-1"), acked(bare_server.url, S.BRIDGE_MAPPED, "bare-2"))  # noqa: E731
             else:
                 r1, r2 = (procs.start(f"floor-{role}", [sys.executable, str(HERE / "floor_relay.py"), "--nats", bare_server.url,
-                                                         "--role", role, "--loop", a.floor_loop], env=floor_env)
+                                                         "--role", role, "--loop", a.floor_loop, "--publish", a.floor_publish],
+                                         env=floor_env)
                           for role in ("mapper", "pairing"))
                 bare_counter = (S.HERMES_RAW, S.MAPPER_DURABLE)
                 ready = lambda: all(b"ready on" in (logs / f"floor-{r}.log").read_bytes() for r in ("mapper", "pairing")) or 1 / 0  # noqa: E731
@@ -598,7 +602,8 @@ def report(results: dict[str, Any], a: argparse.Namespace, rates: list[float], n
         what = ("two bare nats-py relays, no pause (HERMES_RAW -> BRIDGE_MAPPED -> AEP_EVENTS; not a fair floor)"
                 if kind == "bare chain" else
                 f"the floor: two nats-py processes in the mapper's and pairing's places, their consumers, fetch, pause "
-                f"and gather, public publish_async, no mapping or state (on {loop if a.floor_loop == 'service' else 'asyncio'})")
+                f"and gather, {'public publish_async' if a.floor_publish == 'public' else 'the services AckPublisher'}, "
+                f"no mapping or state (on {loop if a.floor_loop == 'service' else 'asyncio'})")
         print(f"{kind}, {what}:")
         for n in base[0]["ms"]:
             print(f"  {n:<13}" + "".join(f"{x['ms'][n]:>9.3f} ms {x['pct'][n]:>4.0f} % {x['rss'][n] / 1024:>5.0f} MiB" for x in base))

@@ -19,6 +19,9 @@ AEP_BRIDGE_LINGER_MS / AEP_BRIDGE_LINGER_MAX_MS). Each batch: every message's by
 every message published to ``aep.hermes.<instance>.<hook>`` the same way, one wait for all the
 acks (pairing's consumer takes no acks).
 
+``--publish bridge``: the services' own `bridge.nats.publish.AckPublisher` instead of nats-py's
+``publish_async`` (what the floor would cost on the pipeline's publish path).
+
 No mapping, no state, no metrics, no logs, no health. Runs on the services' event loop
 (`bridge.runtime.lifecycle.event_loop_factory`: uvloop when installed) unless ``--loop asyncio``;
 prints ``floor <role> ready on <loop>`` once bound. Runs until SIGTERM.
@@ -72,7 +75,13 @@ async def run(a: argparse.Namespace) -> None:
     js = nc.jetstream(publish_async_max_pending=4096)
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
-    publish = js.publish_async
+    if a.publish == "bridge":  # the services' own publish path (one future per publish, bridge.nats.publish)
+        from bridge.nats.publish import AckPublisher
+
+        publisher = await AckPublisher(nc).start()
+        publish = publisher.publish
+    else:
+        publish = js.publish_async
     if a.role == "mapper":
         config = S.mapper_consumer_config(S.MAPPER_DURABLE, settings.mapper_ack_wait_s)
         sub = await js.pull_subscribe(S.RAW_SUBJECTS, durable=S.MAPPER_DURABLE, stream=S.HERMES_RAW, config=config)
@@ -121,6 +130,8 @@ if __name__ == "__main__":
     p.add_argument("--role", choices=("mapper", "pairing"), required=True)
     p.add_argument("--loop", choices=("service", "asyncio"), default="service",
                    help="the services' loop (uvloop when installed; default) or asyncio's")
+    p.add_argument("--publish", choices=("public", "bridge"), default="public",
+                   help="nats-py's public publish_async (default) or the services' AckPublisher")
     a = p.parse_args()
     with asyncio.Runner(loop_factory=event_loop_factory() if a.loop == "service" else None) as runner:
         runner.run(run(a))
