@@ -13,7 +13,11 @@ Use (every Python process of the run imports it; only those sent SIGUSR1 record)
     kill -USR1 <mapper pid> <pairing pid>   # start (counts cleared)
     kill -USR1 <mapper pid> <pairing pid>   # stop: /tmp/prof/<role>-<pid>.txt, collapsed stacks
 
-A line is ``frame;frame;... count`` (flamegraph.pl reads it); a count is ~4 ms of CPU.
+``cost.py --cpu-profile DIR`` does this for the mapper and pairing over each rate's window and
+prints the samples' buckets (`benchmarks/profile_buckets.py`).
+
+A line is ``frame;frame;... count`` (flamegraph.pl reads it); a count is ~4 ms of CPU. A frame is
+``qualname (the file's last three path components)``.
 """
 
 import os
