@@ -99,7 +99,7 @@ async def run(a: argparse.Namespace) -> None:
             for m in msgs:
                 rest = m.subject.split(".", 2)[2]  # hermes.raw.<instance>.<hook>
                 part = zlib.crc32(rest.split(".", 1)[0].encode()) % partitions
-                futures.append(await publish(f"{prefix}{part}.{rest}", m.data, headers={_ID: m.headers.get(_ID, "")}))
+                futures.append(await publish(f"{prefix}{part}.{rest}", m.data, headers={_ID: (m.headers or {}).get(_ID, "")}))
             await wait_acks(futures)
             for m in msgs:
                 await m.ack()
@@ -118,7 +118,7 @@ async def run(a: argparse.Namespace) -> None:
                 msgs = await puller.fetch(pairing_service.FETCH_BATCH, timeout=pairing_service.POLL_S)
             except (nats.errors.TimeoutError, asyncio.TimeoutError):
                 continue
-            futures = [await publish(prefix + m.subject.split(".", cut)[cut], m.data, headers={_ID: m.headers.get(_ID, "")})
+            futures = [await publish(prefix + m.subject.split(".", cut)[cut], m.data, headers={_ID: (m.headers or {}).get(_ID, "")})
                        for m in msgs]
             await wait_acks(futures)
     await nc.close()
