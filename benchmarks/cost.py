@@ -539,8 +539,9 @@ def main() -> int:
         if a.max_rate:
             print(f"\nhighest rate kept, each system alone (the other stopped), from {a.max_start:.0f}/s by {a.max_step:.0f}/s:",
                   flush=True)
-            others = [bare_server.proc.pid, *(p for k, p in bare_pids.items() if k not in ("sim", "nats"))] if bare_pids else []
-            mine = [server.proc.pid, *(p for k, p in pids.items() if k not in ("sim", "nats"))]
+            # (not the observers: an ordered consumer stopped and resumed may stay stalled; idle, they cost nothing)
+            others = [bare_server.proc.pid, *(p for k, p in bare_pids.items() if k not in ("sim", "nats", "observer"))] if bare_pids else []
+            mine = [server.proc.pid, *(p for k, p in pids.items() if k not in ("sim", "nats", "observer"))]
             paused = others
             stopped(paused, True)
             mp_ = max_rate("pipeline", server.url, a, work, "mc", pids, (S.HERMES_RAW, S.MAPPER_DURABLE), lat_path)
