@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """The cost curve: CPU per event of every process of the pipeline at steady rates, against a
-bare two-relay chain measured in the same run (issue 24).
+fair floor measured in the same run (issues 24 and 43).
 
     .venv/bin/python benchmarks/cost.py                       # 250, 1,000, 2,000 events/s, 180 s each
     .venv/bin/python benchmarks/cost.py --rates 250,1000 --seconds 20 --warmup 5   # a smoke run
+    .venv/bin/python benchmarks/cost.py --rates 250,1000,2000 --max-rate --seconds 20 --warmup 5
 
 Pipeline: an embedded nats-server, `aep-bridge mapper` and `aep-bridge pairing` (one of each,
 `tests/support/pipeline.py`'s `Pipeline`), `aep-bridge relay` with 10 SSE subscribers (one process of
@@ -12,23 +13,43 @@ the fleet simulator (`bridge.sim.fleet.Fleet`, 1,000 instances, in-process shims
 at each rate for ``--warmup`` + ``--seconds`` seconds; an observer process (soak.py's) measures
 shim receive -> AEP_EVENTS latency.
 
-Baseline: a second nats-server, bootstrapped alike, and two `benchmarks/bare_relay.py`
-processes (HERMES_RAW -> BRIDGE_MAPPED -> AEP_EVENTS: fetch, publish_async, ack after the
-publish acks), fed by the same simulator at the same rate right after the pipeline's phase.
+The floor (issue 43): a second nats-server, bootstrapped alike, and two
+`benchmarks/floor_relay.py` processes in the mapper's and pairing's places: the same streams,
+subjects and consumers, the same fetch, pause and gather (`bridge.nats.pull.Puller`,
+`bridge.runtime.lifecycle.Linger`, pairing's ``GATHER_S``, imported), every publish of a batch
+with nats-py's public ``publish_async``, one wait for all their acks, then the raw messages'
+acks; no mapping, no state, no metrics. Fed by the same simulator at the same rate, right
+before or after the pipeline's phase (the order alternates from one rate to the next;
+``--floor-publish bridge``: the services' `AckPublisher` instead of ``publish_async``), with an
+observer of its own (shim receive, the raw id's ULID time, -> AEP_EVENTS). Its own flatness
+(its cost per event at the lowest rate over the highest) is printed: at most 1.3, or the floor
+is not fair (it pays wake-ups the pipeline's policies avoid, or the other way round).
+``--bare-chain``: the baseline before issue 43 instead (two `benchmarks/bare_relay.py`: fetch,
+``publish_async``, ack, no pause; flatness ~3: not a fair floor).
 
 First, ``--idle`` seconds with no traffic: each process's % of a core, the cost that tracks
 wall time rather than events (and what it adds per event at each rate).
 
 Per rate, over the ``--seconds`` after the warm-up: each process's CPU (utime + stime from
-/proc/<pid>/stat) in ms per raw event (the raw messages the mapper, or the first bare relay,
+/proc/<pid>/stat) in ms per raw event (the raw messages the mapper, or the floor's mapper,
 acked in that window) and in % of a core, its RSS at the end, e2e p50/p99; then
-(mapper + pairing) ms/event / (relay 1 + relay 2) ms/event, and the flatness figure (the
-lowest rate's cost per event / the highest rate's). Targets (issue 24): ratio <= 1.5 at every
-rate, flatness <= 1.3. Figures only, no assertion.
+(mapper + pairing) ms/event / (floor mapper + floor pairing) ms/event, the ms per event above
+the floor, and the flatness figures (the lowest rate's cost per event / the highest rate's).
+Targets (issue 43): ratio <= 2.0 at every rate, flatness <= 1.3 (the pipeline's and the
+floor's). Figures only, no assertion. Every figure says the event loop it ran on (the services'
+`event_loop_factory`: uvloop when installed, else asyncio's; the floor runs on the same).
+
+``--max-rate``: then each system alone (the other's processes stopped with SIGSTOP), the
+offered rate raised by ``--max-step`` from ``--max-start`` until the system stops keeping it
+(its mapper acked less than 95 % of what the simulator sent, or the backlog grew by more than a
+quarter of a second's events over the window), or the simulator itself could not send it; the
+highest rate kept is printed, for the pipeline and the floor.
 
 ``--profile DIR``: py-spy (PyPI py-spy) records the mapper and pairing during each rate's
 measured window (attached by pid; ``--format raw``, collapsed stacks), and the top frames,
-self and cumulative, are printed from them (``--top``).
+self and cumulative, are printed from them (``--top``), then the buckets of issue 43
+(`benchmarks/profile_buckets.py`) in µs per event. ``--cpu-profile DIR``: the same buckets from
+`benchmarks/cpu_sampler` (CPU-time samples, which py-spy's are not on a loaded machine).
 """
 
 from __future__ import annotations
@@ -49,13 +70,16 @@ import time
 import json
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
-from soak import cpu_s, observe, pct  # noqa: E402
+from profile_buckets import read as read_buckets, table as bucket_table  # noqa: E402
+from soak import cpu_s, observe, pct, ulid_ms  # noqa: E402
 
 from bridge.nats import streams as S  # noqa: E402
+from bridge.runtime.lifecycle import event_loop_factory  # noqa: E402
 from bridge.runtime.profiling import rss_kb  # noqa: E402
 from bridge.sim.fleet import Fleet, FleetConfig  # noqa: E402
 from tests.support.cli import free_port  # noqa: E402
@@ -153,7 +177,10 @@ def acked(url: str, stream: str, durable: str) -> tuple[int, int]:
 
 
 def phase(url: str, rate: float, a: argparse.Namespace, work: Path, tag: str, pids: dict[str, int],
-          counter: tuple[str, str], profile: dict[str, int] | None = None) -> dict:
+          counter: tuple[str, str], profile: dict[str, int] | None = None, cpu_profile: dict[str, int] | None = None) -> dict:
+    """The fleet at ``rate`` for ``--warmup`` + ``--seconds``; the figures of the measured window.
+    ``profile``: py-spy on these processes over the window; ``cpu_profile``: `cpu_sampler` on them
+    (SIGUSR1 at its start and end; the samples moved to ``<name>-<rate>.cpu.txt``)."""
     fleet = Fleet(FleetConfig(
         nats_url=url, instances=a.instances, rate=rate, duration=a.warmup + a.seconds, wind_down=False,
         shim_fraction=0.0, canary_fraction=0.01, hostile_fraction=0.0, seed=int(rate),
@@ -172,13 +199,18 @@ def phase(url: str, rate: float, a: argparse.Namespace, work: Path, tag: str, pi
                                            "--duration", str(int(a.seconds)), "--nonblocking", "-o", str(out),
                                            *(["--idle"] if a.profile_idle else [])],
                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-    t0, floor0 = time.monotonic(), acked(url, *counter)[0]
+    floor0, lag0 = acked(url, *counter)
+    t0 = time.monotonic()
     cpu0 = {k: cpu_s(v) for k, v in pids.items()}
+    for pid in (cpu_profile or {}).values():
+        os.kill(pid, signal.SIGUSR1)  # cpu_sampler: start
     sent0 = fleet.sent
     unix0 = time.time()
     time.sleep(a.seconds)
     dt = time.monotonic() - t0
     cpu1 = {k: cpu_s(v) for k, v in pids.items()}
+    for pid in (cpu_profile or {}).values():
+        os.kill(pid, signal.SIGUSR1)  # cpu_sampler: stop and write <role>-<pid>.txt
     floor1, lag = acked(url, *counter)
     sent = fleet.sent - sent0
     rss = {k: rss_kb(v) for k, v in pids.items()}
@@ -187,8 +219,11 @@ def phase(url: str, rate: float, a: argparse.Namespace, work: Path, tag: str, pi
     fleet.close()
     for s in spies:
         s.wait(30)
+    for name, pid in (cpu_profile or {}).items():
+        for f in Path(a.cpu_profile).glob(f"*-{pid}.txt"):
+            f.replace(Path(a.cpu_profile) / f"{name}-{int(rate)}.cpu.txt")
     events = max(1, floor1 - floor0)
-    return {"rate": rate, "events": events, "sent": sent, "dt": dt, "lag": lag, "window": (unix0, unix0 + dt),
+    return {"rate": rate, "events": events, "sent": sent, "dt": dt, "lag": lag, "lag0": lag0, "window": (unix0, unix0 + dt),
             "ms": {k: 1000 * (cpu1[k] - cpu0[k]) / events for k in pids},
             "pct": {k: 100 * (cpu1[k] - cpu0[k]) / dt for k in pids}, "rss": rss}
 
@@ -210,6 +245,39 @@ def idle_phase(pids: dict[str, int], seconds: float, services: dict[str, int], p
     for spy in spies:
         spy.wait(30)
     return {k: 100 * (cpu1[k] - cpu0[k]) / dt for k in pids if k != "sim"}
+
+
+def observe_floor(url: str, out_path: str, interval: float, stop: "mp.synchronize.Event") -> None:
+    """soak.py's observer for the floor: what reaches AEP_EVENTS is the raw message itself, so
+    its latency is its store time there less the time in its raw id (``Nats-Msg-Id``, the ULID
+    the shim stamped on receipt). A quarter of the messages, like soak.py's (the ids' last
+    character)."""
+    import nats
+
+    async def main() -> None:
+        nc = await nats.connect(url, max_reconnect_attempts=-1)
+        js = nc.jetstream()
+        window: list[int] = []
+        counts = {"n": 0}
+
+        async def cb(msg) -> None:  # type: ignore[no-untyped-def]
+            counts["n"] += 1
+            rid = (msg.headers or {}).get("Nats-Msg-Id", "")
+            if len(rid) != 26 or rid[-1] not in "01234567":
+                return
+            window.append(int(msg.metadata.timestamp.timestamp() * 1000) - ulid_ms(rid.encode()))
+
+        await js.subscribe(f"{S.EVENTS_PREFIX}.>", cb=cb, ordered_consumer=True, deliver_policy=nats.js.api.DeliverPolicy.NEW)
+        with open(out_path, "a") as out:
+            while not stop.is_set():
+                await asyncio.sleep(interval)
+                lat, window[:] = list(window), []
+                out.write(json.dumps({"t": time.time(), "events": counts["n"], "lat": lat}) + "\n")
+                out.flush()
+                counts["n"] = 0
+        await nc.close()
+
+    asyncio.run(main())
 
 
 def latencies(path: Path, window: tuple[float, float], interval: float) -> list[float]:
@@ -259,6 +327,53 @@ def top_frames(path: Path, n: int) -> str:
 # ---------------------------------------------------------------- the run
 
 
+def loop_of_services() -> str:
+    """The event loop the mapper and pairing run on (and the floor, `floor_relay.py`)."""
+    return "uvloop" if event_loop_factory() is not None else "asyncio"
+
+
+def stopped(pids: list[int], stop: bool) -> None:
+    """SIGSTOP (or SIGCONT) a system's processes: the other system runs alone (`--max-rate`)."""
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGSTOP if stop else signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+
+
+def kept(r: dict) -> tuple[bool, str]:
+    """Whether a phase kept its offered rate: the mapper acked 95 % of what was sent in the window
+    and the backlog grew by no more than a quarter of a second's events; (False, why) else."""
+    sent_s, acked_s = r["sent"] / r["dt"], r["events"] / r["dt"]
+    if acked_s < 0.95 * sent_s:
+        return False, f"acked {acked_s:.0f}/s of {sent_s:.0f}/s sent"
+    if r["lag"] - r["lag0"] > 0.25 * r["rate"]:
+        return False, f"backlog {r['lag0']} -> {r['lag']}"
+    if sent_s < 0.95 * r["rate"]:  # the system kept what came, the simulator (its acks) sent less
+        return False, f"the simulator sent {sent_s:.0f}/s: its limit, or the server's acks"
+    return True, ""
+
+
+def max_rate(name: str, url: str, a: argparse.Namespace, work: Path, tag: str, pids: dict[str, int],
+             counter: tuple[str, str], lat_path: Path | None) -> dict:
+    """Raise the offered rate step by step until the system stops keeping it."""
+    best, steps, why = 0.0, [], ""
+    rate = a.max_start
+    while rate <= a.max_top:
+        r = phase(url, rate, a, work, tag, pids, counter)
+        lat = latencies(lat_path, r["window"], 2.0) if lat_path else []
+        ok, why = kept(r)
+        steps.append((rate, r, ok))
+        print(f"  max-rate {name}: {rate:6.0f}/s offered, sent {r['sent'] / r['dt']:6.0f}/s, acked {r['events'] / r['dt']:6.0f}/s, "
+              f"backlog {r['lag0']} -> {r['lag']}, e2e p99 {pct(lat, .99):.0f} ms: {'kept' if ok else 'NOT kept (' + why + ')'}",
+              flush=True)
+        if not ok:
+            break
+        best = rate
+        rate += a.max_step
+    return {"best": best, "why": why, "steps": steps}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rates", default="250,1000,2000", help="events per second, comma-separated (default 250,1000,2000)")
@@ -266,15 +381,27 @@ def main() -> int:
     ap.add_argument("--warmup", type=float, default=30.0, help="seconds per rate before measuring (default 30)")
     ap.add_argument("--instances", type=int, default=1000)
     ap.add_argument("--subscribers", type=int, default=10, help="SSE subscribers of the relay (default 10)")
-    ap.add_argument("--no-baseline", action="store_true", help="skip the bare relay chain")
+    ap.add_argument("--no-baseline", action="store_true", help="skip the floor (or the bare chain)")
+    ap.add_argument("--bare-chain", action="store_true",
+                    help="the baseline before issue 43 instead of the floor: two bare relays, no pause (not a fair floor)")
+    ap.add_argument("--floor-loop", choices=("service", "asyncio"), default="service",
+                    help="the floor's event loop: the services' (default) or asyncio's")
+    ap.add_argument("--floor-publish", choices=("public", "bridge"), default="public",
+                    help="the floor's publish: nats-py's publish_async (default) or the services' AckPublisher")
+    ap.add_argument("--max-rate", action="store_true", help="then the highest rate each system keeps alone")
+    ap.add_argument("--max-start", type=float, default=1000.0, help="--max-rate's first offered rate (default 1000)")
+    ap.add_argument("--max-step", type=float, default=1000.0, help="--max-rate's step (default 1000)")
+    ap.add_argument("--max-top", type=float, default=12000.0, help="--max-rate's last step (default 12000)")
     ap.add_argument("--idle", type=float, default=20.0, help="seconds measured with no traffic first (0: none; default 20)")
     ap.add_argument("--profile", default=None, metavar="DIR", help="py-spy the mapper and pairing into DIR (per rate)")
     ap.add_argument("--profile-idle", action="store_true",
                     help="with --profile: sample waiting threads too (where a loop waits: wall time, not CPU)")
     ap.add_argument("--profile-rate", type=int, default=100, help="py-spy samples per second (default 100)")
+    ap.add_argument("--cpu-profile", default=None, metavar="DIR",
+                    help="benchmarks/cpu_sampler (CPU-time samples) on the mapper and pairing into DIR (per rate)")
     ap.add_argument("--top", type=int, default=15, help="frames printed per profile (default 15)")
     ap.add_argument("--service-env", action="append", default=[], metavar="KEY=VALUE",
-                    help="added to the mapper's and pairing's environment (repeatable)")
+                    help="added to the mapper's and pairing's environment, and the floor's (repeatable)")
     ap.add_argument("--keep", action="store_true", help="keep the work directory (logs)")
     ap.add_argument("--sse-worker", nargs=2, metavar=("URL", "N"), help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -283,14 +410,23 @@ def main() -> int:
         return 0
     rates = [float(r) for r in a.rates.split(",") if r.strip()]
     env = dict(kv.split("=", 1) for kv in a.service_env)
-    if a.profile:
-        Path(a.profile).mkdir(parents=True, exist_ok=True)
+    floor_env = dict(env)
+    for d in (a.profile, a.cpu_profile):
+        if d:
+            Path(d).mkdir(parents=True, exist_ok=True)
+    if a.cpu_profile:
+        a.cpu_profile = str(Path(a.cpu_profile).resolve())
+        env.update(AEP_CPUPROF=a.cpu_profile, PYTHONPATH=os.pathsep.join(
+            [str(HERE / "cpu_sampler"), str(HERE.parent), *filter(None, [os.environ.get("PYTHONPATH")])]))
     work = Path(tempfile.mkdtemp(prefix="aep-cost-"))
     logs = work / "logs"
     logs.mkdir()
+    baseline = "none" if a.no_baseline else "bare chain" if a.bare_chain else "floor"
     print(f"cost: rates {', '.join(f'{r:.0f}' for r in rates)} events/s, {a.warmup:.0f} s warm-up + {a.seconds:.0f} s "
           f"measured each, {a.instances} instances, {a.subscribers} SSE subscribers; {os.cpu_count()} CPUs; "
-          f"load average {os.getloadavg()[0]:.1f}; work dir {work}", flush=True)
+          f"load average {os.getloadavg()[0]:.1f}; mapper and pairing on {loop_of_services()}; baseline: {baseline}"
+          f"{'' if a.no_baseline or a.bare_chain else ' on ' + (loop_of_services() if a.floor_loop == 'service' else 'asyncio')}"
+          f"; work dir {work}", flush=True)
     from tests.support.tansu import Tansu
 
     server = EmbeddedNats(work / "nats", log_file=logs / "nats.log").start()
@@ -299,8 +435,9 @@ def main() -> int:
     procs = Procs(logs)
     pipe = Pipeline(server.url, logs, env=env)
     stop_obs = mp.Event()
-    observer = None
-    results: dict[str, list[dict]] = {"pipeline": [], "baseline": []}
+    observers: list[Any] = []
+    results: dict[str, Any] = {"pipeline": [], "baseline": [], "kind": baseline}
+    paused: list[int] = []
     try:
         broker.create_topics("cost", partitions=3)
         pipe.bootstrap()
@@ -318,55 +455,113 @@ def main() -> int:
         lat_path = work / "latency.jsonl"
         observer = mp.get_context("fork").Process(target=observe, args=(server.url, str(lat_path), 2.0, stop_obs), daemon=True)
         observer.start()
+        observers.append(observer)
         time.sleep(2.0)
         pids = {"nats": server.proc.pid, "mapper": mapper.pid, "pairing": pairing.pid, "relay": relay.pid,
                 "exporter": exporter.pid, "sse x10": sse.pid, "tansu": broker.proc.pid, "sim": os.getpid(),
                 "observer": observer.pid}
         bare_pids: dict[str, int] = {}
+        names = ("relay 1", "relay 2") if a.bare_chain else ("floor mapper", "floor pairing")
+        bare_lat = work / "latency-floor.jsonl"
         if bare_server is not None:
             Pipeline(bare_server.url, logs).bootstrap()
-            r1 = procs.start("bare-1", [sys.executable, str(HERE / "bare_relay.py"), "--nats", bare_server.url,
-                                        "--stream", S.HERMES_RAW, "--durable", "bare-1", "--strip", "2",
-                                        "--prefix", f"{S.MAPPED_PREFIX}.0"])
-            r2 = procs.start("bare-2", [sys.executable, str(HERE / "bare_relay.py"), "--nats", bare_server.url,
-                                        "--stream", S.BRIDGE_MAPPED, "--durable", "bare-2", "--strip", "3",
-                                        "--prefix", "aep.hermes"])
-            bare_pids = {"nats": bare_server.proc.pid, "relay 1": r1.pid, "relay 2": r2.pid, "sim": os.getpid()}
+            if a.bare_chain:
+                r1 = procs.start("bare-1", [sys.executable, str(HERE / "bare_relay.py"), "--nats", bare_server.url,
+                                            "--stream", S.HERMES_RAW, "--durable", "bare-1", "--strip", "2",
+                                            "--prefix", f"{S.MAPPED_PREFIX}.0"])
+                r2 = procs.start("bare-2", [sys.executable, str(HERE / "bare_relay.py"), "--nats", bare_server.url,
+                                            "--stream", S.BRIDGE_MAPPED, "--durable", "bare-2", "--strip", "3",
+                                            "--prefix", "aep.hermes"])
+                bare_counter = (S.HERMES_RAW, "bare-1")
+                ready = lambda: (acked(bare_server.url, S.HERMES_RAW, "bare-1"), acked(bare_server.url, S.BRIDGE_MAPPED, "bare-2"))  # noqa: E731
+            else:
+                r1, r2 = (procs.start(f"floor-{role}", [sys.executable, str(HERE / "floor_relay.py"), "--nats", bare_server.url,
+                                                         "--role", role, "--loop", a.floor_loop, "--publish", a.floor_publish],
+                                         env=floor_env)
+                          for role in ("mapper", "pairing"))
+                bare_counter = (S.HERMES_RAW, S.MAPPER_DURABLE)
+                ready = lambda: all(b"ready on" in (logs / f"floor-{r}.log").read_bytes() for r in ("mapper", "pairing")) or 1 / 0  # noqa: E731
+            fobs = mp.get_context("fork").Process(target=observe_floor, args=(bare_server.url, str(bare_lat), 2.0, stop_obs),
+                                                  daemon=True)
+            fobs.start()
+            observers.append(fobs)
+            bare_pids = {"nats": bare_server.proc.pid, names[0]: r1.pid, names[1]: r2.pid, "sim": os.getpid(),
+                         "observer": fobs.pid}
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline:
                 try:
-                    acked(bare_server.url, S.HERMES_RAW, "bare-1"), acked(bare_server.url, S.BRIDGE_MAPPED, "bare-2")
+                    ready()
                     break
                 except Exception:
                     time.sleep(0.2)
+            if not a.bare_chain:
+                print("  " + "; ".join((logs / f"floor-{r}.log").read_text().strip().splitlines()[0] for r in ("mapper", "pairing")),
+                      flush=True)
         profile = {"mapper": mapper.pid, "pairing": pairing.pid} if a.profile else None
+        cpu_profile = {"mapper": mapper.pid, "pairing": pairing.pid} if a.cpu_profile else None
         if a.idle:
             results["idle"] = idle_phase(pids, a.idle, {"mapper": mapper.pid, "pairing": pairing.pid}, a.profile, a)
             print("  idle: " + ", ".join(f"{k} {v:.1f} %" for k, v in results["idle"].items()) + " of a core", flush=True)
-        for rate in rates:
-            r = phase(server.url, rate, a, work, "c", pids, (S.HERMES_RAW, S.MAPPER_DURABLE), profile)
-            lat = latencies(lat_path, r["window"], 2.0)
-            r["p50"], r["p99"], r["n_lat"] = pct(lat, .5), pct(lat, .99), len(lat)
-            results["pipeline"].append(r)
-            print(f"  {rate:6.0f}/s pipeline: {r['events'] / r['dt']:6.0f} raw/s acked by the mapper, backlog at the end "
-                  f"{r['lag']}; mapper {r['ms']['mapper']:.3f} + pairing {r['ms']['pairing']:.3f} ms/event; "
-                  f"e2e p50 {r['p50']:.0f} ms p99 {r['p99']:.0f} ms", flush=True)
-            if bare_pids:
-                b = phase(bare_server.url, rate, a, work, "b", bare_pids, (S.HERMES_RAW, "bare-1"))
-                results["baseline"].append(b)
-                print(f"  {rate:6.0f}/s baseline: {b['events'] / b['dt']:6.0f} raw/s acked by relay 1, backlog {b['lag']}; "
-                      f"relay 1 {b['ms']['relay 1']:.3f} + relay 2 {b['ms']['relay 2']:.3f} ms/event", flush=True)
-        report(results, a, rates)
-        if a.profile:
-            for rate in rates:
+        for i, rate in enumerate(rates):
+            order = ("pipeline", "baseline") if i % 2 == 0 else ("baseline", "pipeline")  # alternated
+            for which in order:
+                if which == "pipeline":
+                    r = phase(server.url, rate, a, work, "c", pids, (S.HERMES_RAW, S.MAPPER_DURABLE), profile, cpu_profile)
+                    lat = latencies(lat_path, r["window"], 2.0)
+                    r["p50"], r["p99"], r["n_lat"] = pct(lat, .5), pct(lat, .99), len(lat)
+                    results["pipeline"].append(r)
+                    print(f"  {rate:6.0f}/s pipeline: sent {r['sent'] / r['dt']:6.0f}/s, {r['events'] / r['dt']:6.0f} raw/s acked by the mapper, backlog at the end "
+                          f"{r['lag']}; mapper {r['ms']['mapper']:.3f} + pairing {r['ms']['pairing']:.3f} ms/event; "
+                          f"e2e p50 {r['p50']:.0f} ms p99 {r['p99']:.0f} ms", flush=True)
+                elif bare_pids:
+                    b = phase(bare_server.url, rate, a, work, "b", bare_pids, bare_counter)
+                    lat = latencies(bare_lat, b["window"], 2.0)
+                    b["p50"], b["p99"], b["n_lat"] = pct(lat, .5), pct(lat, .99), len(lat)
+                    results["baseline"].append(b)
+                    print(f"  {rate:6.0f}/s {baseline}: sent {b['sent'] / b['dt']:6.0f}/s, {b['events'] / b['dt']:6.0f} raw/s acked by {names[0]}, backlog "
+                          f"{b['lag']}; {names[0]} {b['ms'][names[0]]:.3f} + {names[1]} {b['ms'][names[1]]:.3f} ms/event; "
+                          f"e2e p50 {b['p50']:.0f} ms p99 {b['p99']:.0f} ms", flush=True)
+        report(results, a, rates, names)
+        if a.profile or a.cpu_profile:
+            for rate, r in zip(rates, results["pipeline"]):
                 for name in ("mapper", "pairing"):
-                    print(f"\nprofile {name} at {rate:.0f} events/s ({Path(a.profile) / f'{name}-{int(rate)}.txt'}):")
-                    print(top_frames(Path(a.profile) / f"{name}-{int(rate)}.txt", a.top))
+                    if a.profile:
+                        path = Path(a.profile) / f"{name}-{int(rate)}.txt"
+                        print(f"\nprofile {name} at {rate:.0f} events/s ({path}):")
+                        print(top_frames(path, a.top))
+                        if path.exists():
+                            print(bucket_table(read_buckets([path]), r["ms"][name], 3, "py-spy buckets:"))
+                    if a.cpu_profile:
+                        path = Path(a.cpu_profile) / f"{name}-{int(rate)}.cpu.txt"
+                        if path.exists():
+                            print(f"\nCPU-time profile {name} at {rate:.0f} events/s ({path}):")
+                            print(bucket_table(read_buckets([path]), r["ms"][name], 3, "cpu_sampler buckets:"))
+        if a.max_rate:
+            print(f"\nhighest rate kept, each system alone (the other stopped), from {a.max_start:.0f}/s by {a.max_step:.0f}/s:",
+                  flush=True)
+            # (not the observers: an ordered consumer stopped and resumed may stay stalled; idle, they cost nothing)
+            others = [bare_server.proc.pid, *(p for k, p in bare_pids.items() if k not in ("sim", "nats", "observer"))] if bare_pids else []
+            mine = [server.proc.pid, *(p for k, p in pids.items() if k not in ("sim", "nats", "observer"))]
+            paused = others
+            stopped(paused, True)
+            mp_ = max_rate("pipeline", server.url, a, work, "mc", pids, (S.HERMES_RAW, S.MAPPER_DURABLE), lat_path)
+            stopped(paused, False)
+            mb = None
+            if bare_pids:
+                paused = mine
+                stopped(paused, True)
+                mb = max_rate(baseline, bare_server.url, a, work, "mb", bare_pids, bare_counter, bare_lat)
+                stopped(paused, False)
+            paused = []
+            print(f"highest rate kept ({loop_of_services()}): pipeline {mp_['best']:.0f}/s (next step: {mp_['why'] or 'the last'})"
+                  + (f"; {baseline} {mb['best']:.0f}/s (next step: {mb['why'] or 'the last'})" if mb else ""), flush=True)
         return 0
     finally:
+        stopped(paused, False)
         stop_obs.set()
-        if observer is not None and observer.is_alive():
-            observer.terminate()
+        for o in observers:
+            if o.is_alive():
+                o.terminate()
         procs.stop()
         pipe.stop()
         broker.stop()
@@ -379,29 +574,55 @@ def main() -> int:
             shutil.rmtree(work, ignore_errors=True)
 
 
-def report(results: dict[str, list[dict]], a: argparse.Namespace, rates: list[float]) -> None:
+def acked_rate(r: dict) -> str:
+    """The raw messages acked per second in a window, and whether that kept the offered rate
+    (a ratio between two systems at different actual rates compares different batch sizes)."""
+    ok, _ = kept(r)
+    return f"{r['events'] / r['dt']:.0f}{'' if ok else ' (not kept)'}"
+
+
+def report(results: dict[str, Any], a: argparse.Namespace, rates: list[float], names: tuple[str, str]) -> None:
+    loop = loop_of_services()
     pipe = results["pipeline"]
-    names = list(pipe[0]["ms"]) if pipe else []
-    print(f"\nCPU per raw event (ms), % of a core and RSS (MiB) at the end of each rate's {a.seconds:.0f} s window:")
-    print(f"  {'process':<10}" + "".join(f"{f'{r:.0f}/s':>26}" for r in rates))
-    for n in names:
-        print(f"  {n:<10}" + "".join(f"{x['ms'][n]:>9.3f} ms {x['pct'][n]:>4.0f} % {x['rss'][n] / 1024:>5.0f} MiB" for x in pipe))
+    procs = list(pipe[0]["ms"]) if pipe else []
+    print(f"\nCPU per raw event (ms), % of a core and RSS (MiB) at the end of each rate's {a.seconds:.0f} s window "
+          f"(mapper and pairing on {loop}):")
+    print(f"  {'process':<13}" + "".join(f"{f'{r:.0f}/s':>26}" for r in rates))
+    for n in procs:
+        print(f"  {n:<13}" + "".join(f"{x['ms'][n]:>9.3f} ms {x['pct'][n]:>4.0f} % {x['rss'][n] / 1024:>5.0f} MiB" for x in pipe))
     e2e = ["p50 %.0f p99 %.0f ms" % (x["p50"], x["p99"]) for x in pipe]
-    print(f"  {'e2e':<10}" + "".join(f"{e:>26}" for e in e2e))
-    print(f"  {'backlog':<10}" + "".join(f"{x['lag']:>26}" for x in pipe))
+    print(f"  {'e2e':<13}" + "".join(f"{e:>26}" for e in e2e))
+    print(f"  {'backlog':<13}" + "".join(f"{x['lag']:>26}" for x in pipe))
+    print(f"  {'acked/s':<13}" + "".join(f"{acked_rate(x):>26}" for x in pipe))
     cost = [x["ms"]["mapper"] + x["ms"]["pairing"] for x in pipe]
-    print(f"  {'map+pair':<10}" + "".join(f"{c:>23.3f} ms" for c in cost))
+    print(f"  {'map+pair':<13}" + "".join(f"{c:>23.3f} ms" for c in cost))
     base = results["baseline"]
     if base:
-        bcost = [x["ms"]["relay 1"] + x["ms"]["relay 2"] for x in base]
-        print("baseline, two bare nats-py relays (HERMES_RAW -> BRIDGE_MAPPED -> AEP_EVENTS):")
+        kind = results["kind"]
+        bcost = [x["ms"][names[0]] + x["ms"][names[1]] for x in base]
+        what = ("two bare nats-py relays, no pause (HERMES_RAW -> BRIDGE_MAPPED -> AEP_EVENTS; not a fair floor)"
+                if kind == "bare chain" else
+                f"the floor: two nats-py processes in the mapper's and pairing's places, their consumers, fetch, pause "
+                f"and gather, {'public publish_async' if a.floor_publish == 'public' else 'the services AckPublisher'}, "
+                f"no mapping or state (on {loop if a.floor_loop == 'service' else 'asyncio'})")
+        print(f"{kind}, {what}:")
         for n in base[0]["ms"]:
-            print(f"  {n:<10}" + "".join(f"{x['ms'][n]:>9.3f} ms {x['pct'][n]:>4.0f} % {x['rss'][n] / 1024:>5.0f} MiB" for x in base))
-        print(f"  {'relays':<10}" + "".join(f"{c:>23.3f} ms" for c in bcost))
-        print(f"  {'ratio':<10}" + "".join(f"{c / b:>26.2f}" for c, b in zip(cost, bcost))
-              + "   (mapper+pairing / relay 1+relay 2; target <= 1.5)")
+            print(f"  {n:<13}" + "".join(f"{x['ms'][n]:>9.3f} ms {x['pct'][n]:>4.0f} % {x['rss'][n] / 1024:>5.0f} MiB" for x in base))
+        e2e = ["p50 %.0f p99 %.0f ms" % (x["p50"], x["p99"]) for x in base]
+        print(f"  {'e2e':<13}" + "".join(f"{e:>26}" for e in e2e))
+        print(f"  {'backlog':<13}" + "".join(f"{x['lag']:>26}" for x in base))
+        print(f"  {'acked/s':<13}" + "".join(f"{acked_rate(x):>26}" for x in base))
+        print(f"  {'sum':<13}" + "".join(f"{c:>23.3f} ms" for c in bcost))
+        print(f"pipeline against the {kind}, per rate:")
+        print(f"  {'ratio':<13}" + "".join(f"{c / b:>26.2f}" for c, b in zip(cost, bcost))
+              + f"   ((mapper + pairing) / ({names[0]} + {names[1]}); target <= 2.0)")
+        print(f"  {'above it':<13}" + "".join(f"{c - b:>23.3f} ms" for c, b in zip(cost, bcost)) + "   (ms of CPU per raw event)")
+        print(f"  {'e2e p50':<13}" + "".join(f"{f'{x[0]:.0f} / {x[1]:.0f} ms':>26}" for x in zip([p['p50'] for p in pipe], [b['p50'] for b in base]))
+              + "   (pipeline / baseline)")
+        print(f"  {'e2e p99':<13}" + "".join(f"{f'{x[0]:.0f} / {x[1]:.0f} ms':>26}" for x in zip([p['p99'] for p in pipe], [b['p99'] for b in base])))
         if len(bcost) > 1:
-            print(f"flatness, baseline: {bcost[0] / bcost[-1]:.2f} ({rates[0]:.0f}/s cost / {rates[-1]:.0f}/s cost)")
+            print(f"flatness, {kind}: {bcost[0] / bcost[-1]:.2f} ({rates[0]:.0f}/s cost / {rates[-1]:.0f}/s cost"
+                  + ("; at most 1.3, or the floor is not fair)" if kind == "floor" else ")"))
     if results.get("idle"):
         idle = results["idle"]
         print(f"idle, no traffic for {a.idle:.0f} s, % of a core: " + ", ".join(f"{k} {v:.1f}" for k, v in idle.items())

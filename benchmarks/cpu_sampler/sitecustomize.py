@@ -13,7 +13,11 @@ Use (every Python process of the run imports it; only those sent SIGUSR1 record)
     kill -USR1 <mapper pid> <pairing pid>   # start (counts cleared)
     kill -USR1 <mapper pid> <pairing pid>   # stop: /tmp/prof/<role>-<pid>.txt, collapsed stacks
 
-A line is ``frame;frame;... count`` (flamegraph.pl reads it); a count is ~4 ms of CPU.
+``cost.py --cpu-profile DIR`` does this for the mapper and pairing over each rate's window and
+prints the samples' buckets (`benchmarks/profile_buckets.py`).
+
+A line is ``frame;frame;... count`` (flamegraph.pl reads it); a count is ~4 ms of CPU. A frame is
+``qualname (the file's last three path components)``.
 """
 
 import os
@@ -33,7 +37,10 @@ if _OUT:
     def _name(code) -> str:  # type: ignore[no-untyped-def]
         name = _names.get(code)
         if name is None:
-            name = _names[code] = f"{getattr(code, 'co_qualname', code.co_name)} ({os.path.basename(code.co_filename)})"
+            # the file's last three path components (nats/aio/client.py, bridge/services/mapper.py):
+            # what benchmarks/profile_buckets.py sorts by
+            path = "/".join(code.co_filename.split(os.sep)[-3:])
+            name = _names[code] = f"{getattr(code, 'co_qualname', code.co_name)} ({path})"
         return name
 
     def _sample(signum, frame) -> None:  # type: ignore[no-untyped-def]

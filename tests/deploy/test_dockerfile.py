@@ -22,6 +22,8 @@ REPO = Path(__file__).resolve().parents[2]
 DOCKERFILE = REPO / "deploy" / "Dockerfile"
 LOCK = REPO / "deploy" / "requirements.lock"
 DOCKERIGNORE = REPO / "deploy" / "Dockerfile.dockerignore"
+#: a pin of the lock: ``name==version \``, an environment marker allowed (``uvloop==0.23.0 ; sys_platform != "win32" \``)
+PIN = r"^([A-Za-z0-9_.-]+)==(\S+)(?: ;[^\\\n]*)? \\$"
 
 
 def hadolint_binary() -> str:
@@ -126,7 +128,7 @@ def test_lock_pins_every_runtime_dependency() -> None:
     wanted = {_name(r) for r in project["project"]["dependencies"]}
     wanted |= {_name(r) for r in project["build-system"]["requires"]}
     text = LOCK.read_text(encoding="utf-8")
-    pins = dict(re.findall(r"^([A-Za-z0-9_.-]+)==(\S+) \\$", text, flags=re.M))
+    pins = dict(re.findall(PIN, text, flags=re.M))
     pinned = {_name(n) for n in pins}
     assert wanted <= pinned, f"run deploy/update-lock.sh: missing {wanted - pinned}"
     # Every pin carries at least one hash (pip --require-hashes needs them all).
@@ -134,6 +136,18 @@ def test_lock_pins_every_runtime_dependency() -> None:
     for block in blocks[1:]:
         assert "--hash=sha256:" in block, block.splitlines()[0]
     assert "update-lock.sh" in text.splitlines()[1]
+
+
+def test_the_image_ships_the_services_event_loop() -> None:
+    """The mapper and pairing run on uvloop when it is installed (`event_loop_factory`); the image
+    installs only the lock, so uvloop is a runtime dependency and pinned there: what ships is
+    what the benchmarks measure (issue 43)."""
+    project = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))
+    assert "uvloop" in {_name(r) for r in project["project"]["dependencies"]}, "uvloop is not a runtime dependency"
+    pins = dict(re.findall(PIN, LOCK.read_text(encoding="utf-8"), flags=re.M))
+    assert "uvloop" in {_name(n) for n in pins}, "deploy/requirements.lock has no uvloop: run deploy/update-lock.sh"
+    source = (REPO / "bridge" / "runtime" / "lifecycle.py").read_text(encoding="utf-8")
+    assert "import uvloop" in source, "the services' loop factory no longer imports uvloop: update this test"
 
 
 def test_the_build_gets_the_files_pyproject_names() -> None:
