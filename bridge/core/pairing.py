@@ -581,6 +581,7 @@ class PairingState:
 
     def __init__(self, config: PairingConfig | None = None, *, partition: int | None = None) -> None:
         self.config = config or PairingConfig()
+        self._ttls = self.config.ttls()  # by kind (`_deadline`; the config is frozen)
         #: which partition this state owns (a label for the service; not part of the state)
         self.partition = partition
         #: the last BRIDGE_MAPPED position (stream sequence) this state covers
@@ -1140,13 +1141,19 @@ class PairingState:
         return out
 
     def _deadline(self, s: _Session) -> int | None:
+        """The session's next deadline: run on every event of the session (`_schedule`), so
+        `_ttl` and `_keep` are inlined here (the same rules) over the TTLs read once."""
         cfg = self.config
         best = s.last + (cfg.recent_ns if s.ended else cfg.idle_ttl_ns)
         if s.pairs:
+            ttls, hold, recent, subagent_keep = self._ttls, cfg.hold_ns, cfg.recent_ns, cfg.subagent_ttl_ns
             for p in s.pairs:
-                d = p.ts + self._ttl(p) if p.state == OPEN else p.closed + self._keep(p)
-                if p.state == OPEN and p.due and p.due < d:
-                    d = p.due
+                if p.state == OPEN:
+                    d = p.ts + (hold if p.late else ttls[p.kind])
+                    if p.due and p.due < d:
+                        d = p.due
+                else:
+                    d = p.closed + (subagent_keep if p.kind == SUBAGENT and p.state == CLOSED else recent)
                 if d < best:
                     best = d
         if s.held:
