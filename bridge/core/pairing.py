@@ -360,6 +360,9 @@ RUN_SUM_MAX = 2**53
 OVER = -2
 
 
+_USAGE_KEYS = tuple(member for member, _ in USAGE_MEMBERS)
+
+
 def _sum_count(a: int, b: int) -> int:
     """Two token sums (-1: no call had the member, `OVER`: past the bound) as one."""
     if a == OVER or b == OVER:
@@ -1321,13 +1324,23 @@ class PairingState:
         u.calls += 1
         data = _data(ev)
         invalid = overflow = False
-        for i, (member, _) in enumerate(USAGE_MEMBERS):
+        tokens = u.tokens
+        for i, member in enumerate(_USAGE_KEYS):
             v = data.get(member)
-            if isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= TOKEN_MAX:
-                before = u.tokens[i]
-                u.tokens[i] = _sum_count(before, v)
-                overflow |= u.tokens[i] == OVER and before != OVER
-            elif v is not None:
+            if v is None:
+                continue
+            if isinstance(v, int) and v.__class__ is not bool and 0 <= v <= TOKEN_MAX:
+                # `_sum_count(before, v)` inlined (a call per member and model call): -1 (no
+                # call had it) takes v; OVER stays OVER; a sum past RUN_SUM_MAX becomes OVER.
+                before = tokens[i]
+                if before == OVER:
+                    continue
+                total = v if before < 0 else before + v
+                if total > RUN_SUM_MAX:
+                    tokens[i], overflow = OVER, True
+                else:
+                    tokens[i] = total
+            else:
                 invalid = True
         cost = data.get("cost")
         nanos = None
