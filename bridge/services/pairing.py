@@ -332,7 +332,6 @@ class PairingService:
     def __init__(self, settings: Settings, replica: str | None = None, registry: CollectorRegistry | None = None,
                  lease_ttl_s: float | None = None, tick_s: float | None = None, policy: CapturePolicy | None = None) -> None:
         self.settings = settings
-        self._types_out: dict[str, int] = {}  # events published by type, not yet on the counter (any partition)
         # Only for dead letters (the mapped events are capture-gated by the mapper already).
         self.policy = policy or configure(settings.capture, settings.capture_overrides, (), Redactor(
             secret_values=settings.secret_values(), home=os.path.expanduser("~")))[0]
@@ -607,12 +606,12 @@ class PairingService:
 
     # ------------------------------------------------------------ one partition
 
-    def publish(self, events: list[Any], msg: Any, outgoing: list[Outgoing]) -> None:
+    def publish(self, events: list[Any], msg: Any, outgoing: list[Outgoing], published: list[Any]) -> None:
         """Add the publishes of ``events`` (the outputs of the BRIDGE_MAPPED message ``msg``) to
-        its batch's ``outgoing``: `handle_batch` sends them together once the batch is folded
-        (`AckPublisher.publish_many`)."""
+        its batch's ``outgoing``, and the events to ``published`` (not the dead-lettered ones):
+        `handle_batch` sends them together once the batch is folded (`AckPublisher.publish_many`)
+        and counts them then (`count_published`)."""
         limit = getattr(self.nc, "max_payload", 0) or 0
-        types = self._types_out  # added to the counter once per batch (handle_batch)
         for event in events:
             body = encode_event(event)
             try:
@@ -623,8 +622,18 @@ class PairingService:
                 outgoing.append(self.dead_letter_event(event, body, exc.reason, str(exc), msg))
                 continue
             outgoing.append((subject, body, {"Nats-Msg-Id": event.id}))
-            self.activity.seen(event)  # model calls, tokens, cost, tools, approvals, runs (bridge/runtime/activity.py)
+            published.append(event)
+
+    def count_published(self, events: list[Any]) -> None:
+        """The metrics of a batch's events once they are sent: the activity metrics (model calls,
+        tokens, cost, tools, approvals, runs: bridge/runtime/activity.py) and one increment of
+        the events counter per type and batch (issue 24)."""
+        types: dict[str, int] = {}
+        seen = self.activity.seen
+        for event in events:
+            seen(event)
             types[event.type] = types.get(event.type, 0) + 1
+        self.metrics.count(types)
 
     def subject_of(self, event: Any) -> str:
         """`subj.event_subject`, remembered per (session, lane, type): a session's events share
@@ -692,7 +701,7 @@ class PairingService:
             body = deadletter.build("pairing", reason, reason, error, original, CapturePolicy(default="metadata", overrides={})).body
         return subj.dlq_subject(reason), body, headers
 
-    async def handle(self, part: Partition, msg: Any, outgoing: list[Outgoing]) -> int | None:
+    async def handle(self, part: Partition, msg: Any, outgoing: list[Outgoing], published: list[Any]) -> int | None:
         """Fold one message into the state and add the publishes of what it yields to
         ``outgoing`` (the caller sends a whole batch's at once and awaits their acks).
 
@@ -732,7 +741,7 @@ class PairingService:
             part.recheck_left -= 1
             out = await self.not_yet_published(msg, out)
         if out:
-            self.publish(out, msg, outgoing)
+            self.publish(out, msg, outgoing, published)
         return ts_ns if isinstance(ts_ns, int) else None
 
     async def not_yet_published(self, msg: Any, events: list[Any]) -> list[Any]:
@@ -761,14 +770,14 @@ class PairingService:
             return
         self.metrics.batch.observe(len(msgs))
         outgoing: list[Outgoing] = []
+        published: list[Any] = []  # the events of ``outgoing`` (`count_published`)
         receive_times: list[int] = []
         try:
             for msg in msgs:
-                ts_ns = await self.handle(part, msg, outgoing)
+                ts_ns = await self.handle(part, msg, outgoing, published)
                 if ts_ns:
                     receive_times.append(ts_ns)
         finally:
-            self.metrics.count(self._types_out)
             if part.folded:
                 part.events_in.inc(part.folded)
                 part.folded = 0
@@ -778,6 +787,7 @@ class PairingService:
             # All of the batch's publishes at once (one call, not one coroutine each), then one
             # wait for their acks.
             futures = await self.publisher.publish_many(outgoing)
+            self.count_published(published)
             try:
                 # One after the other under one timeout, not wait_for(gather(...)): acks come in
                 # order, so after the first wait the rest are mostly done already, and a batch
