@@ -10,7 +10,8 @@
    BRIDGE_MAPPED.
 3. The pairing service (`bridge.services.pairing.PairingService`, one replica owning
    all partitions, in-process) over the same BRIDGE_MAPPED, timed until its last
-   event reached AEP_EVENTS.
+   event reached AEP_EVENTS; and this process's CPU time until then per mapped event (the
+   figure to compare for CPU per event: the wall-clock ratio moves with the machine's load).
 4. Memory: bytes per idle open session (tracemalloc, 10,000 sessions; also as RSS).
 Targets: pairing >= 0.9 of the ceiling (issue 24; 0.6 before); <= 2 KB per idle open session.
 """
