@@ -148,7 +148,7 @@ GATHER_S = 0.005
 GATHER_MAX_S = 0.025
 TICK_TOKEN = subj.TICK_TOKEN
 _TICK_SUFFIX = "." + TICK_TOKEN
-# Event subjects remembered (`PairingService.subject_of`): ~100 bytes each, cleared when full.
+# Lanes' subject prefixes and event types remembered (`PairingService.subject_of`), each cleared when full.
 SUBJECT_CACHE = 4096
 #: one publish of a batch: (subject, body, headers)
 Outgoing = tuple[str, bytes, dict[str, str]]
@@ -362,7 +362,8 @@ class PairingService:
         self.reader_error: str | None = None  # why a reader's last consumer failed (until a read succeeds)
         self.reader_failing_since: float | None = None  # monotonic time of its first failure in a row
         self._releases: set[asyncio.Task] = set()  # leases given back at once (`release_now`)
-        self._subjects: dict[tuple[Any, bool, str], str] = {}  # (session, unknown lane, type) -> subject (`subject_of`)
+        self._lane_prefixes: dict[tuple[Any, bool], str] = {}  # (session, unknown lane) -> "aep.hermes.<token>." (`subject_of`)
+        self._types_checked: set[str] = set()  # event types `subj.event_subject` took (`subject_of`)
         self.health.live["partitions"] = self.owned_now  # at every moment, the fence's own rule
 
     # ------------------------------------------------------------ leases
@@ -636,16 +637,24 @@ class PairingService:
         self.metrics.count(types)
 
     def subject_of(self, event: Any) -> str:
-        """`subj.event_subject`, remembered per (session, lane, type): a session's events share
-        their lane's token, and the checks and the token (a regex, a base64 or a SHA-256) were
-        made per event. Bounded: cleared when full. A subject refused is never remembered."""
-        key = (event.session, event.lane == "unknown", event.type)
-        subject = self._subjects.get(key)
-        if subject is None:
-            subject = subj.event_subject(event)
-            if len(self._subjects) >= SUBJECT_CACHE:
-                self._subjects.clear()
-            self._subjects[key] = subject
+        """`subj.event_subject`, its lane's part remembered per session (``aep.hermes.<lane
+        token>.``: the token is a regex, a base64 or a SHA-256 of the session id, checked) and
+        the types already checked, so a session's next event of any type costs two look-ups.
+        Anything not remembered, or a subject past the length cap, takes `subj.event_subject`
+        (which raises what it raised: a subject refused is never remembered). Bounded: each
+        cleared when full."""
+        key = (event.session, event.lane == "unknown")
+        prefix = self._lane_prefixes.get(key)
+        etype = event.type
+        if prefix is not None and etype in self._types_checked and len(prefix) + len(etype) <= subj.MAX_SUBJECT_CHARS:
+            return prefix + etype
+        subject = subj.event_subject(event)
+        if len(self._lane_prefixes) >= SUBJECT_CACHE:
+            self._lane_prefixes.clear()
+        if len(self._types_checked) >= SUBJECT_CACHE:
+            self._types_checked.clear()
+        self._lane_prefixes[key] = subject[: len(subject) - len(etype)]
+        self._types_checked.add(etype)
         return subject
 
     async def await_acks(self, part: Partition, futures: list[asyncio.Future], sent: list[Outgoing]) -> None:
