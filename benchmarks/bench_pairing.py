@@ -10,7 +10,8 @@
    BRIDGE_MAPPED.
 3. The pairing service (`bridge.services.pairing.PairingService`, one replica owning
    all partitions, in-process) over the same BRIDGE_MAPPED, timed until its last
-   event reached AEP_EVENTS.
+   event reached AEP_EVENTS; and this process's CPU time until then per mapped event (the
+   figure to compare for CPU per event: the wall-clock ratio moves with the machine's load).
 4. Memory: bytes per idle open session (tracemalloc, 10,000 sessions; also as RSS).
 Targets: pairing >= 0.9 of the ceiling (issue 24; 0.6 before); <= 2 KB per idle open session.
 """
@@ -28,7 +29,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from bench_mapper import BATCH, load, raw_messages, relay, service_loop  # noqa: E402
+from bench_mapper import BATCH, CPU, load, raw_messages, relay, service_loop  # noqa: E402
 
 from bridge.config import Settings  # noqa: E402
 from bridge.core.ceiling import CapturePolicy  # noqa: E402
@@ -61,17 +62,18 @@ async def pairing_run(settings: Settings, js) -> tuple[float, int, int]:  # type
     from bridge.services.pairing import PairingService
 
     service = PairingService(settings, replica="bench", tick_s=3600)
-    started = time.perf_counter()
+    started, cpu0 = time.perf_counter(), time.process_time()
     task = asyncio.create_task(serve(service, port=0))
-    last_count, last_change = -1, time.perf_counter()
+    last_count, last_change, last_cpu = -1, time.perf_counter(), cpu0
     while True:
         await asyncio.sleep(0.05)
         count = (await js.stream_info("AEP_EVENTS")).state.messages
         if count != last_count:
-            last_count, last_change = count, time.perf_counter()
+            last_count, last_change, last_cpu = count, time.perf_counter(), time.process_time()
         elif count > 0 and time.perf_counter() - last_change > 2.0:
             break
     elapsed = last_change - started
+    CPU["pairing"] = last_cpu - cpu0  # the process's CPU until the last event reached AEP_EVENTS
     service.stopper.trigger("bench done")
     await task
     consumed = int(sum(s.value for m in service.metrics.events_in.collect() for s in m.samples if s.name.endswith("_total")))
@@ -141,6 +143,8 @@ def main(n: int, loop: str) -> None:
     print(f"relay ceiling (fetch {BATCH}, publish_async, ack; asyncio): {relay_rate:,.0f} msg/s ({relay_s:.2f}s)")
     print(f"pairing, 1 replica, all partitions ({'uvloop' if factory else 'asyncio'}): {pairing_rate:,.0f} msg/s in ({pairing_s:.2f}s), {out / pairing_s:,.0f} events/s out ({out} events)")
     print(f"ratio pairing/ceiling: {pairing_rate / relay_rate:.2f} (target >= 0.9)")
+    print(f"pairing CPU (this process, loop and client): {CPU['pairing'] * 1e6 / consumed:.1f} us per mapped event "
+          f"({CPU['pairing']:.2f} s for {consumed}); relay {CPU['relay'] * 1e6 / mapped:.1f} us")
     memory()
 
 

@@ -360,6 +360,9 @@ RUN_SUM_MAX = 2**53
 OVER = -2
 
 
+_USAGE_KEYS = tuple(member for member, _ in USAGE_MEMBERS)
+
+
 def _sum_count(a: int, b: int) -> int:
     """Two token sums (-1: no call had the member, `OVER`: past the bound) as one."""
     if a == OVER or b == OVER:
@@ -581,6 +584,7 @@ class PairingState:
 
     def __init__(self, config: PairingConfig | None = None, *, partition: int | None = None) -> None:
         self.config = config or PairingConfig()
+        self._ttls = self.config.ttls()  # by kind (`_deadline`; the config is frozen)
         #: which partition this state owns (a label for the service; not part of the state)
         self.partition = partition
         #: the last BRIDGE_MAPPED position (stream sequence) this state covers
@@ -1140,13 +1144,19 @@ class PairingState:
         return out
 
     def _deadline(self, s: _Session) -> int | None:
+        """The session's next deadline: run on every event of the session (`_schedule`), so
+        `_ttl` and `_keep` are inlined here (the same rules) over the TTLs read once."""
         cfg = self.config
         best = s.last + (cfg.recent_ns if s.ended else cfg.idle_ttl_ns)
         if s.pairs:
+            ttls, hold, recent, subagent_keep = self._ttls, cfg.hold_ns, cfg.recent_ns, cfg.subagent_ttl_ns
             for p in s.pairs:
-                d = p.ts + self._ttl(p) if p.state == OPEN else p.closed + self._keep(p)
-                if p.state == OPEN and p.due and p.due < d:
-                    d = p.due
+                if p.state == OPEN:
+                    d = p.ts + (hold if p.late else ttls[p.kind])
+                    if p.due and p.due < d:
+                        d = p.due
+                else:
+                    d = p.closed + (subagent_keep if p.kind == SUBAGENT and p.state == CLOSED else recent)
                 if d < best:
                     best = d
         if s.held:
@@ -1314,13 +1324,23 @@ class PairingState:
         u.calls += 1
         data = _data(ev)
         invalid = overflow = False
-        for i, (member, _) in enumerate(USAGE_MEMBERS):
+        tokens = u.tokens
+        for i, member in enumerate(_USAGE_KEYS):
             v = data.get(member)
-            if isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= TOKEN_MAX:
-                before = u.tokens[i]
-                u.tokens[i] = _sum_count(before, v)
-                overflow |= u.tokens[i] == OVER and before != OVER
-            elif v is not None:
+            if v is None:
+                continue
+            if isinstance(v, int) and v.__class__ is not bool and 0 <= v <= TOKEN_MAX:
+                # `_sum_count(before, v)` inlined (a call per member and model call): -1 (no
+                # call had it) takes v; OVER stays OVER; a sum past RUN_SUM_MAX becomes OVER.
+                before = tokens[i]
+                if before == OVER:
+                    continue
+                total = v if before < 0 else before + v
+                if total > RUN_SUM_MAX:
+                    tokens[i], overflow = OVER, True
+                else:
+                    tokens[i] = total
+            else:
                 invalid = True
         cost = data.get("cost")
         nanos = None

@@ -89,6 +89,8 @@ class ActivityMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.values: dict[str, dict[tuple[str, ...], float]] = {name: {} for name in COUNTERS}
         self.durations: dict[str, _Duration] = {}
+        #: model label -> the series keys of a call of it: (calls ok, ((member, tokens key), ...))
+        self._call_keys: dict[str, tuple[tuple[str, str], tuple[tuple[str, tuple[str, str]], ...]]] = {}
         self.model_label = BoundedLabel(known=("unknown",), cap=MAX_MODELS, shape=MODEL_SHAPE)
         self.currency_label = BoundedLabel(cap=8, shape=r"[A-Z]{3}")
         self.choice_label = BoundedLabel(known=APPROVAL_CHOICES)
@@ -118,12 +120,17 @@ class ActivityMetrics:
         add, values = self._add, self.values
         if etype == API_CALL:
             model = self.model(data)
-            add(values["calls"], (model, "ok"))
+            keys = self._call_keys.get(model)
+            if keys is None:  # one entry per model label: bounded like the labels (MAX_MODELS + 2)
+                keys = self._call_keys[model] = ((model, "ok"), tuple((m, (model, kind)) for m, kind in TOKEN_KINDS))
+            ok, token_keys = keys
+            calls = values["calls"]
+            calls[ok] = calls.get(ok, 0) + 1
             tokens = values["tokens"]
-            for member, kind in TOKEN_KINDS:
+            for member, key in token_keys:  # the label tuples made once per model, not per call
                 n = data.get(member)
                 if n and _count(n):
-                    add(tokens, (model, kind), n)
+                    tokens[key] = tokens.get(key, 0) + n
             ms = data.get("duration_ms")
             if _count(ms):
                 d = self.durations.get(model)

@@ -142,6 +142,11 @@ FENCE_MARGIN_S = 3.0
 GATHER_S = 0.005
 GATHER_MAX_S = 0.025
 TICK_TOKEN = subj.TICK_TOKEN
+_TICK_SUFFIX = "." + TICK_TOKEN
+# Lanes' subject prefixes and event types remembered (`PairingService.subject_of`), each cleared when full.
+SUBJECT_CACHE = 4096
+#: one publish of a batch: (subject, body, headers)
+Outgoing = tuple[str, bytes, dict[str, str]]
 _PARTITION_TOKEN = subj.MAPPED_PREFIX.count(".") + 1  # bridge.mapped.<n>.<lane>: the index of <n>
 # How long the reader's pull request (and a partition loop's wait on its feed) waits for a
 # message. Each wait that ends empty costs a request, a status and a wake-up: eight partitions
@@ -296,6 +301,7 @@ class Partition:
     published: int = 0  # replayed positions up to this one were published by the previous owner
     recheck_left: int = 0  # then this many messages (its batch in flight) are looked up on AEP_EVENTS
     feed: Feed | None = None  # its messages from the replica's reader (made when its loop starts)
+    folded: int = 0  # inputs folded since its batch began: added to ``events_in`` once per batch
 
 
 class PairingService(Service):
@@ -305,7 +311,6 @@ class PairingService(Service):
     def __init__(self, settings: Settings, replica: str | None = None, registry: CollectorRegistry | None = None,
                  lease_ttl_s: float | None = None, tick_s: float | None = None, policy: CapturePolicy | None = None) -> None:
         self.settings = settings
-        self._types_out: dict[str, int] = {}  # events published by type, not yet on the counter (any partition)
         # Only for dead letters (the mapped events are capture-gated by the mapper already).
         self.policy = policy or configure(settings.capture, settings.capture_overrides, (), Redactor(
             secret_values=settings.secret_values(), home=os.path.expanduser("~")))[0]
@@ -336,7 +341,8 @@ class PairingService(Service):
         self.reader_error: str | None = None  # why a reader's last consumer failed (until a read succeeds)
         self.reader_failing_since: float | None = None  # monotonic time of its first failure in a row
         self._releases: set[asyncio.Task] = set()  # leases given back at once (`release_now`)
-        self._outgoing: dict[asyncio.Future, tuple[str, bytes, dict[str, str]]] = {}  # (`send`, `await_acks`)
+        self._lane_prefixes: dict[tuple[Any, bool], str] = {}  # (session, unknown lane) -> "aep.hermes.<token>." (`subject_of`)
+        self._types_checked: set[str] = set()  # event types `subj.event_subject` took (`subject_of`)
         self.health.live["partitions"] = self.owned_now  # at every moment, the fence's own rule
 
     # ------------------------------------------------------------ leases
@@ -612,32 +618,57 @@ class PairingService(Service):
 
     # ------------------------------------------------------------ one partition
 
-    async def publish(self, events: list[Any], msg: Any = None) -> list[asyncio.Future]:
-        """Start publishing ``events`` (the outputs of the BRIDGE_MAPPED message ``msg``)."""
-        futures = []
+    def publish(self, events: list[Any], msg: Any, outgoing: list[Outgoing], published: list[Any]) -> None:
+        """Add the publishes of ``events`` (the outputs of the BRIDGE_MAPPED message ``msg``) to
+        its batch's ``outgoing``, and the events to ``published`` (not the dead-lettered ones):
+        `handle_batch` sends them together once the batch is folded (`AckPublisher.publish_many`)
+        and counts them then (`count_published`)."""
         limit = getattr(self.nc, "max_payload", 0) or 0
         for event in events:
             body = encode_event(event)
             try:
-                subject = subj.event_subject(event)
+                subject = self.subject_of(event)
                 if limit and len(body) + len(event.id) + 64 > limit:
                     raise subj.SubjectError("too_large", f"an event of {len(body)} bytes (max_payload {limit})")
             except subj.SubjectError as exc:  # never onto the wire: nats-server would close the connection
-                futures.append(await self.dead_letter_event(event, body, exc.reason, str(exc), msg))
+                outgoing.append(self.dead_letter_event(event, body, exc.reason, str(exc), msg))
                 continue
-            futures.append(await self.send(subject, body, {"Nats-Msg-Id": event.id}))
-            self.activity.seen(event)  # model calls, tokens, cost, tools, approvals, runs (bridge/runtime/activity.py)
-            types = self._types_out  # added to the counter once per batch (handle_batch)
+            outgoing.append((subject, body, {"Nats-Msg-Id": event.id}))
+            published.append(event)
+
+    def count_published(self, events: list[Any]) -> None:
+        """The metrics of a batch's events once they are sent: the activity metrics (model calls,
+        tokens, cost, tools, approvals, runs: bridge/runtime/activity.py) and one increment of
+        the events counter per type and batch (issue 24)."""
+        types: dict[str, int] = {}
+        seen = self.activity.seen
+        for event in events:
+            seen(event)
             types[event.type] = types.get(event.type, 0) + 1
-        return futures
+        self.metrics.count(types)
 
-    async def send(self, subject: str, body: bytes, headers: dict[str, str]) -> asyncio.Future:
-        """One acked publish, remembered until its batch is acked (`await_acks` sends it again)."""
-        future = await self.publisher.publish(subject, body, headers=headers)
-        self._outgoing[future] = (subject, body, headers)
-        return future
+    def subject_of(self, event: Any) -> str:
+        """`subj.event_subject`, its lane's part remembered per session (``aep.hermes.<lane
+        token>.``: the token is a regex, a base64 or a SHA-256 of the session id, checked) and
+        the types already checked, so a session's next event of any type costs two look-ups.
+        Anything not remembered, or a subject past the length cap, takes `subj.event_subject`
+        (which raises what it raised: a subject refused is never remembered). Bounded: each
+        cleared when full."""
+        key = (event.session, event.lane == "unknown")
+        prefix = self._lane_prefixes.get(key)
+        etype = event.type
+        if prefix is not None and etype in self._types_checked and len(prefix) + len(etype) <= subj.MAX_SUBJECT_CHARS:
+            return prefix + etype
+        subject = subj.event_subject(event)
+        if len(self._lane_prefixes) >= SUBJECT_CACHE:
+            self._lane_prefixes.clear()
+        if len(self._types_checked) >= SUBJECT_CACHE:
+            self._types_checked.clear()
+        self._lane_prefixes[key] = subject[: len(subject) - len(etype)]
+        self._types_checked.add(etype)
+        return subject
 
-    async def await_acks(self, part: Partition, futures: list[asyncio.Future]) -> None:
+    async def await_acks(self, part: Partition, futures: list[asyncio.Future], sent: list[Outgoing]) -> None:
         """Wait for the acks of a batch's publishes, in order. One that has not come within
         ACK_RESEND_S, or failed as an outage (a 503 while its stream elects, a connection
         between servers), is sent again, with the same ``Nats-Msg-Id`` (AEP_EVENTS drops a
@@ -645,8 +676,9 @@ class PairingService(Service):
         cut-off leader never acked is not lost with its partition (before: the batch waited
         15 s, then the partition was dropped and restored from its checkpoint, a stall of 15 s
         and more for every partition of the replica; issue 42). After PUBLISH_GIVE_UP_S the
-        last error propagates (the partition is dropped, as before). ``futures`` is updated in
-        place to the ones in flight (the caller cancels them on an error)."""
+        last error propagates (the partition is dropped, as before). ``futures`` (the acks of
+        ``sent``, in the same order) is updated in place to the ones in flight (the caller
+        cancels them on an error)."""
         give_up = time.monotonic() + PUBLISH_GIVE_UP_S
         while True:
             try:
@@ -661,22 +693,19 @@ class PairingService(Service):
                 answered = not isinstance(exc, TimeoutError)
             if answered:  # an answer (503): the stream has no leader yet
                 await asyncio.sleep(RESEND_PAUSE_S)
-            again = [f for f in futures if not f.done() or f.cancelled() or f.exception() is not None]
+            again = [i for i, f in enumerate(futures) if not f.done() or f.cancelled() or f.exception() is not None]
             if self.fenced(part):
                 raise TimeoutError(f"fenced while waiting for acks ({why})")
-            resent: list[asyncio.Future] = []
-            for f in again:
-                if not f.done():
-                    f.cancel()
-                subject, body, headers = self._outgoing.pop(f)
-                resent.append(await self.send(subject, body, headers))
-            acked = [f for f in futures if f not in again]
-            futures[:] = acked + resent
-            self.metrics.resent.inc(len(resent))
-            log.warning("publish_resent", partition=part.number, publishes=len(resent), error=why[:200])
+            for i in again:
+                if not futures[i].done():
+                    futures[i].cancel()
+            for i, f in zip(again, await self.publisher.publish_many([sent[i] for i in again])):
+                futures[i] = f
+            self.metrics.resent.inc(len(again))
+            log.warning("publish_resent", partition=part.number, publishes=len(again), error=why[:200])
 
-    async def dead_letter_event(self, event: Any, body: bytes, reason: str, error: str, msg: Any = None) -> asyncio.Future:
-        """An output that cannot be published: to the DLQ (`bridge.core.deadletter`, within the
+    def dead_letter_event(self, event: Any, body: bytes, reason: str, error: str, msg: Any = None) -> Outgoing:
+        """An output that cannot be published: its publish to the DLQ (`bridge.core.deadletter`, within the
         lowest ceiling, like every dead letter), its position the input ``msg`` it came from
         (the input is consumed as usual; the event can be made again from it)."""
         seq = msg.metadata.sequence.stream if msg is not None else 0
@@ -690,13 +719,13 @@ class PairingService(Service):
         limit = getattr(self.nc, "max_payload", 0) or 0
         if limit and len(body) + 1024 > limit:  # content at `full` can be as large as the event
             body = deadletter.build("pairing", reason, reason, error, original, CapturePolicy(default="metadata", overrides={})).body
-        return await self.send(subj.dlq_subject(reason), body, headers)
+        return subj.dlq_subject(reason), body, headers
 
-    async def handle(self, part: Partition, msg: Any) -> tuple[list[asyncio.Future], int | None]:
-        """Fold one message into the state and start publishing what it yields.
+    async def handle(self, part: Partition, msg: Any, outgoing: list[Outgoing], published: list[Any]) -> int | None:
+        """Fold one message into the state and add the publishes of what it yields to
+        ``outgoing`` (the caller sends a whole batch's at once and awaits their acks).
 
-        Returns the publish futures (the caller awaits a whole batch at once) and the
-        shim receive time. A message the state machine cannot take is dead-lettered and
+        Returns the shim receive time. A message the state machine cannot take is dead-lettered and
         skipped. The caller moves the partition's position only once the batch's
         publishes are acked; a failed publish raises, and the partition is then dropped
         and re-acquired from its last checkpoint, because its in-memory state is ahead
@@ -704,10 +733,10 @@ class PairingService(Service):
         """
         position = msg.metadata.sequence.stream
         if position <= part.position:
-            return [], None  # already folded into the restored state
+            return None  # already folded into the restored state
         ts_ns = None
         try:
-            if msg.subject.rsplit(".", 1)[-1] == TICK_TOKEN:
+            if msg.subject.endswith(_TICK_SUFFIX):
                 now_ns = int(msgspec.json.decode(msg.data).get("now", 0))
                 out = part.state.tick(now_ns, position)
             else:
@@ -717,23 +746,23 @@ class PairingService(Service):
                     hints = {}
                 ts_ns = hints.get("ts")
                 out = part.state.process(event, hints, position)
-                part.events_in.inc()
+                part.folded += 1
         except Exception as exc:  # decode errors, or an input the state machine rejects
             reason = "bad_mapped" if isinstance(exc, (msgspec.DecodeError, msgspec.ValidationError, PairingInputError)) \
                 else "pairing_error"
             log.error("pairing_dead_letter", partition=part.number, position=position, error=type(exc).__name__)
             await self.dead_letter(msg, reason, exc)
-            return [], None
+            return None
         if position <= part.published:  # the previous owner published these and saw the acks
             if out:
                 self.metrics.republish_skipped.inc(len(out))
-            return [], None
+            return None
         if part.recheck_left > 0:
             part.recheck_left -= 1
             out = await self.not_yet_published(msg, out)
-        if out and self.fenced(part):  # the lease may have lapsed while this batch was handled
-            return [], None
-        return await self.publish(out, msg), ts_ns if isinstance(ts_ns, int) else None
+        if out:
+            self.publish(out, msg, outgoing, published)
+        return ts_ns if isinstance(ts_ns, int) else None
 
     async def not_yet_published(self, msg: Any, events: list[Any]) -> list[Any]:
         """The outputs of a replayed message that a previous owner did not publish, when that
@@ -760,37 +789,38 @@ class PairingService(Service):
         if self.fenced(part):
             return
         self.metrics.batch.observe(len(msgs))
-        futures: list[asyncio.Future] = []
+        outgoing: list[Outgoing] = []
+        published: list[Any] = []  # the events of ``outgoing`` (`count_published`)
         receive_times: list[int] = []
         try:
             for msg in msgs:
-                fs, ts_ns = await self.handle(part, msg)
-                futures.extend(fs)
+                ts_ns = await self.handle(part, msg, outgoing, published)
                 if ts_ns:
                     receive_times.append(ts_ns)
-        except BaseException:
-            for f in futures:
-                self._outgoing.pop(f, None)
-            raise
         finally:
-            self.metrics.count(self._types_out)
-        if futures:
+            if part.folded:
+                part.events_in.inc(part.folded)
+                part.folded = 0
+        futures: list[asyncio.Future] = []
+        # The lease may have lapsed while the batch was folded: then none of it goes out.
+        if outgoing and not self.fenced(part):
+            # All of the batch's publishes at once (one call, not one coroutine each), then one
+            # wait for their acks.
+            futures = await self.publisher.publish_many(outgoing)
+            self.count_published(published)
             try:
                 # One after the other under one timeout, not wait_for(gather(...)): acks come in
                 # order, so after the first wait the rest are mostly done already, and a batch
                 # costs no gathering future, task or callback per future (uvloop, 3.11: 10 against
                 # 21 us for a batch of five).
-                await self.await_acks(part, futures)
+                await self.await_acks(part, futures, outgoing)
             except BaseException:  # the partition is dropped: its other publishes are not waited for
                 for f in futures:
-                    self._outgoing.pop(f, None)
                     if not f.done():
                         f.cancel()  # (then swept by the publisher; a late ack finds nothing)
                     elif not f.cancelled():
                         f.exception()  # seen: asyncio logs a failure nobody retrieved
                 raise
-        for f in futures:
-            self._outgoing.pop(f, None)
         now = time.time_ns()
         observe_many(self.metrics.latency, [max(0, now - ts_ns) / 1e9 for ts_ns in receive_times])
         last = msgs[-1].metadata.sequence.stream

@@ -89,6 +89,29 @@ def test_futures_given_up_on_are_swept(nats_server, monkeypatch) -> None:  # typ
     run(nats_server.url, body)
 
 
+def test_publish_many_acks_each_in_order_and_a_failed_send_leaves_nothing_awaited(nats_server) -> None:  # type: ignore[no-untyped-def]
+    """A batch's publishes in one call (pairing's): a future per item, in the items' order, each
+    with its own ack; a send that raises (here: a payload past max_payload, refused by nats-py
+    before it is written) cancels the futures of the items before it, which the caller never
+    gets, so none of them is left pending in the publisher."""
+    import nats.errors
+
+    async def body(js, nc, stream, prefix, pub) -> None:  # type: ignore[no-untyped-def]
+        items = [(f"{prefix}.m", str(i).encode(), {"Nats-Msg-Id": f"m-{i}"}) for i in range(300)]
+        futures = await pub.publish_many(items)
+        acks = [await f for f in futures]
+        assert [a.seq for a in acks] == list(range(1, 301)) and not any(a.duplicate for a in acks)
+        again = await pub.publish_many(items[:3])
+        assert [(await f).duplicate for f in again] == [True, True, True], "same ids: the window's duplicates"
+        too_big = b"x" * (nc.max_payload + 1)
+        with pytest.raises(nats.errors.MaxPayloadError):
+            await pub.publish_many([(f"{prefix}.m", b"a", None), (f"{prefix}.m", b"b", None), (f"{prefix}.m", too_big, None)])
+        assert pub.pending == 0, "the two sent before the refused one are not left awaited"
+        assert await pub.publish_many([]) == []
+
+    run(nats_server.url, body)
+
+
 def test_error_of_keeps_nats_py_exception_classes() -> None:
     assert isinstance(publish_mod.error_of({"code": 503, "description": "x"}), nats.js.errors.ServiceUnavailableError)
     err = publish_mod.error_of({"code": 400, "err_code": 10071, "description": "wrong last sequence", "extra": 1})
