@@ -138,3 +138,18 @@ async def msg_ids_on(nc: Any, stream: str, subject: str, since_ns: int, until_ns
             if msg_id is not None:
                 ids.add(msg_id)
     return ids, True
+
+
+async def duplicate_window_s(js: Any, stream: str) -> float | None:
+    """``stream``'s duplicate window in seconds (what a resend must be looked up past), None
+    when it has none or this role may not ask (the caller assumes the default). No answer (an
+    election: `bridge.nats.connection.UNANSWERED`) raises: asked again, not assumed."""
+    from bridge.nats.connection import UNANSWERED
+
+    try:
+        window = getattr((await js.stream_info(stream)).config, "duplicate_window", None)
+    except UNANSWERED:
+        raise
+    except Exception:
+        return None
+    return float(window) if window else None

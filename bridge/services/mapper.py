@@ -100,7 +100,7 @@ from bridge.core.envelope import EnvelopeError, check_raw, decode_raw
 from bridge.core.lanes import UNKNOWN_TOKEN, event_lane_token, lane_candidates, partition_of
 from bridge.core.mapping import HOOKS, INVALID_FIELDS
 from bridge.core.pipeline import map_record, record_from_raw
-from bridge.runtime import (DEFAULT_MARGIN_NS, FACT_TIMEOUT_S, OTHER, SERVER_MARGIN_NS, UNANSWERED, WRONG_LAST_SEQUENCE, AckPublisher,
+from bridge.runtime import (DEFAULT_MARGIN_NS, FACT_TIMEOUT_S, duplicate_window_s, OTHER, SERVER_MARGIN_NS, UNANSWERED, WRONG_LAST_SEQUENCE, AckPublisher,
                             BoundedLabel, Health, KvLanes, Linger, Loop, PinnedLane, Puller, Service, Settings, Stopper,
                             connect_service, epoch_of, find_msg_id, lane_fact_key, load_price_table, msg_ids_on,
                             observe_many, outage, server_list, stored_ns, until_answered, wait_all)
@@ -399,14 +399,9 @@ class Mapper(Service):
         window = getattr(info.config, "duplicate_window", None)
         if window:
             self.late_after_ns = int(float(window) * 1e9) // 2
-        try:
-            window = getattr((await self.js.stream_info(S.BRIDGE_MAPPED)).config, "duplicate_window", None)
-        except UNANSWERED:  # an election: asked again (`until_answered`), not assumed
-            raise
-        except Exception:  # not allowed to ask: assume the default window
-            window = None
+        window = await duplicate_window_s(self.js, S.BRIDGE_MAPPED)  # (None: the default assumed)
         if window:
-            self.mapped_late_after_ns = int(float(window) * 1e9) // 2
+            self.mapped_late_after_ns = int(window * 1e9) // 2
         self.metrics.epoch.set(self.epoch)
         kv = await self.js.key_value(S.LANES_BUCKET)
         try:

@@ -89,7 +89,7 @@ from bridge.core.ceiling import CapturePolicy, configure
 from bridge.core.redaction import Redactor
 from bridge.core.deadletter import KNOWN_REASONS as DLQ_REASONS
 from bridge.core.pairing import SECOND, PairingConfig, PairingInputError, PairingState
-from bridge.runtime import (SCAN_BUDGET, SERVER_MARGIN_NS, UNANSWERED, AckPublisher, ActivityMetrics, BoundedLabel, Health,
+from bridge.runtime import (SCAN_BUDGET, SERVER_MARGIN_NS, duplicate_window_s, UNANSWERED, AckPublisher, ActivityMetrics, BoundedLabel, Health,
                             Loop, Puller, Service, Settings, Stopper, connect_service, find_msg_id, follow, observe_many,
                             outage, stored_ns, until_answered)
 from bridge.runtime import streams as S
@@ -1215,13 +1215,8 @@ class PairingService(Service):
         self.leases = await follow.leader_kv(self.js, S.LEASES_BUCKET)
         self.pairing_kv = await follow.leader_kv(self.js, S.PAIRING_BUCKET)
         self.checkpoints = await self.js.object_store(S.CHECKPOINTS_BUCKET)
-        try:
-            window = getattr((await self.js.stream_info(S.AEP_EVENTS)).config, "duplicate_window", None)
-        except UNANSWERED:  # an election: asked again (`until_answered`), not assumed
-            raise
-        except Exception:  # not allowed to ask: assume the default window
-            window = None
-        self.late_after_ns = int(float(window or S.DUPLICATE_WINDOW_S) * 1e9) // 2
+        window = await duplicate_window_s(self.js, S.AEP_EVENTS)  # (None: the default assumed)
+        self.late_after_ns = int((window or S.DUPLICATE_WINDOW_S) * 1e9) // 2
 
     def starting(self) -> dict[str, Any]:
         return {"replica": self.replica, "partitions": self.settings.partitions}
