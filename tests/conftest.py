@@ -113,6 +113,8 @@ def slow_group(item: pytest.Item) -> str:
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups into the node ids
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not config.pluginmanager.hasplugin("xdist"):  # -p no:xdist: no such marker (--strict-markers)
+        return
     for item in items:
         if item.get_closest_marker("slow") is not None and item.get_closest_marker("xdist_group") is None:
             item.add_marker(pytest.mark.xdist_group(slow_group(item)))
