@@ -6,7 +6,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test test-fast venv bench clean schemas
+.PHONY: run test test-fast test-slow venv bench clean schemas
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -26,15 +26,21 @@ run: $(STAMP)
 # Two runs: everything but the slow tests on two pytest-xdist workers, a test module per worker
 # (most of those tests wait on servers and processes: 2 workers took the suite's fast part from
 # ~15 to ~8 min on the 2-core machine), then the slow ones (end-to-end, fault, cluster and
-# partition runs, each timing-sensitive) one at a time. `make test PYTEST_ARGS=...` applies to both;
-# `make test WORKERS=0` runs the fast part serially too.
+# partition runs) on two workers too, by xdist group (tests/conftest.py): every slow test of
+# tests/cluster/ and of the partition users on one worker, one at a time, and the others a module
+# at a time on whichever worker is free (those runs mostly wait: ~20 min serially for ~9 min of
+# CPU). `make test PYTEST_ARGS=...` applies to both; `make test WORKERS=0` runs both serially.
 WORKERS ?= 2
 # Both parts always run; the first non-zero exit code is the verdict.
 test: $(STAMP)
 	@status=0; \
 	$(BIN)/python -m pytest -m "not slow" $(if $(filter-out 0,$(WORKERS)),-n $(WORKERS) --dist loadfile) $(PYTEST_ARGS) || status=$$?; \
-	$(BIN)/python -m pytest -m slow $(PYTEST_ARGS) || { s=$$?; [ $$status -ne 0 ] || status=$$s; }; \
+	$(BIN)/python -m pytest -m slow $(if $(filter-out 0,$(WORKERS)),-n $(WORKERS) --dist loadgroup) $(PYTEST_ARGS) || { s=$$?; [ $$status -ne 0 ] || status=$$s; }; \
 	exit $$status
+
+# The slow part alone, as `make test` runs it.
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -m slow $(if $(filter-out 0,$(WORKERS)),-n $(WORKERS) --dist loadgroup) $(PYTEST_ARGS)
 
 # The edit loop: everything but the tests marked slow (end-to-end and fault runs).
 test-fast: $(STAMP)

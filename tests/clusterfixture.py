@@ -142,17 +142,25 @@ class ClusterNode:
 
     def stop(self) -> None:
         """SIGTERM, then SIGKILL if it lingers."""
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
+        self.ask_to_stop()
+        self.wait_stopped()
+
+    def ask_to_stop(self) -> None:
+        """SIGCONT (a paused node stops too), then SIGTERM; `wait_stopped` waits for the exit."""
+        if self.proc is not None and self.proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 self.proc.send_signal(signal.SIGCONT)
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+                self.proc.terminate()
+
+    def wait_stopped(self, timeout: float = 10.0) -> None:
+        """Once the process has exited (SIGKILL after ``timeout``)."""
+        if self.proc is None:
+            return
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(5)
         self.proc = None
 
     def wipe(self) -> None:
@@ -361,8 +369,10 @@ class Cluster:
         raise NatsBackendError(f"no leader for {stream}{'/' + consumer if consumer else ''} after {timeout}s: {last!r}")
 
     def close(self) -> None:
+        for n in self.nodes:  # all three at once, then each waited for
+            n.ask_to_stop()
         for n in self.nodes:
-            n.stop()
+            n.wait_stopped()
         shutil.rmtree(self.root, ignore_errors=True)
 
     def __enter__(self) -> Cluster:
