@@ -65,6 +65,18 @@ def shim_publish(cfg: hook.Config, server: str, session: str = "s1") -> str:
         conn.close()
 
 
+def shim_acked(cfg: hook.Config, server: str, session: str = "s1", within_s: float = 15.0) -> str:
+    """`shim_publish`, asked again while ``server`` answers "not stored" (503 no responders: a
+    fresh cluster's stream interest reaches a node over the routes a moment after the stream:
+    CI, 2026-12-07); any other answer, or the same after ``within_s``, is returned as it is."""
+    deadline = time.monotonic() + within_s
+    while True:
+        got = shim_publish(cfg, server, session)
+        if "publish not stored" not in got or time.monotonic() > deadline:
+            return got
+        time.sleep(0.2)
+
+
 def config_for(env: dict[str, str]) -> hook.Config:
     return hook.Config(environ=env)
 
@@ -99,7 +111,7 @@ def test_ten_thousand_credentials_and_a_thousand_instances_on_three_nodes(fleet_
         path.write_text(settings[i])
         cfg = hook.Config(environ={"HOME": str(spool), "AEP_BRIDGE_CONFIG": str(path),
                                    "AEP_BRIDGE_SPOOL_DIR": str(spool)})
-        return shim_publish(cfg, cluster.urls[i % 3], session=f"s{i}")
+        return shim_acked(cfg, cluster.urls[i % 3], session=f"s{i}")
 
     started = time.perf_counter()
     with ThreadPoolExecutor(8) as pool:
@@ -129,7 +141,7 @@ def test_a_revocation_reaches_every_server_within_five_seconds(fleet_cluster) ->
     env_a = issue_env(fleet, "gw-revoked", cluster.url, tmp / "ra")
     env_b = issue_env(fleet, "gw-kept", cluster.url, tmp / "rb")
     cfg_a, cfg_b = config_for(env_a), config_for(env_b)
-    assert [shim_publish(cfg_a, u) for u in cluster.urls] == ["acked"] * 3
+    assert [shim_acked(cfg_a, u) for u in cluster.urls] == ["acked"] * 3
 
     async def revoke() -> tuple[list[bool], float]:
         live = [await instance_client(u, jwt_of(env_a), "gw-revoked", allow_reconnect=False) for u in cluster.urls]
@@ -148,7 +160,7 @@ def test_a_revocation_reaches_every_server_within_five_seconds(fleet_cluster) ->
     assert closed == [True] * 3, (closed, took)
     refused = [shim_publish(cfg_a, u, session="after") for u in cluster.urls]
     assert all("Authorization Violation" in r for r in refused), refused
-    assert [shim_publish(cfg_b, u) for u in cluster.urls] == ["acked"] * 3
+    assert [shim_acked(cfg_b, u) for u in cluster.urls] == ["acked"] * 3
     # A's hook runs meanwhile: `{}` in time, spooled; after re-issue, each lands exactly once
     for i in range(3):
         run = run_hook(dumps(envelope(session=f"m{i}")), env_a)

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import nats.errors
+import nats.js.errors
 
 from bridge.nats import streams as S
 from tests.clusterfixture import Cluster
@@ -68,7 +69,18 @@ def test_bootstrap_scales_r1_streams_to_r3_in_place(nats_cluster: Cluster) -> No
     assert set(replicas_of(nats_cluster).values()) == {(1, 0)}
     c = nats_cluster.client()
     try:
-        c.run(c.js.publish("hermes.raw.scale.pre_tool_call", b"{}", headers={"Nats-Msg-Id": "scale-1"}))
+        # The R1 stream lives on one node; this client may sit on another, where the stream's
+        # interest arrives over the routes a moment after the create (CI: "no response from
+        # stream" at once): asked again until it answers.
+        deadline = time.monotonic() + 15
+        while True:
+            try:
+                c.run(c.js.publish("hermes.raw.scale.pre_tool_call", b"{}", headers={"Nats-Msg-Id": "scale-1"}))
+                break
+            except nats.js.errors.NoStreamResponseError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
         lanes = c.run(c.js.key_value(S.LANES_BUCKET))
         c.run(lanes.put("s.kept", b"1"))
         c.run(c.js.add_consumer(S.HERMES_RAW, S.mapper_consumer_config()))  # the mapper's, made at R1
