@@ -100,8 +100,9 @@ async def collect(nc: Any, source_prefix: str, since: datetime, want: int, timeo
     try:
         while time.monotonic() < deadline:
             try:
-                data, stored = await asyncio.wait_for(queue.get(), timeout=0.25)
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(0.25):  # (not wait_for: it can swallow Ctrl-C, see tail)
+                    data, stored = await queue.get()
+            except TimeoutError:
                 if len(got) >= want and time.monotonic() - last > 1.5:
                     break
                 continue

@@ -183,8 +183,11 @@ async def tail(
             if stop is not None and stop.is_set():
                 break
             try:
-                data = await asyncio.wait_for(queue.get(), timeout=0.25)
-            except asyncio.TimeoutError:
+                # asyncio.timeout, not wait_for: Python 3.11's wait_for returns a get done by the
+                # time Ctrl-C's cancel lands, and with events flowing tail never ended (gh-86296)
+                async with asyncio.timeout(0.25):
+                    data = await queue.get()
+            except TimeoutError:
                 if idle_exit is not None and time.monotonic() - last > idle_exit:
                     break
                 continue
@@ -202,6 +205,7 @@ async def tail(
             seen += 1
             if count is not None and seen >= count:
                 break
+            await asyncio.sleep(0)  # Ctrl-C lands between two events, not once a backlog is drained
     finally:
         await sub.unsubscribe()
     return seen
