@@ -2248,8 +2248,10 @@ def main(argv=None):
         cfg = Config(config_path=config_path)
         data, why = read_stdin(started + cfg.deadline_ms / 1000.0)
         if why is not None:  # its deadline is spent: kept in the spool, published by the next hook
-            _warn(why)
-            deliver(build_record(data, cfg, stdin_error=why), cfg, started)
+            record = build_record(data, cfg, stdin_error=why)
+            # Its id: the `_invalid` message (a shim_invalid dead letter) that holds what was read.
+            _warn("event %s: %s" % (record.id, why))
+            deliver(record, cfg, started)
         elif cfg.control or cfg.instruct:
             answer = run_control(data, cfg, started)
         else:

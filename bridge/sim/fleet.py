@@ -33,10 +33,12 @@ The manifest
 JSON Lines: a ``{"meta": {...}}`` line (settings, the canary strings), one line per
 event sent ``{"id", "i" (instance), "h" (hook), "v" ("inproc" | "shim"), "o" (outcome:
 published | spooled | dropped | lost | rejected | unknown), "m" (marker, shim only),
-"c" (1 when a canary was planted); for the hostile mix also "x" (its kind) and "r" (the
-dead-letter reason it is owed, null when it must map), and "v" "raw" for a raw message
-published straight to HERMES_RAW}``, and a final ``{"end": {...}}`` line (counts,
-whether every session was wound down). ``bridge.sim.verify`` reads it.
+"c" (1 when a canary was planted), "e" (a real shim that did not get its whole input in
+time: ``stdin_timeout`` or ``truncated``; "id" is then that of the ``_invalid`` message it
+published instead, which must be dead-lettered ``shim_invalid``); for the hostile mix also
+"x" (its kind) and "r" (the dead-letter reason it is owed, null when it must map), and "v"
+"raw" for a raw message published straight to HERMES_RAW}``, and a final ``{"end": {...}}``
+line (counts, whether every session was wound down). ``bridge.sim.verify`` reads it.
 """
 
 from __future__ import annotations
@@ -247,6 +249,10 @@ class ShimWorkers:
     """Real shim processes for the 'shim' instances: one process per event, in order per instance."""
 
     LOST = re.compile(rb"event (\S+) LOST")
+    #: the shim did not get the whole input within its deadline (Hermes wrote stdin late: a
+    #: loaded machine schedules the writer after the shim's deadline) or it was over 128 MiB:
+    #: what it read is published as `_invalid` under this id, and dead-lettered `shim_invalid`
+    CUT = re.compile(rb"event (\S+): (stdin_timeout|truncated): ")
 
     def __init__(self, fleet: "Fleet", workers: int) -> None:
         self.fleet = fleet
@@ -290,6 +296,10 @@ class ShimWorkers:
                 out, err, code = b"", b"timeout", -1
             elapsed = time.perf_counter() - t0
             outcome = "published"
+            cut = self.CUT.search(err)
+            if cut:  # the marker was in what the shim never read: the manifest names the id instead
+                meta["id"] = cut.group(1).decode("ascii", "replace")
+                meta["e"] = cut.group(2).decode("ascii")
             m = self.LOST.search(err)
             if m:
                 outcome = "lost"

@@ -14,7 +14,10 @@ BRIDGE_MAPPED, BRIDGE_DLQ and AEP_EVENTS and check:
    in the DLQ with a reason (mapper stage), or the event is (pairing stage). A miss
    is reported with where it stopped (not mapped / mapped but not paired). Events
    the shim itself reported as dropped (spool cap) or lost (spool unwritable) are
-   accounted for as counted edge losses, not silent ones.
+   accounted for as counted edge losses, not silent ones. A real shim that did not get
+   its whole input within its deadline (``e``: ``stdin_timeout``, Hermes wrote stdin late)
+   published what it read as ``_invalid`` under the id the manifest then names: that
+   message must be in the DLQ (``shim_invalid``); the marker was in what it never read.
 2. **No duplicates** in AEP_EVENTS by ``(source, id)``, and no event id under two
    sources (a raw duplicate resolved to two lanes).
 3. **Order:** per session, the mapped events (slots 512-767) in AEP_EVENTS stream
@@ -202,6 +205,7 @@ class Report:
     manifest_events: int = 0
     expected_delivered: int = 0
     edge_loss_counted: int = 0
+    inputs_cut: int = 0  # real shims that did not get their whole input in time (manifest "e")
     raw_messages: int = 0
     raw_duplicates: int = 0
     mapped_messages: int = 0
@@ -278,7 +282,9 @@ class Report:
         add = lines.append
         add(f"aep-bridge verify: {'OK' if self.ok else 'FAILED'}  ({self.elapsed_s:.1f} s)")
         add(f"  manifest     {self.manifest_events} events sent, {self.expected_delivered} expected on HERMES_RAW, "
-            f"{self.edge_loss_counted} counted as edge losses by the shims (spool full/unwritable)")
+            f"{self.edge_loss_counted} counted as edge losses by the shims (spool full/unwritable)"
+            + (f", {self.inputs_cut} inputs the shims did not get in time (published as _invalid, "
+               f"dead-lettered shim_invalid)" if self.inputs_cut else ""))
         add(f"  HERMES_RAW   {self.raw_messages} messages, {self.raw_duplicates} stored twice (resends past the duplicate window)")
         add(f"  BRIDGE_MAPPED {self.mapped_messages} messages, {self.mapped_duplicates} duplicate event ids")
         add(f"  AEP_EVENTS   {self.aep_events} events in {self.sessions} sessions; {self.expected_events} mapped events expected")
@@ -383,8 +389,8 @@ class Verifier:
         }
         self.raw: dict[str, _Raw] = {}
         self.answers: dict[str, tuple[str, str]] = {}  # answer raw id -> (session its turn_id names, instance)
-        # Instances that lost events at the edge (spool full): an answer's request may be among them.
-        self.lossy = {e.get("i") for e in self.entries if e.get("o") in EDGE_LOSS}
+        # Instances that lost events at the edge (spool full, an input cut): an answer's request may be among them.
+        self.lossy = {e.get("i") for e in self.entries if e.get("o") in EDGE_LOSS or e.get("e")}
         self.marker_to_id: dict[str, str] = {}
         self.raw_copies = 0
         self.mapped_ids: set[str] = set()
@@ -669,6 +675,7 @@ class Verifier:
         rep.manifest_events = len(self.entries)
         rep.expected_delivered = sum(1 for e in self.entries if e.get("o") in DELIVERED)
         rep.edge_loss_counted = sum(1 for e in self.entries if e.get("o") in EDGE_LOSS)
+        rep.inputs_cut = sum(1 for e in self.entries if e.get("e"))
         rep.raw_messages = len(self.raw) + self.raw_copies
         rep.raw_duplicates = self.raw_copies
         rep.mapped_messages = self.mapped_count

@@ -123,6 +123,8 @@ def test_stdin_that_never_closes_is_answered_and_kept(nats_server: NatsServer, j
         try:
             out = proc.stdout.read()  # EOF when the hook exits; stdin stays open all along
             proc.wait(timeout=HERMES_TIMEOUT_S)
+            assert proc.stderr is not None
+            err = proc.stderr.read()
         finally:
             pass
     finally:
@@ -138,6 +140,7 @@ def test_stdin_that_never_closes_is_answered_and_kept(nats_server: NatsServer, j
     first = strict_json(msgs[0].data)
     assert msgs[0].subject == f"hermes.raw.{instance}._invalid"
     assert first["error"].startswith("stdin_timeout: ")
+    assert f"event {first['id']}: stdin_timeout: ".encode() in err  # where the cut input is (the simulator's manifest)
     assert first["raw"].encode() == partial and first["raw_bytes"] == len(partial)
     assert strict_json(msgs[1].data)["envelope"]["extra"]["n"] == 1
 

@@ -305,6 +305,46 @@ def test_verifier_reads_incrementally_and_finds_shim_sent_messages_by_marker(nat
     assert again == 0
 
 
+def test_a_real_shim_that_did_not_get_its_input_in_time_is_a_dead_letter_the_manifest_names(nats_server_fn, tmp_path):
+    """tests/sim/test_faults.py failed at load 13-38 (2026-12-07, runs A1 and A3 of the slow part
+    on two workers: 1 to 5 events a run, as many as the shim_invalid dead letters) with marked
+    events "spooled" by real shims and "not on HERMES_RAW": the worker's subprocess.run (as
+    Hermes' own) had not written stdin by the shim's deadline, the shim read 0 bytes and
+    published `_invalid` stdin_timeout, dead-lettered shim_invalid, under an id the manifest
+    did not know, the marker being in what it never read. Nothing was lost by the bridge: the
+    manifest must name that id, and the verifier find the dead letter. Here the input is cut by
+    its size (32 MiB does not go through a pipe within a 1 ms deadline), not by the load."""
+    url = nats_server_fn.url
+    pipe = Pipeline(url, tmp_path / "logs", env=dict(SHORT_WINDOWS))
+    pipe.bootstrap()
+    pipe.add("mapper")
+    pipe.wait_ready()
+    try:
+        fleet = Fleet(FleetConfig(nats_url=url, instances=1, shim_fraction=1.0, shim_workers=1, deadline_ms=1,
+                                  spool_dir=str(tmp_path / "spool"), manifest=str(tmp_path / "m.jsonl")))
+        inst = fleet.instances[0].name
+        marker = f"{inst}#1"
+        env = {"hook_event_name": "pre_tool_call", "session_id": "s-cut", "tool_name": "terminal",
+               "extra": {"blob": "x" * (32 << 20), MARKER_KEY: marker}}
+        assert fleet.shims is not None
+        fleet.manifest.write(fleet._meta())
+        fleet.shims.start()
+        fleet.shims.submit(0, inst, json.dumps(env).encode(), {"id": None, "i": inst, "h": "pre_tool_call",
+                                                                 "v": "shim", "m": marker})
+        fleet.shims.join()
+        assert fleet.drain(timeout=30) == {}
+        fleet.close()
+        report = verify(url, fleet.manifest_path, wait=10)
+    finally:
+        pipe.stop()
+    entry = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()][1]
+    assert entry["o"] in ("published", "spooled") and fleet.shims.failures == 0, entry
+    assert report.dlq_reasons == {"shim_invalid": 1}, report.render()
+    assert report.lost_count == 0 and report.accounted_in_dlq == 1, report.render()
+    assert entry["e"] == "stdin_timeout" and report.inputs_cut == 1
+    assert "1 inputs the shims did not get in time" in report.render() and report.ok, report.render()
+
+
 def test_verifier_waits_for_a_card_that_pairing_still_has_to_end(nats_server, jetstream, tmp_path):
     """A request that reached pairing after its session's end is closed by pairing's own timer
     (hold_ns, at the next tick): nothing is lost meanwhile, so a verifier that stopped as soon as
