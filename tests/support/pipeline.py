@@ -269,7 +269,24 @@ class Pipeline:
             if idle and time.monotonic() - since >= quiet_s:
                 return view
             time.sleep(0.25)
-        raise TimeoutError(f"the pipeline did not settle within {timeout}s: {view}")
+        raise TimeoutError(f"the pipeline did not settle within {timeout}s: {view}\n{self.evidence()}")
+
+    def evidence(self) -> str:
+        """What a settle that timed out needs to be explained offline (CI keeps no tmp_path): the
+        mapper durable's state as its leader sees it, and the mappers' warnings."""
+        async def f(js: Any) -> str:
+            info = await js.consumer_info(S.HERMES_RAW, S.MAPPER_DURABLE)
+            return (f"mapper durable: delivered {info.delivered}, ack_floor {info.ack_floor}, "
+                    f"redelivered {info.num_redelivered}, waiting {info.num_waiting}, cluster {info.cluster}")
+        try:
+            text = self.run(f, timeout=10)
+        except Exception as exc:
+            text = f"mapper durable: {exc!r}"
+        for w in self.of("mapper"):
+            lines = [line for line in w.log(10_000_000).splitlines() if '"level": "info"' not in line]
+            text += f"\n--- {w.name} (starts {w.starts}): last {min(40, len(lines))} of {len(lines)} non-info lines ---\n"
+            text += "\n".join(lines[-40:])
+        return text
 
     # ------------------------------------------------------------ workers
 
