@@ -289,6 +289,12 @@ NOT_AN_OUTAGE_503 = frozenset({10077, 10023})
 #: proposed (a resend while the first copy waits for its quorum, e.g. a partition healing).
 #: Its fate is open: an outage, retried, not the message's fault (bridge/shim/hook.py agrees).
 MSG_ID_IN_PROCESS = 10158
+#: a 400 "wrong last sequence" with no number (JSStreamWrongLastSequenceConstantErr): on a
+#: clustered stream another publish to the subject with an expected last sequence (a KV create
+#: of the same key) is being proposed. Its fate is open too: the key's winner may not be
+#: readable yet (bridge.nats.lanes.lost_create reads it; until then the message is retried).
+WRONG_LAST_SEQUENCE_IN_FLIGHT = 10164
+IN_PROCESS = frozenset({MSG_ID_IN_PROCESS, WRONG_LAST_SEQUENCE_IN_FLIGHT})
 
 
 def outage(exc: BaseException) -> bool:
@@ -297,7 +303,7 @@ def outage(exc: BaseException) -> bool:
     ``APIError`` with its own code: not an outage; nor is JetStream not enabled (10039). (No
     ``nc.last_error`` look: a permissions violation seen once would stay there and turn every
     later outage into a message's fault.)"""
-    if getattr(exc, "err_code", None) == MSG_ID_IN_PROCESS:  # the first copy's fate is open: retry
+    if getattr(exc, "err_code", None) in IN_PROCESS:  # the first copy's (or create's) fate is open: retry
         return True
     if not isinstance(exc, OUTAGE) or not transient(exc):
         return False

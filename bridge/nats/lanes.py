@@ -24,6 +24,7 @@ from bridge.core.lanes import MemoryLanes, lane_candidates, lane_of, lane_token
 from bridge.core.mapping import MapResult
 from bridge.nats import streams as S
 from bridge.nats import subjects as subj
+from bridge.nats.connection import WRONG_LAST_SEQUENCE_IN_FLIGHT
 
 NEGATIVE_TTL_S = 2.0  # how long a lanes-KV miss is believed
 NEGATIVE_MAX = 4096  # misses remembered at most
@@ -37,6 +38,17 @@ FACT_PREFIX = "r."  # + <raw subject's instance token>.<lane_token(raw id)>: a r
 OWNER_PREFIX = "o."  # + <lane_token(session)>: the instance the session belongs to (its first)
 FACT_UNKNOWN = b"?"  # the fact "filed under the unknown lane"; a session is b"=" + its UTF-8
 WRONG_LAST_SEQUENCE = 10071  # JetStream's err_code when a create finds the key there already
+#: ... and WRONG_LAST_SEQUENCE_IN_FLIGHT a clustered stream's while another create of the key is
+#: still being replicated: the first is recorded or about to be (nats-py's KV create maps both
+#: to KeyWrongLastSequenceError)
+LOST_CREATE = frozenset({WRONG_LAST_SEQUENCE, WRONG_LAST_SEQUENCE_IN_FLIGHT})
+
+
+def lost_create(exc: BaseException | None) -> bool:
+    """Did a KV create (a publish with ``Nats-Expected-Last-Subject-Sequence: 0``) fail because
+    another create of its key came first (stored, or in flight on a clustered stream)? Its
+    winner is then read; one in flight may not be readable yet (the caller retries)."""
+    return isinstance(exc, KeyWrongLastSequenceError) or getattr(exc, "err_code", None) in LOST_CREATE
 FACT_TIMEOUT_S = 5.0
 
 
@@ -182,9 +194,12 @@ class KvLanes:
                 await asyncio.wait_for(sent, FACT_TIMEOUT_S)
             owner = instance
         except (KeyWrongLastSequenceError, APIError) as exc:  # recorded first by another message (or replica)
-            if not isinstance(exc, KeyWrongLastSequenceError) and getattr(exc, "err_code", None) != WRONG_LAST_SEQUENCE:
+            if not lost_create(exc):
                 raise
-            entry = await self.facts.get(key)
+            try:
+                entry = await self.facts.get(key)
+            except KeyNotFoundError:  # the first create is still being replicated (10164): asked again
+                raise exc from None
             owner = (entry.value or b"").decode("utf-8", "surrogatepass")
         self._remember_owner(session, owner)
         return owner
@@ -212,8 +227,11 @@ class KvLanes:
         error = sent.exception()
         if error is None:
             owner = instance
-        elif getattr(error, "err_code", None) == WRONG_LAST_SEQUENCE and self.facts is not None:
-            entry = await self.facts.get(OWNER_PREFIX + lane_token(session))  # recorded first by another
+        elif lost_create(error) and self.facts is not None:
+            try:  # recorded first by another
+                entry = await self.facts.get(OWNER_PREFIX + lane_token(session))
+            except KeyNotFoundError:  # still being replicated (10164): retried, its fate is open
+                raise error from None
             owner = (entry.value or b"").decode("utf-8", "surrogatepass")
         else:
             raise error

@@ -100,9 +100,9 @@ from bridge.core.envelope import EnvelopeError, check_raw, decode_raw
 from bridge.core.lanes import UNKNOWN_TOKEN, event_lane_token, lane_candidates, partition_of
 from bridge.core.mapping import HOOKS, INVALID_FIELDS
 from bridge.core.pipeline import map_record, record_from_raw
-from bridge.runtime import (DEFAULT_MARGIN_NS, FACT_TIMEOUT_S, duplicate_window_s, OTHER, SERVER_MARGIN_NS, UNANSWERED, WRONG_LAST_SEQUENCE, AckPublisher,
+from bridge.runtime import (DEFAULT_MARGIN_NS, FACT_TIMEOUT_S, duplicate_window_s, OTHER, SERVER_MARGIN_NS, UNANSWERED, AckPublisher,
                             BoundedLabel, Health, KvLanes, Linger, Loop, PinnedLane, Puller, Service, Settings, Stopper,
-                            connect_service, epoch_of, find_msg_id, lane_fact_key, load_price_table, msg_ids_on,
+                            connect_service, epoch_of, find_msg_id, lane_fact_key, lost_create, load_price_table, msg_ids_on,
                             observe_many, outage, server_list, stored_ns, until_answered, wait_all)
 from bridge.runtime import streams as S
 from bridge.runtime import subjects as subj
@@ -589,7 +589,7 @@ class Mapper(Service):
                 if unanswered else created.exception()
             if error is None:
                 self.metrics.lane_facts.labels(outcome="recorded").inc()
-            elif getattr(error, "err_code", None) != WRONG_LAST_SEQUENCE:
+            elif not lost_create(error):
                 # Not recorded (a full bucket, a timeout): published as before lane facts, the
                 # late scans are the backstop; retrying would only delay it behind its lane.
                 self.lane_fact_failed(h.raw_seq, error)
@@ -626,7 +626,7 @@ class Mapper(Service):
             error = TimeoutError("the session's instance record was not answered")
         else:
             error = owner_wait.exception()
-        if error is None or getattr(error, "err_code", None) == WRONG_LAST_SEQUENCE:
+        if error is None or lost_create(error):
             try:  # the create's answer (the record of another message or replica, when it was not the first)
                 owner = await self.lanes.owner_answered(h.result.lane, h.named or h.instance, owner_wait) \
                     if self.lanes is not None else None
