@@ -247,37 +247,15 @@ def idle_phase(pids: dict[str, int], seconds: float, services: dict[str, int], p
     return {k: 100 * (cpu1[k] - cpu0[k]) / dt for k in pids if k != "sim"}
 
 
-def observe_floor(url: str, out_path: str, interval: float, stop: "mp.synchronize.Event") -> None:
-    """soak.py's observer for the floor: what reaches AEP_EVENTS is the raw message itself, so
-    its latency is its store time there less the time in its raw id (``Nats-Msg-Id``, the ULID
-    the shim stamped on receipt). A quarter of the messages, like soak.py's (the ids' last
-    character)."""
-    import nats
-
-    async def main() -> None:
-        nc = await nats.connect(url, max_reconnect_attempts=-1)
-        js = nc.jetstream()
-        window: list[int] = []
-        counts = {"n": 0}
-
-        async def cb(msg) -> None:  # type: ignore[no-untyped-def]
-            counts["n"] += 1
-            rid = (msg.headers or {}).get("Nats-Msg-Id", "")
-            if len(rid) != 26 or rid[-1] not in "01234567":
-                return
-            window.append(int(msg.metadata.timestamp.timestamp() * 1000) - ulid_ms(rid.encode()))
-
-        await js.subscribe(f"{S.EVENTS_PREFIX}.>", cb=cb, ordered_consumer=True, deliver_policy=nats.js.api.DeliverPolicy.NEW)
-        with open(out_path, "a") as out:
-            while not stop.is_set():
-                await asyncio.sleep(interval)
-                lat, window[:] = list(window), []
-                out.write(json.dumps({"t": time.time(), "events": counts["n"], "lat": lat}) + "\n")
-                out.flush()
-                counts["n"] = 0
-        await nc.close()
-
-    asyncio.run(main())
+def raw_id_latency_ms(msg: Any) -> int | None:
+    """The floor's latency (soak.py's `observe` with it): what reaches AEP_EVENTS is the raw
+    message itself, so its store time there less the time in its raw id (``Nats-Msg-Id``, the
+    ULID the shim stamped on receipt). A quarter of the messages, like soak.py's (the ids' last
+    character); None for the others."""
+    rid = (msg.headers or {}).get("Nats-Msg-Id", "")
+    if len(rid) != 26 or rid[-1] not in "01234567":
+        return None
+    return int(msg.metadata.timestamp.timestamp() * 1000) - ulid_ms(rid.encode())
 
 
 def latencies(path: Path, window: tuple[float, float], interval: float) -> list[float]:
@@ -481,7 +459,7 @@ def main() -> int:
                           for role in ("mapper", "pairing"))
                 bare_counter = (S.HERMES_RAW, S.MAPPER_DURABLE)
                 ready = lambda: all(b"ready on" in (logs / f"floor-{r}.log").read_bytes() for r in ("mapper", "pairing")) or 1 / 0  # noqa: E731
-            fobs = mp.get_context("fork").Process(target=observe_floor, args=(bare_server.url, str(bare_lat), 2.0, stop_obs),
+            fobs = mp.get_context("fork").Process(target=observe, args=(bare_server.url, str(bare_lat), 2.0, stop_obs, raw_id_latency_ms, f"{S.EVENTS_PREFIX}.>"),
                                                   daemon=True)
             fobs.start()
             observers.append(fobs)
@@ -507,20 +485,18 @@ def main() -> int:
             for which in order:
                 if which == "pipeline":
                     r = phase(server.url, rate, a, work, "c", pids, (S.HERMES_RAW, S.MAPPER_DURABLE), profile, cpu_profile)
-                    lat = latencies(lat_path, r["window"], 2.0)
-                    r["p50"], r["p99"], r["n_lat"] = pct(lat, .5), pct(lat, .99), len(lat)
-                    results["pipeline"].append(r)
-                    print(f"  {rate:6.0f}/s pipeline: sent {r['sent'] / r['dt']:6.0f}/s, {r['events'] / r['dt']:6.0f} raw/s acked by the mapper, backlog at the end "
-                          f"{r['lag']}; mapper {r['ms']['mapper']:.3f} + pairing {r['ms']['pairing']:.3f} ms/event; "
-                          f"e2e p50 {r['p50']:.0f} ms p99 {r['p99']:.0f} ms", flush=True)
+                    path, (first, second), label = lat_path, ("mapper", "pairing"), "pipeline"
                 elif bare_pids:
-                    b = phase(bare_server.url, rate, a, work, "b", bare_pids, bare_counter)
-                    lat = latencies(bare_lat, b["window"], 2.0)
-                    b["p50"], b["p99"], b["n_lat"] = pct(lat, .5), pct(lat, .99), len(lat)
-                    results["baseline"].append(b)
-                    print(f"  {rate:6.0f}/s {baseline}: sent {b['sent'] / b['dt']:6.0f}/s, {b['events'] / b['dt']:6.0f} raw/s acked by {names[0]}, backlog "
-                          f"{b['lag']}; {names[0]} {b['ms'][names[0]]:.3f} + {names[1]} {b['ms'][names[1]]:.3f} ms/event; "
-                          f"e2e p50 {b['p50']:.0f} ms p99 {b['p99']:.0f} ms", flush=True)
+                    r = phase(bare_server.url, rate, a, work, "b", bare_pids, bare_counter)
+                    path, (first, second), label = bare_lat, names, baseline
+                else:
+                    continue
+                lat = latencies(path, r["window"], 2.0)
+                r["p50"], r["p99"], r["n_lat"] = pct(lat, .5), pct(lat, .99), len(lat)
+                results[which].append(r)
+                print(f"  {rate:6.0f}/s {label}: sent {r['sent'] / r['dt']:6.0f}/s, {r['events'] / r['dt']:6.0f} raw/s acked by {first}, "
+                      f"backlog at the end {r['lag']}; {first} {r['ms'][first]:.3f} + {second} {r['ms'][second]:.3f} ms/event; "
+                      f"e2e p50 {r['p50']:.0f} ms p99 {r['p99']:.0f} ms", flush=True)
         report(results, a, rates, names)
         if a.profile or a.cpu_profile:
             for rate, r in zip(rates, results["pipeline"]):

@@ -45,6 +45,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
@@ -90,7 +91,27 @@ def pct(values: list[float], q: float) -> float:
 # ---------------------------------------------------------------- the latency observer (its own process: no GIL sharing)
 
 
-def observe(url: str, out_path: str, interval: float, stop: "mp.synchronize.Event") -> None:
+def mapped_latency_ms(msg: Any) -> int | None:
+    """An AEP event's end-to-end latency: its store time in AEP_EVENTS less the time in its id
+    (the shim's receive time), for mapped events only (slots 512-767 of its ``seq``); None for
+    the others."""
+    data = msg.data
+    i = data.find(b'"seq":')
+    if i < 0:
+        return None
+    j = k = i + 6
+    while data[k:k + 1].isdigit():
+        k += 1
+    if not 512 <= int(data[j:k]) % 1024 < 768:  # mapped events only (their id time is the shim's receive time)
+        return None
+    a = data.find(b'"id":"') + 6
+    return int(msg.metadata.timestamp.timestamp() * 1000) - ulid_ms(data[a:a + 26])
+
+
+def observe(url: str, out_path: str, interval: float, stop: "mp.synchronize.Event",
+            latency_ms: Callable[[Any], int | None] = mapped_latency_ms, subject: str = "aep.hermes.>") -> None:
+    """Follow ``subject`` (new messages only) and write, every ``interval`` s, a line with how
+    many came and ``latency_ms`` of each (None: not sampled)."""
     import nats
 
     async def main() -> None:
@@ -101,23 +122,12 @@ def observe(url: str, out_path: str, interval: float, stop: "mp.synchronize.Even
         counts = {"n": 0}
 
         async def cb(msg) -> None:  # type: ignore[no-untyped-def]
-            data = msg.data
-            i = data.find(b'"seq":')
-            if i < 0:
-                return
-            j = i + 6
-            k = j
-            while data[k:k + 1].isdigit():
-                k += 1
-            seq = int(data[j:k])
             counts["n"] += 1
-            if not 512 <= seq % 1024 < 768:  # mapped events only (their id time is the shim's receive time)
-                return
-            a = data.find(b'"id":"') + 6
-            stored_ms = int(msg.metadata.timestamp.timestamp() * 1000)
-            window.append(stored_ms - ulid_ms(data[a:a + 26]))
+            ms = latency_ms(msg)
+            if ms is not None:
+                window.append(ms)
 
-        await js.subscribe("aep.hermes.>", cb=cb, ordered_consumer=True, deliver_policy=nats.js.api.DeliverPolicy.NEW)
+        await js.subscribe(subject, cb=cb, ordered_consumer=True, deliver_policy=nats.js.api.DeliverPolicy.NEW)
         with open(out_path, "a") as out:
             while not stop.is_set():
                 await asyncio.sleep(interval)
