@@ -900,6 +900,9 @@ class Mapper(Service):
                     failed = f
                     break
             if failed is not None:
+                for f in fs:  # the others' errors are retrieved too (asyncio logged each "never retrieved")
+                    if f.done() and not f.cancelled():
+                        f.exception()
                 error = failed.exception() if failed.done() and not failed.cancelled() else TimeoutError("publish ack timed out")
                 await self.retry_or_dead_letter(msg, error or RuntimeError("publish failed"))
                 continue
