@@ -65,7 +65,9 @@ def test_huge_envelope_is_fitted_before_it_is_spooled(nats_server_fn: NatsServer
     JetStreamClient(nats_server_fn.url).close()
     nats_server_fn.stop()
     instance = unique("huge")
-    env = shim_env(nats_server_fn.url, tmp_path, instance)
+    # 50 MB through a pipe, read and fitted: more than the 250 ms default on a loaded machine
+    # (CI 2026-12-07, load 5: stdin_timeout, the record `_invalid`); the deadline is not what this tests
+    env = shim_env(nats_server_fn.url, tmp_path, instance, deadline_ms=10_000)
     data = huge_envelope()
     assert len(data) > 50_000_000
     run = run_hook(data, env, timeout=60)
