@@ -41,9 +41,29 @@ class AuthServer:
         return self
 
     def rotate(self, password: str) -> None:
+        """The new password, in force when this returns: the reload is asynchronous, and a hook
+        sent right after a rotation back met the old credential at load 5 (spooled on
+        `Authorization Violation`, 2026-12-07)."""
         self.write(password)
         assert self.proc is not None
         self.proc.send_signal(signal.SIGHUP)
+        wait_for(lambda: self.accepts(password), 15, what="the reloaded credential")
+
+    def accepts(self, password: str) -> bool:
+        import asyncio
+
+        import nats
+
+        async def connect() -> bool:
+            try:
+                nc = await nats.connect(self.url, user=USER, password=password, connect_timeout=1,
+                                        allow_reconnect=False, max_reconnect_attempts=0)
+            except Exception:
+                return False
+            await nc.close()
+            return True
+
+        return asyncio.run(connect())
 
     def stop(self) -> None:
         terminate(self.proc, 10)
