@@ -12,6 +12,7 @@ different positions each read from their own.
 from __future__ import annotations
 
 import asyncio
+import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -76,8 +77,10 @@ async def mapped_consumers(js: Any) -> list[list[str]]:
 
 
 async def consumers_become(js: Any, want: list[list[str]]) -> list[list[str]]:
-    """The consumers on BRIDGE_MAPPED once they are ``want`` (or after ~5 s: what they are)."""
-    for _ in range(100):
+    """The consumers on BRIDGE_MAPPED once they are ``want`` (or after 20 s: what they are; ~5 s
+    was not enough at load 5, 2026-12-07: the old consumer was still there)."""
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
         if (got := await mapped_consumers(js)) == want:
             return got
         await asyncio.sleep(0.05)
