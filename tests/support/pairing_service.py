@@ -48,11 +48,13 @@ async def publish_sessions(js: Any, numbers: range, base_ns: int, partition: int
     await asyncio.gather(*futures)
 
 
-async def service(url: str, replica: str, partitions: int = 1) -> P.PairingService:
+async def service(url: str, replica: str, partitions: int = 1, lease_ttl_s: float | None = None) -> P.PairingService:
+    """``lease_ttl_s``: for a scenario that calls ``maintain`` once and must outlive the
+    default lease on a loaded machine (its reader stops reading a partition it may have lost)."""
     settings = Settings()
     settings.nats_url = url
     settings.partitions = partitions
-    svc = P.PairingService(settings, replica=replica, tick_s=3600)  # no ticks: the input is all there is
+    svc = P.PairingService(settings, replica=replica, tick_s=3600, lease_ttl_s=lease_ttl_s)  # no ticks: the input is all there is
     await svc.connect()
     return svc
 
