@@ -146,12 +146,12 @@ FENCE_MARGIN_S = 3.0
 # bursts already: the mapper publishes a batch's events at once, after its own pause when quiet
 # (`Linger`). A pause of the reader's own (before: `Linger`, ~32 messages a round) batched them
 # no further and only delayed them: ~64 ms on average at 250 events/s.
-# The mapper durable's info read before a round of ticks (`mapper_floor`): bounded, so an
-# outage of HERMES_RAW's consumer leader delays the ticks this much, not nats-py's 5 s.
-FLOOR_TIMEOUT_S = 2.0
 GATHER_S = 0.005
 GATHER_MAX_S = 0.025
 TICK_TOKEN = subj.TICK_TOKEN
+# The mapper durable's info read before a round of ticks (`mapper_floor`): bounded, so an
+# outage of HERMES_RAW's consumer leader delays the ticks this much, not nats-py's 5 s.
+FLOOR_TIMEOUT_S = 2.0
 _TICK_SUFFIX = "." + TICK_TOKEN
 # Lanes' subject prefixes and event types remembered (`PairingService.subject_of`), each cleared when full.
 SUBJECT_CACHE = 4096

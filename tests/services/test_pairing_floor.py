@@ -119,3 +119,45 @@ def test_an_answer_mapped_before_its_held_up_request_is_paired_not_released(nats
     assert answer["subject"] == request["id"] and resolved["subject"] == request["id"]
     assert resolved["data"]["resolution"] == "answered"
     assert counters.get("floor.held_waits") == 1 and counters.get("floor.held_paired") == 1, counters
+
+
+def test_the_floor_a_round_of_ticks_carries(nats_server_fn) -> None:  # type: ignore[no-untyped-def]
+    """No mapper durable: no floor (the ticks as before). The durable's ack floor below a message
+    taken and not acked; every message acked and none pending: the last delivered one. The epoch is
+    HERMES_RAW's (the events' ``epoch``)."""
+    from prometheus_client import CollectorRegistry
+
+    from bridge.config import Settings
+    from bridge.nats.lanes import epoch_of
+    from bridge.services import pairing as P
+
+    client = JetStreamClient(nats_server_fn.url)
+    client.bootstrap()
+
+    async def run() -> list[Any]:
+        pairing = P.PairingService(Settings(nats_url=nats_server_fn.url, instance="p"), replica="f",
+                                   registry=CollectorRegistry(), tick_s=3600)
+        await pairing.connect()
+        try:
+            got: list[Any] = [await pairing.mapper_floor(), pairing.metrics.floor_unknown._value.get()]
+            await publish_all(client.js, raw_records(approval_pair() * 2, instance="floor2"))
+            await client.js.add_consumer(S.HERMES_RAW, config=S.mapper_consumer_config())
+            sub = await client.js.pull_subscribe(S.RAW_SUBJECTS, durable=S.MAPPER_DURABLE, stream=S.HERMES_RAW)
+            msgs = await sub.fetch(4, timeout=5)
+            for m in msgs[1:]:
+                await m.ack_sync()
+            got.append(await pairing.mapper_floor())  # raw 1 unacked
+            await msgs[0].ack_sync()
+            got.append(await pairing.mapper_floor())
+            got.append(epoch_of((await client.js.stream_info(S.HERMES_RAW)).created))
+            return got
+        finally:
+            await pairing.nc.close()
+
+    try:
+        none, unknown, held_back, all_acked, epoch = client.run(run())
+    finally:
+        client.close()
+    assert none is None and unknown == 1
+    assert held_back == (epoch, 0)
+    assert all_acked == (epoch, 4)
