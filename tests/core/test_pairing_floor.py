@@ -238,3 +238,31 @@ def test_the_tick_body() -> None:
     for bad in (b'{"now":5,"mapped":[1]}', b'{"now":5,"mapped":[1,-1]}', b'{"now":5,"mapped":[true,2]}',
                 b'{"now":5,"mapped":"x"}', b'{"now":5,"mapped":[1,18446744073709551616]}'):
         assert read_tick(bad) == (5, None)
+
+
+def test_a_late_card_is_not_closed_while_its_answer_may_be_inside_the_mapper() -> None:
+    """A request overtaken by its session's end (opened late: its TTL is hold_ns, closed
+    ``session_end``) whose answer is in a stopped mapper replica: it waits for the floor too."""
+    m, r = Mk(epoch=EPOCH), Run()
+    cfg = r.state.config
+    r.feed(m.started(), m.run_start())  # raw 1, 2
+    card_raw, answer_raw = m.next_raw(), m.next_raw()  # raw 3 (late), raw 4 (in the stopped replica)
+    r.feed(m.ended())  # raw 5
+    card = m.appr_req(raw=card_raw, ts=BASE_NS + 6 * MS)
+    assert types(r.feed(card)) == ["attention.requested"]
+    assert r.state.open_pairs()["card"] == 1
+    for k in range(1, 4):
+        assert r.tick(BASE_NS + 6 * MS + k * cfg.hold_ns, floor=answer_raw - 1) == []
+    out = r.feed(m.appr_ans(raw=answer_raw))
+    assert types(out) == ["attention.answered", "attention.resolved"]
+    assert out[0].subject == card[0].id and out[1].data["resolution"] == "answered"
+    # without the answer: closed once the floor passes the end
+    m2, r2 = Mk(epoch=EPOCH), Run()
+    r2.feed(m2.started(), m2.run_start())
+    late_raw = m2.next_raw()
+    end = m2.ended()
+    r2.feed(end)
+    r2.feed(m2.appr_req(raw=late_raw, ts=BASE_NS + 6 * MS))
+    assert r2.tick(BASE_NS + 6 * MS + cfg.hold_ns, floor=raw_of(end) - 2) == []
+    [closed] = r2.tick(BASE_NS + 6 * MS + cfg.hold_ns, floor=raw_of(end) - 1)
+    assert closed.type == "attention.resolved" and closed.data["resolution"] == "dismissed"
