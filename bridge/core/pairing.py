@@ -50,7 +50,15 @@ subagent    child_session_id (``subject``)               oldest     link        
    as replicas, so a start can reach us after its terminal (one ``ack_wait`` late
    after a mapper crash). When a start of its key arrives, the held terminals are
    tried in seq order; those it does not take go back, keeping their deadline.
-   When the hold expires the terminal is linked to a recently closed start of its
+   The hold expires at a tick past the deadline, and only once the mapper's floor that
+   ticks carry (``mapped``: every raw message up to it mapped, its events in the stream
+   before the tick) reaches the raw message right before the terminal's (``seq >> 10``)
+   in its epoch: the mapper retries a message's publishes for as long as an outage lasts,
+   far past ``hold_ns``, so a start still inside a mapper replica is waited for (cluster
+   fault run, a node SIGSTOPped 20 s: an answer went out unmatched 13 s before its
+   request). At most ``floor_wait_ns`` past the deadline (counted ``floor.held_capped``);
+   no floor known (ticks of a release before, no mapper durable) or another epoch's: as
+   before. When the hold expires the terminal is linked to a recently closed start of its
    key (a tool's repeated terminal: Hermes reported it) or released unchanged
    (no cause, no subject rewrite; counted ``unmatched.<kind>``), except an attention
    follow-up: with no request it has no id for ``subject`` (AEP-0002 §7.1), so it goes
@@ -63,7 +71,10 @@ subagent    child_session_id (``subject``)               oldest     link        
    (``x.hermes.pairing.orphaned {reason: session_end}``) whose seq is below its own.
    Its open cards get ``hold_ns`` more from the end's arrival (``due``): their answer may be behind the
    finalize (a mapper replica killed holding it redelivers it one ``ack_wait`` later),
-   and a request is never dismissed when its answer exists in the stream; a card still
+   and a request is never dismissed when its answer exists in the stream: nor while the
+   mapper's floor (3) is below the raw message before the end (the answer may be inside
+   a mapper replica; at most ``floor_wait_ns`` more, counted ``floor.card_capped``; a late
+   card's ``hold_ns`` TTL likewise); a card still
    open then is closed ``attention.resolved {dismissed}`` at a tick, with its seq right
    after the request (before the end in (epoch, seq) order; after it in stream order).
    With ``hold_ns`` 0 cards are swept with the rest. Subagents stay open for
@@ -87,7 +98,7 @@ subagent    child_session_id (``subject``)               oldest     link        
 6. ``tick`` does everything time does, in this order: starts past their kind's TTL or
    their ``due`` are closed (``dismissed`` / ``x.hermes.pairing.orphaned {reason: ttl |
    session_end | delegate_returned}``), held terminals
-   past their deadline are released (3: so one held across a session end links to the
+   past their deadline (and the mapper's floor) are released (3: so one held across a session end links to the
    late start it could not take, now closed), closed pairs older than
    ``recent_ns`` are forgotten, sessions idle past ``idle_ttl_ns`` (ended ones: past
    ``recent_ns``) are evicted.
@@ -140,13 +151,16 @@ Time is *stream time*, never the wall clock: ``clock`` = the maximum of the
 of the tick messages. Ages are measured from a start's own ``ts``. Only ``tick``
 acts on time; ``process`` never does. The service publishes ticks INTO the
 partition's stream, so a replay meets the same ticks at the same positions and
-produces the same output. A host whose clock runs ahead pushes the partition
+produces the same output; the mapper's floor comes with the ticks too, and the last
+one is in the checkpoint. A host whose clock runs ahead pushes the partition
 clock forward (NTP is assumed); ``latency_ms`` / ``after_ms`` are differences of
 two ``ts`` of the same host.
 
 Driving it from a service
 -------------------------
-``process(event, hints, position)`` / ``tick(now_ns, position)``; ``position`` is
+``process(event, hints, position)`` / ``tick(now_ns, position, mapped)`` (``mapped``: the
+mapper's floor ``(epoch, raw seq)`` read before the tick was written, or None: the last
+one holds; `tick_body` / `read_tick` are the tick message's body); ``position`` is
 the ``BRIDGE_MAPPED`` stream sequence of the message and must grow. A position at
 or below ``state.position`` returns ``[]`` (counted ``replayed``): publish
 everything a call returned before acking its message; after a publish failure,
@@ -157,7 +171,9 @@ replay from ``position + 1``. ``PairingState(config, partition=n)`` starts empty
 Publish each event with ``Nats-Msg-Id`` = its id: replayed output is byte-identical.
 ``metrics()`` gives the counters (``orphaned.<reason>.<kind>``,
 ``dismissed.<reason>``, ``sweeps``, ``swept.<kind>``, ``suppressed.run|session``,
-``unmatched.<kind>``, ``held``, ``late_starts``, ``late_terminals.<kind>``,
+``unmatched.<kind>``, ``held``, ``floor.held_waits`` (held past their deadline for the
+mapper's floor), ``floor.held_paired`` (those that then met their start),
+``floor.held_capped``, ``floor.card_capped``, ``late_starts``, ``late_terminals.<kind>``,
 ``run_closed``, ``duplicates``, ``replayed``, ``evicted``, ``events_in|out``,
 ``ticks``) and gauges (``open.<kind>``, ``sessions``, ``held_now``,
 ``ended_remembered``).
@@ -310,6 +326,11 @@ class PairingConfig:
     #: never end (a subagent's own session: Hermes finalizes only the parent; ~29 % of the
     #: simulated fleet's) are kept this long: at 6 h they were the pairing stage's main growth.
     idle_ttl_ns: int = 30 * MINUTE
+    #: how much longer than its deadline a held follow-up (or a card dismissed ``hold_ns`` after
+    #: its session's end) waits while the mapper has not mapped every raw message before it (the
+    #: floor the ticks carry, rule 3): the mapper retries a message for as long as an outage
+    #: lasts, far past ``hold_ns``; this bounds the wait (counted ``floor.held_capped``)
+    floor_wait_ns: int = 10 * MINUTE
     max_open: int = 128  # open pairs per session
     max_held: int = 64  # held follow-ups per session
     dedupe_ids: int = 4096  # recent input event ids remembered per partition
@@ -323,6 +344,8 @@ class PairingConfig:
             raise ValueError("max_open must fit the seq slots of a session-end sweep")
         if min(self.ttls()) <= 0 or self.hold_ns < 0 or self.recent_ns < self.hold_ns or self.subagent_grace_ns < 0:
             raise ValueError("TTLs must be positive, hold_ns and subagent_grace_ns >= 0 and recent_ns >= hold_ns")
+        if self.floor_wait_ns < 0:
+            raise ValueError("floor_wait_ns must be >= 0")
 
     def ttls(self) -> tuple[int, int, int, int]:
         """TTL by kind, in the order of `RULES`."""
@@ -402,6 +425,9 @@ class _Held(msgspec.Struct, array_like=True, gc=False):
     key: str
     event: Event
     hints: dict[str, Any]
+    #: kept past ``deadline`` for the mapper's floor (counted once: ``floor.held_waits``); a
+    #: snapshot of a release before decodes it False
+    waited: bool = False
 
 
 
@@ -445,6 +471,9 @@ class _Snapshot(msgspec.Struct, array_like=True):
     seen: list[str]
     ended: list[int]
     sessions: dict[str, _Session]
+    #: the mapper's floor the last tick that had one carried, (epoch, raw seq); None in a
+    #: snapshot of a release before (and msgspec ignores it when such a release reads this one)
+    mapped: tuple[int, int] | None = None
 
 
 SNAPSHOT_VERSION = 2  # 2: the unknown lane is keyed UNKNOWN_KEY (1, read too: keyed "unknown")
@@ -476,6 +505,28 @@ def check_input(event: Event, hints: dict[str, Any], ts: int) -> None:
         _snapshot_encoder.encode(hints)
     except (OverflowError, TypeError, ValueError, UnicodeEncodeError, msgspec.EncodeError) as exc:
         raise PairingInputError(f"a value no checkpoint can hold: {type(exc).__name__}: {exc}") from None
+
+
+def tick_body(now_ns: int, mapped: tuple[int, int] | None = None) -> bytes:
+    """A tick message's body: ``{"now": ns}``, and the mapper's floor when known,
+    ``"mapped": [epoch, raw seq]`` (a tick without it reads as before the floor existed)."""
+    if mapped is None:
+        return msgspec.json.encode({"now": now_ns})
+    return msgspec.json.encode({"now": now_ns, "mapped": [mapped[0], mapped[1]]})
+
+
+def read_tick(data: bytes) -> tuple[int, tuple[int, int] | None]:
+    """``(now_ns, mapped)`` of a tick's body (`tick_body`); a ``mapped`` that is not two
+    integers in 0..2**63-1 reads as not known. Undecodable JSON raises ``msgspec.DecodeError``."""
+    doc = msgspec.json.decode(data)
+    if not isinstance(doc, dict):
+        raise PairingInputError("a tick's body is not an object")
+    now = int(doc.get("now", 0))
+    mapped = doc.get("mapped")
+    if (isinstance(mapped, list) and len(mapped) == 2
+            and all(type(v) is int and 0 <= v <= INT64_MAX for v in mapped)):
+        return now, (mapped[0], mapped[1])
+    return now, None
 
 
 class _DigestRing:
@@ -598,6 +649,10 @@ class PairingState:
         self._seen_order: deque[str] = deque()
         #: ended sessions' 8-byte digests (``max_ended``, FIFO): compact, see `_DigestRing`
         self._ended = _DigestRing(self.config.max_ended)
+        #: the mapper's floor, (epoch, raw seq): every raw message of that epoch up to that seq
+        #: was mapped and its events stored in BRIDGE_MAPPED before the tick that carried it
+        #: (the latest a tick carried; None: no tick had one, the behaviour before it existed)
+        self.mapped: tuple[int, int] | None = None
         # not snapshotted (rebuilt on restore): open pairs by kind, and the wake-up heap
         self._open = [0, 0, 0, 0]
         self._heap: list[tuple[int, str]] = []
@@ -652,8 +707,14 @@ class PairingState:
         self._schedule(lane, s)
         return self._emit(out)
 
-    def tick(self, now_ns: int, position: int) -> list[Event]:
-        """Advance stream time to ``now_ns`` and close what waited too long."""
+    def tick(self, now_ns: int, position: int, mapped: tuple[int, int] | None = None) -> list[Event]:
+        """Advance stream time to ``now_ns`` and close what waited too long.
+
+        ``mapped``: the mapper's floor when the tick was written, ``(epoch, raw seq)`` (every raw
+        message up to it mapped, its events in the stream before this tick); None: not known (a
+        tick of a release before, or the mapper's durable could not be read): the last one a
+        tick carried holds. A follow-up is released only once the floor passed the raw messages
+        before it (rule 3)."""
         if position <= self.position:
             self._count("replayed")
             return []
@@ -661,6 +722,10 @@ class PairingState:
         self._count("ticks")
         if now_ns > self.clock:
             self.clock = now_ns
+        if mapped is not None:
+            last = self.mapped
+            if last is None or mapped[0] > last[0] or (mapped[0] == last[0] and mapped[1] > last[1]):
+                self.mapped = (mapped[0], mapped[1])
         due: set[str] = set()
         heap = self._heap
         while heap and heap[0][0] <= self.clock:
@@ -708,6 +773,7 @@ class PairingState:
                 seen=list(self._seen_order),
                 ended=self._ended.tolist(),
                 sessions=self._sessions,
+                mapped=self.mapped,
             )
         )
 
@@ -736,6 +802,7 @@ class PairingState:
         self._seen = set(snap.seen)
         self._ended = _DigestRing(self.config.max_ended, snap.ended)
         self._sessions = snap.sessions
+        self.mapped = tuple(snap.mapped) if snap.mapped is not None else None  # type: ignore[assignment]
         if UNKNOWN in self._sessions and UNKNOWN_KEY not in self._sessions and snap.version == 1:
             # Checkpoints written before the unknown lane had its own key held it as "unknown".
             self._sessions[UNKNOWN_KEY] = self._sessions.pop(UNKNOWN)
@@ -796,7 +863,10 @@ class PairingState:
                 s.held.remove(x)
             for x in waiting:
                 x_ts = x.hints.get("ts") or ulid_time_ms(x.event.id) * 1_000_000
-                out += self._end(kind, lane, s, x.event, x.hints, x_ts, held=x)
+                got = self._end(kind, lane, s, x.event, x.hints, x_ts, held=x)
+                if got and x.waited:  # kept past its deadline for the floor: it found its start
+                    self._count("floor.held_paired")
+                out += got
             if not s.held:
                 s.held = None
         return out
@@ -1123,11 +1193,17 @@ class PairingState:
         if s.pairs:
             for p in sorted((p for p in s.pairs if p.state == OPEN), key=lambda p: p.seq):
                 if p.ts + self._ttl(p) <= now:
+                    if p.late and p.kind == CARD and self._answer_in_mapper(s, p, p.ts + self._ttl(p)):
+                        continue
                     out += self._bridge_close(lane, s, p, "session_end" if p.late else "ttl")
                 elif p.due and p.due <= now:
+                    if p.kind == CARD and self._answer_in_mapper(s, p, p.due):
+                        continue
                     out += self._bridge_close(lane, s, p, p.why or "session_end")
         if s.held:
             due = sorted((x for x in s.held if x.deadline <= now), key=lambda x: (x.deadline, _seq(x.event)))
+            if due and self.mapped is not None:  # rule 3: not while its start may be inside the mapper
+                due = [x for x in due if not self._held_for_floor(x, now)]
             for x in due:
                 s.held.remove(x)
             if not s.held:
@@ -1142,6 +1218,38 @@ class PairingState:
                 del self._sessions[lane]
                 self._count("evicted")
         return out
+
+    def _inside_mapper(self, epoch: int, seq: int) -> bool:
+        """Whether a raw message before the one of (``epoch``, ``seq``) may not be mapped yet: the
+        floor the ticks carry is of this epoch and below it (no floor: as before it existed)."""
+        mapped = self.mapped
+        return mapped is not None and mapped[0] == epoch and seq // SLOTS - 1 > mapped[1]
+
+    def _held_for_floor(self, x: _Held, now: int) -> bool:
+        """A held follow-up past its deadline stays held while its start may still be inside the
+        mapper (an outage longer than the hold), at most ``floor_wait_ns`` longer."""
+        if not self._inside_mapper(_epoch(x.event), _seq(x.event)):
+            return False
+        if x.deadline + self.config.floor_wait_ns <= now:
+            self._count("floor.held_capped")
+            return False
+        if not x.waited:
+            x.waited = True
+            self._count("floor.held_waits")
+        return True
+
+    def _answer_in_mapper(self, s: _Session, p: _Pair, due: int) -> bool:
+        """A card open at its session's end is not dismissed while a raw message before that end
+        (its answer, rule 4) may be inside the mapper; at most ``floor_wait_ns`` past ``due``."""
+        if self.mapped is None:
+            return False
+        end = min((e for e in _ends(s) if e > p.seq), default=None)
+        if end is None or not self._inside_mapper(p.epoch, end):
+            return False
+        if due + self.config.floor_wait_ns <= self.clock:
+            self._count("floor.card_capped")
+            return False
+        return True
 
     def _deadline(self, s: _Session) -> int | None:
         """The session's next deadline: run on every event of the session (`_schedule`), so
@@ -1462,4 +1570,6 @@ __all__ = [
     "ROLES",
     "PairingConfig",
     "PairingState",
+    "read_tick",
+    "tick_body",
 ]

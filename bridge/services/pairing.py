@@ -49,7 +49,14 @@ Theory of operation
   and `Nats-Msg-Id` makes AEP_EVENTS drop what was already published.
 * Time: the owner publishes a tick into its own partition (`bridge.mapped.<n>.__tick__`)
   every `tick_s` (AEP_BRIDGE_TICK_S / `--tick-s`, default 15 s); TTL closure runs when the state machine reads a tick, so time
-  travels through the stream and a replay sees exactly the same ticks.
+  travels through the stream and a replay sees exactly the same ticks. A tick also carries
+  the mapper's floor (`mapper_floor`): the ack floor of the mapper's durable on HERMES_RAW,
+  read once per round right before the ticks are published, so every raw message at or below
+  it has its events in BRIDGE_MAPPED before the tick. A held follow-up is released only once
+  the floor passed the raw messages before it (its start may be in a mapper replica that
+  retries its publishes through an outage: `bridge.core.pairing`, rule 3). When the durable
+  cannot be read the tick goes without it (the state keeps the last floor); with no durable
+  at all, too (as before the floor existed).
 * Output: `aep.hermes.<lane token>.<type>` with `Nats-Msg-Id` = the event id.
 * Replays past the duplicate window. A restore replays from the checkpoint, and the
   previous owner may have published up to `CHECKPOINT_EVERY` + one batch of messages
@@ -88,9 +95,9 @@ from bridge.core.aep import PAYLOAD_TYPES, decode_event, encode_event
 from bridge.core.ceiling import CapturePolicy, configure
 from bridge.core.redaction import Redactor
 from bridge.core.deadletter import KNOWN_REASONS as DLQ_REASONS
-from bridge.core.pairing import SECOND, PairingConfig, PairingInputError, PairingState
+from bridge.core.pairing import SECOND, PairingConfig, PairingInputError, PairingState, read_tick, tick_body
 from bridge.runtime import (SCAN_BUDGET, SERVER_MARGIN_NS, duplicate_window_s, UNANSWERED, AckPublisher, ActivityMetrics, BoundedLabel, Health,
-                            Loop, Puller, Service, Settings, Stopper, connect_service, find_msg_id, follow, observe_many,
+                            Loop, Puller, Service, Settings, Stopper, connect_service, epoch_of, find_msg_id, follow, observe_many,
                             outage, stored_ns, until_answered)
 from bridge.runtime import streams as S
 from bridge.runtime import subjects as subj
@@ -142,6 +149,9 @@ FENCE_MARGIN_S = 3.0
 GATHER_S = 0.005
 GATHER_MAX_S = 0.025
 TICK_TOKEN = subj.TICK_TOKEN
+# The mapper durable's info read before a round of ticks (`mapper_floor`): bounded, so an
+# outage of HERMES_RAW's consumer leader delays the ticks this much, not nats-py's 5 s.
+FLOOR_TIMEOUT_S = 2.0
 _TICK_SUFFIX = "." + TICK_TOKEN
 # Lanes' subject prefixes and event types remembered (`PairingService.subject_of`), each cleared when full.
 SUBJECT_CACHE = 4096
@@ -186,6 +196,9 @@ class PairingMetrics:
             f"{ns}_consumer_gaps_total",
             "Deliveries a replica's consumer sent that never arrived (a jump in its consumer sequence); its "
             "partitions read again from their positions", registry=registry)
+        self.floor_unknown = Counter(f"{ns}_mapper_floor_unknown_total",
+                                     "Tick rounds sent without the mapper's floor (its durable on HERMES_RAW not read)",
+                                     registry=registry)
         self.fenced = Counter(f"{ns}_fenced_total", "Partitions dropped because their lease may have lapsed (nothing more published)",
                               registry=registry)
         self.republish_skipped = Counter(
@@ -343,6 +356,8 @@ class PairingService(Service):
         self._releases: set[asyncio.Task] = set()  # leases given back at once (`release_now`)
         self._lane_prefixes: dict[tuple[Any, bool], str] = {}  # (session, unknown lane) -> "aep.hermes.<token>." (`subject_of`)
         self._types_checked: set[str] = set()  # event types `subj.event_subject` took (`subject_of`)
+        self._floor_epoch: tuple[Any, int] | None = None  # (the mapper durable's creation time, HERMES_RAW's epoch)
+        self._floor_error: str | None = None  # why the last `mapper_floor` read failed (logged once per cause)
         self.health.live["partitions"] = self.owned_now  # at every moment, the fence's own rule
 
     # ------------------------------------------------------------ leases
@@ -737,8 +752,8 @@ class PairingService(Service):
         ts_ns = None
         try:
             if msg.subject.endswith(_TICK_SUFFIX):
-                now_ns = int(msgspec.json.decode(msg.data).get("now", 0))
-                out = part.state.tick(now_ns, position)
+                now_ns, mapped = read_tick(msg.data)
+                out = part.state.tick(now_ns, position, mapped)
             else:
                 event = decode_event(msg.data)
                 hints = msgspec.json.decode((msg.headers or {}).get("Bridge-Hints", "{}"))
@@ -1188,7 +1203,11 @@ class PairingService(Service):
         while not self.stopper.stopping:
             if await self.stopper.sleep(self.tick_s):
                 return
+            if not self.partitions:
+                continue
+            mapped = await self.mapper_floor()  # before the ticks: what it covers is in the stream before them
             now = time.time_ns()
+            body = tick_body(now, mapped)
             for n, part in list(self.partitions.items()):
                 if self.fenced(part):
                     continue
@@ -1196,11 +1215,39 @@ class PairingService(Service):
                     slot = now // int(self.tick_s * 1e9)
                     await self.js.publish(
                         subj.tick_subject(n),
-                        msgspec.json.encode({"now": now}),
+                        body,
                         headers={"Nats-Msg-Id": f"tick:{n}:{slot}"},
                     )
                 except Exception as exc:
                     log.warning("tick_failed", partition=n, error=str(exc))
+
+    async def mapper_floor(self) -> tuple[int, int] | None:
+        """``(epoch, raw seq)``: every raw message of HERMES_RAW up to it was mapped, and the
+        mapper acks a raw message only after its events' publishes to BRIDGE_MAPPED were acked,
+        so they are all in the stream before a tick published after this read. The durable's
+        ack floor; when nothing is pending or unacked, its last delivered message (the floor
+        need not move past messages no one will deliver). None when it cannot be read (an
+        outage: the state keeps the floor it has; a tick does not wait for it) or there is no
+        durable (no mapper deployed yet; being recreated, issue 44). The epoch (HERMES_RAW's
+        creation time, the events' ``epoch``) is read again when the durable is a new one."""
+        try:
+            info = await self.js.consumer_info(S.HERMES_RAW, S.MAPPER_DURABLE, timeout=FLOOR_TIMEOUT_S)
+            created = getattr(info, "created", None)
+            if self._floor_epoch is None or self._floor_epoch[0] != created:
+                stream = await asyncio.wait_for(self.js.stream_info(S.HERMES_RAW), FLOOR_TIMEOUT_S)
+                self._floor_epoch = (created, epoch_of(stream.created))
+        except Exception as exc:  # (nats.js.errors.NotFoundError: no durable)
+            self.metrics.floor_unknown.inc()
+            why = f"{type(exc).__name__}: {exc}"[:200]
+            if why != self._floor_error:  # once per cause, not every round
+                log.info("mapper_floor_unknown", error=why)
+            self._floor_error = why
+            return None
+        self._floor_error = None
+        floor = int(getattr(info.ack_floor, "stream_seq", 0) or 0)
+        if not info.num_pending and not info.num_ack_pending:
+            floor = max(floor, int(getattr(info.delivered, "stream_seq", 0) or 0))
+        return self._floor_epoch[1], floor
 
     async def connect(self) -> None:
         self.nc = await connect_service(self.settings, name=f"aep-bridge-pairing-{self.replica}", role="pairing")

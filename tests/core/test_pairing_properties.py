@@ -15,6 +15,8 @@ messages, and ticks at arbitrary stream times. Properties:
   totals (its end, the ``x.hermes.pairing.orphaned`` that closed it, an
   ``x.hermes.run.usage`` amendment after a late call) carries the sums of exactly the run's
   calls published before it, under any reordering, duplication, restart; none twice (issue 40).
+
+Ticks may carry the mapper's floor (rule 3): what a replay and a restore must give the same.
 """
 
 from __future__ import annotations
@@ -182,15 +184,21 @@ def streams(draw: Any, *, reorder: bool = True, drops: bool = True, ticks: bool 
         for at, step in sorted(points, reverse=True):
             msgs.insert(at, ("tick", step, None))  # the step is resolved against the stream time below
         flags["ticks"] = bool(points)
-    # ticks carry absolute times: the latest event time seen so far plus their step
+    # ticks carry absolute times: the latest event time seen so far plus their step, and (when
+    # drawn) the mapper's floor: the raw message right before the lowest one still to come (a
+    # message reordered behind the tick is still inside the mapper; a lost one counts as mapped)
+    floors = ticks and draw(st.booleans())
+    flags["floors"] = floors
     out: list[Message] = []
     now = BASE_NS
-    for kind, a, b in msgs:
+    for i, (kind, a, b) in enumerate(msgs):
         if kind == "ev":
             now = max(now, b["ts"])
             out.append((kind, a, b))
         else:
-            out.append(("tick", now + a, None))
+            rest = [x[1].seq >> 10 for x in msgs[i + 1:] if x[0] == "ev"]
+            floor = (min(rest) - 1 if rest else m.raw) if floors else None
+            out.append(("tick", now + a, floor))
     out.append(("tick", now + 30 * HOUR, None))  # the end: everything closes
     return out, flags
 
@@ -210,7 +218,7 @@ class Feeder:
         kind, a, b = msg
         if kind == "ev":
             return self.state.process(a, b, position)
-        return self.state.tick(a, position)
+        return self.state.tick(a, position, None if b is None else (0, b))
 
     def feed_all(self, msgs: list[Message]) -> list[Event]:
         out: list[Event] = []

@@ -256,6 +256,11 @@ async def scenario(url: str, kind: str) -> None:
             c, c.js.pull_subscribe("hermes.raw.>", durable="steal", stream="HERMES_RAW"),
             "HERMES_RAW",
         )
+        # the mapper's floor its ticks carry: the mapper durable's info and HERMES_RAW's epoch, no more
+        assert (await c.js.consumer_info("HERMES_RAW", "mapper")).ack_floor is not None
+        assert (await c.js.stream_info("HERMES_RAW")).created is not None
+        await expect_api_refused(c, c.js.consumer_info("HERMES_RAW", "gate"), "HERMES_RAW.gate")
+        await expect_api_refused(c, c.js.get_msg("HERMES_RAW", seq=1), "HERMES_RAW")
     finally:
         await c.close()
 

@@ -11,7 +11,7 @@ import pytest
 
 from bridge.core.aep import decode_event, encode_event
 from bridge.core.invariants import check_invariants
-from bridge.core.pairing import PairingState
+from bridge.core.pairing import PairingState, read_tick
 from tests.support.pipeline import Pipeline
 from bridge.sim.sessions import realistic_envelopes
 from bridge.sim.verify import StreamReader
@@ -31,7 +31,8 @@ def replay_clean(mapped) -> list[bytes]:  # type: ignore[no-untyped-def]
         n = int(m.subject.split(".")[2])
         state = states.setdefault(n, PairingState(partition=n))
         if m.subject.endswith(".__tick__"):
-            events = state.tick(int(msgspec.json.decode(m.data)["now"]), m.seq)
+            now, floor = read_tick(m.data)
+            events = state.tick(now, m.seq, floor)
         else:
             events = state.process(decode_event(m.data), msgspec.json.decode(m.headers.get("Bridge-Hints", "{}")), m.seq)
         out.extend(encode_event(e) for e in events)
