@@ -37,6 +37,7 @@ import pytest
 
 from tests.cluster.harness import ClusterRun
 from tests.support import partition as P
+from tests.support.cluster_trace import ServerTrace
 from tests.support.cutfirst import CutFirstShims
 
 RATE = 300.0
@@ -184,6 +185,8 @@ def test_partitions_the_services_follow_the_majority(partitioned):
     url = {n.name: n.url for n in cluster.nodes}
     shims = CutFirstShims(fleet, [n.url for n in cluster.nodes])  # the cut node first in their list
     windows: list[tuple[str, float, float]] = []
+    trace = ServerTrace(cluster, run.tmp / "logs" / "servers.jsonl").start() \
+        if os.environ.get("AEP_PARTITION_TRACE") == "1" else None  # each server's view, once a second
     try:
         for at, what, stream, length in SCHEDULE:
             run.at(at - 3.0)
@@ -215,14 +218,22 @@ def test_partitions_the_services_follow_the_majority(partitioned):
             print(f"{healed - run.t0:.1f} s ({clock(wall + healed)}): healed; services now {dict(services_by_node(run))}")
             windows.append((f"{what} {victim}" + (f" ({stream} leader)" if stream else ""), wall + start, wall + healed))
         shims_left = shims.finish()  # their sessions ended and spools replayed while the traffic runs
+        if trace is not None:
+            trace.stop()
         run.at(DURATION)
         try:  # printed before the checks, which may fail
-            longest, report = liveness(store_times(run), windows, wall + run.t0)
+            times = store_times(run)
+            if trace is not None:  # beside the trace: the stored time of every AEP_EVENTS message
+                (run.tmp / "logs" / "aep_events_times.json").write_text(json.dumps(
+                    {"t0": wall + run.t0, "windows": windows, "times": times}))
+            longest, report = liveness(times, windows, wall + run.t0)
         except Exception as exc:
             longest, report = float("inf"), [f"AEP_EVENTS not read: {exc!r}"]
         run.finish()
     finally:
         cut.heal()
+        if trace is not None:
+            trace.stop()
     # The shim instances whose first server was the cut node: acked by the majority while each cut
     # lasted, and every one of their events stored (the verification above covered them too).
     missing = shims.landed(run.pipe)
