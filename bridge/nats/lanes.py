@@ -37,7 +37,32 @@ FACT_PREFIX = "r."  # + <raw subject's instance token>.<lane_token(raw id)>: a r
 OWNER_PREFIX = "o."  # + <lane_token(session)>: the instance the session belongs to (its first)
 FACT_UNKNOWN = b"?"  # the fact "filed under the unknown lane"; a session is b"=" + its UTF-8
 WRONG_LAST_SEQUENCE = 10071  # JetStream's err_code when a create finds the key there already
+# ... and when it finds a create of the same key proposed and not applied yet (in a cluster: two
+# creates of one key pipelined, or a mapper and the gate recording one session's instance at
+# once; nats-server 2.15, "wrong last sequence" without a number). nats-py's KV counts both.
+WRONG_LAST_SEQUENCE_IN_FLIGHT = 10164
+WRONG_LAST_SEQUENCES = frozenset({WRONG_LAST_SEQUENCE, WRONG_LAST_SEQUENCE_IN_FLIGHT})
 FACT_TIMEOUT_S = 5.0
+
+
+def found_recorded(exc: BaseException | None) -> bool:
+    """Is ``exc`` a create's answer that the key is recorded (or being recorded) already?"""
+    return isinstance(exc, KeyWrongLastSequenceError) or getattr(exc, "err_code", None) in WRONG_LAST_SEQUENCES
+
+
+async def lane_facts_bucket(js: Any) -> Any:
+    """The aep_lane_facts bucket as the mapper reads it: its gets answered by the stream's
+    leader (``STREAM.MSG.GET``), not by any replica (``DIRECT.GET``). A fact is read to file
+    a redelivered message under the lane its first attempt chose, so a replica that has not
+    caught up (one cut off from its peers answers at once, "not found") would file it under
+    another; and in the partition runs of issue 42 direct gets sent from nodes that were not
+    cut were lost at random while a peer was cut and after it came back, where the leader's
+    message gets were answered as soon as the bucket had a leader (the servers' trace of
+    tests/cluster/test_partitions.py, docs/BENCHMARKS.md "Network partitions"): each lost one
+    cost a redelivered message 5 s, one message after the other. Raises what `js.key_value` raises."""
+    from bridge.nats.follow import leader_kv
+
+    return await leader_kv(js, S.LANE_FACTS_BUCKET)
 
 
 def epoch_of(created: Any) -> int:
@@ -182,7 +207,7 @@ class KvLanes:
                 await asyncio.wait_for(sent, FACT_TIMEOUT_S)
             owner = instance
         except (KeyWrongLastSequenceError, APIError) as exc:  # recorded first by another message (or replica)
-            if not isinstance(exc, KeyWrongLastSequenceError) and getattr(exc, "err_code", None) != WRONG_LAST_SEQUENCE:
+            if not found_recorded(exc):
                 raise
             entry = await self.facts.get(key)
             owner = (entry.value or b"").decode("utf-8", "surrogatepass")
@@ -212,7 +237,7 @@ class KvLanes:
         error = sent.exception()
         if error is None:
             owner = instance
-        elif getattr(error, "err_code", None) == WRONG_LAST_SEQUENCE and self.facts is not None:
+        elif found_recorded(error) and self.facts is not None:
             entry = await self.facts.get(OWNER_PREFIX + lane_token(session))  # recorded first by another
             owner = (entry.value or b"").decode("utf-8", "surrogatepass")
         else:
