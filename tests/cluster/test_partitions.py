@@ -161,6 +161,15 @@ def move_leader(run: ClusterRun, stream: str, node: str, timeout: float = 20.0) 
     return False
 
 
+def slow_seconds(times: list[float], a: float, b: float, below: float = RATE / 10) -> int:
+    """How many whole seconds of [a, b) stored fewer than ``below`` AEP_EVENTS messages."""
+    bins = [0] * int(b - a)
+    for t in times:
+        if a <= t < a + len(bins):
+            bins[int(t - a)] += 1
+    return sum(1 for n in bins if n < below)
+
+
 def liveness(times: list[float], windows: list[tuple[str, float, float]], t0: float) -> tuple[float, list]:
     """Print, per partition, the longest time AEP_EVENTS stored nothing from the cut to 15 s
     after the heal and when the pipeline moved again; return the longest while traffic ran."""
@@ -170,6 +179,11 @@ def liveness(times: list[float], windows: list[tuple[str, float, float]], t0: fl
         report.append((name, round(e - s, 1)))
         print(f"{name}: AEP_EVENTS flat at most {e - s:.1f} s (from {s - start:+.1f} s to {e - start:+.1f} s after "
               f"the cut; the heal at +{healed - start:.1f} s): the pipeline moved again {e - start:.1f} s after the cut")
+        # A trickle ends a flat stretch: the seconds that stored less than a tenth of the rate tell a
+        # crawling pipeline from a flowing one (2026-12-07: 33 of 36 s in a window whose longest flat
+        # stretch was 9.8 s; docs/BENCHMARKS.md "Network partitions")
+        print(f"    {slow_seconds(times, start, healed + 15.0)} of {int(healed + 15.0 - start)} s from the cut to "
+              f"15 s after the heal stored fewer than {RATE / 10:.0f} events")
     s, e = longest_gap([t for t in times if t0 + 3.0 <= t <= t0 + DURATION], t0 + 3.0, t0 + DURATION)
     print(f"the longest stretch without an AEP_EVENTS message while the traffic ran: {e - s:.1f} s "
           f"(+{s - t0:.1f} s to +{e - t0:.1f} s)")
