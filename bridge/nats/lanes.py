@@ -50,19 +50,68 @@ def found_recorded(exc: BaseException | None) -> bool:
     return isinstance(exc, KeyWrongLastSequenceError) or getattr(exc, "err_code", None) in WRONG_LAST_SEQUENCES
 
 
-async def lane_facts_bucket(js: Any) -> Any:
-    """The aep_lane_facts bucket as the mapper reads it: its gets answered by the stream's
-    leader (``STREAM.MSG.GET``), not by any replica (``DIRECT.GET``). A fact is read to file
-    a redelivered message under the lane its first attempt chose, so a replica that has not
-    caught up (one cut off from its peers answers at once, "not found") would file it under
-    another; and in the partition runs of issue 42 direct gets sent from nodes that were not
-    cut were lost at random while a peer was cut and after it came back, where the leader's
-    message gets were answered as soon as the bucket had a leader (the servers' trace of
-    tests/cluster/test_partitions.py, docs/BENCHMARKS.md "Network partitions"): each lost one
-    cost a redelivered message 5 s, one message after the other. Raises what `js.key_value` raises."""
+#: how long a read waits for a replica's copy once the leader did not answer (`LeaderFirst`)
+FALLBACK_READ_S = 1.0
+
+
+class LeaderFirst:
+    """A KV bucket whose gets ask the stream's leader (``STREAM.MSG.GET``) and, only when the
+    leader does not answer (an outage: no leader yet, a stale one cut off), any replica
+    (``DIRECT.GET``, FALLBACK_READ_S), whose answer counts only when it found the key: the
+    mapper's keys are written by creates and never changed (a lane fact, a session's instance)
+    or only ever learned (a session), so a copy found is right and a copy missing may just be
+    behind; then the leader's failure is raised. Everything else (creates, puts) is the
+    leader-read bucket's.
+
+    Why not direct gets alone (nats-py's KV ``get`` when the stream allows them): in the
+    partition runs of issue 42 they were lost at random from the healthy nodes while a bucket's
+    leader was cut, 11 of 46 after the new leader answered (benchmarks/partition_reads.py), each
+    costing a redelivered message 5 s, one message after another; and a replica that is behind,
+    or cut off, answers "not found" for a fact its leader holds, which would file a redelivery
+    under another lane. Why not the leader alone: during its election (a heal, a flap) it
+    answers 503 at once while the replicas still hold every recorded key: a run's mappers
+    retried 121 messages in a second whose session records were there to read."""
+
+    def __init__(self, leader: Any, direct: Any) -> None:
+        self.leader = leader
+        self.direct = direct
+
+    async def get(self, key: str, *args: Any, **kwargs: Any) -> Any:
+        from bridge.nats.connection import outage
+
+        try:
+            return await self.leader.get(key, *args, **kwargs)
+        except KeyNotFoundError:
+            raise
+        except Exception as exc:
+            if self.direct is None or not outage(exc):
+                raise
+            try:
+                return await self.direct.get(key, *args, **kwargs)
+            except Exception:
+                raise exc from None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.leader, name)
+
+
+async def leader_first_bucket(js: Any, bucket: str) -> LeaderFirst:
+    """``bucket`` as the mapper reads it (`LeaderFirst`). Raises what ``js.key_value`` raises."""
+    from nats.js.kv import KeyValue
+
     from bridge.nats.follow import leader_kv
 
-    return await leader_kv(js, S.LANE_FACTS_BUCKET)
+    leader = await leader_kv(js, bucket)
+    fallback = js._nc.jetstream(prefix=getattr(js, "_prefix", "$JS.API"), timeout=FALLBACK_READ_S)
+    return LeaderFirst(leader, KeyValue(name=bucket, stream=f"KV_{bucket}", pre=f"$KV.{bucket}.", js=fallback,
+                                        direct=True))
+
+
+async def lane_facts_bucket(js: Any) -> LeaderFirst:
+    """The aep_lane_facts bucket as the mapper reads it: `LeaderFirst`. A fact is read to file a
+    redelivered message under the lane its first attempt chose, so a replica's "not found" is
+    never taken for "none recorded"."""
+    return await leader_first_bucket(js, S.LANE_FACTS_BUCKET)
 
 
 def epoch_of(created: Any) -> int:

@@ -102,7 +102,7 @@ from bridge.core.mapping import HOOKS, INVALID_FIELDS
 from bridge.core.pipeline import map_record, record_from_raw
 from bridge.runtime import (DEFAULT_MARGIN_NS, FACT_TIMEOUT_S, duplicate_window_s, OTHER, SERVER_MARGIN_NS, UNANSWERED, AckPublisher,
                             BoundedLabel, Health, KvLanes, Linger, Loop, PinnedLane, Puller, Service, Settings, Stopper,
-                            connect_service, epoch_of, find_msg_id, found_recorded, lane_fact_key, lane_facts_bucket, load_price_table, msg_ids_on,
+                            connect_service, epoch_of, find_msg_id, found_recorded, lane_fact_key, lane_facts_bucket, leader_first_bucket, load_price_table, msg_ids_on,
                             observe_many, outage, server_list, stored_ns, until_answered, wait_all)
 from bridge.runtime import follow
 from bridge.runtime import streams as S
@@ -308,7 +308,8 @@ class Deliveries:
     sat on such a node for a whole 18 s partition, every signal the follower had saying all
     was well (tests/cluster/test_partitions.py, 2026-12-07, issue 42). Failing since the first
     info read, after STARVED_AFTER_S of empty pulls, that counted messages pending (and
-    ``num_ack_pending`` below ``max_ack_pending``: a full durable delivers nothing either);
+    ``num_ack_pending`` below ``max_ack_pending``: a full durable delivers nothing either; nor
+    does one an operator paused);
     a delivered message, or an info with nothing pending, ends it."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
@@ -330,7 +331,8 @@ class Deliveries:
         pending = int(getattr(info, "num_pending", 0) or 0)
         in_flight = int(getattr(info, "num_ack_pending", 0) or 0)
         cap = getattr(getattr(info, "config", None), "max_ack_pending", None) or 0
-        if pending > 0 and (cap <= 0 or in_flight < cap) and sent >= self.last:
+        paused = bool(getattr(info, "paused", False))  # (an operator's pause is no server's fault)
+        if pending > 0 and not paused and (cap <= 0 or in_flight < cap) and sent >= self.last:
             if self.since is None:
                 self.since = sent
         else:
@@ -474,10 +476,10 @@ class Mapper(Service):
         if window:
             self.mapped_late_after_ns = int(window * 1e9) // 2
         self.metrics.epoch.set(self.epoch)
-        # Read from its leader, as the lane facts (bridge.nats.lanes.lane_facts_bucket): a replica
+        # Read from its leader first, as the lane facts (bridge.nats.lanes.LeaderFirst): a replica
         # behind its leader may not hold a put the leader acked (`settle_earlier` relies on those),
         # and direct gets are lost at random while a peer is cut (issue 42).
-        kv = await follow.leader_kv(self.js, S.LANES_BUCKET)
+        kv = await leader_first_bucket(self.js, S.LANES_BUCKET)
         try:
             facts = await lane_facts_bucket(self.js)  # read from its leader (bridge.nats.lanes)
         except UNANSWERED:  # an election: asked again, not a mapper without lane facts for its life
