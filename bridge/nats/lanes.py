@@ -69,8 +69,9 @@ class LeaderFirst:
     costing a redelivered message 5 s, one message after another; and a replica that is behind,
     or cut off, answers "not found" for a fact its leader holds, which would file a redelivery
     under another lane. Why not the leader alone: during its election (a heal, a flap) it
-    answers 503 at once while the replicas still hold every recorded key: a run's mappers
-    retried 121 messages in a second whose session records were there to read."""
+    can be answered 503 10008 at once (by a node without a meta leader) while the replicas still
+    hold every recorded key: during a flapping link a run's mappers retried 121 messages in a
+    second on that answer (the trace: that client's create and direct get answered)."""
 
     def __init__(self, leader: Any, direct: Any) -> None:
         self.leader = leader
