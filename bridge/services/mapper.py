@@ -317,10 +317,19 @@ class Deliveries:
         self.last = clock()  # the last delivery (or bind, or move)
         self.asked = 0.0  # when the durable's info was last asked for that
         self.since: float | None = None
+        self.silent_since: float | None = None  # HERMES_RAW's leader unanswered since (`stream_answered`)
 
     def delivered(self) -> None:
         self.last = self.clock()
-        self.since = None
+        self.since = self.silent_since = None
+
+    def stream_answered(self, answered: bool, sent: float) -> None:
+        """The stream's leader answered a message get sent at ``sent`` (or did not: judged apart
+        from the service's other requests, which a stale node answers)."""
+        if answered:
+            self.silent_since = None
+        elif self.silent_since is None:
+            self.silent_since = sent
 
     def due(self) -> bool:
         now = self.clock()
@@ -339,10 +348,11 @@ class Deliveries:
             self.since = None
 
     def failing_since(self) -> float | None:
-        return self.since
+        starts = [t for t in (self.since, self.silent_since) if t is not None]
+        return min(starts) if starts else None
 
     def forget(self) -> None:
-        self.since = None
+        self.since = self.silent_since = None
         self.last = self.clock()
 
 
@@ -1093,11 +1103,26 @@ class Mapper(Service):
 
     async def check_starved(self) -> None:
         """Pulls brought nothing for STARVED_AFTER_S: does the durable hold messages for us
-        (`Deliveries`)? One info request per STARVED_AFTER_S while nothing comes (an idle
-        mapper's only cost); unanswered, it counts as a failure of its own (the follower
-        watches every JetStream request)."""
+        (`Deliveries`), and does HERMES_RAW's leader answer? Two requests per STARVED_AFTER_S
+        while nothing comes (an idle mapper's only cost); unanswered, each counts as a failure
+        (the follower watches every JetStream request)."""
         sent = time.monotonic()
         self.deliveries.asked = sent
+        # HERMES_RAW's own leader, which alone answers a message get: a node cut off from its
+        # peers that still leads the meta group and the durable answers the durable's info from
+        # its stale view, often with nothing pending, while the stream's leader is on the other
+        # side (both mappers sat 17 s on one, run 20 of docs/BENCHMARKS.md "Network partitions").
+        # Unanswered, the follower counts a failure; "no message" says nothing either way.
+        prefix = getattr(self.js, "_prefix", "$JS.API")
+        try:
+            reply = await self.nc.request(f"{prefix}.STREAM.MSG.GET.{S.HERMES_RAW}",
+                                          msgspec.json.encode({"seq": max(1, self._server_floor)}),
+                                          timeout=STARVED_AFTER_S)
+            self.deliveries.stream_answered(b'"code":503' not in (reply.data or b"")[:200], sent)
+        except (nats.errors.TimeoutError, nats.errors.NoRespondersError, asyncio.TimeoutError):
+            self.deliveries.stream_answered(False, sent)
+        except Exception:
+            pass
         try:
             info = await self.sub.consumer_info()
         except Exception:

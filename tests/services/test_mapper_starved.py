@@ -11,7 +11,8 @@ pulls that bring nothing while its durable says messages are waiting (`Deliverie
 the follower's signals.
 
 A real server plays the cut node: the mapper's user may not send pull requests (the server
-drops them, the connection stays up) while it reads the durable's info. A consumer an
+drops them, the connection stays up) while it reads the durable's info; or, idle, may not
+send a message get of HERMES_RAW (which only the stream's leader answers). A consumer an
 operator paused delivers nothing too, and is no server's fault: not a failure.
 """
 
@@ -39,6 +40,7 @@ USERS = """authorization {
     {user: admin, password: admin}
     {user: pulls, password: pulls}
     {user: nopulls, password: nopulls, permissions: {publish: {deny: ["$JS.API.CONSUMER.MSG.NEXT.>"]}}}
+    {user: stale, password: stale, permissions: {publish: {deny: ["$JS.API.STREAM.MSG.GET.>", "$JS.API.CONSUMER.MSG.NEXT.>"]}}}
   ]
 }
 """
@@ -102,3 +104,15 @@ def test_a_mapper_fed_nothing_while_its_durable_holds_messages_reports_its_serve
     assert paused["failing_since"] is None and paused["floor"] == 0, paused
     flowing = asyncio.run(watched(url, "pulls", records))
     assert flowing["failing_since"] is None and flowing["floor"] == 3, flowing
+
+
+def test_an_idle_mapper_whose_stream_leader_does_not_answer_reports_its_server_failing(nats_factory, monkeypatch):
+    """A node cut off from its peers that still leads the meta group and the mapper durable
+    answers the durable's info from its stale view, with nothing pending, and the probe: both
+    mappers sat 17 s on one (a partition run, 2026-12-07). HERMES_RAW's leader was on the other
+    side: only it answers a message get of the stream, which an idle mapper now asks. Played by
+    a user whose message gets (and pulls) go unanswered."""
+    monkeypatch.setattr(mapper_module, "STARVED_AFTER_S", AFTER_S)
+    url = nats_factory(USERS).url
+    stale = asyncio.run(watched(url, "stale", []))
+    assert stale["failing_since"] is not None, stale
