@@ -52,6 +52,71 @@ def lost_create(exc: BaseException | None) -> bool:
 FACT_TIMEOUT_S = 5.0
 
 
+#: how long a read waits for a replica's copy once the leader did not answer (`LeaderFirst`)
+FALLBACK_READ_S = 1.0
+
+
+class LeaderFirst:
+    """A KV bucket whose gets ask the stream's leader (``STREAM.MSG.GET``) and, only when the
+    leader does not answer (an outage: no leader yet, a stale one cut off), any replica
+    (``DIRECT.GET``, FALLBACK_READ_S), whose answer counts only when it found the key: the
+    mapper's keys are written by creates and never changed (a lane fact, a session's instance)
+    or only ever learned (a session), so a copy found is right and a copy missing may just be
+    behind; then the leader's failure is raised. Everything else (creates, puts) is the
+    leader-read bucket's.
+
+    Why not direct gets alone (nats-py's KV ``get`` when the stream allows them): in the
+    partition runs of issue 42 they were lost at random from the healthy nodes while a bucket's
+    leader was cut, 11 of 46 after the new leader answered (benchmarks/partition_reads.py), each
+    costing a redelivered message 5 s, one message after another; and a replica that is behind,
+    or cut off, answers "not found" for a fact its leader holds, which would file a redelivery
+    under another lane. Why not the leader alone: during its election (a heal, a flap) it
+    can be answered 503 10008 at once (by a node without a meta leader) while the replicas still
+    hold every recorded key: during a flapping link a run's mappers retried 121 messages in a
+    second on that answer (the trace: that client's create and direct get answered)."""
+
+    def __init__(self, leader: Any, direct: Any) -> None:
+        self.leader = leader
+        self.direct = direct
+
+    async def get(self, key: str, *args: Any, **kwargs: Any) -> Any:
+        from bridge.nats.connection import outage
+
+        try:
+            return await self.leader.get(key, *args, **kwargs)
+        except KeyNotFoundError:
+            raise
+        except Exception as exc:
+            if self.direct is None or not outage(exc):
+                raise
+            try:
+                return await self.direct.get(key, *args, **kwargs)
+            except Exception:
+                raise exc from None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.leader, name)
+
+
+async def leader_first_bucket(js: Any, bucket: str) -> LeaderFirst:
+    """``bucket`` as the mapper reads it (`LeaderFirst`). Raises what ``js.key_value`` raises."""
+    from nats.js.kv import KeyValue
+
+    from bridge.nats.follow import leader_kv
+
+    leader = await leader_kv(js, bucket)
+    fallback = js._nc.jetstream(prefix=getattr(js, "_prefix", "$JS.API"), timeout=FALLBACK_READ_S)
+    return LeaderFirst(leader, KeyValue(name=bucket, stream=f"KV_{bucket}", pre=f"$KV.{bucket}.", js=fallback,
+                                        direct=True))
+
+
+async def lane_facts_bucket(js: Any) -> LeaderFirst:
+    """The aep_lane_facts bucket as the mapper reads it: `LeaderFirst`. A fact is read to file a
+    redelivered message under the lane its first attempt chose, so a replica's "not found" is
+    never taken for "none recorded"."""
+    return await leader_first_bucket(js, S.LANE_FACTS_BUCKET)
+
+
 def epoch_of(created: Any) -> int:
     """The AEP epoch: HERMES_RAW's creation time in whole milliseconds. It changes (upward)
     only when the stream is recreated, every replica reads the same value, and milliseconds

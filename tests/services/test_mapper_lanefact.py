@@ -355,3 +355,49 @@ def test_a_first_delivery_filed_on_a_recorded_lane_is_not_published_after_that_l
     ids = asyncio.run(run())
     s2 = [seq for s, seq in ids if s.rsplit(".", 1)[1] == lane_token(S2)]
     assert len(s2) == 2 and s2 == sorted(s2), f"S2's events in raw order: {ids}"
+
+
+def test_a_batch_whose_lane_fact_reads_meet_an_outage_waits_for_one_not_for_each(nats_server_fn):
+    """Redeliveries of look-up messages each read their lane fact first. When the bucket does
+    not answer (no leader yet, a read lost to a cut node: 5 s each), the batch's first read
+    that meets the outage retries every later one of the batch at once, instead of each
+    waiting its own 5 s in turn: after a partition's heal a mapper retried one message every
+    5 s, its batch of 64 behind them (issue 42). Each message is still retried, none guessed."""
+    from bridge.nats.bootstrap import bootstrap
+
+    k = 6
+
+    async def run() -> tuple[int, float, int]:
+        nc = await nats.connect(nats_server_fn.url)
+        js = nc.jetstream()
+        await bootstrap(js, None, replicas=1, duplicate_window_s=WINDOW_S)
+        await publish_all(js, raw_records([start_of(S1)] + [INNER] * k, instance="lanefact"))
+        first, _, msgs = await bound_with(nats_server_fn.url, "m-first", 1 + k)
+        await first.process_batch(msgs[:1])
+        for msg in msgs[1:]:  # attempt 1 maps them and dies before the acks
+            await first.handle(msg)
+        await first.release_held()
+        for msg in msgs[1:]:
+            await msg.nak()
+        await first.close()
+        again, _, redelivered = await bound_with(nats_server_fn.url, "m-again", k)
+        assert all(m.metadata.num_delivered == 2 for m in redelivered)
+        asked: list[str] = []
+        assert again.lanes is not None
+
+        def unanswered(key: str) -> bool:
+            asked.append(key)
+            return True
+
+        again.lanes.facts = FailingGets(again.lanes.facts, unanswered)
+        await again.process_batch(redelivered)
+        retries = again.metrics.outage_retries._value.get()
+        await again.close()
+        mapped = len(await ids_of(js, S.BRIDGE_MAPPED, "bridge.mapped.>"))
+        await nc.close()
+        return len(asked), retries, mapped
+
+    asked, retries, mapped = asyncio.run(run())
+    assert asked == 1, f"{asked} fact reads waited for in one batch"
+    assert retries == k, retries  # every message retried (an outage: never dead-lettered)
+    assert mapped == 1 + k  # attempt 1's events, none filed again by a guess
