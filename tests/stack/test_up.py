@@ -207,8 +207,13 @@ def test_every_command_the_gate_banner_prints_works_when_pasted_into_a_clean_she
             clean["PYTHONPATH"] = os.environ["PYTHONPATH"]
 
         def shell(command: str, **kw) -> subprocess.Popen[str]:  # type: ignore[no-untyped-def]
+            # Ctrl-C works in the user's shell: SIGINT at its default there, whatever this run
+            # inherited. A run started in the background ignores SIGINT, its children inherit
+            # that, and Python leaves an ignored SIGINT ignored: tail never saw the test's Ctrl-C
+            # (the clean-clone CI runs of 873249d and 7037abb; `tail` with SIGINT ignored hangs)
             return subprocess.Popen(["bash", "-c", command], env=clean, cwd=home, text=True,
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kw)
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL), **kw)
 
         # `tail` follows the stream until Ctrl-C: it works when it shows the demo's events and
         # Ctrl-C ends it with 0.
