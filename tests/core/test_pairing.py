@@ -13,7 +13,7 @@ import msgspec
 import pytest
 from msgspec import UNSET
 
-from bridge.core.aep import Event, encode_event
+from bridge.core.aep import encode_event
 from bridge.core.identity import SLOTS, event_id, rfc3339, ulid_time_ms
 from bridge.core.pairing import (
     HOUR,
@@ -24,39 +24,7 @@ from bridge.core.pairing import (
 )
 from bridge.core.invariants import check_invariants
 from benchmarks.pairing_footprint import idle_session_footprint
-from tests.support.pairing import BASE_NS, MS, Mk, Msg, assert_valid
-
-
-class Run:
-    """Feeds a PairingState with increasing positions and keeps everything it emitted."""
-
-    def __init__(self, config: PairingConfig | None = None) -> None:
-        self.state = PairingState(config)
-        self.pos = 0
-        self.out: list[Event] = []
-
-    def feed(self, *items: Msg | list[Msg]) -> list[Event]:
-        got: list[Event] = []
-        for item in items:
-            for ev, h in item if isinstance(item, list) else [item]:
-                self.pos += 1
-                got += self.state.process(ev, h, self.pos)
-        for e in got:
-            assert_valid(e)
-        self.out += got
-        return got
-
-    def tick(self, now_ns: int) -> list[Event]:
-        self.pos += 1
-        got = self.state.tick(now_ns, self.pos)
-        for e in got:
-            assert_valid(e)
-        self.out += got
-        return got
-
-
-def types(events: list[Event]) -> list[str]:
-    return [e.type for e in events]
+from tests.support.pairing import BASE_NS, MS, Mk, Msg, Run, types
 
 
 @pytest.fixture

@@ -13,42 +13,10 @@ from __future__ import annotations
 
 import msgspec
 
-from bridge.core.aep import Event, encode_event
+from bridge.core.aep import encode_event
 from bridge.core.invariants import check_invariants
 from bridge.core.pairing import MINUTE, SECOND, PairingConfig, PairingState, read_tick, tick_body
-from tests.support.pairing import BASE_NS, MS, Mk, Msg, assert_valid
-
-EPOCH = 1_764_400_000_000
-
-
-class Run:
-    """Feeds a PairingState with increasing positions; ticks may carry the mapper's floor."""
-
-    def __init__(self, config: PairingConfig | None = None) -> None:
-        self.state = PairingState(config)
-        self.pos = 0
-        self.out: list[Event] = []
-
-    def feed(self, *items: Msg) -> list[Event]:
-        got: list[Event] = []
-        for ev, h in items:
-            self.pos += 1
-            got += self.state.process(ev, h, self.pos)
-        return self._keep(got)
-
-    def tick(self, now_ns: int, floor: int | None = None, epoch: int = EPOCH) -> list[Event]:
-        self.pos += 1
-        return self._keep(self.state.tick(now_ns, self.pos, None if floor is None else (epoch, floor)))
-
-    def _keep(self, got: list[Event]) -> list[Event]:
-        for e in got:
-            assert_valid(e)
-        self.out += got
-        return got
-
-
-def types(events: list[Event]) -> list[str]:
-    return [e.type for e in events]
+from tests.support.pairing import BASE_NS, EPOCH, MS, Mk, Msg, Run, types
 
 
 def raw_of(msg: Msg) -> int:

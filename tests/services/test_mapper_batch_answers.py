@@ -36,6 +36,19 @@ def env(hook: str, session: str) -> dict:
             "cwd": "/tmp", "extra": {"platform": "cli", "model": "m"}}
 
 
+def task_envelopes() -> tuple[str, dict, dict]:
+    """A new session's turn start naming a task, and a tool call inside that task with no session
+    id (an `execute_code` call: its lane is a look-up, so a lane fact is recorded)."""
+    session, task = f"s{time.time_ns()}", f"t{time.time_ns()}"
+    start = {"hook_event_name": "pre_llm_call", "session_id": session, "tool_name": None, "tool_input": None,
+             "cwd": "/tmp", "extra": {"task_id": task, "turn_id": f"{session}:{task}:0a1b2c3d", "model": "m",
+                                      "platform": "cli"}}
+    inner = {"hook_event_name": "pre_tool_call", "session_id": "", "tool_name": "terminal",
+             "tool_input": {"command": "ls"}, "cwd": "/tmp",
+             "extra": {"task_id": task, "tool_call_id": "", "turn_id": "", "api_request_id": ""}}
+    return session, start, inner
+
+
 def test_a_second_instance_does_not_take_a_session_whose_first_message_failed(nats_server_fn) -> None:
     session = f"s-{time.time_ns()}"
     url = nats_server_fn.url
@@ -86,13 +99,7 @@ def test_a_second_instance_does_not_take_a_session_whose_first_message_failed(na
 
 
 def test_an_unanswered_lane_fact_maps_the_message_as_before_lane_facts(nats_server_fn) -> None:
-    session, task = f"s{time.time_ns()}", f"t{time.time_ns()}"
-    start = {"hook_event_name": "pre_llm_call", "session_id": session, "tool_name": None, "tool_input": None,
-             "cwd": "/tmp", "extra": {"task_id": task, "turn_id": f"{session}:{task}:0a1b2c3d", "model": "m",
-                                      "platform": "cli"}}
-    inner = {"hook_event_name": "pre_tool_call", "session_id": "", "tool_name": "terminal",
-             "tool_input": {"command": "ls"}, "cwd": "/tmp",
-             "extra": {"task_id": task, "tool_call_id": "", "turn_id": "", "api_request_id": ""}}
+    session, start, inner = task_envelopes()
 
     async def run() -> dict:
         nc = await nats.connect(nats_server_fn.url)
@@ -142,13 +149,7 @@ def test_while_the_facts_bucket_answers_nothing_a_batch_waits_briefly_for_it(nat
     first one answered restores the full wait. The messages are mapped either way."""
     import bridge.services.mapper as mapper_module
 
-    session, task = f"s{time.time_ns()}", f"t{time.time_ns()}"
-    start = {"hook_event_name": "pre_llm_call", "session_id": session, "tool_name": None, "tool_input": None,
-             "cwd": "/tmp", "extra": {"task_id": task, "turn_id": f"{session}:{task}:0a1b2c3d", "model": "m",
-                                      "platform": "cli"}}
-    inner = {"hook_event_name": "pre_tool_call", "session_id": "", "tool_name": "terminal",
-             "tool_input": {"command": "ls"}, "cwd": "/tmp",
-             "extra": {"task_id": task, "tool_call_id": "", "turn_id": "", "api_request_id": ""}}
+    session, start, inner = task_envelopes()
     waits: list[float] = []
     wait_all = mapper_module.wait_all
 

@@ -11,7 +11,7 @@ from msgspec import UNSET
 from bridge.core import aep
 from bridge.core.aep import Event, encode_event
 from bridge.core.identity import MAPPED_SLOT, SLOTS, event_id, rfc3339, source_uri
-from bridge.core.pairing import SECOND
+from bridge.core.pairing import SECOND, PairingConfig, PairingState
 
 
 BASE_NS = 1_764_500_000 * SECOND
@@ -197,3 +197,39 @@ def assert_valid(event: Event) -> None:
     payload = aep.PAYLOAD_TYPES.get(event.type)
     if payload is not None:
         msgspec.convert(event.data, payload)
+
+
+#: HERMES_RAW's epoch in the floors the tests' ticks carry
+EPOCH = 1_764_400_000_000
+
+
+class Run:
+    """Feeds a PairingState with increasing positions and keeps everything it emitted (each
+    checked against the schemas); a tick may carry the mapper's floor (tests/core/test_pairing_floor.py)."""
+
+    def __init__(self, config: PairingConfig | None = None) -> None:
+        self.state = PairingState(config)
+        self.pos = 0
+        self.out: list[Event] = []
+
+    def feed(self, *items: "Msg | list[Msg]") -> list[Event]:
+        got: list[Event] = []
+        for item in items:
+            for ev, h in item if isinstance(item, list) else [item]:
+                self.pos += 1
+                got += self.state.process(ev, h, self.pos)
+        return self._keep(got)
+
+    def tick(self, now_ns: int, floor: int | None = None, epoch: int = EPOCH) -> list[Event]:
+        self.pos += 1
+        return self._keep(self.state.tick(now_ns, self.pos, None if floor is None else (epoch, floor)))
+
+    def _keep(self, got: list[Event]) -> list[Event]:
+        for e in got:
+            assert_valid(e)
+        self.out += got
+        return got
+
+
+def types(events: list[Event]) -> list[str]:
+    return [e.type for e in events]
