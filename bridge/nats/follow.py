@@ -33,11 +33,7 @@ PINGs and accepts publishes, so nats-py's own reconnect (after failed PINGs) nev
     hot path, which does not go through ``request``): a publish sent after the last ack came
     and still not acked is a failure since it was sent.
 
-  - what the service itself reports (``watches``): the mapper's pulls that bring nothing
-    while its durable says messages are waiting (a consumer leader cut off from its peers
-    takes pull requests and delivers nothing; issue 42).
-
-  The signals are judged apart (a meta leader cut off from its peers answers the probe for
+  The three are judged apart (a meta leader cut off from its peers answers the probe for
   ~10 s more, lostQuorumInterval, while no publish of the service is acked). When one of them
   has failed for ``after_s`` with no success of its own since, while the connection is up, it
   checks the servers of the list with side connections and the probe, and reconnects to the
@@ -125,9 +121,6 @@ class Follower:
         self.bad_since: float | None = None  # the service's own requests: the first failure since the last success
         self.probe_bad_since: float | None = None  # the same for the probe
         self.publishers: list[Any] = []  # AckPublishers on the connection (`AckPublisher.start`)
-        #: the service's own signals: objects with ``failing_since()`` (monotonic, or None) and
-        #: ``forget()`` (called on a move), e.g. the mapper's deliveries (`Mapper.check_starved`)
-        self.watches: list[Any] = []
         self.last_failure = ""
         self.moves = 0
         self.last_move: float | None = None
@@ -141,12 +134,7 @@ class Follower:
     # ------------------------------------------------------------ what the connection sees
 
     def failure(self, what: str, probe: bool = False, since: float | None = None) -> None:
-        """A failure, which began at ``since`` (an unanswered request: when it was sent). A request
-        sent before the last move was sent to the server left: it says nothing of this one (its
-        timeout, landing after the move, made both mappers leave a healthy node 5 s after they
-        had joined it, "failing for 8.1 s", in a partition run: 2026-12-07, run 19)."""
-        if since is not None and self.last_move is not None and since < self.last_move:
-            return
+        """A failure, which began at ``since`` (an unanswered request: when it was sent)."""
         if self.nc.is_connected:
             at = self.clock() if since is None else since
             if probe and self.probe_bad_since is None:
@@ -168,13 +156,6 @@ class Follower:
         probe = subject == PROBE_SUBJECT
         if subject.startswith(DIRECT_GET):
             return  # any replica answers a direct get, a node cut off from its peers too
-        if exc is None:
-            # (an answer: nats-py's JetStream calls raise their error answers only after `request`
-            # returned. From 302162b to 4254fcb this branch was unreachable, below the direct
-            # gets' return: a 503 answer never counted, nor did any success. A node cut off from
-            # its peers without a meta leader answers every JetStream request 503 10008, and both
-            # mappers stayed on one for a whole 18 s cut, 2026-12-07, run 18 of
-            # docs/BENCHMARKS.md "Network partitions"; one timeout started a clock no answer reset)
             data = getattr(reply, "data", b"") or b""
             head = data[:200]
             if b'"code":503' in head or (getattr(reply, "headers", None) or {}).get("Status") == "503":
@@ -192,10 +173,6 @@ class Follower:
         starts = [t for t in (self.bad_since, self.probe_bad_since) if t is not None]
         for publisher in self.publishers:
             t = publisher.unacked_since()
-            if t is not None:
-                starts.append(t)
-        for watch in self.watches:
-            t = watch.failing_since()
             if t is not None:
                 starts.append(t)
         return min(starts) if starts else None
@@ -287,8 +264,6 @@ class Follower:
         self.bad_since = self.probe_bad_since = None
         for publisher in self.publishers:
             publisher.forget_unacked()
-        for watch in self.watches:
-            watch.forget()
         if not self.last_failure:
             self.last_failure = "publishes not acked"
         log.warning("nats_server_left", connection=self.name, server=left, to=target.uri.netloc, failing_for_s=failing,

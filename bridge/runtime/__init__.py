@@ -44,8 +44,7 @@ from bridge.config import Settings, SettingError, load_price_table, role_values
 from bridge.nats import follow, streams, subjects
 from bridge.nats.bootstrap import configured_replicas, ensure_stream
 from bridge.nats.connection import UNANSWERED, connect_service, ordered_subscribe, outage, server_list, until_answered
-from bridge.nats.lanes import (FACT_TIMEOUT_S, WRONG_LAST_SEQUENCE, KvLanes, PinnedLane, epoch_of, lost_create,
-                               lane_fact_key, lane_facts_bucket, leader_first_bucket)
+from bridge.nats.lanes import FACT_TIMEOUT_S, KvLanes, PinnedLane, epoch_of, lane_fact_key, lost_create
 from bridge.nats.lookup import (DEFAULT_MARGIN_NS, SCAN_BUDGET, SERVER_MARGIN_NS, duplicate_window_s, find_msg_id,
                                 msg_ids_on, stored_ns)
 from bridge.nats.publish import AckPublisher, wait_all
@@ -57,7 +56,6 @@ __all__ = ["OTHER", "ActivityMetrics", "BoundedLabel", "Health", "Linger", "Loop
            "Settings", "SettingError", "load_price_table", "role_values",
            "follow", "streams", "subjects", "configured_replicas", "ensure_stream",
            "UNANSWERED", "connect_service", "ordered_subscribe", "outage", "server_list", "until_answered",
-           "FACT_TIMEOUT_S", "WRONG_LAST_SEQUENCE", "KvLanes", "PinnedLane", "epoch_of", "lost_create", "lane_fact_key",
-           "lane_facts_bucket", "leader_first_bucket",
+           "FACT_TIMEOUT_S", "KvLanes", "PinnedLane", "epoch_of", "lane_fact_key", "lost_create",
            "DEFAULT_MARGIN_NS", "SCAN_BUDGET", "SERVER_MARGIN_NS", "duplicate_window_s", "find_msg_id", "msg_ids_on", "stored_ns",
            "AckPublisher", "Puller", "wait_all"]

@@ -102,9 +102,8 @@ from bridge.core.mapping import HOOKS, INVALID_FIELDS
 from bridge.core.pipeline import map_record, record_from_raw
 from bridge.runtime import (DEFAULT_MARGIN_NS, FACT_TIMEOUT_S, duplicate_window_s, OTHER, SERVER_MARGIN_NS, UNANSWERED, AckPublisher,
                             BoundedLabel, Health, KvLanes, Linger, Loop, PinnedLane, Puller, Service, Settings, Stopper,
-                            connect_service, epoch_of, find_msg_id, lost_create, lane_fact_key, lane_facts_bucket, leader_first_bucket, load_price_table, msg_ids_on,
+                            connect_service, epoch_of, find_msg_id, lane_fact_key, lost_create, load_price_table, msg_ids_on,
                             observe_many, outage, server_list, stored_ns, until_answered, wait_all)
-from bridge.runtime import follow
 from bridge.runtime import streams as S
 from bridge.runtime import subjects as subj
 
@@ -119,7 +118,6 @@ INSTANCE_FORGET_S = 24 * 3600.0
 MAX_INSTANCE_SERIES = 4096
 #: distinct model labels of the usage counters; further models share `other`
 MAX_MODEL_SERIES = 64
-FACTS_DOWN_WAIT_S = 0.5  # `Mapper.facts_down_wait_s`
 OUTAGE_RETRY_MAX_S = 5.0  # the longest nak delay of a message that met an outage (an election takes seconds)
 # Raw subjects' instance parts (`hermes.raw.<instance>`) whose body instance was checked
 # (`handle`). Keyed by the subject without its hook since issue 43: a fleet of 1,000 instances
@@ -288,74 +286,6 @@ class MapperMetrics:
 NOT_PINNED = PinnedLane(None)  # (a held later message's: not read)
 
 
-def answered(create: asyncio.Future) -> bool:
-    """Did the bucket answer this create (recorded, or found recorded, or refused it for what it
-    is), rather than not at all (no answer yet, no responders, 503: no leader)?"""
-    if not create.done() or create.cancelled():
-        return False
-    error = create.exception()
-    return error is None or lost_create(error) or not outage(error)
-
-#: pulls that brought nothing for this long are checked against the durable's own count
-STARVED_AFTER_S = 2.0
-
-
-class Deliveries:
-    """Whether the server the mapper is on delivers what its durable holds: a signal of its own
-    for `bridge.nats.follow.Follower` (``watches``). A server cut off from its peers while it
-    led the cluster's meta group answers the probe and the durable's info (its own stale view:
-    thousands of messages pending) and takes pull requests, and delivers nothing: both mappers
-    sat on such a node for a whole 18 s partition, every signal the follower had saying all
-    was well (tests/cluster/test_partitions.py, 2026-12-07, issue 42). Failing since the first
-    info read, after STARVED_AFTER_S of empty pulls, that counted messages pending (and
-    ``num_ack_pending`` below ``max_ack_pending``: a full durable delivers nothing either; nor
-    does one an operator paused);
-    a delivered message, or an info with nothing pending, ends it."""
-
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
-        self.clock = clock
-        self.last = clock()  # the last delivery (or bind, or move)
-        self.asked = 0.0  # when the durable's info was last asked for that
-        self.since: float | None = None
-        self.silent_since: float | None = None  # HERMES_RAW's leader unanswered since (`stream_answered`)
-
-    def delivered(self) -> None:
-        self.last = self.clock()
-        self.since = self.silent_since = None
-
-    def stream_answered(self, answered: bool, sent: float) -> None:
-        """The stream's leader answered a message get sent at ``sent`` (or did not: judged apart
-        from the service's other requests, which a stale node answers)."""
-        if answered:
-            self.silent_since = None
-        elif self.silent_since is None:
-            self.silent_since = sent
-
-    def due(self) -> bool:
-        now = self.clock()
-        return now - self.last >= STARVED_AFTER_S and now - self.asked >= STARVED_AFTER_S
-
-    def saw(self, info: Any, sent: float) -> None:
-        """The durable's info, asked at ``sent`` with nothing delivered since `last`."""
-        pending = int(getattr(info, "num_pending", 0) or 0)
-        in_flight = int(getattr(info, "num_ack_pending", 0) or 0)
-        cap = getattr(getattr(info, "config", None), "max_ack_pending", None) or 0
-        paused = bool(getattr(info, "paused", False))  # (an operator's pause is no server's fault)
-        if pending > 0 and not paused and (cap <= 0 or in_flight < cap) and sent >= self.last:
-            if self.since is None:
-                self.since = sent
-        else:
-            self.since = None
-
-    def failing_since(self) -> float | None:
-        starts = [t for t in (self.since, self.silent_since) if t is not None]
-        return min(starts) if starts else None
-
-    def forget(self) -> None:
-        self.since = self.silent_since = None
-        self.last = self.clock()
-
-
 class Held(msgspec.Struct):
     """A first attempt waiting for its lane fact's ack before its events are published; or
     (``created`` None) a later message of the batch, published after it in raw order.
@@ -392,11 +322,6 @@ class Mapper(Service):
     # batch): an unanswered lane fact then maps its message as before lane facts, an unanswered
     # session record retries its messages (the request each was before issue 43 waited as long).
     fact_timeout_s = FACT_TIMEOUT_S
-    # ... and how long while the bucket answered none of the previous batch's: its creates are
-    # still sent, and one answered restores fact_timeout_s. In a partition the bucket had no
-    # leader for 12-16 s after its leader was cut (a majority member still catching up on it,
-    # docs/BENCHMARKS.md "Network partitions"), and each batch waited its 5 s (issue 42).
-    facts_down_wait_s = FACTS_DOWN_WAIT_S
 
     def __init__(self, settings: Settings, policy: CapturePolicy, registry: CollectorRegistry | None = None,
                  batch: int = 256, durable: str = S.MAPPER_DURABLE,
@@ -451,11 +376,6 @@ class Mapper(Service):
         self._held: list[Held] = []
         # session -> its instance record's create this batch, and the instance that create named
         self._owner_sends: dict[str, tuple[asyncio.Future, str]] = {}
-        # This batch's lane-fact read or create that met an outage (`read_fact`): the later ones fail at once.
-        self._facts_down: BaseException | None = None
-        # The last batch's lane-fact and session creates: none answered (`release_held`).
-        self._facts_unanswered = False
-        self.deliveries = Deliveries()  # does the server deliver what the durable holds (`check_starved`)
         # This batch's tallies for the hook and type counters, added once per batch (`count`).
         self._hooks_in: dict[str, int] = {}
         self._types_out: dict[str, int] = {}
@@ -466,9 +386,6 @@ class Mapper(Service):
         self.nc = await connect_service(self.settings, name=f"aep-bridge-mapper-{self.settings.instance}", role="mapper")
         self.js = self.nc.jetstream(publish_async_max_pending=4096)
         self.publisher = await AckPublisher(self.nc).start()  # the events' publishes (bridge.nats.publish)
-        follower = follow.of(self.nc)
-        if follower is not None:
-            follower.watches.append(self.deliveries)
 
     async def bind(self, start_after: int = 0) -> Any:
         """Bind the shared durable (created when missing: from the stream's start, or, when it
@@ -486,12 +403,9 @@ class Mapper(Service):
         if window:
             self.mapped_late_after_ns = int(window * 1e9) // 2
         self.metrics.epoch.set(self.epoch)
-        # Read from its leader first, as the lane facts (bridge.nats.lanes.LeaderFirst): a replica
-        # behind its leader may not hold a put the leader acked (`settle_earlier` relies on those),
-        # and direct gets are lost at random while a peer is cut (issue 42).
-        kv = await leader_first_bucket(self.js, S.LANES_BUCKET)
+        kv = await self.js.key_value(S.LANES_BUCKET)
         try:
-            facts = await lane_facts_bucket(self.js)  # read from its leader (bridge.nats.lanes)
+            facts = await self.js.key_value(S.LANE_FACTS_BUCKET)
         except UNANSWERED:  # an election: asked again, not a mapper without lane facts for its life
             raise
         except Exception as exc:  # a release before lane facts bootstrapped this server: map without them
@@ -560,7 +474,7 @@ class Mapper(Service):
             # attempt (`KvLanes.record_lane`) and reused by every later one (docs/ARCHITECTURE.md "Lanes").
             fact = lane_fact_key(msg.subject.split(".")[2], raw.id) \
                 if not env.session_id and self.lanes.facts is not None and lane_candidates(env) else None
-            pinned = await self.read_fact(fact) if fact is not None and meta.num_delivered > 1 else None
+            pinned = await self.lanes.recorded_lane(fact) if fact is not None and meta.num_delivered > 1 else None
             if pinned is not None:
                 self.metrics.lane_facts.labels(outcome="reused").inc()
             elif not env.session_id and await self.lanes.prefetch(env):
@@ -574,8 +488,6 @@ class Mapper(Service):
                 try:
                     recorded = await self.lanes.record_lane(fact, chosen)
                 except Exception as exc:  # not recorded: published as before lane facts (the scans are the backstop)
-                    if outage(exc):
-                        self._facts_down = exc
                     self.lane_fact_failed(raw_seq, exc)
                     recorded = chosen
                 if recorded != chosen:  # an earlier attempt recorded another lane: file it there
@@ -630,23 +542,6 @@ class Mapper(Service):
         await self.publish_events(futures, subject, result, bodies, hints, stored)
         return futures, record.ts_ns
 
-    async def read_fact(self, key: str) -> PinnedLane | None:
-        """The lane fact of a redelivered look-up message (`KvLanes.recorded_lane`). Once one
-        read or create of this batch met an outage (no leader, a timeout: each costs up to 5 s),
-        the batch's later ones raise it at once, retried like it (`retry_or_dead_letter`),
-        instead of waiting in turn: a batch of 64 redeliveries took 5 s a message after a
-        partition's heal (issue 42). Not read: not filed anywhere, so nothing is lost."""
-        assert self.lanes is not None
-        down = self._facts_down
-        if down is not None:
-            raise asyncio.TimeoutError(f"lane facts unanswered in this batch ({type(down).__name__}: {down})")
-        try:
-            return await self.lanes.recorded_lane(key)
-        except Exception as exc:
-            if outage(exc):
-                self._facts_down = exc
-            raise
-
     async def publish_events(self, futures: list[asyncio.Future], subject: str, result: Any, bodies: list[bytes],
                              hints: str, stored: set[str] | frozenset[str] = frozenset()) -> None:
         """Publish a mapped raw message's events (but those in ``stored``), pipelined: their
@@ -671,14 +566,7 @@ class Mapper(Service):
             return
         facts = [h.created for h in held if h.created is not None] + [sent for sent, _ in owners.values()]
         if facts:
-            await wait_all(facts, timeout=min(self.fact_timeout_s, self.facts_down_wait_s) if self._facts_unanswered
-                           else self.fact_timeout_s)
-            was, self._facts_unanswered = self._facts_unanswered, not any(answered(f) for f in facts)
-            if self._facts_unanswered and not was:  # logged once per stretch
-                log.warning("lane_facts_unanswered", creates=len(facts), waited_s=self.fact_timeout_s,
-                            next_wait_s=min(self.fact_timeout_s, self.facts_down_wait_s))
-            elif was and not self._facts_unanswered:
-                log.info("lane_facts_answered")
+            await wait_all(facts, timeout=self.fact_timeout_s)
         for h in held:
             if h.owner is not None and not await self.owner_allows(h):
                 continue
@@ -962,7 +850,6 @@ class Mapper(Service):
         self._batch_pending, self._batch_done = [], set()
         self._late_scans, self._late_budget = {}, LATE_SCAN_BUDGET
         self._held, self._owner_sends = [], {}
-        self._facts_down = None
         for msg in msgs:
             try:
                 futures, ts_ns = await self.handle(msg)
@@ -1104,40 +991,6 @@ class Mapper(Service):
         log.error("consumer_gone", stream=S.HERMES_RAW, durable=self.durable, after_seq=floor)
         return floor
 
-    async def check_starved(self) -> None:
-        """Pulls brought nothing for STARVED_AFTER_S: does the durable hold messages for us
-        (`Deliveries`), and does HERMES_RAW's leader answer? Two requests per STARVED_AFTER_S
-        while nothing comes (an idle mapper's only cost); unanswered, each counts as a failure
-        (the follower watches every JetStream request)."""
-        sent = time.monotonic()
-        self.deliveries.asked = sent
-        # HERMES_RAW's own leader, which alone answers a message get: a node cut off from its
-        # peers that still leads the meta group and the durable answers the durable's info from
-        # its stale view, often with nothing pending, while the stream's leader is on the other
-        # side (both mappers sat 17 s on one, run 20 of docs/BENCHMARKS.md "Network partitions").
-        # Unanswered, the follower counts a failure; "no message" says nothing either way.
-        prefix = getattr(self.js, "_prefix", "$JS.API")
-        try:
-            reply = await self.nc.request(f"{prefix}.STREAM.MSG.GET.{S.HERMES_RAW}",
-                                          msgspec.json.encode({"seq": max(1, self._server_floor)}),
-                                          timeout=STARVED_AFTER_S)
-            self.deliveries.stream_answered(b'"code":503' not in (reply.data or b"")[:200], sent)
-        except (nats.errors.TimeoutError, nats.errors.NoRespondersError, asyncio.TimeoutError):
-            self.deliveries.stream_answered(False, sent)
-        except Exception:
-            pass
-        try:
-            info = await self.sub.consumer_info()
-        except Exception:
-            return
-        before = self.deliveries.since
-        self.deliveries.saw(info, sent)
-        if before is None and self.deliveries.since is not None:  # logged once per stretch
-            log.warning("mapper_starved", pending=getattr(info, "num_pending", None),
-                        ack_pending=getattr(info, "num_ack_pending", None),
-                        idle_s=round(sent - self.deliveries.last, 1), server=(follow.of(self.nc).server()
-                                                                              if follow.of(self.nc) else None))
-
     async def watch_consumer(self, sub: Any) -> None:
         while not self.stopper.stopping:
             try:
@@ -1160,7 +1013,6 @@ class Mapper(Service):
         await self.connect()
         sub = await until_answered(self.bind, what="bind", log=log, nc=self.nc)
         self.health.set_ready(True)
-        self.deliveries.forget()
         self.health.info.update(epoch=self.epoch, durable=self.durable)
         log.info("mapper_ready", epoch=self.epoch, durable=self.durable)
         return [self.consume(sub), self.watch_consumer(sub)]
@@ -1172,8 +1024,6 @@ class Mapper(Service):
             try:
                 msgs = await puller.fetch(self.batch_size, timeout=1.0)
             except (nats.errors.TimeoutError, asyncio.TimeoutError):
-                if self.deliveries.due():
-                    await self.check_starved()
                 continue
             except Exception as exc:  # connection trouble: stay alive, report not ready
                 self.health.set_ready(False, f"fetch failed: {exc}")
@@ -1185,7 +1035,6 @@ class Mapper(Service):
                 # deleted): bind again, which also re-reads the epoch.
                 if await self.resumable():
                     puller = Puller(sub, burst=True)
-                    self.deliveries.forget()
                     continue
                 try:
                     sub = await self.bind(await self.durable_gone())
@@ -1194,13 +1043,11 @@ class Mapper(Service):
                     if self.health.failed and self.health.failed.startswith("consumer"):
                         self.health.failed = None
                         log.warning("consumer_recreated", stream=S.HERMES_RAW, durable=self.durable)
-                    self.deliveries.forget()
                     log.info("mapper_rebound", epoch=self.epoch)
                 except Exception as bind_exc:
                     log.warning("rebind_failed", error=f"{type(bind_exc).__name__}: {bind_exc}")
                 continue
             self.health.set_ready(True)
-            self.deliveries.delivered()
             await self.process_batch(msgs)
             # acked already: only the next ones wait (AEP_BRIDGE_LINGER_MS, longer when quiet)
             await self.linger.after(len(msgs), len(msgs) < self.batch_size // 4)

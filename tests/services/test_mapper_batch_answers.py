@@ -36,19 +36,6 @@ def env(hook: str, session: str) -> dict:
             "cwd": "/tmp", "extra": {"platform": "cli", "model": "m"}}
 
 
-def task_envelopes() -> tuple[str, dict, dict]:
-    """A new session's turn start naming a task, and a tool call inside that task with no session
-    id (an `execute_code` call: its lane is a look-up, so a lane fact is recorded)."""
-    session, task = f"s{time.time_ns()}", f"t{time.time_ns()}"
-    start = {"hook_event_name": "pre_llm_call", "session_id": session, "tool_name": None, "tool_input": None,
-             "cwd": "/tmp", "extra": {"task_id": task, "turn_id": f"{session}:{task}:0a1b2c3d", "model": "m",
-                                      "platform": "cli"}}
-    inner = {"hook_event_name": "pre_tool_call", "session_id": "", "tool_name": "terminal",
-             "tool_input": {"command": "ls"}, "cwd": "/tmp",
-             "extra": {"task_id": task, "tool_call_id": "", "turn_id": "", "api_request_id": ""}}
-    return session, start, inner
-
-
 def test_a_second_instance_does_not_take_a_session_whose_first_message_failed(nats_server_fn) -> None:
     session = f"s-{time.time_ns()}"
     url = nats_server_fn.url
@@ -99,7 +86,13 @@ def test_a_second_instance_does_not_take_a_session_whose_first_message_failed(na
 
 
 def test_an_unanswered_lane_fact_maps_the_message_as_before_lane_facts(nats_server_fn) -> None:
-    session, start, inner = task_envelopes()
+    session, task = f"s{time.time_ns()}", f"t{time.time_ns()}"
+    start = {"hook_event_name": "pre_llm_call", "session_id": session, "tool_name": None, "tool_input": None,
+             "cwd": "/tmp", "extra": {"task_id": task, "turn_id": f"{session}:{task}:0a1b2c3d", "model": "m",
+                                      "platform": "cli"}}
+    inner = {"hook_event_name": "pre_tool_call", "session_id": "", "tool_name": "terminal",
+             "tool_input": {"command": "ls"}, "cwd": "/tmp",
+             "extra": {"task_id": task, "tool_call_id": "", "turn_id": "", "api_request_id": ""}}
 
     async def run() -> dict:
         nc = await nats.connect(nats_server_fn.url)
@@ -140,65 +133,3 @@ def test_an_unanswered_lane_fact_maps_the_message_as_before_lane_facts(nats_serv
     got = asyncio.run(run())
     # the session's start and the inner call: both on the session's lane, nothing retried
     assert got["stored_on_lane"] == 2 and got["retries"] == 0, got
-
-
-def test_while_the_facts_bucket_answers_nothing_a_batch_waits_briefly_for_it(nats_server_fn, monkeypatch) -> None:
-    """A batch whose lane-fact creates got no answer at all (the bucket without a leader: 12-16 s
-    in the partition runs of issue 42, each batch waiting its FACT_TIMEOUT_S) makes the next
-    batches wait only `facts_down_wait_s` for theirs; their creates are still sent, and the
-    first one answered restores the full wait. The messages are mapped either way."""
-    import bridge.services.mapper as mapper_module
-
-    session, start, inner = task_envelopes()
-    waits: list[float] = []
-    wait_all = mapper_module.wait_all
-
-    async def observed(futures, timeout):
-        if timeout != 10:  # (flush_pending's publish acks)
-            waits.append(timeout)
-        return await wait_all(futures, timeout)
-
-    monkeypatch.setattr(mapper_module, "wait_all", observed)
-
-    async def run() -> int:
-        nc = await nats.connect(nats_server_fn.url)
-        js = nc.jetstream()
-        await bootstrap(js, None, replicas=1)
-        await publish_all(js, raw_records([start] + [inner] * 4, instance="gw-down"))
-        m = Mapper(Settings(nats_url=nats_server_fn.url, instance="down"), CapturePolicy(), registry=CollectorRegistry())
-        await m.connect()
-        sub = await m.bind()
-        msgs: list = []
-        while len(msgs) < 5:
-            msgs += await sub.fetch(5 - len(msgs), timeout=5)
-        await m.process_batch([msgs[0]])  # the session and its task alias learned
-        waits.clear()
-        publish = m.publisher.publish
-
-        async def silent(subject, payload, headers=None):  # the lane fact's create: never answered
-            if subject.startswith(FACTS):
-                return asyncio.get_running_loop().create_future()
-            return await publish(subject, payload, headers=headers)
-
-        m.fact_timeout_s = 1.0  # (FACT_TIMEOUT_S, 5 s, in the service)
-        m.publisher.publish = silent
-        await m.process_batch([msgs[1]])  # unanswered: the full wait
-        await m.process_batch([msgs[2]])  # the bucket answered nothing last time: a brief wait
-        m.publisher.publish = publish
-        await m.process_batch([msgs[3]])  # answered: back to the full wait after it
-        await m.process_batch([msgs[4]])
-        stored = 0
-        try:
-            psub = await js.subscribe(f"bridge.mapped.*.{lane_token(session)}", deliver_policy="all", ordered_consumer=True)
-            while True:
-                await psub.next_msg(timeout=1)
-                stored += 1
-        except (nats.errors.TimeoutError, asyncio.TimeoutError):
-            pass
-        await m.nc.close()
-        await nc.close()
-        return stored
-
-    stored = asyncio.run(run())
-    assert waits == [1.0, Mapper.facts_down_wait_s, Mapper.facts_down_wait_s, 1.0], waits
-    assert stored == 5  # every message mapped on the session's lane, answered fact or not
