@@ -49,6 +49,8 @@ def lost_create(exc: BaseException | None) -> bool:
     another create of its key came first (stored, or in flight on a clustered stream)? Its
     winner is then read; one in flight may not be readable yet (the caller retries)."""
     return isinstance(exc, KeyWrongLastSequenceError) or getattr(exc, "err_code", None) in LOST_CREATE
+
+
 FACT_TIMEOUT_S = 5.0
 
 

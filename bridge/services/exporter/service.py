@@ -335,8 +335,10 @@ class SinkWorker:
             # one letter per sink and event (another sink may refuse the same event)
             headers = {**letter.headers, "Nats-Msg-Id": f"dlq:{S.AEP_EVENTS}:{self.cfg.name}:{seq}"}
             self.metrics.dead_letters.labels(sink=self.cfg.name, reason=reason).inc()
-            log.warning("dead_letter", sink=self.cfg.name, reason=reason, events_seq=seq, detail=error[:200],
-                        bytes=len(msg.data), delivered=getattr(msg.metadata, "num_delivered", None))
+            # the error as the letter holds it (its detail only where the ceiling lets it through)
+            log.warning("dead_letter", sink=self.cfg.name, reason=reason, events_seq=seq,
+                        error=headers["Bridge-Dlq-Error"][:200], bytes=len(msg.data),
+                        delivered=getattr(msg.metadata, "num_delivered", None))
             try:
                 await self.service.js.publish(subj.dlq_subject(reason), letter.body, headers=headers)
             except Exception as exc:  # not acked: it comes back and is tried again

@@ -92,6 +92,22 @@ def test_an_exporters_dead_letter_keeps_no_more_than_the_bridges_lowest_ceiling(
     assert b"CANARY" not in body and headers["Bridge-Dlq-Capture"] == "metadata"
 
 
+def test_an_exporters_dead_letter_log_keeps_no_more_than_the_letter() -> None:
+    """The warning logged with a dead letter carries the error as the letter holds it: a refusal's
+    detail (a sink's or a projection's message may quote the event) only where the ceiling lets
+    it through, never at the default metadata posture."""
+    from structlog.testing import capture_logs
+
+    service = Service()
+    worker = SinkWorker(service, sink_from_url("otlp+http://127.0.0.1:1/v1/logs?max_capture=full", {}))  # type: ignore[arg-type]
+    event = {**golden()[0], "capture": "full", "data": {"text": "CANARY-EXPORT-LOG"}}
+    with capture_logs() as logs:
+        asyncio.run(worker.dead_letter([Msg(event, 5)], "export_unprojectable", "ValueError: 'CANARY-EXPORT-LOG'"))
+    (entry,) = [e for e in logs if e["event"] == "dead_letter"]
+    assert "CANARY" not in json.dumps(entry, default=str), entry
+    assert entry["events_seq"] == 5 and entry["bytes"] == len(Msg(event, 5).data)
+
+
 def test_integers_past_int64_stay_representable() -> None:
     assert any_value(2**64 - 1) == {"stringValue": str(2**64 - 1)}
     assert any_value(-(2**63)) == {"intValue": str(-(2**63))}
