@@ -210,3 +210,39 @@ def test_a_one_shot_command_skips_a_server_that_cannot_serve_jetstream(plain_ser
             await nc.close()
 
     assert asyncio.run(run()) == urlparse(nats_server.url).netloc
+
+
+def test_answers_count_a_503_as_a_failure_and_an_answer_as_a_success():
+    """What a JetStream request was answered counts: a node cut off from its peers without a
+    meta leader answers every JetStream request 503 10008 "JetStream system temporarily
+    unavailable" (nats-py raises it only after the request returned), an error answer about
+    what was asked says nothing, a plain answer is a success that ends the failure. From
+    302162b the answers were not looked at (the branch sat below the direct gets' `return`):
+    both mappers stayed 25 s on such a node (a partition run, 2026-12-07), and one timeout
+    started a clock no answer reset."""
+    from types import SimpleNamespace
+
+    from nats.aio.msg import Msg
+
+    now = [100.0]
+    f = follow.Follower(SimpleNamespace(is_connected=True), after_s=5.0, clock=lambda: now[0])
+
+    def answer(data: bytes) -> Msg:
+        return Msg(_client=None, subject="_INBOX.x", reply="", data=data, headers=None)
+
+    info = "$JS.API.CONSUMER.INFO.HERMES_RAW.mapper"
+    unavailable = b'{"type":"io.nats.jetstream.api.v1.consumer_info_response","error":{"code":503,"err_code":10008,' \
+                  b'"description":"JetStream system temporarily unavailable"}}'
+    f.observe(info, None, answer(unavailable))
+    assert f.failing_since() == 100.0, "a 503 answer is a failure"
+    now[0] = 101.0
+    f.observe(info, None, answer(b'{"error":{"code":400,"err_code":10071,"description":"wrong last sequence: 1"}}'))
+    assert f.failing_since() == 100.0, "an error about what was asked says nothing either way"
+    f.observe(f"{follow.DIRECT_GET}KV_aep_lanes", None, answer(b"1"))
+    assert f.failing_since() == 100.0, "a direct get's answer says nothing (any replica answers)"
+    f.observe(info, None, answer(b'{"type":"io.nats.jetstream.api.v1.consumer_info_response","num_pending":0}'))
+    assert f.failing_since() is None, "an answer ends the failure"
+    f.observe(follow.PROBE_SUBJECT, None, answer(unavailable))
+    assert f.failing_since() == 101.0, "the probe's 503 counts too"
+    f.observe(follow.PROBE_SUBJECT, None, answer(b'{"memory":0,"storage":0}'))
+    assert f.failing_since() is None
