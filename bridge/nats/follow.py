@@ -134,7 +134,12 @@ class Follower:
     # ------------------------------------------------------------ what the connection sees
 
     def failure(self, what: str, probe: bool = False, since: float | None = None) -> None:
-        """A failure, which began at ``since`` (an unanswered request: when it was sent)."""
+        """A failure, which began at ``since`` (an unanswered request: when it was sent). A request
+        sent before the last move was sent to the server left: it says nothing of this one (its
+        timeout, landing after the move, made both mappers leave a healthy node 5 s after they
+        had joined it, "failing for 8.1 s", in a partition run: 2026-12-07, run 19)."""
+        if since is not None and self.last_move is not None and since < self.last_move:
+            return
         if self.nc.is_connected:
             at = self.clock() if since is None else since
             if probe and self.probe_bad_since is None:

@@ -246,3 +246,18 @@ def test_answers_count_a_503_as_a_failure_and_an_answer_as_a_success():
     assert f.failing_since() == 101.0, "the probe's 503 counts too"
     f.observe(follow.PROBE_SUBJECT, None, answer(b'{"memory":0,"storage":0}'))
     assert f.failing_since() is None
+
+
+def test_a_request_sent_before_a_move_says_nothing_of_the_server_joined():
+    """A request sent to the server left, unanswered, fails after the move: the new server's
+    failure clock does not start at its send (it made both mappers leave a healthy node 5 s
+    after joining it, "failing for 8.1 s", in a partition run, 2026-12-07)."""
+    from types import SimpleNamespace
+
+    now = [100.0]
+    f = follow.Follower(SimpleNamespace(is_connected=True), after_s=5.0, clock=lambda: now[0])
+    f.last_move = 100.0  # (as `move` leaves it)
+    f.observe("$JS.API.CONSUMER.INFO.HERMES_RAW.mapper", asyncio.TimeoutError(), sent=97.0)
+    assert f.failing_since() is None
+    f.observe("$JS.API.CONSUMER.INFO.HERMES_RAW.mapper", asyncio.TimeoutError(), sent=100.5)
+    assert f.failing_since() == 100.5
