@@ -163,11 +163,11 @@ class Follower:
             return  # any replica answers a direct get, a node cut off from its peers too
         if exc is None:
             # (an answer: nats-py's JetStream calls raise their error answers only after `request`
-            # returned. From 302162b to 4254fcb this branch was unreachable, below the direct
-            # gets' return: a 503 answer never counted, nor did any success. A node cut off from
-            # its peers without a meta leader answers every JetStream request 503 10008, and both
-            # mappers stayed on one for a whole 18 s cut, 2026-12-07, run 18 of
-            # docs/BENCHMARKS.md "Network partitions"; one timeout started a clock no answer reset)
+            # returned. From 302162b this branch sat below the direct gets' return, unreachable: a
+            # 503 answer never counted, nor did any success. A node cut off from its peers without
+            # a meta leader answers every JetStream request 503 10008, and both mappers stayed on
+            # one for a whole 18 s cut in a partition run, 2026-12-07; one timeout started a clock
+            # no answer reset)
             data = getattr(reply, "data", b"") or b""
             head = data[:200]
             if b'"code":503' in head or (getattr(reply, "headers", None) or {}).get("Status") == "503":

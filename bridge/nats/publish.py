@@ -113,9 +113,14 @@ class AckPublisher:
         return self
 
     def unacked_since(self) -> float | None:
-        """When the oldest publish sent after the last ack was sent, if one is still awaited."""
-        if self._unacked_since is not None and not self.pending:
-            self._unacked_since = None  # every one since was answered or given up
+        """When the oldest publish sent after the last answer was sent: set until the server
+        answers one (an ack or an error about what was sent) or `forget_unacked`. A publish its
+        caller gave up on (cancelled unanswered) or that found no responders is no answer: the
+        clock runs on. (Before, it stopped once nothing was awaited, answered or not: during a
+        flapping link a mapper's server answered its publishes "no response from stream" at
+        once, 13,991 times in 20 s, each batch's futures all done, so the clock started again
+        with each batch and the follower never counted it; a partition run,
+        2026-12-07.)"""
         return self._unacked_since
 
     def forget_unacked(self) -> None:

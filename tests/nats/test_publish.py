@@ -116,3 +116,28 @@ def test_error_of_keeps_nats_py_exception_classes() -> None:
     assert isinstance(publish_mod.error_of({"code": 503, "description": "x"}), nats.js.errors.ServiceUnavailableError)
     err = publish_mod.error_of({"code": 400, "err_code": 10071, "description": "wrong last sequence", "extra": 1})
     assert isinstance(err, nats.js.errors.BadRequestError) and err.err_code == 10071
+
+
+def test_publishes_unanswered_or_without_responders_keep_the_failure_clock_running(nats_server) -> None:  # type: ignore[no-untyped-def]
+    """A publish that finds no responders ("no response from stream": its server does not reach
+    the stream's leader), or whose ack never comes and that its caller gives up on, is not an
+    answer: `unacked_since` stays at the first such send until the server answers a publish.
+    It used to stop as soon as nothing was awaited: during a flapping link a mapper's server
+    answered 13,991 publishes "no response from stream" in 20 s and the follower never moved it
+    (a partition run, 2026-12-07)."""
+    async def body(js, nc, stream, prefix, pub) -> None:  # type: ignore[no-untyped-def]
+        nowhere = await pub.publish("nowhere.at.all", b"x")
+        sent = pub.unacked_since()
+        assert sent is not None
+        with pytest.raises(nats.js.errors.NoStreamResponseError):
+            await asyncio.wait_for(nowhere, 5)
+        assert pub.pending == 0 and pub.unacked_since() == sent
+        await nc.subscribe("swallowed.>")  # takes the publish, never answers: a cut node
+        lost = await pub.publish("swallowed.x", b"x")
+        await asyncio.sleep(0.2)
+        lost.cancel()  # the caller gives up
+        assert pub.pending == 0 and pub.unacked_since() == sent
+        await asyncio.wait_for(await pub.publish(f"{prefix}.a", b"1"), 5)  # an answer ends it
+        assert pub.unacked_since() is None
+
+    run(nats_server.url, body)
