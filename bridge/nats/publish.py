@@ -29,7 +29,7 @@ from typing import Any, NamedTuple, Sequence
 import msgspec
 import nats.js.errors
 
-from bridge.nats import follow
+from bridge.nats import follow, wire
 
 _STATUS = "Status"
 _NO_RESPONDERS = "503"
@@ -144,39 +144,44 @@ class AckPublisher:
         if self._unacked_since is None:
             self._unacked_since = time.monotonic()
         try:
-            await self.nc.publish(subject, payload, reply=self._prefix + token, headers=headers)
+            await wire.publish_many(self.nc, ((subject, payload, self._prefix + token, headers),))
         except BaseException:
             self._futures.pop(token, None)
             raise
         return future
 
     async def publish_many(self, items: Sequence[tuple[str, bytes, dict[str, str] | None]]) -> list[asyncio.Future]:
-        """`publish` each ``(subject, payload, headers)`` of ``items`` in order, in one call: their
-        futures, in the same order. A batch's publishes cost one call, not one coroutine chain
-        of the caller's each. When one raises, the futures of the ones before it are cancelled
-        (their acks, if they come, find nothing) and the exception propagates."""
+        """`publish` each ``(subject, payload, headers)`` of ``items`` in order, in one call and
+        one write to the client's buffer (`bridge.nats.wire`): their futures, in the same order.
+        When one cannot be sent (a bad subject, a payload over the server's limit, the
+        connection closed) the futures are cancelled and the exception propagates; while
+        connected nothing of the batch was sent then, every command being made first."""
         if self._sub is None:
             await self.start()
         loop = asyncio.get_running_loop()
-        publish, prefix, pending = self.nc.publish, self._prefix, self._futures
+        prefix, pending = self._prefix, self._futures
         futures: list[asyncio.Future] = []
+        sends: list[wire.Item] = []
         if items and self._unacked_since is None:
             self._unacked_since = time.monotonic()
+        count = self._count
         for subject, payload, headers in items:
-            self._count += 1
-            token = str(self._count)
+            count += 1
+            token = str(count)
             future = loop.create_future()
             pending[token] = future
-            if self._count % SWEEP_EVERY == 0:
-                self._sweep()
-            try:
-                await publish(subject, payload, reply=prefix + token, headers=headers)
-            except BaseException:
-                pending.pop(token, None)
-                for f in futures:
-                    f.cancel()
-                raise
             futures.append(future)
+            sends.append((subject, payload, prefix + token, headers))
+        if self._count // SWEEP_EVERY != count // SWEEP_EVERY:
+            self._sweep()
+        self._count = count
+        try:
+            await wire.publish_many(self.nc, sends)
+        except BaseException:
+            for (_s, _p, reply, _h), f in zip(sends, futures):
+                pending.pop(reply[self._cut:], None)
+                f.cancel()
+            raise
         return futures
 
     def _sweep(self) -> None:

@@ -48,6 +48,7 @@ from bridge.nats.lanes import FACT_TIMEOUT_S, KvLanes, PinnedLane, epoch_of, lan
 from bridge.nats.lookup import (DEFAULT_MARGIN_NS, SCAN_BUDGET, SERVER_MARGIN_NS, duplicate_window_s, find_msg_id,
                                 msg_ids_on, stored_ns)
 from bridge.nats.publish import AckPublisher, wait_all
+from bridge.nats.wire import ack_many
 from bridge.nats.pull import Puller
 
 __all__ = ["OTHER", "ActivityMetrics", "BoundedLabel", "Health", "Linger", "Loop", "Service", "Stopper", "close_connection",
@@ -58,4 +59,4 @@ __all__ = ["OTHER", "ActivityMetrics", "BoundedLabel", "Health", "Linger", "Loop
            "UNANSWERED", "connect_service", "ordered_subscribe", "outage", "server_list", "until_answered",
            "FACT_TIMEOUT_S", "KvLanes", "PinnedLane", "epoch_of", "lane_fact_key", "lost_create",
            "DEFAULT_MARGIN_NS", "SCAN_BUDGET", "SERVER_MARGIN_NS", "duplicate_window_s", "find_msg_id", "msg_ids_on", "stored_ns",
-           "AckPublisher", "Puller", "wait_all"]
+           "AckPublisher", "Puller", "ack_many", "wait_all"]

@@ -100,7 +100,7 @@ from bridge.core.envelope import EnvelopeError, check_raw, decode_raw
 from bridge.core.lanes import UNKNOWN_TOKEN, event_lane_token, lane_candidates, partition_of
 from bridge.core.mapping import HOOKS, INVALID_FIELDS
 from bridge.core.pipeline import map_record, record_from_raw
-from bridge.runtime import (DEFAULT_MARGIN_NS, FACT_TIMEOUT_S, duplicate_window_s, OTHER, SERVER_MARGIN_NS, UNANSWERED, AckPublisher,
+from bridge.runtime import (DEFAULT_MARGIN_NS, FACT_TIMEOUT_S, duplicate_window_s, OTHER, SERVER_MARGIN_NS, UNANSWERED, AckPublisher, ack_many,
                             BoundedLabel, Health, KvLanes, Linger, Loop, PinnedLane, Puller, Service, Settings, Stopper,
                             connect_service, epoch_of, find_msg_id, lane_fact_key, lost_create, load_price_table, msg_ids_on,
                             observe_many, outage, server_list, stored_ns, until_answered, wait_all)
@@ -892,7 +892,7 @@ class Mapper(Service):
                 if not f.done():
                     f.cancel()
         now = time.time_ns()
-        waited: list[float] = []  # receive -> mapped, observed at once
+        done: list[tuple[Any, int]] = []  # (raw message, receive time): acked together below
         for msg, fs, ts_ns in pending:
             failed = None
             for f in fs:
@@ -906,15 +906,16 @@ class Mapper(Service):
                 error = failed.exception() if failed.done() and not failed.cancelled() else TimeoutError("publish ack timed out")
                 await self.retry_or_dead_letter(msg, error or RuntimeError("publish failed"))
                 continue
+            done.append((msg, ts_ns))
+        if done:
             try:
-                await msg.ack()
-            except Exception as exc:  # the raw message will be redelivered; its events dedupe
-                log.warning("ack_failed", error=str(exc))
-                continue
+                await ack_many(self.nc, [msg for msg, _ in done])  # one write for the batch's acks
+            except Exception as exc:  # the raw messages will be redelivered; their events dedupe
+                log.warning("ack_failed", error=str(exc), messages=len(done))
+                done = []
+        for msg, _ in done:
             self._finished.add(msg.metadata.sequence.stream)
-            if ts_ns > 0:
-                waited.append(max(0, now - ts_ns) / 1e9)
-        observe_many(self.metrics.e2e, waited)
+        observe_many(self.metrics.e2e, [max(0, now - ts_ns) / 1e9 for _, ts_ns in done if ts_ns > 0])  # receive -> mapped
         if pending:
             self._advance_floor()
 
