@@ -43,7 +43,9 @@ floor's). Figures only, no assertion. Every figure says the event loop it ran on
 offered rate raised by ``--max-step`` from ``--max-start`` until the system stops keeping it
 (its mapper acked less than 95 % of what the simulator sent, or the backlog grew by more than a
 quarter of a second's events over the window), or the simulator itself could not send it; the
-highest rate kept is printed, for the pipeline and the floor.
+highest rate kept is printed, for the pipeline and the floor. The pipeline runs with its relay,
+exporter, SSE readers and Kafka broker, the floor without: ``--max-rate-alone`` measures the
+pipeline a second time with those stopped too (mapper and pairing alone, as the floor is).
 
 ``--profile DIR``: py-spy (PyPI py-spy) records the mapper and pairing during each rate's
 measured window (attached by pid; ``--format raw``, collapsed stacks), and the top frames,
@@ -367,6 +369,9 @@ def main() -> int:
     ap.add_argument("--floor-publish", choices=("public", "bridge"), default="public",
                     help="the floor's publish: nats-py's publish_async (default) or the services' AckPublisher")
     ap.add_argument("--max-rate", action="store_true", help="then the highest rate each system keeps alone")
+    ap.add_argument("--max-rate-alone", action="store_true",
+                    help="with --max-rate: the pipeline's highest rate again with its relay, exporter, SSE readers and "
+                         "broker stopped (mapper and pairing alone, in the floor's company)")
     ap.add_argument("--max-start", type=float, default=1000.0, help="--max-rate's first offered rate (default 1000)")
     ap.add_argument("--max-step", type=float, default=1000.0, help="--max-rate's step (default 1000)")
     ap.add_argument("--max-top", type=float, default=12000.0, help="--max-rate's last step (default 12000)")
@@ -459,10 +464,14 @@ def main() -> int:
                           for role in ("mapper", "pairing"))
                 bare_counter = (S.HERMES_RAW, S.MAPPER_DURABLE)
                 ready = lambda: all(b"ready on" in (logs / f"floor-{r}.log").read_bytes() for r in ("mapper", "pairing")) or 1 / 0  # noqa: E731
-            fobs = mp.get_context("fork").Process(target=observe, args=(bare_server.url, str(bare_lat), 2.0, stop_obs, raw_id_latency_ms, f"{S.EVENTS_PREFIX}.>"),
-                                                  daemon=True)
-            fobs.start()
-            observers.append(fobs)
+            def floor_observer() -> Any:
+                o = mp.get_context("fork").Process(target=observe, args=(bare_server.url, str(bare_lat), 2.0, stop_obs, raw_id_latency_ms,
+                                                                         f"{S.EVENTS_PREFIX}.>"), daemon=True)
+                o.start()
+                observers.append(o)
+                return o
+
+            fobs = floor_observer()
             bare_pids = {"nats": bare_server.proc.pid, names[0]: r1.pid, names[1]: r2.pid, "sim": os.getpid(),
                          "observer": fobs.pid}
             deadline = time.monotonic() + 30
@@ -521,15 +530,29 @@ def main() -> int:
             paused = others
             stopped(paused, True)
             mp_ = max_rate("pipeline", server.url, a, work, "mc", pids, (S.HERMES_RAW, S.MAPPER_DURABLE), lat_path)
+            ma = None
+            if a.max_rate_alone:  # the floor's company: the relay, exporter, SSE readers and broker stopped too
+                downstream = [pids[k] for k in ("relay", "exporter", "sse x10", "tansu")]
+                paused = others + downstream
+                stopped(downstream, True)
+                ma = max_rate("mapper + pairing alone", server.url, a, work, "ma", pids, (S.HERMES_RAW, S.MAPPER_DURABLE), lat_path)
             stopped(paused, False)
             mb = None
             if bare_pids:
+                # The floor's observer lost its server for the pipeline's steps (its ordered consumer
+                # does not come back by itself): a new one.
+                fobs.terminate()
+                fobs.join(5)
+                fobs = floor_observer()
+                bare_pids["observer"] = fobs.pid
+                time.sleep(2.0)
                 paused = mine
                 stopped(paused, True)
                 mb = max_rate(baseline, bare_server.url, a, work, "mb", bare_pids, bare_counter, bare_lat)
                 stopped(paused, False)
             paused = []
             print(f"highest rate kept ({loop_of_services()}): pipeline {mp_['best']:.0f}/s (next step: {mp_['why'] or 'the last'})"
+                  + (f"; mapper + pairing alone {ma['best']:.0f}/s (next step: {ma['why'] or 'the last'})" if ma else "")
                   + (f"; {baseline} {mb['best']:.0f}/s (next step: {mb['why'] or 'the last'})" if mb else ""), flush=True)
         return 0
     finally:

@@ -116,7 +116,10 @@ def observe(url: str, out_path: str, interval: float, stop: "mp.synchronize.Even
 
     async def main() -> None:
         servers = [u.strip() for u in url.split(",") if u.strip()]  # one server or a cluster's list
-        nc = await nats.connect(servers, max_reconnect_attempts=-1)
+        async def quiet(exc: Exception) -> None:  # (nats-py's default prints each error's traceback)
+            print(f"observer: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+
+        nc = await nats.connect(servers, max_reconnect_attempts=-1, error_cb=quiet)
         js = nc.jetstream()
         window: list[int] = []
         counts = {"n": 0}
