@@ -49,6 +49,7 @@ from bridge.nats.lookup import (DEFAULT_MARGIN_NS, SCAN_BUDGET, SERVER_MARGIN_NS
                                 msg_ids_on, stored_ns)
 from bridge.nats.publish import AckPublisher, wait_all
 from bridge.nats.wire import ack_many
+from bridge.nats.wire import publish_many as publish_now
 from bridge.nats.pull import Puller
 
 __all__ = ["OTHER", "ActivityMetrics", "BoundedLabel", "Health", "Linger", "Loop", "Service", "Stopper", "close_connection",
@@ -59,4 +60,4 @@ __all__ = ["OTHER", "ActivityMetrics", "BoundedLabel", "Health", "Linger", "Loop
            "UNANSWERED", "connect_service", "ordered_subscribe", "outage", "server_list", "until_answered",
            "FACT_TIMEOUT_S", "KvLanes", "PinnedLane", "epoch_of", "lane_fact_key", "lost_create",
            "DEFAULT_MARGIN_NS", "SCAN_BUDGET", "SERVER_MARGIN_NS", "duplicate_window_s", "find_msg_id", "msg_ids_on", "stored_ns",
-           "AckPublisher", "Puller", "ack_many", "wait_all"]
+           "AckPublisher", "Puller", "ack_many", "publish_now", "wait_all"]

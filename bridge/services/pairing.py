@@ -98,7 +98,7 @@ from bridge.core.deadletter import KNOWN_REASONS as DLQ_REASONS
 from bridge.core.pairing import SECOND, PairingConfig, PairingInputError, PairingState, read_tick, tick_body
 from bridge.runtime import (SCAN_BUDGET, SERVER_MARGIN_NS, duplicate_window_s, UNANSWERED, AckPublisher, ActivityMetrics, BoundedLabel, Health,
                             Loop, Puller, Service, Settings, Stopper, connect_service, epoch_of, find_msg_id, follow, observe_many,
-                            outage, stored_ns, until_answered)
+                            outage, publish_now, stored_ns, until_answered)
 from bridge.runtime import streams as S
 from bridge.runtime import subjects as subj
 
@@ -315,6 +315,11 @@ class Partition:
     recheck_left: int = 0  # then this many messages (its batch in flight) are looked up on AEP_EVENTS
     feed: Feed | None = None  # its messages from the replica's reader (made when its loop starts)
     folded: int = 0  # inputs folded since its batch began: added to ``events_in`` once per batch
+
+    @property
+    def progress_subject(self) -> str:
+        """Where its progress (the last position whose outputs are acked) is written."""
+        return subj.kv_subject(S.PAIRING_BUCKET, PROGRESS_KEY.format(self.number))
 
 
 class PairingService(Service):
@@ -845,8 +850,9 @@ class PairingService(Service):
             if futures and not self.fenced(part):  # every output up to `last` is acked: say so, for a later restore
                 # Fire and forget (no reply subject: JetStream stores it and answers nothing): a
                 # lost write only means more checking after a late restore, so it costs one
-                # socket write per batch, not an ack to wait for and a timer (issue 24).
-                await self.nc.publish(subj.kv_subject(S.PAIRING_BUCKET, PROGRESS_KEY.format(part.number)), str(last).encode())
+                # socket write per batch, not an ack to wait for and a timer (issue 24); written as
+                # the outputs are (`bridge.nats.wire`: a publish without nats-py's per-call checks).
+                await publish_now(self.nc, ((part.progress_subject, str(last).encode(), "", None),))
 
     async def dead_letter(self, msg: Any, reason: str, error: BaseException | str) -> None:
         """Publish the dead letter of a mapped message (`bridge.core.deadletter`: no more than
