@@ -418,6 +418,7 @@ def main() -> int:
     procs = Procs(logs)
     pipe = Pipeline(server.url, logs, env=env)
     stop_obs = mp.Event()
+    stop_spawned = mp.get_context("spawn").Event()  # (for the spawned observers)
     observers: list[Any] = []
     results: dict[str, Any] = {"pipeline": [], "baseline": [], "kind": baseline}
     paused: list[int] = []
@@ -465,7 +466,9 @@ def main() -> int:
                 bare_counter = (S.HERMES_RAW, S.MAPPER_DURABLE)
                 ready = lambda: all(b"ready on" in (logs / f"floor-{r}.log").read_bytes() for r in ("mapper", "pairing")) or 1 / 0  # noqa: E731
             def floor_observer() -> Any:
-                o = mp.get_context("fork").Process(target=observe, args=(bare_server.url, str(bare_lat), 2.0, stop_obs, raw_id_latency_ms,
+                # (spawned: a fork of this process, which runs threads of its own by then, may hang
+                # in the child; the restarted observer of --max-rate recorded nothing once)
+                o = mp.get_context("spawn").Process(target=observe, args=(bare_server.url, str(bare_lat), 2.0, stop_spawned, raw_id_latency_ms,
                                                                          f"{S.EVENTS_PREFIX}.>"), daemon=True)
                 o.start()
                 observers.append(o)
@@ -558,6 +561,7 @@ def main() -> int:
     finally:
         stopped(paused, False)
         stop_obs.set()
+        stop_spawned.set()
         for o in observers:
             if o.is_alive():
                 o.terminate()
