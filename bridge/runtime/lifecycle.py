@@ -6,6 +6,7 @@ the connection closed, the exit code); `run_service`, a service command's proces
 from __future__ import annotations
 
 import asyncio
+import gc
 import signal
 import sys
 import time
@@ -32,6 +33,23 @@ def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
     except ImportError:
         return None
     return uvloop.new_event_loop  # type: ignore[no-any-return]
+
+
+#: The cyclic collector's first threshold for the hot-path services (``fast_loop``): Python's
+#: 700 runs a young collection every ~700 net allocations, ~2,000 times a minute in the mapper at
+#: 2,000 events/s: 4.9 % of the mapper's CPU and 2.6 % of pairing's went to the collector
+#: (gc.callbacks, cost.py at 2,000/s, 2026-12-07). At 50,000 it ran twice in the minute, and the
+#: mapper + pairing spent 0.200 ms per event against 0.210 the run before (RSS 60 / 79 MiB
+#: against 64 / 85). Nearly all of their garbage is freed by reference counts; the older
+#: generations keep their defaults (10, 10), so a cycle is still collected within minutes.
+GC_YOUNG_THRESHOLD = 50_000
+
+
+def tune_gc() -> tuple[int, int, int]:
+    """The collector's thresholds for a hot-path service (`GC_YOUNG_THRESHOLD`); returns them."""
+    _, older, oldest = gc.get_threshold()
+    gc.set_threshold(GC_YOUNG_THRESHOLD, older, oldest)
+    return gc.get_threshold()
 
 
 class Stopper:
@@ -195,7 +213,8 @@ class Service:
     * ``name``: its role (the logger, the log lines ``<name>_starting`` / ``_stopping``, the
       metrics port's default: `default_port`);
     * ``grace_s``: how long its loops get to finish what they hold once it is asked to stop;
-    * ``fast_loop``: run on uvloop when installed (the mapper and pairing: issue 24).
+    * ``fast_loop``: run on uvloop when installed (the mapper and pairing: issue 24), with the
+      cyclic collector's young threshold raised (`tune_gc`, issue 43).
 
     It implements `start` (connect, bind: its loops) and, when it has any, `stop` (its own
     cleanup, on a connection still open), `starting` / `stopping` (what those log lines carry),
@@ -302,6 +321,8 @@ def run_service(service: Service, *, port: int | None = None) -> int:
     settings = service.settings
     configure_logging(settings.log_format, settings.log_level, component=service.name,
                       replica=service.replica or settings.instance)
+    if service.fast_loop:
+        tune_gc()
     try:
         with asyncio.Runner(loop_factory=event_loop_factory() if service.fast_loop else None) as runner:
             return runner.run(serve(service, port=port))
