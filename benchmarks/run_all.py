@@ -15,6 +15,7 @@ HERE = Path(__file__).resolve().parent
 BENCHES = [
     ("shim start-up vs a bare Python hook", ["bench_shim.py", "-n", "300"]),
     ("mapper vs the nats-py relay ceiling", ["bench_mapper.py", "--n", "50000"]),
+    ("a publish on the services' wire path vs nats-py's public publish", ["wire_publish.py"]),
     ("the pure mapping stage, per raw message", ["bench_mapping.py"]),
     ("pairing vs the relay ceiling, memory per idle session", ["bench_pairing.py", "--n", "50000"]),
     ("relay SSE fan-out to 100 subscribers vs a bare nats-py consumer each", ["bench_relay.py"]),
