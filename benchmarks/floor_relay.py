@@ -112,12 +112,34 @@ async def run(a: argparse.Namespace) -> None:
         puller = Puller(sub, gather_s=pairing_service.GATHER_S, gather_max_s=pairing_service.GATHER_MAX_S)
         prefix = subj.EVENTS_PREFIX + "."
         cut = subj.MAPPED_PREFIX.count(".") + 2  # bridge.mapped.<n>.<rest>
+        last = 0  # the last BRIDGE_MAPPED sequence read
         print(f"floor pairing ready on {loop_name(asyncio.get_running_loop())}", flush=True)
         while not stop.is_set():
             try:
                 msgs = await puller.fetch(pairing_service.FETCH_BATCH, timeout=pairing_service.POLL_S)
             except (nats.errors.TimeoutError, asyncio.TimeoutError):
                 continue
+            except nats.errors.Error as exc:
+                # Its ephemeral consumer is gone: past its inactive threshold while this process was
+                # stopped (cost.py --max-rate stops one system while the other runs). A new one from
+                # the next message, as pairing's reader makes one (before, this process ended here,
+                # and the floor's --max-rate steps ran without a pairing).
+                print(f"floor pairing: {type(exc).__name__}: {exc}; a new consumer from {last + 1}", file=sys.stderr, flush=True)
+                try:
+                    await sub.unsubscribe()
+                except Exception:
+                    pass
+                config.deliver_policy, config.opt_start_seq = DeliverPolicy.BY_START_SEQUENCE, last + 1
+                try:
+                    sub = await js.pull_subscribe(config.filter_subject, stream=S.BRIDGE_MAPPED, config=config)
+                except Exception as again:
+                    print(f"floor pairing: {type(again).__name__}: {again}", file=sys.stderr, flush=True)
+                    await asyncio.sleep(0.5)
+                    continue
+                puller = Puller(sub, gather_s=pairing_service.GATHER_S, gather_max_s=pairing_service.GATHER_MAX_S)
+                continue
+            if msgs:
+                last = msgs[-1].metadata.sequence.stream
             futures = [await publish(prefix + m.subject.split(".", cut)[cut], m.data, headers={_ID: (m.headers or {}).get(_ID, "")})
                        for m in msgs]
             await wait_acks(futures)
