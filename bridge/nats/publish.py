@@ -34,6 +34,10 @@ from bridge.nats import follow, wire
 _STATUS = "Status"
 _NO_RESPONDERS = "503"
 SWEEP_EVERY = 4096  # publishes between two sweeps of the futures a caller gave up on
+#: With nothing awaited, no publish sent and no "no responders" for this long, the failure clock
+#: (`AckPublisher.unacked_since`) stops: one such answer followed by silence is no server that
+#: cannot serve (a stream electing its leader on a healthy cluster answers a publish so).
+QUIET_S = 2.0
 
 
 class Ack(NamedTuple):
@@ -99,6 +103,7 @@ class AckPublisher:
         #: monotonic time of the first publish sent since the last ack came (None: none since);
         #: read by bridge.nats.follow (a server whose publishes are not acked is left)
         self._unacked_since: float | None = None
+        self._last_unanswered = 0.0  # monotonic: the last publish sent, or "no responders" answer
 
     async def start(self) -> "AckPublisher":
         if self._sub is None:
@@ -120,7 +125,10 @@ class AckPublisher:
         flapping link a mapper's server answered its publishes "no response from stream" at
         once, 13,991 times in 20 s, each batch's futures all done, so the clock started again
         with each batch and the follower never counted it; a partition run,
-        2026-12-07.)"""
+        2026-12-07.) It stops, too, once nothing is awaited and for `QUIET_S` no publish was sent
+        and none found no responders: a service that goes quiet after one such answer stays."""
+        if self._unacked_since is not None and time.monotonic() - self._last_unanswered > QUIET_S and not self.pending:
+            self._unacked_since = None
         return self._unacked_since
 
     def forget_unacked(self) -> None:
@@ -141,12 +149,15 @@ class AckPublisher:
         self._futures[token] = future
         if self._count % SWEEP_EVERY == 0:
             self._sweep()
-        if self._unacked_since is None:
-            self._unacked_since = time.monotonic()
+        was = self._unacked_since
+        now = self._last_unanswered = time.monotonic()
+        if was is None:
+            self._unacked_since = now
         try:
             await wire.publish_many(self.nc, ((subject, payload, self._prefix + token, headers),))
         except BaseException:
             self._futures.pop(token, None)
+            self._unacked_since = was  # (refused before it was sent, or the connection closed: not the server's silence)
             raise
         return future
 
@@ -162,8 +173,11 @@ class AckPublisher:
         prefix, pending = self._prefix, self._futures
         futures: list[asyncio.Future] = []
         sends: list[wire.Item] = []
-        if items and self._unacked_since is None:
-            self._unacked_since = time.monotonic()
+        was = self._unacked_since
+        if items:
+            now = self._last_unanswered = time.monotonic()
+            if was is None:
+                self._unacked_since = now
         count = self._count
         for subject, payload, headers in items:
             count += 1
@@ -181,6 +195,7 @@ class AckPublisher:
             for (_s, _p, reply, _h), f in zip(sends, futures):
                 pending.pop(reply[self._cut:], None)
                 f.cancel()
+            self._unacked_since = was  # (refused before it was sent, or the connection closed: not the server's silence)
             raise
         return futures
 
@@ -191,6 +206,7 @@ class AckPublisher:
     async def _reply(self, msg: Any) -> None:
         headers = msg.headers
         if headers and headers.get(_STATUS) == _NO_RESPONDERS:  # no stream answered: not an ack
+            self._last_unanswered = time.monotonic()
             future = self._futures.pop(msg.subject[self._cut:], None)
             if future is not None and not future.done():
                 future.set_exception(nats.js.errors.NoStreamResponseError())

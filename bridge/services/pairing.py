@@ -851,7 +851,7 @@ class PairingService(Service):
                 # Fire and forget (no reply subject: JetStream stores it and answers nothing): a
                 # lost write only means more checking after a late restore, so it costs one
                 # socket write per batch, not an ack to wait for and a timer (issue 24); written as
-                # the outputs are (`bridge.nats.wire`: a publish without nats-py's per-call checks).
+                # the outputs are (`bridge.nats.wire`: nats-py's bytes and checks, one step).
                 await publish_now(self.nc, ((part.progress_subject, str(last).encode(), "", None),))
 
     async def dead_letter(self, msg: Any, reason: str, error: BaseException | str) -> None:

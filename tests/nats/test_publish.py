@@ -141,3 +141,33 @@ def test_publishes_unanswered_or_without_responders_keep_the_failure_clock_runni
         assert pub.unacked_since() is None
 
     run(nats_server.url, body)
+
+
+def test_a_publish_refused_before_it_was_sent_starts_no_failure_clock(nats_server) -> None:  # type: ignore[no-untyped-def]
+    """A subject nats-py's checks refuse (or a closed connection) never reached the server: the
+    follower's failure clock is left as it was (it started, and an idle service moved 5 s later)."""
+    async def body(js, nc, stream, prefix, pub) -> None:  # type: ignore[no-untyped-def]
+        with pytest.raises(nats.errors.BadSubjectError):
+            await pub.publish("bad subject", b"x")
+        assert pub.unacked_since() is None
+        with pytest.raises(nats.errors.BadSubjectError):
+            await pub.publish_many([(f"{prefix}.a", b"1", None), ("bad subject", b"2", None)])
+        assert pub.unacked_since() is None and pub.pending == 0
+
+    run(nats_server.url, body)
+
+
+def test_one_no_responders_then_quiet_stops_the_failure_clock(nats_server, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """One "no responders" answer (a stream electing its leader on a healthy cluster) followed by
+    silence is no server that cannot serve: once nothing is awaited and QUIET_S passed with no
+    publish sent and no such answer, the clock stops (else the idle service would move)."""
+    monkeypatch.setattr(publish_mod, "QUIET_S", 0.3)
+
+    async def body(js, nc, stream, prefix, pub) -> None:  # type: ignore[no-untyped-def]
+        with pytest.raises(nats.js.errors.NoStreamResponseError):
+            await asyncio.wait_for(await pub.publish("nowhere.at.all", b"x"), 5)
+        assert pub.unacked_since() is not None, "within QUIET_S it still counts"
+        await asyncio.sleep(0.5)
+        assert pub.unacked_since() is None
+
+    run(nats_server.url, body)
