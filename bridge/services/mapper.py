@@ -912,7 +912,7 @@ class Mapper(Service):
                 await ack_many(self.nc, [msg for msg, _ in done])  # one write for the batch's acks
             except Exception as exc:  # the raw messages will be redelivered; their events dedupe
                 log.warning("ack_failed", error=str(exc), messages=len(done))
-                done = []
+                done = [(msg, ts_ns) for msg, ts_ns in done if getattr(msg, "_ackd", False)]  # (acked one by one before it failed)
         for msg, _ in done:
             self._finished.add(msg.metadata.sequence.stream)
         observe_many(self.metrics.e2e, [max(0, now - ts_ns) / 1e9 for _, ts_ns in done if ts_ns > 0])  # receive -> mapped
