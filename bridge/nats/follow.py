@@ -124,6 +124,7 @@ class Follower:
         self.last_failure = ""
         self.moves = 0
         self.last_move: float | None = None
+        self.joined: float | None = None  # when the connection last came back (`rejoined`)
         self.moved_from: str | None = None
         self.task: asyncio.Task | None = None
         self.probe_refused = False  # the probe's subject is not allowed: it stops
@@ -138,7 +139,8 @@ class Follower:
         sent before the last move was sent to the server left: it says nothing of this one (its
         timeout, landing after the move, made both mappers leave a healthy node 5 s after they
         had joined it, "failing for 8.1 s", in a partition run: 2026-12-07, run 19)."""
-        if since is not None and self.last_move is not None and since < self.last_move:
+        if since is not None and ((self.last_move is not None and since < self.last_move)
+                                  or (self.joined is not None and since < self.joined)):
             return
         if self.nc.is_connected:
             at = self.clock() if since is None else since
@@ -147,6 +149,16 @@ class Follower:
             elif not probe and self.bad_since is None:
                 self.bad_since = at
         self.last_failure = what
+
+    def rejoined(self) -> None:
+        """The connection came back, by a move or by nats-py's own reconnect (a server restarted,
+        PINGs unanswered): what was sent before went to the connection left, and its failures
+        say nothing of this one (a request timing out after a reconnect started the new
+        server's clock at its send; review of issue 42's follower)."""
+        self.joined = self.clock()
+        self.bad_since = self.probe_bad_since = None
+        for publisher in self.publishers:
+            publisher.forget_unacked()
 
     def success(self, probe: bool = False) -> None:
         if probe:
@@ -349,6 +361,14 @@ def start(nc: Any, *, after_s: float, name: str = "", probe_s: float = PROBE_S,
     connections that check a server before a move)."""
     follower = Follower(nc, after_s=after_s, probe_s=probe_s, name=name, options=options)
     watch(nc, follower)
+    prior = getattr(nc, "_reconnected_cb", None)  # (nats-py 2.16 keeps connect's reconnected_cb there)
+
+    async def reconnected() -> None:
+        follower.rejoined()
+        if prior is not None:
+            await prior()
+
+    nc._reconnected_cb = reconnected
     setattr(nc, ATTR, follower)
     follower.task = asyncio.get_running_loop().create_task(follower.run())
     return follower

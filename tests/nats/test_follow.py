@@ -261,3 +261,46 @@ def test_a_request_sent_before_a_move_says_nothing_of_the_server_joined():
     assert f.failing_since() is None
     f.observe("$JS.API.CONSUMER.INFO.HERMES_RAW.mapper", asyncio.TimeoutError(), sent=100.5)
     assert f.failing_since() == 100.5
+
+
+def test_a_reconnect_by_nats_py_itself_clears_what_was_sent_before_it():
+    """nats-py reconnects by itself too (a server restarted, PINGs unanswered): a request sent
+    before, timing out after, says nothing of the server joined, and the publishers' clocks
+    start again; the connect's own reconnected callback still runs."""
+    from types import SimpleNamespace
+
+    called = []
+
+    async def user_cb() -> None:
+        called.append(True)
+
+    class Publisher:
+        forgot = 0
+
+        def unacked_since(self):  # type: ignore[no-untyped-def]
+            return None
+
+        def forget_unacked(self) -> None:
+            self.forgot += 1
+
+    async def main() -> follow.Follower:
+        nc = SimpleNamespace(is_connected=True, is_closed=True, _reconnected_cb=user_cb,
+                             request=lambda *a, **k: None)
+        f = follow.start(nc, after_s=5.0)
+        now = [100.0]
+        f.clock = lambda: now[0]
+        publisher = Publisher()
+        f.publishers.append(publisher)
+        f.observe("$JS.API.CONSUMER.INFO.HERMES_RAW.mapper", asyncio.TimeoutError(), sent=97.0)
+        assert f.failing_since() == 97.0
+        await nc._reconnected_cb()
+        assert called == [True] and publisher.forgot == 1
+        assert f.failing_since() is None
+        f.observe("$JS.API.CONSUMER.INFO.HERMES_RAW.mapper", asyncio.TimeoutError(), sent=99.0)
+        assert f.failing_since() is None, "sent before the reconnect"
+        f.observe("$JS.API.CONSUMER.INFO.HERMES_RAW.mapper", asyncio.TimeoutError(), sent=100.5)
+        assert f.failing_since() == 100.5
+        await f.task
+        return f
+
+    asyncio.run(main())
