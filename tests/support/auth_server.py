@@ -9,7 +9,7 @@ import socket
 import subprocess
 from pathlib import Path
 
-from bridge.stack.server import find_nats_server, terminate
+from bridge.stack.server import MAX_FILE_STORE, find_nats_server, terminate
 from tests.support.cli import free_port
 from tests.support.services import wait_for
 
@@ -28,7 +28,11 @@ class AuthServer:
 
     def write(self, password: str) -> None:
         self.conf.write_text(json.dumps({
-            "jetstream": {"store_dir": str(self.tmp / "js")},
+            # max_file_store as every local server declares it (bridge.stack.server): left out,
+            # nats-server takes 75 % of the free disk, and with less than ~66 GB free the
+            # streams' reservations did not fit ("insufficient storage resources available",
+            # test_hostile_health in a clean-clone CI, 2026-12-07: Max Storage 47.24 GB)
+            "jetstream": {"store_dir": str(self.tmp / "js"), "max_file_store": MAX_FILE_STORE},
             "authorization": {"users": [{"user": USER, "password": password}]},
         }))
 
