@@ -1,16 +1,16 @@
 """A batch of publishes written to nats-py's outgoing buffer in one step (issue 43).
 
-nats-py's `Client.publish` costs ~5.3 µs of CPU per message on uvloop: the subject checked by
-a regular expression, the header block built key by key in a bytearray, the command made by an
-f-string, two awaits and the flusher's queue checked, per message. The same HPUB bytes made
-here and appended once per batch cost ~1.0 µs per message (`benchmarks/wire_publish.py`, 64
-messages of 600 bytes with a reply and a Nats-Msg-Id, 2026-12-07). The mapper publishes every
-event and acks every raw message, pairing publishes every event: three such calls per event.
+nats-py's `Client.publish` costs ~5.5 µs of CPU per message on uvloop: the subject checked by
+a regular expression, the header block built key by key in a bytearray (its `str.translate` of
+each value alone ~1.5 µs), two awaits and the flusher's queue checked, per message. Made here
+and appended once per batch: ~2.05 µs (`benchmarks/wire_publish.py`, 64 messages of 600 bytes
+with a reply and a Nats-Msg-Id, 2026-12-07). The mapper publishes every event and acks every
+raw message, pairing publishes every event: three such calls per event.
 
-The bytes are the protocol's, made as nats-py 2.16 makes them (`tests/nats/test_wire.py`
-compares them with nats-py's own builders, and what a real server delivers); the checks are
-nats-py's too (a subject or reply with whitespace or CR/LF, a header key outside the token
-characters, a payload over the server's max_payload). What is private is where they go:
+The commands are made by nats-py's own builders (`nats.protocol.command`); the header block as
+its `_send_publish` makes it (`tests/nats/test_wire.py` compares the bytes, and what a real
+server delivers); the checks are nats-py's too (a subject or reply with whitespace or CR/LF, a
+header key outside the token characters, a payload over the server's max_payload). What is private is where they go:
 `Client._pending`, `_pending_data_size`, `_max_pending_size`, `_flush_queue` and
 `_flush_pending`, as `Client._send_publish` uses them (nats-py is pinned in
 deploy/requirements.lock; the tests fail if they move). While the client is not connected
@@ -24,6 +24,7 @@ import re
 from typing import Any, Iterable, Sequence
 
 import nats.errors
+from nats.protocol.command import hpub_cmd, pub_cmd  # nats-py's own command builders
 
 _INVALID = re.compile(r"[ \t\r\n]")  # nats-py's _SUBJECT_INVALID_RE: CR/LF would inject commands
 _KEY = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")  # nats-py's _HEADER_KEY_RE
@@ -64,10 +65,8 @@ def command(subject: str, payload: bytes, reply: str = "", headers: dict[str, st
     if max_payload is not None and len(payload) > max_payload:
         raise nats.errors.MaxPayloadError
     if headers is None:
-        return b"PUB %s %s %d\r\n%s\r\n" % (subject.encode(), reply.encode(), len(payload), payload)
-    hdr = header_block(headers)
-    return b"HPUB %s %s %d %d\r\n%s%s\r\n" % (subject.encode(), reply.encode(), len(hdr), len(hdr) + len(payload),
-                                               hdr, payload)
+        return pub_cmd(subject, reply, payload)
+    return hpub_cmd(subject, reply, header_block(headers), payload)
 
 
 def direct(nc: Any) -> bool:
