@@ -134,6 +134,16 @@ class AckPublisher:
     def forget_unacked(self) -> None:
         self._unacked_since = None
 
+    def abandon(self, exc: BaseException) -> int:
+        """Fail every publish whose ack has not come with ``exc`` (the connection came back
+        through another server: `bridge.nats.follow.Follower.rejoined`); a late ack finds
+        nothing. Returns how many."""
+        waiting = [f for f in self._futures.values() if not f.done()]
+        self._futures = {}
+        for future in waiting:
+            future.set_exception(exc)
+        return len(waiting)
+
     @property
     def pending(self) -> int:
         """Publishes whose ack has not come (nor been given up on)."""

@@ -277,11 +277,18 @@ def test_a_reconnect_by_nats_py_itself_clears_what_was_sent_before_it():
     class Publisher:
         forgot = 0
 
+        def __init__(self) -> None:
+            self.abandoned: list[BaseException] = []
+
         def unacked_since(self):  # type: ignore[no-untyped-def]
             return None
 
         def forget_unacked(self) -> None:
             self.forgot += 1
+
+        def abandon(self, exc: BaseException) -> int:
+            self.abandoned.append(exc)
+            return 0
 
     async def main() -> follow.Follower:
         nc = SimpleNamespace(is_connected=True, is_closed=True, _reconnected_cb=user_cb,
@@ -295,6 +302,7 @@ def test_a_reconnect_by_nats_py_itself_clears_what_was_sent_before_it():
         assert f.failing_since() == 97.0
         await nc._reconnected_cb()
         assert called == [True] and publisher.forgot == 1
+        assert [type(e) for e in publisher.abandoned] == [follow.SentBefore]
         assert f.failing_since() is None
         f.observe("$JS.API.CONSUMER.INFO.HERMES_RAW.mapper", asyncio.TimeoutError(), sent=99.0)
         assert f.failing_since() is None, "sent before the reconnect"
@@ -304,3 +312,53 @@ def test_a_reconnect_by_nats_py_itself_clears_what_was_sent_before_it():
         return f
 
     asyncio.run(main())
+
+
+def test_what_was_sent_before_a_reconnect_fails_at_once_not_after_its_timeout(plain_server):
+    """A publish or request sent over the connection before it moved (or nats-py reconnected)
+    went to the server left: a node cut off from its peers takes it and answers nothing. Its
+    ack or answer is not waited for until its timeout: it fails as unanswered when the
+    connection comes back, and the caller sends it again (the same Nats-Msg-Id: JetStream keeps
+    one copy). In a partition run (2026-12-07, cut 1) both mappers moved 5-6 s after the cut
+    and their publishes sent before it failed only 15-19 s later; AEP_EVENTS stayed flat until
+    then, for 18.6 s."""
+    import nats as nats_py
+    import nats.errors
+
+    from bridge.nats.publish import AckPublisher
+
+    async def run() -> tuple[float, BaseException | None, float, BaseException | None, bool]:
+        nc = await nats_py.connect(plain_server, reconnect_time_wait=0.1)
+        try:
+            f = follow.start(nc, after_s=60.0)
+            async def mute(_msg: object) -> None:  # takes them, answers nothing
+                pass
+
+            await nc.subscribe("mute.>", cb=mute)
+            publisher = await AckPublisher(nc).start()
+            published = await publisher.publish("mute.a", b"x", headers={"Nats-Msg-Id": "a"})
+            requested = asyncio.ensure_future(nc.request("mute.b", b"", timeout=30))
+            await nc.flush()
+            await asyncio.sleep(0.2)
+            assert not published.done() and not requested.done()
+            t0 = time.monotonic()
+            await nc.force_reconnect()
+            out = []
+            for fut in (published, requested):
+                try:
+                    await asyncio.wait_for(asyncio.shield(fut), 10)
+                    out += [time.monotonic() - t0, None]
+                except asyncio.TimeoutError as exc:  # nats-py's and asyncio's (an unanswered one)
+                    out += [time.monotonic() - t0, exc]
+            after = await publisher.publish("mute.c", b"y", headers={"Nats-Msg-Id": "c"})
+            await asyncio.sleep(0.3)
+            out.append(not after.done())
+            assert f.joined is not None
+            return tuple(out)  # type: ignore[return-value]
+        finally:
+            await nc.close()
+
+    t_pub, pub_exc, t_req, req_exc, later_waits = asyncio.run(run())
+    assert isinstance(pub_exc, nats.errors.TimeoutError) and t_pub < 5, (t_pub, pub_exc)
+    assert isinstance(req_exc, nats.errors.TimeoutError) and t_req < 5, (t_req, req_exc)
+    assert later_waits, "a publish sent after the reconnect is still awaited"
