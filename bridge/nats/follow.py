@@ -422,6 +422,54 @@ async def leader_kv(js: Any, bucket: str) -> Any:
     return KeyValue(name=bucket, stream=f"KV_{bucket}", pre=f"$KV.{bucket}.", js=js, direct=False)
 
 
+#: seconds a bucket's direct get may take before `kv`'s read asks the stream's leader instead
+#: (a direct get answers in milliseconds; nats-py would wait its JetStream timeout, 5 s)
+DIRECT_GET_S = 1.0
+
+
+def _hedged_kv_class() -> type:
+    from nats.js.kv import KeyValue
+
+    class HedgedKV(KeyValue):
+        """nats-py's ``KeyValue``, its reads by direct get first (any replica answers, the
+        local one at once) and by the stream's leader (``STREAM.MSG.GET``) when no replica
+        answered within `DIRECT_GET_S` or none is there. Overrides nats-py's ``_get``
+        (nats-py 2.16, pinned): ``get`` keeps its own checks and deleted-key rule."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self._leader = KeyValue(name=self._name, stream=self._stream, pre=self._pre, js=self._js, direct=False)
+
+        async def _get(self, key: str, revision: int | None = None) -> Any:
+            if not self._direct:
+                return await super()._get(key, revision)
+            try:
+                async with asyncio.timeout(DIRECT_GET_S):
+                    return await super()._get(key, revision)
+            except (TimeoutError, nats.errors.NoRespondersError):
+                pass  # lost on a replica cut off from its peers, or none subscribed (catching up)
+            return await self._leader._get(key, revision)
+
+    return HedgedKV
+
+
+_HEDGED: type | None = None
+
+
+async def kv(js: Any, bucket: str) -> Any:
+    """The KV bucket ``bucket`` (checked to exist, as ``js.key_value`` does), its reads by
+    direct get and, when no replica answers within `DIRECT_GET_S`, by the stream's leader.
+    During a partition the cut node stays in the replicas' queue group while its routes are up,
+    and a direct get routed there is lost: in a partition run (2026-12-07 18:16) the mappers'
+    and the gate's reads of aep_lane_facts, aep_lanes and aep_instruct waited 5 s each, one
+    after the other, for the whole cut (issue 42)."""
+    global _HEDGED
+    if _HEDGED is None:
+        _HEDGED = _hedged_kv_class()
+    plain = await js.key_value(bucket)
+    return _HEDGED(name=plain._name, stream=plain._stream, pre=plain._pre, js=js, direct=plain._direct)
+
+
 def of(nc: Any) -> Follower | None:
     return getattr(nc, ATTR, None) if nc is not None else None
 

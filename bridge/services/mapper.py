@@ -102,7 +102,7 @@ from bridge.core.mapping import HOOKS, INVALID_FIELDS
 from bridge.core.pipeline import map_record, record_from_raw
 from bridge.runtime import (DEFAULT_MARGIN_NS, FACT_TIMEOUT_S, duplicate_window_s, OTHER, SERVER_MARGIN_NS, UNANSWERED, AckPublisher, ack_many,
                             BoundedLabel, Health, KvLanes, Linger, Loop, PinnedLane, Puller, Service, Settings, Stopper,
-                            connect_service, epoch_of, find_msg_id, lane_fact_key, lost_create, load_price_table, msg_ids_on,
+                            connect_service, epoch_of, find_msg_id, follow, lane_fact_key, lost_create, load_price_table, msg_ids_on,
                             observe_many, outage, server_list, stored_ns, until_answered, wait_all)
 from bridge.runtime import streams as S
 from bridge.runtime import subjects as subj
@@ -403,9 +403,9 @@ class Mapper(Service):
         if window:
             self.mapped_late_after_ns = int(window * 1e9) // 2
         self.metrics.epoch.set(self.epoch)
-        kv = await self.js.key_value(S.LANES_BUCKET)
+        kv = await follow.kv(self.js, S.LANES_BUCKET)
         try:
-            facts = await self.js.key_value(S.LANE_FACTS_BUCKET)
+            facts = await follow.kv(self.js, S.LANE_FACTS_BUCKET)
         except UNANSWERED:  # an election: asked again, not a mapper without lane facts for its life
             raise
         except Exception as exc:  # a release before lane facts bootstrapped this server: map without them

@@ -431,8 +431,10 @@ class PairingService(Service):
         through when it answers in time, not given up at the next round. One that was stored
         but whose answer was lost makes the next one refused (``last`` is behind): when the key
         still holds this replica's name, it is ours, at the revision read, confirmed as of the
-        first unanswered send (the earliest it can have been stored)."""
-        from nats.js.errors import KeyWrongLastSequenceError
+        first unanswered send (the earliest it can have been stored). A read that gets no answer
+        tells nothing: the renewal is tried again (before, the partition was dropped: pairing-0
+        dropped six so at a heal in a partition run, 2026-12-07 18:13)."""
+        from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
         first = time.monotonic()
         while True:
@@ -451,8 +453,14 @@ class PairingService(Service):
                 try:
                     async with asyncio.timeout(min(RENEW_TIMEOUT_S, max(0.1, left))):
                         entry = await self.leases.get(f"p.{part.number}")
-                except Exception:
+                except KeyNotFoundError:
                     entry = None
+                except Exception as read_exc:  # no answer (the bucket electing): whose it is is not known yet
+                    log.warning("lease_renew_retry", partition=part.number,
+                                error=f"refused, then its read: {type(read_exc).__name__}: {read_exc}")
+                    if await self.stopper.sleep(RETRY_S):
+                        return True  # stopping: `stop` gives the leases back
+                    continue
                 if entry is not None and entry.value == self.replica.encode() and sent > first:
                     part.revision = int(entry.revision)
                     part.confirmed = first

@@ -362,3 +362,46 @@ def test_what_was_sent_before_a_reconnect_fails_at_once_not_after_its_timeout(pl
     assert isinstance(pub_exc, nats.errors.TimeoutError) and t_pub < 5, (t_pub, pub_exc)
     assert isinstance(req_exc, nats.errors.TimeoutError) and t_req < 5, (t_req, req_exc)
     assert later_waits, "a publish sent after the reconnect is still awaited"
+
+
+def test_a_bucket_read_a_replica_never_answers_is_asked_of_the_leader(nats_server):
+    """A direct get goes to any replica in the bucket's queue group, and during a partition the
+    cut node stays in it while its routes are up: the get is lost there and nats-py waits its
+    5 s. `follow.kv` asks the stream's leader once a direct get has not answered within
+    DIRECT_GET_S. In a partition run (2026-12-07 18:16) the mappers' and the gate's direct
+    gets on aep_lane_facts, aep_lanes and aep_instruct timed out one after the other, 5 s
+    each, for the whole cut."""
+    import nats as nats_py
+    from nats.js.api import KeyValueConfig
+    from nats.js.errors import KeyNotFoundError
+
+    async def run() -> tuple[bytes, float, bool, float]:
+        nc = await nats_py.connect(nats_server.url)
+        try:
+            js = nc.jetstream()
+            # no server-side direct gets: what answers DIRECT.GET below is a replica that never does
+            await js.create_key_value(KeyValueConfig(bucket="hedged", direct=False))
+            await (await js.key_value("hedged")).put("k", b"v")
+
+            async def mute(_msg: object) -> None:
+                pass
+
+            await nc.subscribe("$JS.API.DIRECT.GET.KV_hedged.>", cb=mute)
+            kv = await follow.kv(js, "hedged")
+            kv._direct = True  # (the bucket's allow_direct, as every bridge bucket has)
+            t0 = time.monotonic()
+            value = (await kv.get("k")).value
+            took = time.monotonic() - t0
+            t0 = time.monotonic()
+            try:
+                await kv.get("missing")
+                missing = False
+            except KeyNotFoundError:
+                missing = True
+            return value, took, missing, time.monotonic() - t0
+        finally:
+            await nc.close()
+
+    value, took, missing, took_missing = asyncio.run(run())
+    assert value == b"v" and took < follow.DIRECT_GET_S + 2.0, took
+    assert missing and took_missing < follow.DIRECT_GET_S + 2.0, took_missing

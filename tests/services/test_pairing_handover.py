@@ -162,3 +162,54 @@ def test_a_publish_whose_ack_does_not_come_is_sent_again_not_the_partition_dropp
     assert position == 40 and not dropped, (position, dropped, took)
     assert stored == 40, "each event once (the second copies dropped by Nats-Msg-Id)"
     assert resent > 0
+
+
+def test_a_refused_renewal_whose_read_gets_no_answer_is_tried_again_not_lost(nats_server_fn):
+    """A renewal sent, stored, its answer lost (a leader change), and the next one refused
+    (``last`` behind): the key is read to see whose it is. When that read gets no answer either
+    (the bucket still electing), the partition is not dropped: the renewal is tried again until
+    one is answered or the fencing deadline passes. Before, an unanswered read counted as
+    another's lease: in a partition run (2026-12-07 18:13) pairing-0 dropped six partitions so at
+    a heal, and AEP_EVENTS waited for the other replica to restore them."""
+    client = JetStreamClient(nats_server_fn.url)
+    client.bootstrap()
+
+    async def run() -> tuple[bool, int, int, list[str]]:
+        svc = await _service(nats_server_fn.url, "keeps")
+        try:
+            await svc.maintain()
+            part = svc.partitions[0]
+            real = svc.leases
+            calls: list[str] = []
+
+            class Flaky:
+                """The real bucket, but: the first update is stored and its answer lost; the
+                first read after the refusal gets no answer."""
+
+                async def update(self, key: str, value: bytes, last: int) -> int:
+                    calls.append("update")
+                    revision = await real.update(key, value, last=last)
+                    if calls.count("update") == 1:
+                        raise asyncio.TimeoutError()  # stored, the answer lost
+                    return revision
+
+                async def get(self, key: str) -> object:
+                    calls.append("get")
+                    if calls.count("get") == 1:
+                        raise asyncio.TimeoutError()
+                    return await real.get(key)
+
+            svc.leases = Flaky()
+            kept = await asyncio.wait_for(svc.renew(part), 10)
+            svc.leases = real
+            stored = (await real.get(f"p.{part.number}")).revision
+            return kept, part.revision, stored, calls
+        finally:
+            await _stop(svc)
+
+    try:
+        kept, revision, stored, calls = client.run(run())
+    finally:
+        client.close()
+    assert kept and calls[:3] == ["update", "update", "get"], calls
+    assert revision == stored, (revision, stored, calls)

@@ -55,6 +55,7 @@ import nats.js.errors
 import structlog
 
 from bridge.core.sinks import PARTITIONS, SinkConfig
+from bridge.runtime import follow
 from bridge.runtime import streams as S
 from bridge.services.exporter.sinks import make_sink
 
@@ -144,7 +145,7 @@ class PartitionedSink:
         made under the lock ``x.setup`` of the lease bucket (KV create: one holder; the
         bucket's max age frees it if its holder dies)."""
         js = self.service.js
-        self.leases = await js.key_value(S.LEASES_BUCKET)
+        self.leases = await follow.kv(js, S.LEASES_BUCKET)
         if await self.has_source(js):  # a restart: nothing to change
             return
         lock = await self.lock_sources()

@@ -26,7 +26,7 @@ from bridge.core.control import (
 from bridge.core.envelope import EnvelopeError, decode_raw
 from bridge.core.lanes import event_lane_token
 from bridge.core.pipeline import map_record, record_from_raw
-from bridge.runtime import KvLanes, Loop, configured_replicas, connect_service, ensure_stream, epoch_of
+from bridge.runtime import KvLanes, Loop, configured_replicas, connect_service, ensure_stream, epoch_of, follow
 from bridge.runtime import streams as S
 from bridge.runtime import subjects as subj
 from bridge.services.gate.commands import Commands
@@ -206,14 +206,14 @@ class Gate(Commands):
         replicas = configured_replicas(self.settings)  # AEP_BRIDGE_STREAM_REPLICAS, like `bootstrap`
         for spec in S.CONTROL_BUCKETS:  # unset: 1 for new buckets, existing ones keep theirs (never scaled down)
             await ensure_stream(self.js, spec.config(replicas or 1), keep_more_replicas=replicas is None)
-        self.kv = await self.js.key_value(S.CONTROL_BUCKET.bucket)
-        self.queues = await self.js.key_value(S.INSTRUCT_BUCKET.bucket)
+        self.kv = await follow.kv(self.js, S.CONTROL_BUCKET.bucket)
+        self.queues = await follow.kv(self.js, S.INSTRUCT_BUCKET.bucket)
         try:  # the sessions' instances, shared with the mapper (o.<lane token>: `foreign_instance`)
-            facts = await self.js.key_value(S.LANE_FACTS_BUCKET)
+            facts = await follow.kv(self.js, S.LANE_FACTS_BUCKET)
         except Exception as exc:  # not there (a release before it) or not granted: the gate's own record only
             log.warning("lane_facts_unavailable", error=f"{type(exc).__name__}: {exc}")
             facts = None
-        self.lanes = KvLanes(await self.js.key_value(S.LANES_BUCKET), facts=facts)
+        self.lanes = KvLanes(await follow.kv(self.js, S.LANES_BUCKET), facts=facts)
         info = await self.js.stream_info(S.HERMES_RAW)
         self.epoch = epoch_of(info.created)  # the mapper's rule: the session's events share one epoch
         raw = await self.bind_raw()

@@ -36,6 +36,7 @@ import structlog
 from nats.js.errors import BucketNotFoundError, KeyWrongLastSequenceError
 
 from bridge.core.lanes import lane_token
+from bridge.runtime import follow
 from bridge.runtime import streams as S
 from bridge.services.relay.shared import kv_scan
 
@@ -94,7 +95,7 @@ class StoreUnavailable(Exception):
 
 async def _bucket(js: Any) -> Any:
     try:
-        return await js.key_value(S.RELAY_BUCKET)
+        return await follow.kv(js, S.RELAY_BUCKET)
     except BucketNotFoundError as exc:
         raise StoreUnavailable("no bucket aep_relay (run aep-bridge bootstrap)") from exc
     except Exception as exc:  # noqa: BLE001
