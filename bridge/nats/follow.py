@@ -80,6 +80,20 @@ CANCELLED_UNANSWERED_S = 1.0
 WATCHED_PREFIXES = ("$JS.", "$KV.", "$O.")
 #: the attribute of a nats-py Client that holds its `Follower`
 ATTR = "_aep_follower"
+#: the stream probe's request: the last message of a subject no stream holds messages under, so
+#: the leader answers at once and sends no message ("no message found", 404)
+STREAM_PROBE_BODY = b'{"last_by_subj":"_aep.probe.none"}'
+
+
+def _stream_probe(stream: str) -> str:
+    return f"$JS.API.STREAM.MSG.GET.{stream}"
+
+
+def _leader_answered(reply: Any) -> bool:
+    """A message get's answer from the stream's leader: anything but a 503 (a 404 "no message
+    found" is the leader's answer too)."""
+    head = (getattr(reply, "data", b"") or b"")[:200]
+    return b'"code":503' not in head and (getattr(reply, "headers", None) or {}).get("Status") != "503"
 
 
 def identity(name: str | None) -> str:
@@ -131,6 +145,11 @@ class Follower:
         self.waiting = False  # the last decision found no better server (logged once)
         self.spacing = after_s  # the least time between two moves (`move` doubles it while nothing answers)
         self.answered_since_move = True
+        #: the stream whose leader the service needs (`lead`): asked each probe by a message get,
+        #: which only that leader answers (None: not asked)
+        self.stream: str | None = None
+        self.stream_bad_since: float | None = None  # that get unanswered (or 503) since
+        self.raw_request: Any = None  # nc.request before `watch` wrapped it (the stream probe is judged apart)
 
     # ------------------------------------------------------------ what the connection sees
 
@@ -164,7 +183,7 @@ class Follower:
         5-6 s after the cut, the publishes they had sent before it failed 15-19 s later, and
         AEP_EVENTS stayed flat until then (18.6 s)."""
         self.joined = self.clock()
-        self.bad_since = self.probe_bad_since = None
+        self.bad_since = self.probe_bad_since = self.stream_bad_since = None
         for publisher in self.publishers:
             publisher.forget_unacked()
             publisher.abandon(SentBefore())
@@ -204,7 +223,7 @@ class Follower:
 
     def failing_since(self) -> float | None:
         """The earliest start of a failure that has had no success of its kind since."""
-        starts = [t for t in (self.bad_since, self.probe_bad_since) if t is not None]
+        starts = [t for t in (self.bad_since, self.probe_bad_since, self.stream_bad_since) if t is not None]
         for publisher in self.publishers:
             t = publisher.unacked_since()
             if t is not None:
@@ -239,8 +258,13 @@ class Follower:
         except Exception:
             return None
         try:
-            reply = await nc.request(PROBE_SUBJECT, b"", timeout=max(0.5, min(2.0, self.after_s / 3)))
-            return b'"error"' not in (reply.data or b"")[:200]
+            timeout = max(0.5, min(2.0, self.after_s / 3))
+            reply = await nc.request(PROBE_SUBJECT, b"", timeout=timeout)
+            if b'"error"' in (reply.data or b"")[:200]:
+                return False
+            if self.stream is not None:  # and the service's stream's leader, through it
+                return _leader_answered(await nc.request(_stream_probe(self.stream), STREAM_PROBE_BODY, timeout=timeout))
+            return True
         except Exception:
             return False
         finally:
@@ -295,7 +319,7 @@ class Follower:
         self.moves += 1
         self.last_move = now
         self.moved_from = left
-        self.bad_since = self.probe_bad_since = None
+        self.bad_since = self.probe_bad_since = self.stream_bad_since = None
         for publisher in self.publishers:
             publisher.forget_unacked()
         if not self.last_failure:
@@ -317,11 +341,56 @@ class Follower:
                 log.warning("nats_probe_refused", connection=self.name, error=last[:200],
                             action="JetStream failures of the service's own requests are still watched")
 
+    def lead(self, stream: str) -> None:
+        """Ask ``stream``'s leader too, each probe (`probe_stream`): the stream the service
+        cannot work without (the mapper's HERMES_RAW, pairing's BRIDGE_MAPPED, the gate's
+        AEP_EVENTS). Its role must be allowed ``$JS.API.STREAM.MSG.GET.<stream>``."""
+        self.stream = stream
+
+    async def probe_stream(self) -> None:
+        """A message get of `stream`, which only its leader answers (from a node cut off from
+        its peers, a get routed to the leader on the other side is lost; the node's own view
+        of a stream with no leader answers 503). Judged apart from the meta leader's probe: a
+        node cut off from its peers that still leads the meta group and the durable answers
+        those from its stale view (the durable's with nothing pending) while the stream's
+        leader is on the other side: both mappers sat 17 s on such a node in a partition run
+        (2026-12-07 18:24), their fetches bringing nothing and failing nothing."""
+        assert self.stream is not None
+        request = self.raw_request or self.nc.request
+        sent = self.clock()
+        try:
+            reply = await request(_stream_probe(self.stream), STREAM_PROBE_BODY,
+                                  timeout=max(0.2, min(2.0, self.after_s / 3)))
+        except Exception as exc:
+            last = str(getattr(self.nc, "last_error", "") or "").lower()
+            if "permissions violation" in last and "stream.msg.get" in last:
+                self.stream = None
+                self.stream_bad_since = None
+                log.warning("nats_stream_probe_refused", connection=self.name, error=last[:200],
+                            action="the meta leader's probe and the service's own requests are still watched")
+                return
+            answered = False
+            why = f"{_stream_probe(self.stream)}: {type(exc).__name__}: {exc}"
+        else:
+            answered = _leader_answered(reply)
+            why = f"{_stream_probe(self.stream)}: 503"
+        if answered:
+            self.stream_bad_since = None
+            self.answered_since_move = True
+            return
+        if (self.last_move is not None and sent < self.last_move) or (self.joined is not None and sent < self.joined):
+            return
+        if self.stream_bad_since is None and self.nc.is_connected:
+            self.stream_bad_since = sent
+        self.last_failure = why
+
     async def run(self) -> None:
         while not self.nc.is_closed:
             try:
                 if self.nc.is_connected and not self.probe_refused:
                     await self.probe()
+                if self.nc.is_connected and self.stream is not None:
+                    await self.probe_stream()
                 if self.due():
                     await self.move()
             except asyncio.CancelledError:
@@ -360,6 +429,7 @@ def abandon_requests(nc: Any) -> int:
 def watch(nc: Any, follower: Follower) -> None:
     """Wrap ``nc.request`` so every JetStream request's outcome reaches ``follower``."""
     inner = nc.request
+    follower.raw_request = inner
 
     async def request(subject: str, payload: bytes = b"", timeout: float = 0.5, *args: Any, **kwargs: Any) -> Any:
         sent = time.monotonic()
@@ -422,8 +492,8 @@ async def leader_kv(js: Any, bucket: str) -> Any:
     return KeyValue(name=bucket, stream=f"KV_{bucket}", pre=f"$KV.{bucket}.", js=js, direct=False)
 
 
-#: seconds a bucket's direct get may take before `kv`'s read asks the stream's leader instead
-#: (a direct get answers in milliseconds; nats-py would wait its JetStream timeout, 5 s)
+#: seconds a bucket's direct get may take before `kv`'s read tries again (a direct get answers
+#: in milliseconds; nats-py would wait its JetStream timeout, 5 s)
 DIRECT_GET_S = 1.0
 
 
@@ -431,24 +501,29 @@ def _hedged_kv_class() -> type:
     from nats.js.kv import KeyValue
 
     class HedgedKV(KeyValue):
-        """nats-py's ``KeyValue``, its reads by direct get first (any replica answers, the
-        local one at once) and by the stream's leader (``STREAM.MSG.GET``) when no replica
-        answered within `DIRECT_GET_S` or none is there. Overrides nats-py's ``_get``
-        (nats-py 2.16, pinned): ``get`` keeps its own checks and deleted-key rule."""
+        """nats-py's ``KeyValue``, a read that no replica answered within `DIRECT_GET_S` asked
+        again: of the stream's leader (``STREAM.MSG.GET``) when ``leader`` (the role may send
+        it), else by a second direct get (the queue group picks a member again) and a last one
+        with nats-py's own timeout. Overrides nats-py's ``_get`` (nats-py 2.16, pinned): ``get``
+        keeps its own checks and deleted-key rule."""
 
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
+        def __init__(self, *args: Any, leader: bool = False, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
-            self._leader = KeyValue(name=self._name, stream=self._stream, pre=self._pre, js=self._js, direct=False)
+            self._leader = KeyValue(name=self._name, stream=self._stream, pre=self._pre, js=self._js,
+                                    direct=False) if leader else None
 
         async def _get(self, key: str, revision: int | None = None) -> Any:
             if not self._direct:
                 return await super()._get(key, revision)
-            try:
-                async with asyncio.timeout(DIRECT_GET_S):
-                    return await super()._get(key, revision)
-            except (TimeoutError, nats.errors.NoRespondersError):
-                pass  # lost on a replica cut off from its peers, or none subscribed (catching up)
-            return await self._leader._get(key, revision)
+            for _ in range(1 if self._leader is not None else 2):
+                try:
+                    async with asyncio.timeout(DIRECT_GET_S):
+                        return await super()._get(key, revision)
+                except (TimeoutError, nats.errors.NoRespondersError):
+                    pass  # lost on a replica cut off from its peers, or none subscribed (catching up)
+            if self._leader is not None:
+                return await self._leader._get(key, revision)
+            return await super()._get(key, revision)
 
     return HedgedKV
 
@@ -456,18 +531,20 @@ def _hedged_kv_class() -> type:
 _HEDGED: type | None = None
 
 
-async def kv(js: Any, bucket: str) -> Any:
-    """The KV bucket ``bucket`` (checked to exist, as ``js.key_value`` does), its reads by
-    direct get and, when no replica answers within `DIRECT_GET_S`, by the stream's leader.
-    During a partition the cut node stays in the replicas' queue group while its routes are up,
-    and a direct get routed there is lost: in a partition run (2026-12-07 18:16) the mappers'
-    and the gate's reads of aep_lane_facts, aep_lanes and aep_instruct waited 5 s each, one
-    after the other, for the whole cut (issue 42)."""
+async def kv(js: Any, bucket: str, *, leader: bool = False) -> Any:
+    """The KV bucket ``bucket`` (checked to exist, as ``js.key_value`` does), a read that no
+    replica answered within `DIRECT_GET_S` asked again: of the stream's leader when ``leader``
+    (the role may send ``$JS.API.STREAM.MSG.GET.<stream>``, which names no key: a role whose
+    direct gets are limited to some keys keeps ``leader`` off), else by direct gets again.
+    During a partition the cut node stays in the replicas' queue group while its routes are
+    up, and a direct get routed there is lost: in a partition run (2026-12-07 18:16) the
+    mappers' and the gate's reads of aep_lane_facts, aep_lanes and aep_instruct waited 5 s
+    each, one after the other, for the whole cut (issue 42)."""
     global _HEDGED
     if _HEDGED is None:
         _HEDGED = _hedged_kv_class()
     plain = await js.key_value(bucket)
-    return _HEDGED(name=plain._name, stream=plain._stream, pre=plain._pre, js=js, direct=plain._direct)
+    return _HEDGED(name=plain._name, stream=plain._stream, pre=plain._pre, js=js, direct=plain._direct, leader=leader)
 
 
 def of(nc: Any) -> Follower | None:

@@ -384,6 +384,8 @@ class Mapper(Service):
 
     async def connect(self) -> None:
         self.nc = await connect_service(self.settings, name=f"aep-bridge-mapper-{self.settings.instance}", role="mapper")
+        if (follower := follow.of(self.nc)) is not None:
+            follower.lead(S.HERMES_RAW)  # a server that cannot reach its leader is left (bridge.nats.follow)
         self.js = self.nc.jetstream(publish_async_max_pending=4096)
         self.publisher = await AckPublisher(self.nc).start()  # the events' publishes (bridge.nats.publish)
 
@@ -403,9 +405,9 @@ class Mapper(Service):
         if window:
             self.mapped_late_after_ns = int(window * 1e9) // 2
         self.metrics.epoch.set(self.epoch)
-        kv = await follow.kv(self.js, S.LANES_BUCKET)
+        kv = await follow.kv(self.js, S.LANES_BUCKET, leader=True)  # (its role may ask the leader)
         try:
-            facts = await follow.kv(self.js, S.LANE_FACTS_BUCKET)
+            facts = await follow.kv(self.js, S.LANE_FACTS_BUCKET, leader=True)
         except UNANSWERED:  # an election: asked again, not a mapper without lane facts for its life
             raise
         except Exception as exc:  # a release before lane facts bootstrapped this server: map without them

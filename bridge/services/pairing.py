@@ -1265,6 +1265,8 @@ class PairingService(Service):
 
     async def connect(self) -> None:
         self.nc = await connect_service(self.settings, name=f"aep-bridge-pairing-{self.replica}", role="pairing")
+        if (follower := follow.of(self.nc)) is not None:
+            follower.lead(S.BRIDGE_MAPPED)  # a server that cannot reach its leader is left (bridge.nats.follow)
         self.js = self.nc.jetstream(publish_async_max_pending=4096)
         self.publisher = await AckPublisher(self.nc).start()  # the events' publishes (bridge.nats.publish)
         await until_answered(self.bind, what="bind", log=log, nc=self.nc)

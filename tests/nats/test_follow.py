@@ -372,22 +372,25 @@ def test_a_bucket_read_a_replica_never_answers_is_asked_of_the_leader(nats_serve
     gets on aep_lane_facts, aep_lanes and aep_instruct timed out one after the other, 5 s
     each, for the whole cut."""
     import nats as nats_py
+    import nats.errors
     from nats.js.api import KeyValueConfig
     from nats.js.errors import KeyNotFoundError
 
-    async def run() -> tuple[bytes, float, bool, float]:
+    async def run() -> tuple[bytes, float, bool, float, int, float]:
         nc = await nats_py.connect(nats_server.url)
         try:
-            js = nc.jetstream()
+            js = nc.jetstream(timeout=1.5)
             # no server-side direct gets: what answers DIRECT.GET below is a replica that never does
             await js.create_key_value(KeyValueConfig(bucket="hedged", direct=False))
             await (await js.key_value("hedged")).put("k", b"v")
 
-            async def mute(_msg: object) -> None:
-                pass
+            asked: list[str] = []
+
+            async def mute(msg: object) -> None:
+                asked.append(msg.subject)  # type: ignore[attr-defined]
 
             await nc.subscribe("$JS.API.DIRECT.GET.KV_hedged.>", cb=mute)
-            kv = await follow.kv(js, "hedged")
+            kv = await follow.kv(js, "hedged", leader=True)
             kv._direct = True  # (the bucket's allow_direct, as every bridge bucket has)
             t0 = time.monotonic()
             value = (await kv.get("k")).value
@@ -398,10 +401,65 @@ def test_a_bucket_read_a_replica_never_answers_is_asked_of_the_leader(nats_serve
                 missing = False
             except KeyNotFoundError:
                 missing = True
-            return value, took, missing, time.monotonic() - t0
+            took_missing = time.monotonic() - t0
+            # A role without the leader's get (its direct gets limited to some keys): direct gets
+            # again, the last with nats-py's own timeout, then nats-py's timeout error.
+            direct_only = await follow.kv(js, "hedged")
+            direct_only._direct = True
+            asked.clear()
+            t0 = time.monotonic()
+            with pytest.raises(nats.errors.TimeoutError):
+                await direct_only.get("k")
+            return value, took, missing, took_missing, len(asked), time.monotonic() - t0
         finally:
             await nc.close()
 
-    value, took, missing, took_missing = asyncio.run(run())
+    value, took, missing, took_missing, tries, took_direct = asyncio.run(run())
+    assert tries == 3 and took_direct < 2 * follow.DIRECT_GET_S + 1.5 + 1.0, (tries, took_direct)
     assert value == b"v" and took < follow.DIRECT_GET_S + 2.0, took
     assert missing and took_missing < follow.DIRECT_GET_S + 2.0, took_missing
+
+
+def test_the_stream_probe_counts_its_leaders_silence_and_503_apart_from_the_meta_probe():
+    """`Follower.lead`: each probe also asks the service's stream's leader (a message get only
+    it answers). Unanswered or 503 is a failure of its own, whatever the meta probe says (a
+    node cut off from its peers that still leads the meta group answers that one: both mappers
+    sat 17 s on such a node, their fetches bringing nothing, partition run 2026-12-07 18:24);
+    any other answer (a 404 "no message found" is the leader's) ends it. A refused subject
+    stops the stream probe."""
+    from types import SimpleNamespace
+
+    now = [100.0]
+    answers: list = []
+
+    async def request(subject: str, payload: bytes = b"", timeout: float = 0.5, **_k: object) -> object:
+        assert subject == "$JS.API.STREAM.MSG.GET.HERMES_RAW" and payload == follow.STREAM_PROBE_BODY
+        answer = answers.pop(0)
+        if isinstance(answer, BaseException):
+            raise answer
+        return SimpleNamespace(data=answer, headers=None)
+
+    nc = SimpleNamespace(is_connected=True, last_error=None)
+    f = follow.Follower(nc, after_s=5.0, clock=lambda: now[0])
+    f.raw_request = request
+    f.lead("HERMES_RAW")
+
+    async def main() -> None:
+        answers.append(asyncio.TimeoutError())
+        await f.probe_stream()
+        assert f.failing_since() == 100.0, "the leader's silence is a failure"
+        f.success(probe=True)  # the meta probe answering does not end it
+        assert f.failing_since() == 100.0
+        now[0] = 101.0
+        answers.append(b'{"type":"io.nats.jetstream.api.v1.stream_msg_get_response","error":{"code":503,"err_code":10008}}')
+        await f.probe_stream()
+        assert f.failing_since() == 100.0, "a 503 goes on failing"
+        answers.append(b'{"type":"io.nats.jetstream.api.v1.stream_msg_get_response","error":{"code":404,"err_code":10037,"description":"no message found"}}')
+        await f.probe_stream()
+        assert f.failing_since() is None, "the leader's 404 is an answer"
+        nc.last_error = "nats: permissions violation for publish to \"$JS.API.STREAM.MSG.GET.HERMES_RAW\""
+        answers.append(asyncio.TimeoutError())
+        await f.probe_stream()
+        assert f.stream is None and f.failing_since() is None, "refused: no more stream probes, no failure"
+
+    asyncio.run(main())
