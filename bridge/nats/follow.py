@@ -27,13 +27,16 @@ PINGs and accepts publishes, so nats-py's own reconnect (after failed PINGs) nev
     replica answers one, and one routed to the cut node is lost from any server);
   - a probe of its own every `PROBE_S`: ``$JS.API.INFO``, which in a cluster only the meta
     leader answers (a node cut off from its peers has none: 503 "JetStream system
-    temporarily unavailable", or nothing), so an idle service notices too.
+    temporarily unavailable", or nothing), so an idle service notices too;
+  - with `Follower.lead`, a message get of the service's own stream each probe, which only
+    that stream's leader answers (`probe_stream`): a cut node that still leads the meta group
+    and the service's durable answers the two above from its stale view for ~10 s.
 
   - the acked publishes of an `AckPublisher` on the connection (the mapper's and pairing's
     hot path, which does not go through ``request``): a publish sent after the last ack came
     and still not acked is a failure since it was sent.
 
-  The three are judged apart (a meta leader cut off from its peers answers the probe for
+  The four are judged apart (a meta leader cut off from its peers answers the probe for
   ~10 s more, lostQuorumInterval, while no publish of the service is acked). When one of them
   has failed for ``after_s`` with no success of its own since, while the connection is up, it
   checks the servers of the list with side connections and the probe, and reconnects to the
@@ -45,7 +48,11 @@ PINGs and accepts publishes, so nats-py's own reconnect (after failed PINGs) nev
   no answer, up to `MAX_SPACING_S`. Each is counted (``aep_bridge_nats_server_moves_total``)
   and logged (``nats_server_left``: the server left, the one joined, for how long, why);
   `/healthz` shows the server it is on (``nats_server``) and its moves. With one server in
-  the list there is nowhere to go: it only watches.
+  the list there is nowhere to go: it only watches. When the connection comes back (a move,
+  or nats-py's own reconnect) what was sent before and is still unanswered fails at once
+  (`SentBefore`) and its callers send it again through the server joined.
+* `kv`: the services' KV buckets, a read no replica answered within `DIRECT_GET_S` asked again
+  (the stream's leader, or another direct get): a direct get routed to a cut node is lost.
 """
 
 from __future__ import annotations

@@ -473,8 +473,12 @@ class PairingService(Service):
                     return True  # stopping: `stop` gives the leases back
 
     async def release(self, part: Partition) -> None:
+        await self.release_lease(part.number, part.revision)
+
+    async def release_lease(self, n: int, revision: int) -> None:
+        """Delete the lease of partition ``n`` if it is still at ``revision`` (ours)."""
         try:
-            await self.leases.delete(f"p.{part.number}", last=part.revision)
+            await self.leases.delete(f"p.{n}", last=revision)
         except Exception:
             pass
 
@@ -1180,7 +1184,10 @@ class PairingService(Service):
                 part = await self.restore(n)
             except Exception as exc:  # e.g. CheckpointUnreadable: stays unowned, and not ready
                 self.unowned[n] = f"restore: {type(exc).__name__}: {exc}"
-                log.error("partition_restore_failed", partition=n, error=self.unowned[n])
+                log.error("partition_restore_failed", partition=n, error=self.unowned[n], action="lease released")
+                # Given back at once, for the next round of either replica: kept, it blocked the
+                # partition until its TTL (10 s; eight partitions so in a partition run, 2026-12-07 18:30).
+                await self.release_lease(n, revision)
                 continue
             part.revision = revision
             part.confirmed = sent

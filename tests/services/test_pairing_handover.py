@@ -213,3 +213,46 @@ def test_a_refused_renewal_whose_read_gets_no_answer_is_tried_again_not_lost(nat
         client.close()
     assert kept and calls[:3] == ["update", "update", "get"], calls
     assert revision == stored, (revision, stored, calls)
+
+
+def test_a_partition_whose_restore_fails_gives_its_lease_back_and_is_taken_next_round(nats_server_fn):
+    """A restore that fails (its checkpoint unreadable while the checkpoints stream elects)
+    leaves the partition unowned: its lease goes back at once, and the next round takes it.
+    Before, the lease stayed under the replica's name until its TTL (10 s) and no replica could
+    take the partition meanwhile: in a partition run (2026-12-07 18:30) pairing's eight
+    partitions waited 10 s so, from a restore failed 2 s after the checkpoints had a leader."""
+    client = JetStreamClient(nats_server_fn.url)
+    client.bootstrap()
+
+    async def run() -> tuple[bool, list[int], list[int]]:
+        svc = await _service(nats_server_fn.url, "restores")
+        try:
+            real = svc.restore
+            failed: list[int] = []
+
+            async def restore_fails_once(n: int) -> P.Partition:
+                if n == 0 and not failed:
+                    failed.append(n)
+                    raise P.CheckpointUnreadable("checkpoint p.0: 503 (the stream electing)")
+                return await real(n)
+
+            svc.restore = restore_fails_once  # type: ignore[method-assign]
+            await svc.maintain()
+            first = sorted(svc.partitions)
+            try:
+                await svc.leases.get("p.0")
+                held = True
+            except KeyNotFoundError:
+                held = False
+            await svc.maintain()  # the next round (2 s later in the service)
+            return held, first, sorted(svc.partitions)
+        finally:
+            await _stop(svc)
+
+    try:
+        held, first, second = client.run(run())
+    finally:
+        client.close()
+    assert first == list(range(1, 8)), first
+    assert not held, "the lease of the partition whose restore failed was given back"
+    assert second == list(range(8)), f"taken at the next round: {second}"
