@@ -28,9 +28,10 @@ PINGs and accepts publishes, so nats-py's own reconnect (after failed PINGs) nev
   - a probe of its own every `PROBE_S`: ``$JS.API.INFO``, which in a cluster only the meta
     leader answers (a node cut off from its peers has none: 503 "JetStream system
     temporarily unavailable", or nothing), so an idle service notices too;
-  - with `Follower.lead`, a message get of the service's own stream each probe, which only
-    that stream's leader answers (`probe_stream`): a cut node that still leads the meta group
-    and the service's durable answers the two above from its stale view for ~10 s.
+  - with `Follower.lead`, the info of the service's own stream each probe, which its leader
+    answers with when it last heard from each member of its group (`probe_stream`): a cut node
+    that still leads the meta group, the service's durable or the stream answers the two above
+    from its stale view for ~10 s.
 
   - the acked publishes of an `AckPublisher` on the connection (the mapper's and pairing's
     hot path, which does not go through ``request``): a publish sent after the last ack came
@@ -66,6 +67,7 @@ from typing import Any, Iterable
 
 import nats
 import nats.errors
+import msgspec
 import nats.js.errors
 import structlog
 
@@ -87,20 +89,53 @@ CANCELLED_UNANSWERED_S = 1.0
 WATCHED_PREFIXES = ("$JS.", "$KV.", "$O.")
 #: the attribute of a nats-py Client that holds its `Follower`
 ATTR = "_aep_follower"
-#: the stream probe's request: the last message of a subject no stream holds messages under, so
-#: the leader answers at once and sends no message ("no message found", 404)
-STREAM_PROBE_BODY = b'{"last_by_subj":"_aep.probe.none"}'
+#: a stream leader that has heard from no majority of its group for this long is cut off from it
+#: (its followers answer each heartbeat, 1 s; nats-server steps it down only after 10 s)
+STALE_PEERS_S = 3.0
+
+
+class _Peer(msgspec.Struct):
+    active: int = 0  # ns since the leader last heard from it
+    offline: bool = False
+
+
+class _Cluster(msgspec.Struct):
+    leader: str = ""
+    replicas: list[_Peer] = []
+
+
+class _StreamInfo(msgspec.Struct):
+    cluster: _Cluster | None = None
+    error: dict | None = None
 
 
 def _stream_probe(stream: str) -> str:
-    return f"$JS.API.STREAM.MSG.GET.{stream}"
+    return f"$JS.API.STREAM.INFO.{stream}"
 
 
-def _leader_answered(reply: Any) -> bool:
-    """A message get's answer from the stream's leader: anything but a 503 (a 404 "no message
-    found" is the leader's answer too)."""
-    head = (getattr(reply, "data", b"") or b"")[:200]
-    return b'"code":503' not in head and (getattr(reply, "headers", None) or {}).get("Status") != "503"
+def leader_fresh(reply: Any) -> tuple[bool, str]:
+    """Does a stream info answer come from a leader that reaches its group? (answered, why
+    not). A 503, no leader (a member that sees none answers from its own copy), or a leader
+    that heard from no majority of its group for `STALE_PEERS_S`: no. An answer without a
+    cluster (one server) or another error (about what was asked): yes."""
+    data = getattr(reply, "data", b"") or b""
+    if b'"code":503' in data[:300] or (getattr(reply, "headers", None) or {}).get("Status") == "503":
+        return False, "503"
+    try:
+        info = msgspec.json.decode(data, type=_StreamInfo)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return True, ""
+    cluster = info.cluster
+    if info.error is not None or cluster is None:
+        return True, ""
+    if not cluster.leader:
+        return False, "no leader"
+    if not cluster.replicas:
+        return True, ""
+    heard = 1 + sum(1 for p in cluster.replicas if not p.offline and 0 < p.active < STALE_PEERS_S * 1e9)
+    if heard < (len(cluster.replicas) + 1) // 2 + 1:
+        return False, f"its leader {cluster.leader[:40]} heard from {heard - 1} of {len(cluster.replicas)} peers within {STALE_PEERS_S:g} s"
+    return True, ""
 
 
 def identity(name: str | None) -> str:
@@ -269,8 +304,8 @@ class Follower:
             reply = await nc.request(PROBE_SUBJECT, b"", timeout=timeout)
             if b'"error"' in (reply.data or b"")[:200]:
                 return False
-            if self.stream is not None:  # and the service's stream's leader, through it
-                return _leader_answered(await nc.request(_stream_probe(self.stream), STREAM_PROBE_BODY, timeout=timeout))
+            if self.stream is not None:  # and the service's stream's leader, through it, not cut off from its group
+                return leader_fresh(await nc.request(_stream_probe(self.stream), b"", timeout=timeout))[0]
             return True
         except Exception:
             return False
@@ -349,38 +384,37 @@ class Follower:
                             action="JetStream failures of the service's own requests are still watched")
 
     def lead(self, stream: str) -> None:
-        """Ask ``stream``'s leader too, each probe (`probe_stream`): the stream the service
-        cannot work without (the mapper's HERMES_RAW, pairing's BRIDGE_MAPPED, the gate's
-        AEP_EVENTS). Its role must be allowed ``$JS.API.STREAM.MSG.GET.<stream>``."""
+        """Ask about ``stream``'s leader too, each probe (`probe_stream`): the stream the
+        service cannot work without (the mapper's and the gate's HERMES_RAW, pairing's
+        BRIDGE_MAPPED, the exporter's and the relay's AEP_EVENTS). Its role must be allowed
+        ``$JS.API.STREAM.INFO.<stream>``."""
         self.stream = stream
 
     async def probe_stream(self) -> None:
-        """A message get of `stream`, which only its leader answers (from a node cut off from
-        its peers, a get routed to the leader on the other side is lost; the node's own view
-        of a stream with no leader answers 503). Judged apart from the meta leader's probe: a
-        node cut off from its peers that still leads the meta group and the durable answers
-        those from its stale view (the durable's with nothing pending) while the stream's
-        leader is on the other side: both mappers sat 17 s on such a node in a partition run
-        (2026-12-07 18:24), their fetches bringing nothing and failing nothing."""
+        """The stream's info, which its leader answers with when it last heard from each member
+        of its group (`leader_fresh`). A node cut off from its peers that still leads the meta
+        group, the service's durable or the stream itself answers everything else from its stale
+        view for ~10 s (nats-server's lostQuorumInterval), its fetches bringing nothing and
+        failing nothing: both mappers sat 17 s on such a node in partition runs (2026-12-07
+        18:24, 18:36). Unanswered (the leader on the other side), 503, no leader, or a leader
+        that heard from no majority of its group for `STALE_PEERS_S`: a failure of its own."""
         assert self.stream is not None
         request = self.raw_request or self.nc.request
         sent = self.clock()
+        subject = _stream_probe(self.stream)
         try:
-            reply = await request(_stream_probe(self.stream), STREAM_PROBE_BODY,
-                                  timeout=max(0.2, min(2.0, self.after_s / 3)))
+            reply = await request(subject, b"", timeout=max(0.2, min(2.0, self.after_s / 3)))
         except Exception as exc:
             last = str(getattr(self.nc, "last_error", "") or "").lower()
-            if "permissions violation" in last and "stream.msg.get" in last:
+            if "permissions violation" in last and subject.lower() in last:
                 self.stream = None
                 self.stream_bad_since = None
                 log.warning("nats_stream_probe_refused", connection=self.name, error=last[:200],
                             action="the meta leader's probe and the service's own requests are still watched")
                 return
-            answered = False
-            why = f"{_stream_probe(self.stream)}: {type(exc).__name__}: {exc}"
+            answered, why = False, f"{type(exc).__name__}: {exc}"
         else:
-            answered = _leader_answered(reply)
-            why = f"{_stream_probe(self.stream)}: 503"
+            answered, why = leader_fresh(reply)
         if answered:
             self.stream_bad_since = None
             self.answered_since_move = True
@@ -389,7 +423,7 @@ class Follower:
             return
         if self.stream_bad_since is None and self.nc.is_connected:
             self.stream_bad_since = sent
-        self.last_failure = why
+        self.last_failure = f"{subject}: {why}"
 
     async def run(self) -> None:
         while not self.nc.is_closed:

@@ -420,20 +420,28 @@ def test_a_bucket_read_a_replica_never_answers_is_asked_of_the_leader(nats_serve
     assert missing and took_missing < follow.DIRECT_GET_S + 2.0, took_missing
 
 
-def test_the_stream_probe_counts_its_leaders_silence_and_503_apart_from_the_meta_probe():
-    """`Follower.lead`: each probe also asks the service's stream's leader (a message get only
-    it answers). Unanswered or 503 is a failure of its own, whatever the meta probe says (a
-    node cut off from its peers that still leads the meta group answers that one: both mappers
-    sat 17 s on such a node, their fetches bringing nothing, partition run 2026-12-07 18:24);
-    any other answer (a 404 "no message found" is the leader's) ends it. A refused subject
-    stops the stream probe."""
+def test_the_stream_probe_counts_a_leader_cut_off_from_its_group_apart_from_the_meta_probe():
+    """`Follower.lead`: each probe also asks for the service's stream's info, which its leader
+    answers with when it last heard from each member of its group. Unanswered, 503, no leader,
+    or a leader that heard from no majority of its group for STALE_PEERS_S is a failure of its
+    own, whatever the meta probe says (a node cut off from its peers that still leads the meta
+    group, the durable or the stream answers from its stale view: both mappers sat 17 s on such
+    a node, partition runs 2026-12-07 18:24 and 18:36); a leader that hears its group, or an
+    answer with no cluster (one server), ends it. A refused subject stops the stream probe."""
+    import json
     from types import SimpleNamespace
 
     now = [100.0]
     answers: list = []
 
+    def info(leader: str, *active_s: float) -> bytes:
+        return json.dumps({"type": "io.nats.jetstream.api.v1.stream_info_response", "config": {"name": "HERMES_RAW"},
+                           "cluster": {"name": "c", "leader": leader,
+                                       "replicas": [{"name": f"n{i}", "current": True, "active": int(a * 1e9)}
+                                                    for i, a in enumerate(active_s, 2)]}}).encode()
+
     async def request(subject: str, payload: bytes = b"", timeout: float = 0.5, **_k: object) -> object:
-        assert subject == "$JS.API.STREAM.MSG.GET.HERMES_RAW" and payload == follow.STREAM_PROBE_BODY
+        assert subject == "$JS.API.STREAM.INFO.HERMES_RAW"
         answer = answers.pop(0)
         if isinstance(answer, BaseException):
             raise answer
@@ -451,13 +459,21 @@ def test_the_stream_probe_counts_its_leaders_silence_and_503_apart_from_the_meta
         f.success(probe=True)  # the meta probe answering does not end it
         assert f.failing_since() == 100.0
         now[0] = 101.0
-        answers.append(b'{"type":"io.nats.jetstream.api.v1.stream_msg_get_response","error":{"code":503,"err_code":10008}}')
+        for stale in (info("n1", 6.0, 6.5), info("", 0.2, 0.3),
+                      b'{"type":"io.nats.jetstream.api.v1.stream_info_response","error":{"code":503,"err_code":10008}}'):
+            answers.append(stale)
+            await f.probe_stream()
+            assert f.failing_since() == 100.0, ("a stale leader, no leader or a 503 goes on failing", stale[:120])
+        answers.append(info("n1", 0.4, 7.0))  # one of two peers heard: with itself, a majority of three
         await f.probe_stream()
-        assert f.failing_since() == 100.0, "a 503 goes on failing"
-        answers.append(b'{"type":"io.nats.jetstream.api.v1.stream_msg_get_response","error":{"code":404,"err_code":10037,"description":"no message found"}}')
+        assert f.failing_since() is None, "a leader that hears a majority of its group answers"
+        answers.append(info("n1", 6.0, 7.0))
         await f.probe_stream()
-        assert f.failing_since() is None, "the leader's 404 is an answer"
-        nc.last_error = "nats: permissions violation for publish to \"$JS.API.STREAM.MSG.GET.HERMES_RAW\""
+        assert f.failing_since() == 101.0
+        answers.append(b'{"type":"io.nats.jetstream.api.v1.stream_info_response","config":{"name":"HERMES_RAW"},"state":{}}')
+        await f.probe_stream()
+        assert f.failing_since() is None, "one server: no cluster to judge"
+        nc.last_error = "nats: permissions violation for publish to \"$JS.API.STREAM.INFO.HERMES_RAW\""
         answers.append(asyncio.TimeoutError())
         await f.probe_stream()
         assert f.stream is None and f.failing_since() is None, "refused: no more stream probes, no failure"

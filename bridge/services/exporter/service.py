@@ -55,7 +55,7 @@ from bridge.services.exporter.delivery import kafka_record
 from bridge.services.exporter.partitions import PartitionedSink, bind_or_wait
 from bridge.core.sinks import PROJECTION, SinkConfig, check_unique, sink_from_url, sinks_from_document
 from bridge.services.exporter.sinks import Outcome, make_sink, require_clients
-from bridge.runtime import Health, Loop, Service, Settings, Stopper, connect_service, server_list
+from bridge.runtime import Health, Loop, Service, Settings, Stopper, connect_service, follow, server_list
 from bridge.runtime import streams as S
 from bridge.runtime import subjects as subj
 
@@ -435,6 +435,8 @@ class Exporter(Service):
 
     async def connect(self) -> None:
         self.nc = await connect_service(self.settings, name=f"aep-bridge-exporter-{self.settings.instance}", role="exporter")
+        if (follower := follow.of(self.nc)) is not None:
+            follower.lead(S.AEP_EVENTS)  # a server that cannot reach its leader is left (bridge.nats.follow)
         self.js = self.nc.jetstream()
 
     def _readiness(self) -> None:

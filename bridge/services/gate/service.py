@@ -203,7 +203,7 @@ class Gate(Commands):
     async def connect(self) -> tuple[Any, Any]:
         self.nc = await connect_service(self.settings, name=f"aep-bridge-gate-{self.settings.instance}", role="gate")
         if (follower := follow.of(self.nc)) is not None:
-            follower.lead(S.AEP_EVENTS)  # a server that cannot reach its leader is left (bridge.nats.follow)
+            follower.lead(S.HERMES_RAW)  # a server that cannot reach its leader is left (bridge.nats.follow)
         self.js = self.nc.jetstream()
         replicas = configured_replicas(self.settings)  # AEP_BRIDGE_STREAM_REPLICAS, like `bootstrap`
         for spec in S.CONTROL_BUCKETS:  # unset: 1 for new buckets, existing ones keep theirs (never scaled down)

@@ -19,7 +19,8 @@ from prometheus_client import CollectorRegistry
 
 from bridge.core.ceiling import LEVELS
 from bridge.core.downlevel import payload_fields
-from bridge.runtime import Health, Loop, Service, Settings, SettingError, Stopper, connect_service
+from bridge.runtime import Health, Loop, Service, Settings, SettingError, Stopper, connect_service, follow
+from bridge.runtime import streams as S
 from bridge.runtime import subjects as subj
 from bridge.services.relay.claims import Claims
 from bridge.services.relay.config import Principal, RelayConfig
@@ -221,6 +222,8 @@ class RelayService(Service):
 
     async def start(self) -> list[Loop]:
         self.nc = await connect_service(self.settings, name=f"aep-bridge-relay-{self.settings.instance}", role="relay")
+        if (follower := follow.of(self.nc)) is not None:
+            follower.lead(S.AEP_EVENTS)  # a server that cannot reach its leader is left (bridge.nats.follow)
         self.relay = Relay(self.cfg, self.nc.jetstream(), self.nc, self.settings.instance, health=self.health,
                            registry=self.registry)
         loop = asyncio.get_running_loop()
