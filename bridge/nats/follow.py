@@ -49,9 +49,9 @@ PINGs and accepts publishes, so nats-py's own reconnect (after failed PINGs) nev
   no answer, up to `MAX_SPACING_S`. Each is counted (``aep_bridge_nats_server_moves_total``)
   and logged (``nats_server_left``: the server left, the one joined, for how long, why);
   `/healthz` shows the server it is on (``nats_server``) and its moves. With one server in
-  the list there is nowhere to go: it only watches. When the connection comes back (a move,
-  or nats-py's own reconnect) what was sent before and is still unanswered fails at once
-  (`SentBefore`) and its callers send it again through the server joined.
+  the list there is nowhere to go: it only watches. When a move's connection is up, the acked
+  publishes sent to the server left and still unanswered fail at once (`SentBefore`) and their
+  callers send them again through the server joined.
 * `kv`: the services' KV buckets, a read no replica answered within `DIRECT_GET_S` asked again
   (the stream's leader, or another direct get): a direct get routed to a cut node is lost.
 """
@@ -187,11 +187,12 @@ class Follower:
         self.waiting = False  # the last decision found no better server (logged once)
         self.spacing = after_s  # the least time between two moves (`move` doubles it while nothing answers)
         self.answered_since_move = True
-        #: the stream whose leader the service needs (`lead`): asked each probe by a message get,
-        #: which only that leader answers (None: not asked)
+        #: the stream whose leader the service needs (`lead`): its info asked each probe
+        #: (`probe_stream`; None: not asked)
         self.stream: str | None = None
-        self.stream_bad_since: float | None = None  # that get unanswered (or 503) since
+        self.stream_bad_since: float | None = None  # its leader unanswered, absent or cut off since
         self.raw_request: Any = None  # nc.request before `watch` wrapped it (the stream probe is judged apart)
+        self.left_waiting: list[asyncio.Future] = []  # publishes waiting when a move began (`leaving`)
 
     # ------------------------------------------------------------ what the connection sees
 
@@ -217,19 +218,29 @@ class Follower:
         say nothing of this one (a request timing out after a reconnect started the new
         server's clock at its send; review of issue 42's follower).
 
-        Nor is its answer waited for: the publishes (`AckPublisher.abandon`) and requests still
-        unanswered fail now as unanswered (`SentBefore`), and their callers send them again
-        through the server joined, as after a timeout (the publishes with the same
-        ``Nats-Msg-Id``: JetStream keeps one copy). A server cut off from its peers takes what
-        is sent and answers nothing: in a partition run (2026-12-07, cut 1) both mappers moved
-        5-6 s after the cut, the publishes they had sent before it failed 15-19 s later, and
-        AEP_EVENTS stayed flat until then (18.6 s)."""
+        After a move, the acked publishes that were waiting when the service left (`leaving`)
+        and are still unanswered fail now as unanswered (`SentBefore`): their callers send them
+        again through the server joined, as after a timeout (with the same ``Nats-Msg-Id``:
+        JetStream keeps one copy). A server cut off from its peers takes what is sent and
+        answers nothing: in a partition run (2026-12-07, cut 1) both mappers moved 5-6 s after
+        the cut, the publishes they had sent before it failed 15-19 s later, and AEP_EVENTS
+        stayed flat until then (18.6 s). Only those: an answer routed to the connection's inbox
+        reaches it through the server joined too (a healthy server's, after nats-py's own
+        reconnect), and what was sent after the move began went to the new server. Requests
+        are left to their own timeouts (a KV write sent again would be refused as behind)."""
         self.joined = self.clock()
         self.bad_since = self.probe_bad_since = self.stream_bad_since = None
+        left, self.left_waiting = self.left_waiting, []
         for publisher in self.publishers:
             publisher.forget_unacked()
-            publisher.abandon(SentBefore())
-        abandon_requests(self.nc)
+        for future in left:
+            if not future.done():
+                future.set_exception(SentBefore())
+
+    def leaving(self) -> None:
+        """A move begins: the publishes waiting for their ack now went to the server left
+        (`rejoined` fails those still waiting once the connection is back)."""
+        self.left_waiting = [f for publisher in self.publishers for f in publisher.waiting()]
 
     def success(self, probe: bool = False) -> None:
         if probe:
@@ -368,6 +379,7 @@ class Follower:
             self.last_failure = "publishes not acked"
         log.warning("nats_server_left", connection=self.name, server=left, to=target.uri.netloc, failing_for_s=failing,
                     error=self.last_failure[:300], action="reconnect to a server that serves JetStream")
+        self.leaving()
         await self.nc.force_reconnect()
 
     async def probe(self) -> None:
@@ -451,20 +463,10 @@ class Follower:
 
 
 class SentBefore(nats.errors.TimeoutError):
-    """Unanswered: sent over the connection before it came back (`Follower.rejoined`)."""
+    """Unanswered: sent to the server a move left (`Follower.rejoined`)."""
 
     def __str__(self) -> str:
-        return "nats: unanswered, sent before the connection came back (sent again)"
-
-
-def abandon_requests(nc: Any) -> int:
-    """Fail nats-py's requests still waiting for an answer (its ``_resp_map``: nats-py 2.16,
-    pinned) with `SentBefore` (nats-py's ``request`` raises it as its own timeout): the
-    answers of requests sent to the server left do not come through the one joined."""
-    waiting = [f for f in list((getattr(nc, "_resp_map", None) or {}).values()) if not f.done()]
-    for future in waiting:
-        future.set_exception(SentBefore())
-    return len(waiting)
+        return "nats: unanswered, sent to the server left (sent again)"
 
 
 def watch(nc: Any, follower: Follower) -> None:
@@ -502,7 +504,10 @@ def start(nc: Any, *, after_s: float, name: str = "", probe_s: float = PROBE_S,
     prior = getattr(nc, "_reconnected_cb", None)  # (nats-py 2.16 keeps connect's reconnected_cb there)
 
     async def reconnected() -> None:
-        follower.rejoined()
+        try:
+            follower.rejoined()
+        except Exception as exc:  # never in nats-py's reconnect (its caller catches little)
+            log.warning("nats_follow_failed", connection=follower.name, error=f"{type(exc).__name__}: {exc}")
         if prior is not None:
             await prior()
 

@@ -134,15 +134,9 @@ class AckPublisher:
     def forget_unacked(self) -> None:
         self._unacked_since = None
 
-    def abandon(self, exc: BaseException) -> int:
-        """Fail every publish whose ack has not come with ``exc`` (the connection came back
-        through another server: `bridge.nats.follow.Follower.rejoined`); a late ack finds
-        nothing. Returns how many."""
-        waiting = [f for f in self._futures.values() if not f.done()]
-        self._futures = {}
-        for future in waiting:
-            future.set_exception(exc)
-        return len(waiting)
+    def waiting(self) -> list[asyncio.Future]:
+        """The publishes whose ack has not come (nor been given up on)."""
+        return [f for f in self._futures.values() if not f.done()]
 
     @property
     def pending(self) -> int:

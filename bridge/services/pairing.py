@@ -117,6 +117,7 @@ RETRY_S = 0.25  # between a renewal that got no answer and the next
 ACK_RESEND_S = 3.0
 RESEND_PAUSE_S = 0.5
 PUBLISH_GIVE_UP_S = 15.0
+RESTORE_AGAIN_S = 5.0  # after a restore failed here, before this replica tries that partition again
 CHECKPOINT_EVERY = 5000
 FETCH_BATCH = 512
 PROGRESS_KEY = "q.{}"  # in the aep_pairing bucket: the last position whose outputs are all acked
@@ -363,6 +364,7 @@ class PairingService(Service):
         self._types_checked: set[str] = set()  # event types `subj.event_subject` took (`subject_of`)
         self._floor_epoch: tuple[Any, int] | None = None  # (the mapper durable's creation time, HERMES_RAW's epoch)
         self._floor_error: str | None = None  # why the last `mapper_floor` read failed (logged once per cause)
+        self._restore_again: dict[int, float] = {}  # partition -> monotonic time its failed restore may be tried again
         self.health.live["partitions"] = self.owned_now  # at every moment, the fence's own rule
 
     # ------------------------------------------------------------ leases
@@ -1176,6 +1178,8 @@ class PairingService(Service):
         for n in range(self.settings.partitions):
             if n in self.partitions or n in dropped:  # a dropped one is tried again next round
                 continue
+            if self._restore_again.get(n, 0.0) > time.monotonic():  # its restore failed here a moment ago
+                continue
             sent = time.monotonic()
             revision = await self.try_acquire(n)
             if revision is None:
@@ -1185,10 +1189,14 @@ class PairingService(Service):
             except Exception as exc:  # e.g. CheckpointUnreadable: stays unowned, and not ready
                 self.unowned[n] = f"restore: {type(exc).__name__}: {exc}"
                 log.error("partition_restore_failed", partition=n, error=self.unowned[n], action="lease released")
-                # Given back at once, for the next round of either replica: kept, it blocked the
-                # partition until its TTL (10 s; eight partitions so in a partition run, 2026-12-07 18:30).
+                # Given back at once, for the other replica's next round: kept, it blocked the
+                # partition until its TTL (10 s; eight partitions so in a partition run, 2026-12-07
+                # 18:30). This replica tries it again after RESTORE_AGAIN_S (a checkpoint that stays
+                # unreadable is not read every round by both).
                 await self.release_lease(n, revision)
+                self._restore_again[n] = time.monotonic() + RESTORE_AGAIN_S
                 continue
+            self._restore_again.pop(n, None)
             part.revision = revision
             part.confirmed = sent
             # The restore may have taken seconds: renewed before the loop starts, so its fencing

@@ -277,8 +277,6 @@ def test_a_reconnect_by_nats_py_itself_clears_what_was_sent_before_it():
     class Publisher:
         forgot = 0
 
-        def __init__(self) -> None:
-            self.abandoned: list[BaseException] = []
 
         def unacked_since(self):  # type: ignore[no-untyped-def]
             return None
@@ -286,9 +284,8 @@ def test_a_reconnect_by_nats_py_itself_clears_what_was_sent_before_it():
         def forget_unacked(self) -> None:
             self.forgot += 1
 
-        def abandon(self, exc: BaseException) -> int:
-            self.abandoned.append(exc)
-            return 0
+        def waiting(self) -> list:
+            return []
 
     async def main() -> follow.Follower:
         nc = SimpleNamespace(is_connected=True, is_closed=True, _reconnected_cb=user_cb,
@@ -302,7 +299,6 @@ def test_a_reconnect_by_nats_py_itself_clears_what_was_sent_before_it():
         assert f.failing_since() == 97.0
         await nc._reconnected_cb()
         assert called == [True] and publisher.forgot == 1
-        assert [type(e) for e in publisher.abandoned] == [follow.SentBefore]
         assert f.failing_since() is None
         f.observe("$JS.API.CONSUMER.INFO.HERMES_RAW.mapper", asyncio.TimeoutError(), sent=99.0)
         assert f.failing_since() is None, "sent before the reconnect"
@@ -314,54 +310,73 @@ def test_a_reconnect_by_nats_py_itself_clears_what_was_sent_before_it():
     asyncio.run(main())
 
 
-def test_what_was_sent_before_a_reconnect_fails_at_once_not_after_its_timeout(plain_server):
-    """A publish or request sent over the connection before it moved (or nats-py reconnected)
-    went to the server left: a node cut off from its peers takes it and answers nothing. Its
-    ack or answer is not waited for until its timeout: it fails as unanswered when the
-    connection comes back, and the caller sends it again (the same Nats-Msg-Id: JetStream keeps
-    one copy). In a partition run (2026-12-07, cut 1) both mappers moved 5-6 s after the cut
-    and their publishes sent before it failed only 15-19 s later; AEP_EVENTS stayed flat until
-    then, for 18.6 s."""
+def test_publishes_sent_to_the_server_a_move_left_fail_at_once_and_late_answers_still_come(plain_server):
+    """A move leaves a server that answers nothing (a node cut off from its peers takes what is
+    sent and never acks it): the acked publishes still waiting when the move began fail as
+    unanswered once the connection is back (`SentBefore`), and their callers send them again
+    through the server joined, not after their timeout (in a partition run, 2026-12-07 cut 1,
+    both mappers moved 5-6 s after the cut and their publishes sent before it failed 15-19 s
+    later; AEP_EVENTS flat 18.6 s). What was sent once the move began is not failed, nor is
+    anything after nats-py's own reconnect: an answer routed to the inbox reaches the
+    connection through the server joined (review of issue 42)."""
     import nats as nats_py
     import nats.errors
 
-    from bridge.nats.publish import AckPublisher
+    from bridge.nats.publish import Ack, AckPublisher
 
-    async def run() -> tuple[float, BaseException | None, float, BaseException | None, bool]:
+    async def run() -> dict[str, object]:
         nc = await nats_py.connect(plain_server, reconnect_time_wait=0.1)
+        other = await nats_py.connect(plain_server)
+        out: dict[str, object] = {}
         try:
             f = follow.start(nc, after_s=60.0)
+
             async def mute(_msg: object) -> None:  # takes them, answers nothing
                 pass
 
-            await nc.subscribe("mute.>", cb=mute)
+            async def late(msg: object) -> None:  # answers after the reconnect
+                await asyncio.sleep(0.6)
+                await other.publish(msg.reply, b'{"stream":"S","seq":7}')  # type: ignore[attr-defined]
+
+            await other.subscribe("mute.>", cb=mute)
+            await other.subscribe("late.>", cb=late)
+            await other.flush()
             publisher = await AckPublisher(nc).start()
-            published = await publisher.publish("mute.a", b"x", headers={"Nats-Msg-Id": "a"})
-            requested = asyncio.ensure_future(nc.request("mute.b", b"", timeout=30))
             await nc.flush()
-            await asyncio.sleep(0.2)
-            assert not published.done() and not requested.done()
+
+            # nats-py's own reconnect (no move): a late answer still comes
+            answered = await publisher.publish("late.a", b"x", headers={"Nats-Msg-Id": "a"})
+            requested = asyncio.ensure_future(nc.request("late.b", b"", timeout=5))
+            await nc.flush()
+            await nc.force_reconnect()
+            out["late_ack"] = await asyncio.wait_for(answered, 5)
+            out["late_reply"] = (await asyncio.wait_for(requested, 5)).data
+
+            # a move: what waited when it began fails at once; what came after waits on
+            left = await publisher.publish("mute.a", b"x", headers={"Nats-Msg-Id": "m"})
+            await nc.flush()
+            f.leaving()
+            after = await publisher.publish("mute.c", b"y", headers={"Nats-Msg-Id": "c"})
             t0 = time.monotonic()
             await nc.force_reconnect()
-            out = []
-            for fut in (published, requested):
-                try:
-                    await asyncio.wait_for(asyncio.shield(fut), 10)
-                    out += [time.monotonic() - t0, None]
-                except asyncio.TimeoutError as exc:  # nats-py's and asyncio's (an unanswered one)
-                    out += [time.monotonic() - t0, exc]
-            after = await publisher.publish("mute.c", b"y", headers={"Nats-Msg-Id": "c"})
+            try:
+                await asyncio.wait_for(asyncio.shield(left), 10)
+                out["left"] = None
+            except asyncio.TimeoutError as exc:
+                out["left"] = exc
+            out["left_s"] = time.monotonic() - t0
             await asyncio.sleep(0.3)
-            out.append(not after.done())
-            assert f.joined is not None
-            return tuple(out)  # type: ignore[return-value]
+            out["after_waits"] = not after.done()
+            return out
         finally:
             await nc.close()
+            await other.close()
 
-    t_pub, pub_exc, t_req, req_exc, later_waits = asyncio.run(run())
-    assert isinstance(pub_exc, nats.errors.TimeoutError) and t_pub < 5, (t_pub, pub_exc)
-    assert isinstance(req_exc, nats.errors.TimeoutError) and t_req < 5, (t_req, req_exc)
-    assert later_waits, "a publish sent after the reconnect is still awaited"
+    out = asyncio.run(run())
+    assert out["late_ack"] == Ack("S", 7, False) and out["late_reply"] == b'{"stream":"S","seq":7}', out
+    assert isinstance(out["left"], follow.SentBefore) and out["left_s"] < 5, out
+    assert isinstance(out["left"], nats.errors.TimeoutError), "an outage to its callers (`outage`, UNANSWERED)"
+    assert out["after_waits"], "a publish sent once the move began still waits for its ack"
 
 
 def test_a_bucket_read_a_replica_never_answers_is_asked_of_the_leader(nats_server):

@@ -217,14 +217,15 @@ def test_a_refused_renewal_whose_read_gets_no_answer_is_tried_again_not_lost(nat
 
 def test_a_partition_whose_restore_fails_gives_its_lease_back_and_is_taken_next_round(nats_server_fn):
     """A restore that fails (its checkpoint unreadable while the checkpoints stream elects)
-    leaves the partition unowned: its lease goes back at once, and the next round takes it.
+    leaves the partition unowned: its lease goes back at once, for the other replica's next
+    round; this one tries it again after RESTORE_AGAIN_S.
     Before, the lease stayed under the replica's name until its TTL (10 s) and no replica could
     take the partition meanwhile: in a partition run (2026-12-07 18:30) pairing's eight
     partitions waited 10 s so, from a restore failed 2 s after the checkpoints had a leader."""
     client = JetStreamClient(nats_server_fn.url)
     client.bootstrap()
 
-    async def run() -> tuple[bool, list[int], list[int]]:
+    async def run() -> tuple[bool, list[int], list[int], list[int]]:
         svc = await _service(nats_server_fn.url, "restores")
         try:
             real = svc.restore
@@ -244,15 +245,19 @@ def test_a_partition_whose_restore_fails_gives_its_lease_back_and_is_taken_next_
                 held = True
             except KeyNotFoundError:
                 held = False
-            await svc.maintain()  # the next round (2 s later in the service)
-            return held, first, sorted(svc.partitions)
+            await svc.maintain()  # the next round: this replica waits RESTORE_AGAIN_S (the other would take it)
+            again = sorted(svc.partitions)
+            svc._restore_again[0] = 0.0  # as if RESTORE_AGAIN_S had passed
+            await svc.maintain()
+            return held, first, again, sorted(svc.partitions)
         finally:
             await _stop(svc)
 
     try:
-        held, first, second = client.run(run())
+        held, first, again, later = client.run(run())
     finally:
         client.close()
     assert first == list(range(1, 8)), first
     assert not held, "the lease of the partition whose restore failed was given back"
-    assert second == list(range(8)), f"taken at the next round: {second}"
+    assert again == list(range(1, 8)), f"not tried again here at once: {again}"
+    assert later == list(range(8)), f"taken once RESTORE_AGAIN_S passed: {later}"

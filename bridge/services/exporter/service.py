@@ -436,7 +436,8 @@ class Exporter(Service):
     async def connect(self) -> None:
         self.nc = await connect_service(self.settings, name=f"aep-bridge-exporter-{self.settings.instance}", role="exporter")
         if (follower := follow.of(self.nc)) is not None:
-            follower.lead(S.AEP_EVENTS)  # a server that cannot reach its leader is left (bridge.nats.follow)
+            # the stream it reads: a server that cannot reach its leader is left (bridge.nats.follow)
+            follower.lead(S.EXPORT_STREAM if all(isinstance(w, PartitionedSink) for w in self.workers) else S.AEP_EVENTS)
         self.js = self.nc.jetstream()
 
     def _readiness(self) -> None:
