@@ -196,6 +196,7 @@ FIELDS: tuple[Field, ...] = (
     _f("AEP_BRIDGE_EXPORT_ACK_WAIT_S", "float", 60.0, {"exporter"}, "exporter: seconds before an event a replica took and did not confirm is delivered again (its durables' ack_wait; progress is reported every third of it while a sink holds a batch)", range=(3, 3600)),
     _f("AEP_BRIDGE_LINGER_MS", "float", 10.0, {"mapper"}, "mapper: after a batch of less than a quarter of the fetch size and of fewer than ~64 messages, how long the next one gathers at least (latency for CPU per event when the fleet is quiet; 0: no pause). Pairing does not pause: it takes each of the mapper's batches as it comes", range=(0, 1000)),
     _f("AEP_BRIDGE_LINGER_MAX_MS", "float", 300.0, {"mapper"}, "mapper: the longest a quiet stream's next batch gathers, plus up to AEP_BRIDGE_LINGER_MS to end on its clock (the pause grows toward ~64 messages a batch at the rate of the recent batches; at or below AEP_BRIDGE_LINGER_MS: always that; well below the mapper's ack wait)", range=(0, 1000)),
+    _f("AEP_BRIDGE_PAIRING_CHECKPOINT_S", "float", 10.0, {"pairing"}, "pairing: seconds between a partition's timed checkpoints (one every 5,000 of its messages too): a takeover replays at most this much; each encodes and compresses the partition's whole state", range=(1, 3600)),
     _f("AEP_BRIDGE_PAIRING_HOLD_S", "float", 45.0, {"pairing"}, "pairing: seconds a terminal waits for its start and a card outlives its session's end (keep it above AEP_BRIDGE_MAPPER_ACK_WAIT_S)", range=(0, 120)),
     _f("AEP_BRIDGE_STREAM_REPLICAS", "int", None, {"bootstrap", "gate"}, "stream replicas (default 1; 3 on a cluster)", range=(1, 5)),
     _f("AEP_BRIDGE_METRICS_PORT", "int", _metrics_port, SERVICES - {"relay"}, "/metrics, /healthz, /readyz port (mapper 9464, pairing 9465, gate 9466, exporter 9467)", range=(0, 65535), flag="--metrics-port"),
@@ -410,7 +411,7 @@ _SETTINGS_ATTRS = {
     "redact_names": "AEP_BRIDGE_REDACT_NAMES", "metrics_port": "AEP_BRIDGE_METRICS_PORT",
     "metrics_host": "AEP_BRIDGE_METRICS_HOST", "lane_wait_ms": "AEP_BRIDGE_LANE_WAIT_MS",
     "tick_s": "AEP_BRIDGE_TICK_S", "mapper_ack_wait_s": "AEP_BRIDGE_MAPPER_ACK_WAIT_S",
-    "pairing_hold_s": "AEP_BRIDGE_PAIRING_HOLD_S", "linger_ms": "AEP_BRIDGE_LINGER_MS", "linger_max_ms": "AEP_BRIDGE_LINGER_MAX_MS", "export_ack_wait_s": "AEP_BRIDGE_EXPORT_ACK_WAIT_S",
+    "pairing_hold_s": "AEP_BRIDGE_PAIRING_HOLD_S", "pairing_checkpoint_s": "AEP_BRIDGE_PAIRING_CHECKPOINT_S", "linger_ms": "AEP_BRIDGE_LINGER_MS", "linger_max_ms": "AEP_BRIDGE_LINGER_MAX_MS", "export_ack_wait_s": "AEP_BRIDGE_EXPORT_ACK_WAIT_S",
     "log_format": "AEP_BRIDGE_LOG_FORMAT", "log_level": "AEP_BRIDGE_LOG_LEVEL",
     "inbox_prefix": "AEP_BRIDGE_INBOX_PREFIX", "stream_replicas": "AEP_BRIDGE_STREAM_REPLICAS",
     "nats_leave_after_s": "AEP_BRIDGE_NATS_LEAVE_AFTER_S",
@@ -459,6 +460,9 @@ class Settings:
     #: start redelivered after a mapper crash comes one mapper ack_wait late) and how long a
     #: card stays open after its session ended (bridge.core.pairing.PairingConfig.hold_ns)
     pairing_hold_s: float = 45.0
+    #: pairing: seconds between a partition's timed checkpoints (also every CHECKPOINT_EVERY
+    #: messages): what a takeover replays at most; each encodes the partition's whole state
+    pairing_checkpoint_s: float = 10.0
     #: exporter: its durables' ack_wait: how long an event a replica took (and died holding)
     #: waits before it is delivered again; +WPI every third of it while a sink holds a batch
     export_ack_wait_s: float = 60.0

@@ -343,6 +343,7 @@ class PairingService(Service):
         self.lease_ttl_s = lease_ttl_s
         self.tick_s = tick_s or settings.tick_s
         self.pairing_config = PairingConfig(hold_ns=int(settings.pairing_hold_s * SECOND))
+        self.checkpoint_s = settings.pairing_checkpoint_s  # (AEP_BRIDGE_PAIRING_CHECKPOINT_S; CHECKPOINT_S by default)
         self.nc: Any = None
         self.js: Any = None
         self.leases: Any = None
@@ -593,7 +594,7 @@ class PairingService(Service):
         if part.since_checkpoint >= CHECKPOINT_EVERY:
             return True
         now = time.monotonic()
-        if not part.since_checkpoint or now - part.last_checkpoint <= CHECKPOINT_S or now < self._checkpoint_slot:
+        if not part.since_checkpoint or now - part.last_checkpoint <= self.checkpoint_s or now < self._checkpoint_slot:
             return False
         self._checkpoint_slot = now + CHECKPOINT_SPACING_S
         return True

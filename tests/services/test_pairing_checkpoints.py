@@ -18,6 +18,7 @@ checkpoints, hands the partition over and restores, on:
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 import zlib
 
@@ -262,3 +263,22 @@ def test_partitions_due_together_checkpoint_one_at_a_time_spread_over_the_interv
     assert svc.checkpoint_due(parts[3])
     clock[0] += P.CHECKPOINT_SPACING_S
     assert svc.checkpoint_due(parts[2])
+
+
+def test_the_timed_checkpoint_interval_is_a_setting(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """AEP_BRIDGE_PAIRING_CHECKPOINT_S sets how long after its last checkpoint a partition with
+    new messages checkpoints again (CHECKPOINT_S by default); CHECKPOINT_EVERY messages still
+    make it due at once."""
+    settings = Settings.from_env({"AEP_BRIDGE_CONFIG": os.devnull, "AEP_BRIDGE_PAIRING_CHECKPOINT_S": "30"})
+    svc = P.PairingService(settings, replica="interval", tick_s=3600)
+    clock = [1000.0]
+    monkeypatch.setattr(P.time, "monotonic", lambda: clock[0])
+    part = P.Partition(number=0, state=PairingState(partition=0))
+    part.since_checkpoint, part.last_checkpoint = 1, clock[0]
+    clock[0] += P.CHECKPOINT_S + 1
+    assert not svc.checkpoint_due(part), "not yet: 30 s"
+    clock[0] = 1000.0 + 31
+    assert svc.checkpoint_due(part)
+    part.since_checkpoint, part.last_checkpoint = P.CHECKPOINT_EVERY, clock[0]
+    assert svc.checkpoint_due(part), "CHECKPOINT_EVERY messages: at once"
+    assert P.PairingService(Settings(), replica="d", tick_s=3600).checkpoint_s == P.CHECKPOINT_S
