@@ -571,6 +571,16 @@ def _hedged_kv_class() -> type:
                 return await self._leader._get(key, revision)
             return await super()._get(key, revision)
 
+        async def get_recorded(self, key: str) -> Any:
+            """``get``, and when a replica's copy has no such key, the leader's (``leader``
+            only): a replica can lag behind a create the leader refused as already recorded."""
+            try:
+                return await self.get(key)
+            except nats.js.errors.KeyNotFoundError:
+                if self._leader is None:
+                    raise
+            return await self._leader.get(key)
+
     return HedgedKV
 
 

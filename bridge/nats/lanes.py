@@ -199,12 +199,21 @@ class KvLanes:
             if not lost_create(exc):
                 raise
             try:
-                entry = await self.facts.get(key)
+                entry = await self._read_recorded(key)
             except KeyNotFoundError:  # the first create is still being replicated (10164): asked again
                 raise exc from None
             owner = (entry.value or b"").decode("utf-8", "surrogatepass")
         self._remember_owner(session, owner)
         return owner
+
+    async def _read_recorded(self, key: str) -> Any:
+        """A fact a create was refused for (recorded already): a replica's copy can lag behind
+        the leader that refused it, so a miss there asks the leader where the bucket can
+        (`bridge.nats.follow.kv` with ``leader``: the mapper). Seen in a partition run
+        (2026-12-07 18:33): "wrong last sequence" and then "key not found", and the raw message
+        was retried as its own fault."""
+        get_recorded = getattr(self.facts, "get_recorded", None)
+        return await (get_recorded(key) if get_recorded is not None else self.facts.get(key))
 
     def _remember_owner(self, session: str, owner: str) -> None:
         self._owners[session] = owner
@@ -231,7 +240,7 @@ class KvLanes:
             owner = instance
         elif lost_create(error) and self.facts is not None:
             try:  # recorded first by another
-                entry = await self.facts.get(OWNER_PREFIX + lane_token(session))
+                entry = await self._read_recorded(OWNER_PREFIX + lane_token(session))
             except KeyNotFoundError:  # still being replicated (10164): retried, its fate is open
                 raise error from None
             owner = (entry.value or b"").decode("utf-8", "surrogatepass")

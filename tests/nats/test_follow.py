@@ -494,3 +494,52 @@ def test_the_stream_probe_counts_a_leader_cut_off_from_its_group_apart_from_the_
         assert f.stream is None and f.failing_since() is None, "refused: no more stream probes, no failure"
 
     asyncio.run(main())
+
+
+def test_a_recorded_fact_a_lagging_replica_misses_is_read_from_the_leader(nats_server):
+    """A create refused as "already recorded" (wrong last sequence) and then a direct get that
+    answers "not found" (a replica behind the leader that refused the create): the mapper's
+    lane-fact reads (`KvLanes`' read of a recorded fact, `follow.kv` with ``leader``) ask the
+    leader before calling it missing. Before, the raw message was retried as its own fault
+    (`retry`, counted toward max deliver; partition run 2026-12-07 18:33)."""
+    import nats as nats_py
+    from nats.js.api import KeyValueConfig
+    from nats.js.errors import KeyNotFoundError
+
+    from bridge.nats.lanes import KvLanes
+
+    async def run() -> tuple[bool, str, bool]:
+        nc = await nats_py.connect(nats_server.url)
+        try:
+            js = nc.jetstream(timeout=2)
+            await js.create_key_value(KeyValueConfig(bucket="lagging", direct=False))
+            await (await js.key_value("lagging")).put("o.sess", b"instance-a")
+
+            async def behind(msg: object) -> None:  # a replica that has not got the key yet
+                await nc.publish(msg.reply, b"", headers={"Status": "404", "Description": "Message Not Found"})  # type: ignore[attr-defined]
+
+            await nc.subscribe("$JS.API.DIRECT.GET.KV_lagging.>", cb=behind)
+            facts = await follow.kv(js, "lagging", leader=True)
+            facts._direct = True
+            try:
+                await facts.get("o.sess")
+                replica_missed = False
+            except KeyNotFoundError:
+                replica_missed = True
+            lanes = KvLanes(kv=None, facts=facts)
+            owner = (await lanes._read_recorded("o.sess")).value.decode()
+            direct_only = await follow.kv(js, "lagging")
+            direct_only._direct = True
+            try:
+                await KvLanes(kv=None, facts=direct_only)._read_recorded("o.sess")
+                still_missed = False
+            except KeyNotFoundError:
+                still_missed = True
+            return replica_missed, owner, still_missed
+        finally:
+            await nc.close()
+
+    replica_missed, owner, still_missed = asyncio.run(run())
+    assert replica_missed, "the replica's copy misses the key (the test's premise)"
+    assert owner == "instance-a", "read from the leader"
+    assert still_missed, "a bucket that may not ask the leader keeps the replica's answer"
