@@ -398,7 +398,8 @@ class Follower:
     def lead(self, stream: str) -> None:
         """Ask about ``stream``'s leader too, each probe (`probe_stream`): the stream the
         service cannot work without (the mapper's and the gate's HERMES_RAW, pairing's
-        BRIDGE_MAPPED, the exporter's and the relay's AEP_EVENTS). Its role must be allowed
+        BRIDGE_MAPPED, the relay's AEP_EVENTS, the exporter's AEP_EVENTS or, every sink
+        partitioned, AEP_EXPORT). Its role must be allowed
         ``$JS.API.STREAM.INFO.<stream>``."""
         self.stream = stream
 
