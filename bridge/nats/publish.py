@@ -141,7 +141,7 @@ class AckPublisher:
     @property
     def pending(self) -> int:
         """Publishes whose ack has not come (nor been given up on)."""
-        return sum(1 for f in self._futures.values() if not f.done())
+        return len(self.waiting())
 
     async def publish(self, subject: str, payload: bytes, headers: dict[str, str] | None = None) -> asyncio.Future:
         """Send one message; the returned future completes with its `Ack` or fails."""
