@@ -128,7 +128,12 @@ def test_fetched_messages_carry_their_metadata(nats_server) -> None:  # type: ig
         assert [m.metadata.sequence.stream for m in msgs] == [1, 2, 3, 4, 5]
         assert [m.metadata.sequence.consumer for m in msgs] == [1, 2, 3, 4, 5]
         assert all(m.metadata.num_delivered == 1 and m.metadata.stream == stream for m in msgs)
-        assert [m.metadata.num_pending for m in msgs] == [4, 3, 2, 1, 0]
+        # num_pending is the server's count when it sent each message, racy with the publishes'
+        # own accounting on a loaded machine (CI once: [3, 2, 1, 0, 0]): never more than what is
+        # left, never rising, and nothing left after the last.
+        pending = [m.metadata.num_pending for m in msgs]
+        assert all(p <= 4 - i for i, p in enumerate(pending)), pending
+        assert pending == sorted(pending, reverse=True) and pending[-1] == 0, pending
         now = time.time_ns()
         assert all(0 <= now - stored_ns(m) < 60e9 for m in msgs)
 
