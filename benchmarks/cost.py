@@ -202,6 +202,7 @@ def phase(url: str, rate: float, a: argparse.Namespace, work: Path, tag: str, pi
                                            *(["--idle"] if a.profile_idle else [])],
                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
     floor0, lag0 = acked(url, *counter)
+    stats0 = server_stats(url)
     t0 = time.monotonic()
     cpu0 = {k: cpu_s(v) for k, v in pids.items()}
     for pid in (cpu_profile or {}).values():
@@ -214,6 +215,7 @@ def phase(url: str, rate: float, a: argparse.Namespace, work: Path, tag: str, pi
     for pid in (cpu_profile or {}).values():
         os.kill(pid, signal.SIGUSR1)  # cpu_sampler: stop and write <role>-<pid>.txt
     floor1, lag = acked(url, *counter)
+    stats1 = server_stats(url)
     sent = fleet.sent - sent0
     rss = {k: rss_kb(v) for k, v in pids.items()}
     fleet.stop()
@@ -227,7 +229,37 @@ def phase(url: str, rate: float, a: argparse.Namespace, work: Path, tag: str, pi
     events = max(1, floor1 - floor0)
     return {"rate": rate, "events": events, "sent": sent, "dt": dt, "lag": lag, "lag0": lag0, "window": (unix0, unix0 + dt),
             "ms": {k: 1000 * (cpu1[k] - cpu0[k]) / events for k in pids},
-            "pct": {k: 100 * (cpu1[k] - cpu0[k]) / dt for k in pids}, "rss": rss}
+            "pct": {k: 100 * (cpu1[k] - cpu0[k]) / dt for k in pids}, "rss": rss,
+            "server": {k: (stats1[k] - stats0.get(k, 0)) / events for k in stats1} if stats0 and stats1 else {}}
+
+
+MONITORS: dict[str, str] = {}  # a nats-server's client URL -> its monitoring URL (--server-stats)
+
+
+def server_stats(url: str) -> dict[str, float]:
+    """The counters of the server at ``url`` (`--server-stats`): messages and bytes in and out
+    (/varz: every client and route), JetStream API calls, and each stream's messages (/jsz).
+    Empty without a monitoring port."""
+    base = MONITORS.get(url)
+    if base is None:
+        return {}
+    import json
+    import urllib.request
+
+    def get(path: str) -> dict[str, Any]:
+        with urllib.request.urlopen(base + path, timeout=5) as r:
+            return json.loads(r.read())  # type: ignore[no-any-return]
+
+    try:
+        varz, jsz = get("/varz"), get("/jsz?streams=true")
+    except Exception:
+        return {}
+    out = {k: float(varz.get(k, 0)) for k in ("in_msgs", "out_msgs", "in_bytes", "out_bytes")}
+    out["js api"] = float((jsz.get("api") or {}).get("total", 0))
+    for acc in jsz.get("account_details") or []:
+        for st in acc.get("stream_detail") or []:
+            out[f"stream {st['name']}"] = float((st.get("state") or {}).get("last_seq", 0))
+    return out
 
 
 def idle_phase(pids: dict[str, int], seconds: float, services: dict[str, int], profile: str | None,
@@ -347,6 +379,10 @@ def max_rate(name: str, url: str, a: argparse.Namespace, work: Path, tag: str, p
         print(f"  max-rate {name}: {rate:6.0f}/s offered, sent {r['sent'] / r['dt']:6.0f}/s, acked {r['events'] / r['dt']:6.0f}/s, "
               f"backlog {r['lag0']} -> {r['lag']}, e2e p99 {pct(lat, .99):.0f} ms: {'kept' if ok else 'NOT kept (' + why + ')'}",
               flush=True)
+        # where the two cores went (the stopped processes show ~0)
+        print("    % of a core: " + ", ".join(f"{k} {v:.0f}" for k, v in r["pct"].items() if v >= 0.5)
+              + f" (all {sum(r['pct'].values()):.0f}); ms per raw event: "
+              + ", ".join(f"{k} {v:.3f}" for k, v in r["ms"].items() if r["pct"][k] >= 0.5), flush=True)
         if not ok:
             break
         best = rate
@@ -385,6 +421,9 @@ def main() -> int:
     ap.add_argument("--top", type=int, default=15, help="frames printed per profile (default 15)")
     ap.add_argument("--service-env", action="append", default=[], metavar="KEY=VALUE",
                     help="added to the mapper's and pairing's environment, and the floor's (repeatable)")
+    ap.add_argument("--server-stats", action="store_true",
+                    help="each nats-server's messages, bytes and JetStream API calls per raw event in each window "
+                         "(its monitoring port, /varz and /jsz)")
     ap.add_argument("--keep", action="store_true", help="keep the work directory (logs)")
     ap.add_argument("--sse-worker", nargs=2, metavar=("URL", "N"), help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -412,8 +451,16 @@ def main() -> int:
           f"; work dir {work}", flush=True)
     from tests.support.tansu import Tansu
 
-    server = EmbeddedNats(work / "nats", log_file=logs / "nats.log").start()
-    bare_server = EmbeddedNats(work / "nats-bare", log_file=logs / "nats-bare.log").start() if not a.no_baseline else None
+    def monitored(store: str) -> EmbeddedNats:
+        if not a.server_stats:
+            return EmbeddedNats(work / store, log_file=logs / f"{store}.log").start()
+        http = free_port()
+        srv = EmbeddedNats(work / store, log_file=logs / f"{store}.log", extra_args=["-m", str(http)]).start()
+        MONITORS[srv.url] = f"http://127.0.0.1:{http}"
+        return srv
+
+    server = monitored("nats")
+    bare_server = monitored("nats-bare") if not a.no_baseline else None
     broker = Tansu(logs / "tansu.log").start()
     procs = Procs(logs)
     pipe = Pipeline(server.url, logs, env=env)
@@ -626,6 +673,13 @@ def report(results: dict[str, Any], a: argparse.Namespace, rates: list[float], n
         if len(bcost) > 1:
             print(f"flatness, {kind}: {bcost[0] / bcost[-1]:.2f} ({rates[0]:.0f}/s cost / {rates[-1]:.0f}/s cost"
                   + ("; at most 1.3, or the floor is not fair)" if kind == "floor" else ")"))
+    for label, runs in (("pipeline's", pipe), ("floor's", results["baseline"])):
+        keys = sorted({k for x in runs for k in x.get("server", {})})
+        if keys:
+            print(f"the {label} nats-server, per raw event (messages and bytes in and out, JetStream API calls, "
+                  f"each stream's new messages):")
+            for k in keys:
+                print(f"  {k:<26}" + "".join(f"{x['server'].get(k, float('nan')):>13.2f}" for x in runs))
     if results.get("idle"):
         idle = results["idle"]
         print(f"idle, no traffic for {a.idle:.0f} s, % of a core: " + ", ".join(f"{k} {v:.1f}" for k, v in idle.items())
