@@ -107,6 +107,9 @@ Invariants (`bridge.core.invariants.check_invariants` checks them over an output
 ---------------------------------------------------------------------
 * At most one AEP terminal per run: a later one becomes ``x.hermes.run.closed``
   (same id and seq; cause = the run's start when known), counted ``suppressed.run``.
+  So does a run's terminal released (its hold over) after its session ended and was
+  forgotten: the session's end closed every run still open, stating its totals, and the
+  run's calls went with the session, so the terminal could not restate them.
 * At most one ``session.ended`` per session across epochs and resumes: a later
   finalize (another event id) becomes ``x.hermes.session.finalized {reason}`` (same
   id and seq; cause = the first session.ended while the session is remembered),
@@ -1081,6 +1084,14 @@ class PairingState:
             if self._run_ended(s, _run(ev)):
                 self._count("suppressed.run")
                 return [self._as_run_closed(ev, None)]
+            if self._end_forgotten(lane, s):
+                # Its session ended and was forgotten: every run open at that end was closed then,
+                # its totals stated (the sweep's x.hermes.pairing.orphaned). This terminal cannot
+                # restate them (the run's calls are forgotten with the session): a run.finished
+                # here said 0 calls after the closure said N (the property test, CI 2026-12-07).
+                self._count("suppressed.run")
+                self._remember_run(s, _run(ev))
+                return [self._as_run_closed(ev, None)]
             self._remember_run(s, _run(ev))
         self._count(f"unmatched.{KINDS[kind]}")
         pair = _Pair(
@@ -1540,6 +1551,11 @@ class PairingState:
             return
         ring = s.runs + _digest8(run)
         s.runs = ring[-8 * self.config.run_memory :]
+
+    def _end_forgotten(self, lane: str, s: _Session) -> bool:
+        """The session of ``s`` ended and its state was forgotten (`_expire`, ``recent_ns`` after
+        the end) before ``s`` was made again: its end is in `_ended`, not in ``s``."""
+        return not s.ended and int.from_bytes(_digest8(lane), "big") in self._ended
 
     @staticmethod
     def _run_ended(s: _Session, run: str) -> bool:

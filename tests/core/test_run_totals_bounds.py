@@ -163,3 +163,31 @@ def test_a_long_runs_dedupe_does_not_scan_every_call_counted() -> None:
     assert PairingState.restore(state.snapshot()).snapshot() == state.snapshot()
     end = _end(_feed(state, [m.run_end("S", run=R)], start=n + 5))
     assert end.data["model_calls"] == n and end.data[INPUT] == n
+
+
+def test_a_run_end_after_its_ended_session_was_forgotten_restates_no_totals() -> None:
+    """Found by the property test in CI (2026-12-07): a session ends with a run still open (the
+    sweep closes it, `x.hermes.pairing.orphaned` stating its one call), the session is forgotten
+    ``recent_ns`` later, then the run's real terminal arrives. Pairing no longer knows the run's
+    calls, so that terminal must not state totals (it went out as a `run.finished` saying 0 calls,
+    after the closure had said 1: a consumer keeping a run's last statement lost the call). It
+    goes out as `x.hermes.run.closed`, as a terminal of a run already ended does."""
+    from bridge.core.invariants import check_invariants, check_usage
+    from bridge.core.pairing import HOUR, MINUTE
+    from tests.support.pairing import BASE_NS
+
+    m, state = Mk(), PairingState()
+    call = m.api_call(run=R, tokens=(7, 3, 0, 0, 0))
+    start = m.run_start(run=R)
+    late_end = m.run_end(run=R)  # sent before the session's end, delayed past it (a replica killed)
+    out = _feed(state, [m.started(), start, call, m.ended()])
+    closure = _end(out)
+    assert closure.type == "x.hermes.pairing.orphaned" and closure.data["model_calls"] == 1
+    pos = 10
+    out += state.tick(BASE_NS + 3 * MINUTE, pos)  # the ended session is forgotten (recent_ns)
+    assert state.metrics()["sessions"] == 0
+    out += state.process(*late_end, pos + 1)
+    out += state.tick(BASE_NS + 7 * HOUR, pos + 2)  # its hold expires: released
+    assert [e.type for e in out if e.id == late_end[0].id] == ["x.hermes.run.closed"]
+    assert check_usage(out).problems == []
+    assert check_invariants(out, complete=True, linked=False, stream_order=False) == []
