@@ -366,8 +366,14 @@ async def _start(start: Callable[[], Awaitable[Iterable[Loop]]], health: Health,
         stopped.cancel()
     health.nats_error = None
     if not task.done():
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+        # Cancelled again until it ends: nats-py's connect swallows a CancelledError that lands
+        # in its cleanup after a refused attempt (`Client._close` waiting for its reconnection
+        # task), and the connect loop then retries for ever (CI, 2026-12-07: a SIGTERM lost).
+        while not task.done():
+            task.cancel()
+            await asyncio.wait({task}, timeout=0.2)
+        if not task.cancelled():
+            task.exception()  # retrieved: it ended on its own meanwhile (or failed)
         return None
     return list(task.result())
 

@@ -358,3 +358,40 @@ def test_run_service_exits_2_in_one_line_for_a_setting(fresh_logging: None, caps
     assert lifecycle.run_service(probe) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("{")]
     assert err == ["aep-bridge: AEP_BRIDGE_PROBE: cannot (test)"], err
+
+
+def test_a_stop_while_starting_ends_the_start_even_when_a_cancellation_is_swallowed() -> None:
+    """nats-py's connect cleans up after a refused attempt in ``Client._close``, which waits for
+    its reconnection task and swallows a CancelledError there (nats-py 2.16, client.py ~829):
+    a SIGTERM cancelling the start at that moment was lost, the connect loop went on retrying and
+    the service never ended (CI, 2026-12-07: `aep-bridge exporter` against a closed NATS port
+    still running 15 s after SIGTERM). The start is cancelled again until it ends."""
+    stopper = Stopper()
+    attempts: list[str] = []
+
+    async def start() -> list[Loop]:
+        for _ in range(40):  # connect_service's loop (bounded here, so the old code ends too)
+            attempts.append("attempt")
+            try:
+                await asyncio.sleep(0.05)  # nats-py's cleanup after the refused attempt
+            except asyncio.CancelledError:
+                if "swallowed" in attempts:  # (a narrow window in nats-py: hit once here)
+                    raise
+                attempts.append("swallowed")  # as Client._close does
+            await asyncio.sleep(0.05)
+        return []
+
+    async def main() -> Any:
+        async def stop_in_a_cleanup() -> None:
+            while attempts[-1:] != ["attempt"] or len(attempts) < 2:
+                await asyncio.sleep(0.01)
+            stopper.trigger("SIGTERM")  # the start is inside its second attempt's cleanup
+
+        asyncio.get_running_loop().create_task(stop_in_a_cleanup())
+        return await lifecycle._start(start, Health("probe"), stopper, structlog.get_logger())
+
+    assert asyncio.run(main()) is None
+    assert "swallowed" in attempts, attempts
+    after = attempts[attempts.index("swallowed") + 1:]
+    # cancelled again within 0.2 s (two of these attempts at most), not left to retry 38 more times
+    assert after.count("attempt") <= 3, f"{after.count('attempt')} attempts after the stop"

@@ -155,7 +155,7 @@ class Background:
         if TRACEBACK in text:
             return f"a traceback:\n{text[-2000:]}"
         if not stopped:
-            return f"still running {STOP_S:.0f} s after SIGTERM"
+            return f"still running {STOP_S:.0f} s after SIGTERM:\n{text[-2000:]}"
         return None
 
 
