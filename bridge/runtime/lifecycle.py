@@ -366,9 +366,11 @@ async def _start(start: Callable[[], Awaitable[Iterable[Loop]]], health: Health,
         stopped.cancel()
     health.nats_error = None
     if not task.done():
-        # Cancelled again until it ends: nats-py's connect swallows a CancelledError that lands
-        # in its cleanup after a refused attempt (`Client._close` waiting for its reconnection
-        # task), and the connect loop then retries for ever (CI, 2026-12-07: a SIGTERM lost).
+        # Cancelled again until it ends: a cancel can be lost while connecting. Python 3.11's
+        # asyncio.wait_for (nats-py's transport connect) answers a cancel that comes as the
+        # connection is refused with the refusal (gh-86296, fixed in 3.12), and nats-py's
+        # `Client._close` swallows one; the connect loop then retried for ever (CI, 2026-12-07:
+        # the exporter still running 15 s after SIGTERM).
         while not task.done():
             task.cancel()
             await asyncio.wait({task}, timeout=0.2)

@@ -361,11 +361,12 @@ def test_run_service_exits_2_in_one_line_for_a_setting(fresh_logging: None, caps
 
 
 def test_a_stop_while_starting_ends_the_start_even_when_a_cancellation_is_swallowed() -> None:
-    """nats-py's connect cleans up after a refused attempt in ``Client._close``, which waits for
-    its reconnection task and swallows a CancelledError there (nats-py 2.16, client.py ~829):
-    a SIGTERM cancelling the start at that moment was lost, the connect loop went on retrying and
-    the service never ended (CI, 2026-12-07: `aep-bridge exporter` against a closed NATS port
-    still running 15 s after SIGTERM). The start is cancelled again until it ends."""
+    """A cancel can be lost while connecting: Python 3.11's asyncio.wait_for (nats-py's transport
+    connect) answers a cancel that comes as the connection is refused with the refusal
+    (gh-86296), and nats-py's ``Client._close`` swallows one (client.py ~829). The connect loop
+    then went on retrying and the service never ended (CI, 2026-12-07: `aep-bridge exporter`
+    against a closed NATS port still running 15 s after SIGTERM). The start is cancelled again
+    until it ends."""
     stopper = Stopper()
     attempts: list[str] = []
 
