@@ -878,7 +878,7 @@ class PairingService(Service):
         self.metrics.dead_letter(reason).inc()
         await self.js.publish(subj.dlq_subject(reason), letter.body, headers=letter.headers)
 
-    async def reader_consumer(self, feeds: dict[int, Feed]) -> Any:
+    async def reader_consumer(self, feeds: dict[int, Feed], made: list[Any] | None = None) -> Any:
         """An ephemeral consumer of the partitions of ``feeds``, from the message after the
         lowest of their ``last``: one consumer for all the partitions this replica reads.
 
@@ -899,7 +899,15 @@ class PairingService(Service):
             filter_subjects=None if one else [subj.mapped_filter(n) for n in sorted(feeds)],
             max_ack_pending=-1,
         )
+        if made is not None:
+            made.append(config)  # (nats-py sets ``config.name`` before it sends the create)
         return await self.js.pull_subscribe(config.filter_subject or subj.mapped_filter(min(feeds)), stream=S.BRIDGE_MAPPED, config=config)
+
+    async def delete_consumer_named(self, name: str) -> None:
+        """Delete the consumer ``name`` on BRIDGE_MAPPED, if it exists (errors ignored)."""
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(2):
+                await self.js.delete_consumer(S.BRIDGE_MAPPED, name)
 
     async def remove_consumer(self, sub: Any) -> None:
         """Unsubscribe, and delete the consumer rather than leave it to its inactive threshold
@@ -945,9 +953,10 @@ class PairingService(Service):
         try:
             while parts and not self.stopper.stopping and not self.nc.is_closed:
                 again = False  # a lost delivery or a partition fenced: a new consumer at once
+                made: list[Any] = []  # the consumer's config, named by nats-py before its create is sent
                 try:
                     feeds = {n: p.feed for n, p in parts.items() if p.feed is not None}
-                    sub = await self.reader_consumer(feeds)
+                    sub = await self.reader_consumer(feeds, made=made)
                     log.info("reader_started", partitions=sorted(feeds), from_position=min(f.last for f in feeds.values()),
                              catch_up=catch_up)
                     outcome = await self.read(sub, parts, pending, catch_up)
@@ -968,6 +977,11 @@ class PairingService(Service):
                     if sub is not None:
                         await self.remove_consumer(sub)
                         sub = None
+                    elif made and made[0].name:
+                        # Its create was sent but not answered in time, or this reader was
+                        # cancelled meanwhile: the server may have made it. Deleted by its name,
+                        # not left to its inactive threshold beside the next one (CI, 2026-12-07).
+                        await self.delete_consumer_named(made[0].name)
                 if not again and await self.stopper.sleep(0.5):
                     return
         finally:

@@ -219,7 +219,7 @@ def test_a_reader_that_cannot_read_says_so_and_hands_its_partitions_back(url: st
         svc = await service(url, "broken", partitions=2)
         create = svc.reader_consumer
 
-        async def refused(feeds: dict) -> Any:  # type: ignore[type-arg]
+        async def refused(feeds: dict, made: Any = None) -> Any:  # type: ignore[type-arg]
             raise nats.js.errors.APIError(code=503, description="no responders (the test)")
 
         try:
@@ -246,3 +246,37 @@ def test_a_reader_that_cannot_read_says_so_and_hands_its_partitions_back(url: st
             await stop(svc)
 
     asyncio.run(asyncio.wait_for(scenario(), BOUND_S))
+
+
+def test_a_consumer_created_but_unanswered_is_deleted_not_left_to_its_inactive_threshold(url: str) -> None:
+    """CI (2026-12-07, load): the create of the reader's consumer reached the server, which made
+    it, but its answer did not come in time (or the reader was cancelled meanwhile): the reader
+    had no subscription to remove, tried again, and the first consumer stayed until its 30 s
+    inactive threshold (two consumers on the same filter). The consumer's name is chosen by the
+    client (nats-py names ephemerals), so the reader deletes it by name."""
+    async def scenario() -> None:
+        nc = await nats.connect(url)
+        js = nc.jetstream()
+        svc = None
+        try:
+            svc = await service(url, "late-answer", partitions=2, lease_ttl_s=300)
+            real = svc.js.pull_subscribe
+            answered: list[Any] = []
+
+            async def unanswered(*args: Any, **kwargs: Any) -> Any:
+                sub = await real(*args, **kwargs)  # made on the server
+                if not answered:
+                    answered.append(sub)  # (its inbox left subscribed: the answer "lost")
+                    raise nats.errors.TimeoutError
+                return sub
+
+            svc.js.pull_subscribe = unanswered  # type: ignore[method-assign]
+            await svc.maintain()
+            await until(lambda: bool(answered) and svc.reader_error is not None)
+            await until(lambda: svc.reader_error is None)  # a new consumer, read from
+            assert await consumers_become(js, [["bridge.mapped.>"]]) == [["bridge.mapped.>"]]
+        finally:
+            await stop(svc)
+            await nc.close()
+
+    asyncio.run(asyncio.wait_for(scenario(), 90))
