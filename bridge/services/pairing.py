@@ -915,9 +915,7 @@ class PairingService(Service):
         behind each time."""
         with contextlib.suppress(Exception):
             await sub.unsubscribe()
-        with contextlib.suppress(Exception):
-            async with asyncio.timeout(2):
-                await self.js.delete_consumer(sub._stream, sub._consumer)
+        await self.delete_consumer_named(sub._consumer)  # (a reader's consumer is on BRIDGE_MAPPED)
 
     @staticmethod
     def dispatch(feeds: dict[int, Feed], msgs: list[Any]) -> None:
